@@ -1,0 +1,72 @@
+"""The contract between the HTTP transport (bloomery/http/server.py) and the handlers (bloomery/api/).
+
+The transport parses bytes into a Request and writes a Response or a
+StreamResponse back; handlers never see sockets. A handler raises ApiError for
+any failure a client should see; the transport turns it into llama-server's
+error object {"error": {"code", "message", "type"}}.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Awaitable, Callable
+
+
+@dataclass
+class Request:
+    method: str                         # "GET", "POST", ...
+    path: str                           # without the query string, e.g. "/v1/chat/completions"
+    query: dict[str, str]
+    headers: dict[str, str]             # lower-case names; repeated headers joined with ", "
+    body: bytes
+    peer: str = ""                      # client address, for logs and loopback checks
+
+    def json(self) -> object:
+        """The body as JSON, or ApiError 400 naming the problem."""
+        try:
+            return json.loads(self.body.decode("utf-8") if self.body else "")
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ApiError(400, f"Failed to parse the request body as JSON: {e}", "invalid_request_error") from None
+
+
+@dataclass
+class Response:
+    status: int
+    body: bytes = b""
+    headers: list[tuple[str, str]] = field(default_factory=list)
+
+    @classmethod
+    def json(cls, obj: object, status: int = 200, headers: list[tuple[str, str]] | None = None) -> "Response":
+        data = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        return cls(status, data, [("content-type", "application/json; charset=utf-8"), *(headers or [])])
+
+
+@dataclass
+class StreamResponse:
+    """A chunked response (SSE). The transport writes each chunk as it comes and
+    closes the iterator (aclose) when the client goes away, so the handler's
+    finally-block cancels the generation."""
+
+    status: int
+    chunks: AsyncIterator[bytes]
+    headers: list[tuple[str, str]] = field(default_factory=lambda: [("content-type", "text/event-stream")])
+
+
+class ApiError(Exception):
+    """A failure the client sees as llama-server's error object."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+
+    def body(self) -> dict:
+        err: dict = {"code": self.status, "message": self.message, "type": self.type}
+        if self.param is not None:
+            err["param"] = self.param
+        return {"error": err}
+
+
+Handler = Callable[[Request], Awaitable["Response | StreamResponse"]]

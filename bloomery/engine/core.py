@@ -1,0 +1,155 @@
+"""The engine: admit requests to slots, run the model, sample, finish.
+
+step() is one round: cancels, admissions (one model.prefill per new prompt, its
+first id sampled), then one batched model.decode over every other busy slot.
+Finishing follows llama-server's process_token: the context check (prompt ids +
+sampled ids reach n_ctx_slot -> "length"), then n_predict ("length"), then a stop
+id ("stop", reported in the same output, winning over the other two).
+
+add / cancel / slots / has_work may be called from another thread while step()
+runs: the bookkeeping sits behind a lock that is never held across a model call.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from bloomery.engine.sampler import Sampler, SamplerError
+from bloomery.engine.scheduler import Scheduler, Slot
+from bloomery.engine.types import EngineRequest, TokenOut
+
+
+@dataclass
+class _ReqState:
+    sampler: Sampler
+    stop_ids: frozenset[int]
+    prompt_ms: float = 0.0
+
+
+class Engine:
+    def __init__(self, model, n_slots: int, n_ctx_slot: int, max_queue: int | None = None):
+        self.model = model
+        self.n_vocab = int(model.n_vocab)
+        self.n_ctx_slot = n_ctx_slot
+        self.scheduler = Scheduler(n_slots, n_ctx_slot, max_queue)
+        self._lock = threading.Lock()
+        self._cancels: list[str] = []
+
+    # -- called from any thread ------------------------------------------------
+    def add(self, req: EngineRequest) -> None:
+        """Queue a request; raises SchedulerError (queue full, prompt too long, ...)."""
+        with self._lock:
+            self.scheduler.add(req)
+
+    def cancel(self, req_id: str) -> None:
+        with self._lock:
+            self._cancels.append(req_id)
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._cancels) or self.scheduler.has_work()
+
+    def slots(self) -> list[dict]:
+        with self._lock:
+            return self.scheduler.table()
+
+    def abort_all(self, message: str) -> list[TokenOut]:
+        """Finish every queued and running request with "error" (after a fault in step)."""
+        with self._lock:
+            outs = [TokenOut(r.req_id, None, "error", error=message) for r in self.scheduler.waiting]
+            for req in list(self.scheduler.waiting):
+                self.scheduler.cancel(req.req_id)
+            for slot in self.scheduler.busy():
+                outs.append(TokenOut(slot.req.req_id, None, "error", error=message))
+                self.scheduler.forget(slot)
+                self.scheduler.release(slot)
+            self._cancels.clear()
+            return outs
+
+    # -- the engine thread -----------------------------------------------------
+    def step(self) -> list[TokenOut]:
+        outs: list[TokenOut] = []
+        with self._lock:
+            cancels, self._cancels = self._cancels, []
+            for req_id in cancels:
+                if self.scheduler.cancel(req_id) is not False:
+                    outs.append(TokenOut(req_id, None, "cancel"))
+            decoding = [s for s in self.scheduler.busy() if s.next_id is not None]
+            admitted = self.scheduler.schedule()
+        for slot in admitted:
+            outs.append(self._prefill(slot))
+        if decoding:
+            outs.extend(self._decode(decoding))
+        return outs
+
+    def _prefill(self, slot: Slot) -> TokenOut:
+        req = slot.req
+        n_prompt, n_cached = len(req.prompt_ids), slot.n_cached
+        t0 = time.perf_counter()
+        try:
+            sampler = Sampler(req.sampling, self.n_vocab, self.n_ctx_slot, req.prompt_ids)
+            ids = np.asarray(req.prompt_ids[n_cached:], dtype=np.int32)          # [T]
+            logits = self.model.prefill(slot.id, ids, n_cached)                   # [V]
+        except Exception as e:   # one request's failure must not stop the others
+            return self._fail(slot, e, n_prompt, n_cached)
+        prompt_ms = (time.perf_counter() - t0) * 1000.0
+        with self._lock:
+            self.scheduler.prefilled(slot)
+        slot.state = _ReqState(sampler, frozenset(req.stop_ids), prompt_ms)
+        return self._sample(slot, logits, first=True)
+
+    def _decode(self, slots: list[Slot]) -> list[TokenOut]:
+        ids = np.array([s.next_id for s in slots], dtype=np.int32)               # [B]
+        positions = np.array([s.n_past for s in slots], dtype=np.int32)          # [B]
+        try:
+            logits = self.model.decode([s.id for s in slots], ids, positions)    # [B, V]
+            if np.shape(logits) != (len(slots), self.n_vocab):
+                raise ValueError(f"model.decode returned shape {np.shape(logits)}, "
+                                 f"expected ({len(slots)}, {self.n_vocab})")
+        except Exception as e:
+            if len(slots) == 1:
+                return [self._fail(slots[0], e)]
+            # the batch failed: run each slot alone so only the faulty request fails
+            return [out for s in slots for out in self._decode([s])]
+        outs = []
+        with self._lock:
+            for slot in slots:
+                self.scheduler.fed(slot)
+        for b, slot in enumerate(slots):
+            outs.append(self._sample(slot, logits[b], first=False))
+        return outs
+
+    def _sample(self, slot: Slot, logits: np.ndarray, first: bool) -> TokenOut:
+        req, st = slot.req, slot.state
+        n_prompt = len(req.prompt_ids)
+        try:
+            s = st.sampler.sample(logits)
+        except SamplerError as e:
+            return self._fail(slot, e, n_prompt, slot.n_cached if first else 0)
+        st.sampler.accept(s.token)
+        with self._lock:
+            self.scheduler.sampled(slot, s.token)
+            finish = None
+            if n_prompt + slot.n_decoded >= self.n_ctx_slot:
+                finish = "length"      # the slot is full: no position left for this id
+            if 0 <= req.n_predict <= slot.n_decoded:
+                finish = "length"
+            if s.token in st.stop_ids:
+                finish = "stop"
+            if finish is not None:
+                self.scheduler.release(slot)
+        return TokenOut(req.req_id, s.token, finish, logprob=s.logprob, top=s.top,
+                        n_prompt=n_prompt if first else 0,
+                        n_cached=slot.n_cached if first else 0,
+                        prompt_ms=st.prompt_ms if first else 0.0)
+
+    def _fail(self, slot: Slot, err: Exception, n_prompt: int = 0, n_cached: int = 0) -> TokenOut:
+        req_id = slot.req.req_id
+        with self._lock:
+            self.scheduler.forget(slot)
+            self.scheduler.release(slot)
+        message = f"{type(err).__name__}: {err}" if not isinstance(err, SamplerError) else str(err)
+        return TokenOut(req_id, None, "error", n_prompt=n_prompt, n_cached=n_cached, error=message)

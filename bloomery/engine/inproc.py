@@ -1,0 +1,96 @@
+"""EngineClient with the Engine in a worker thread of this process (tests, tools).
+
+The worker sleeps on a condition variable while the engine has nothing to do and
+runs engine.step() while it has; each TokenOut is handed to the asyncio loop of
+the request's generate() via call_soon_threadsafe, into that request's queue.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import AsyncIterator
+
+from bloomery.engine.core import Engine
+from bloomery.engine.types import EngineRequest, ModelInfo, TokenOut
+
+
+class InProcessEngineClient:
+    def __init__(self, engine: Engine, info: ModelInfo):
+        self.engine = engine
+        self.info = info
+        self._wake = threading.Condition()
+        self._routes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._routes_lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="bloomery-engine", daemon=True)
+        self._thread.start()
+
+    # -- EngineClient ------------------------------------------------------------
+    async def generate(self, req: EngineRequest) -> AsyncIterator[TokenOut]:
+        if self._closed:
+            raise RuntimeError("the in-process engine client is closed")
+        queue: asyncio.Queue[TokenOut] = asyncio.Queue()
+        with self._routes_lock:   # route first, so no output of this request can be missed
+            if req.req_id in self._routes:
+                raise ValueError(f"req_id {req.req_id!r} is already being generated")
+            self._routes[req.req_id] = (asyncio.get_running_loop(), queue)
+        try:
+            self.engine.add(req)
+        except Exception:
+            self._drop_route(req.req_id)
+            raise
+        self._notify()
+        finished = False
+        try:
+            while True:
+                out = await queue.get()
+                if out.finish is not None:
+                    finished = True
+                yield out
+                if finished:
+                    return
+        finally:
+            self._drop_route(req.req_id)
+            if not finished:   # the consumer left early (aclose, break, cancelled task)
+                self.engine.cancel(req.req_id)
+                self._notify()
+
+    def slots(self) -> list[dict]:
+        return self.engine.slots()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify_all()
+        self._thread.join(timeout_s)
+
+    # -- the worker thread ---------------------------------------------------------
+    def _notify(self) -> None:
+        with self._wake:
+            self._wake.notify_all()
+
+    def _drop_route(self, req_id: str) -> None:
+        with self._routes_lock:
+            self._routes.pop(req_id, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._closed and not self.engine.has_work():
+                    self._wake.wait()
+                if self._closed:
+                    return
+            try:
+                outs = self.engine.step()
+            except Exception as e:   # a fault in the engine itself: fail everything in flight
+                outs = self.engine.abort_all(f"engine step failed: {type(e).__name__}: {e}")
+            for out in outs:
+                with self._routes_lock:
+                    route = self._routes.get(out.req_id)
+                if route is None:
+                    continue   # its consumer already left
+                loop, queue = route
+                try:
+                    loop.call_soon_threadsafe(queue.put_nowait, out)
+                except RuntimeError:
+                    pass       # that loop is closed; nobody is listening

@@ -1,0 +1,177 @@
+"""Slots and the waiting queue: pure bookkeeping, no I/O, no model.
+
+A slot holds one request at a time and remembers which ids its KV region holds
+(`cached_ids`, in position order), so the next request can reuse a common prefix.
+Slot choice follows llama-server's get_available_slot: among free slots with
+cached ids, the one whose longest common prefix covers the largest fraction of
+the new prompt (above --slot-prompt-similarity, 0.1); otherwise the least
+recently used free slot (llama.cpp's `<=` makes the last of equals win).
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+from bloomery.engine.types import EngineRequest
+
+SLOT_PROMPT_SIMILARITY = 0.1   # llama-server's --slot-prompt-similarity default
+MAX_QUEUE_TOTAL = 64           # default max_queue is this minus n_slots
+
+
+class SchedulerError(ValueError):
+    """A request the scheduler refuses; the message names the field, value and bound."""
+
+
+class QueueFullError(SchedulerError):
+    pass
+
+
+def common_prefix_len(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+@dataclass
+class Slot:
+    id: int
+    n_ctx_slot: int
+    cached_ids: list[int] = field(default_factory=list)   # ids whose KV the slot holds, by position
+    req: EngineRequest | None = None
+    n_cached: int = 0            # prompt ids reused from cached_ids at admission
+    n_decoded: int = 0           # ids sampled for the current request
+    next_id: int | None = None   # sampled, not yet fed to the model
+    t_last_used: int = -1        # release counter, for LRU choice
+    state: object = None         # the engine's per-request state (its sampler, timings)
+
+    @property
+    def n_past(self) -> int:
+        """Positions of the slot's KV region that hold valid ids."""
+        return len(self.cached_ids)
+
+    @property
+    def is_processing(self) -> bool:
+        return self.req is not None
+
+
+class Scheduler:
+    def __init__(self, n_slots: int, n_ctx_slot: int, max_queue: int | None = None):
+        if n_slots < 1:
+            raise SchedulerError(f"n_slots must be >= 1 (got {n_slots})")
+        if n_ctx_slot < 2:
+            raise SchedulerError(f"n_ctx_slot must be >= 2 (got {n_ctx_slot})")
+        self.n_ctx_slot = n_ctx_slot
+        self.max_queue = max(MAX_QUEUE_TOTAL - n_slots, 0) if max_queue is None else max_queue
+        if self.max_queue < 0:
+            raise SchedulerError(f"max_queue must be >= 0 (got {self.max_queue})")
+        self.slots = [Slot(i, n_ctx_slot) for i in range(n_slots)]
+        self.waiting: collections.deque[EngineRequest] = collections.deque()
+        self._known: set[str] = set()   # req_ids queued or in a slot
+        self._n_released = 0
+
+    # -- requests in ---------------------------------------------------------
+    def add(self, req: EngineRequest) -> None:
+        n_prompt = len(req.prompt_ids)
+        if req.req_id in self._known:
+            raise SchedulerError(f"req_id {req.req_id!r} is already queued or running")
+        if n_prompt == 0:
+            raise SchedulerError("prompt_ids is empty: at least 1 id is needed to compute logits")
+        if n_prompt >= self.n_ctx_slot:
+            raise SchedulerError(
+                f"prompt of {n_prompt} ids does not fit a slot of n_ctx_slot={self.n_ctx_slot} "
+                f"(at most {self.n_ctx_slot - 1})")
+        n_free = sum(1 for s in self.slots if not s.is_processing)
+        if len(self.waiting) >= n_free + self.max_queue:
+            raise QueueFullError(
+                f"queue full: {len(self.waiting) - n_free} requests wait for a slot, "
+                f"max_queue={self.max_queue}")
+        self.waiting.append(req)
+        self._known.add(req.req_id)
+
+    def cancel(self, req_id: str) -> Slot | bool:
+        """Drop a request: True if it was waiting, its Slot (now free) if running,
+        False if unknown (already finished)."""
+        for req in self.waiting:
+            if req.req_id == req_id:
+                self.waiting.remove(req)
+                self._known.discard(req_id)
+                return True
+        for slot in self.slots:
+            if slot.req is not None and slot.req.req_id == req_id:
+                self.release(slot)
+                return slot
+        return False
+
+    # -- slots ---------------------------------------------------------------
+    def schedule(self) -> list[Slot]:
+        """Move waiting requests into free slots, FIFO. Each admitted slot's
+        cached_ids is cut to the reused prefix (n_cached); the engine must run
+        prompt_ids[n_cached:] from position n_cached."""
+        admitted = []
+        while self.waiting:
+            slot = self._pick_slot(self.waiting[0].prompt_ids)
+            if slot is None:
+                break
+            req = self.waiting.popleft()
+            n_cached = common_prefix_len(slot.cached_ids, req.prompt_ids) if req.cache_prompt else 0
+            if n_cached == len(req.prompt_ids):
+                n_cached -= 1   # evaluate at least one prompt id, so there are logits to sample
+            del slot.cached_ids[n_cached:]
+            slot.req, slot.n_cached, slot.n_decoded, slot.next_id = req, n_cached, 0, None
+            admitted.append(slot)
+        return admitted
+
+    def _pick_slot(self, prompt_ids: tuple[int, ...]) -> Slot | None:
+        free = [s for s in self.slots if not s.is_processing]
+        best, best_sim = None, 0.0
+        for slot in free:
+            if not slot.cached_ids:
+                continue
+            sim = common_prefix_len(slot.cached_ids, prompt_ids) / len(prompt_ids)
+            if sim > best_sim and sim > SLOT_PROMPT_SIMILARITY:
+                best, best_sim = slot, sim
+        if best is not None:
+            return best
+        lru = None
+        for slot in free:
+            if lru is None or slot.t_last_used <= lru.t_last_used:
+                lru = slot
+        return lru
+
+    def prefilled(self, slot: Slot) -> None:
+        """The model now holds the whole prompt in the slot."""
+        slot.cached_ids[:] = slot.req.prompt_ids
+
+    def sampled(self, slot: Slot, token: int) -> None:
+        slot.n_decoded += 1
+        slot.next_id = token
+
+    def fed(self, slot: Slot) -> None:
+        """The pending id went through model.decode at position n_past."""
+        slot.cached_ids.append(slot.next_id)
+        slot.next_id = None
+
+    def release(self, slot: Slot) -> None:
+        """The request is done; the slot keeps its cached ids for prefix reuse."""
+        if slot.req is not None:
+            self._known.discard(slot.req.req_id)
+        self._n_released += 1
+        slot.req, slot.next_id, slot.state = None, None, None
+        slot.t_last_used = self._n_released
+
+    def forget(self, slot: Slot) -> None:
+        """The slot's KV is not trustworthy (a model error): reuse nothing from it."""
+        slot.cached_ids.clear()
+
+    # -- views ---------------------------------------------------------------
+    def busy(self) -> list[Slot]:
+        return [s for s in self.slots if s.is_processing]
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(s.is_processing for s in self.slots)
+
+    def table(self) -> list[dict]:
+        return [{"id": s.id, "n_ctx": s.n_ctx_slot, "is_processing": s.is_processing,
+                 "id_task": s.req.req_id if s.req is not None else -1} for s in self.slots]

@@ -1,0 +1,155 @@
+"""HttpServer: our HTTP/1.1 server on h11 and asyncio (the supervisor runs it on uvloop's loop).
+
+    server = HttpServer(app.dispatch, precheck=app.precheck, log=log)
+    serving = asyncio.create_task(server.serve(sock))   # returns once close() is called
+    ...
+    server.close(); await server.wait_closed()           # in-flight answers finish, up to drain_timeout_s
+
+One task per connection (connection.py); an idle keep-alive connection is a
+task parked on a read. Past max_connections a new connection gets 503 at once.
+The log hook is called as log(event, level=..., **kv) (level: "error" for handler
+bugs, "warning", else left out = info), e.g. functools.partial(record, phase).
+
+What handlers see: HEAD arrives as GET (the transport drops the body); a body
+sent with Content-Encoding gzip/deflate arrives decoded (that header removed);
+precheck(request-without-body) runs before 100 Continue and before any body
+byte is read, and a Response from it is the answer. A client that closes its
+sending side while a request is answered counts as gone (as llama-server's
+connection check does): the dispatch or stream is cancelled.
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Awaitable, Callable
+
+from .connection import LINGER_S, Connection
+from .types import Request, Response, StreamResponse
+from .wire import error_response, raw_response
+
+Dispatch = Callable[[Request], Awaitable["Response | StreamResponse"]]
+Precheck = Callable[[Request], "Response | None | Awaitable[Response | None]"]
+
+
+class HttpServer:
+    def __init__(self, dispatch: Dispatch, *, max_body_bytes: int = 64 << 20, max_header_bytes: int = 64 << 10,
+                 header_timeout_s: float = 30, idle_timeout_s: float = 60, body_timeout_s: float = 60,
+                 write_timeout_s: float = 60, max_connections: int = 1024, drain_timeout_s: float = 30,
+                 precheck: Precheck | None = None, server_header: str = "llama.cpp",
+                 log: Callable[..., None] | None = None):
+        for name, value in (("max_body_bytes", max_body_bytes), ("max_header_bytes", max_header_bytes),
+                            ("header_timeout_s", header_timeout_s), ("idle_timeout_s", idle_timeout_s),
+                            ("body_timeout_s", body_timeout_s), ("write_timeout_s", write_timeout_s),
+                            ("max_connections", max_connections), ("drain_timeout_s", drain_timeout_s)):
+            if not value > 0:
+                raise ValueError(f"HttpServer {name}={value!r}: it must be above 0")
+        self.dispatch = dispatch
+        self.precheck = precheck
+        self.max_body_bytes = max_body_bytes
+        self.max_header_bytes = max_header_bytes
+        self.header_timeout_s = header_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        # body_timeout_s bounds the silence between body reads, not the whole upload (64 MiB on a slow link)
+        self.body_timeout_s = body_timeout_s
+        self.write_timeout_s = write_timeout_s
+        self.max_connections = max_connections
+        self.drain_timeout_s = drain_timeout_s
+        self.server_header = server_header
+        self._log = log
+        self.closing = False
+        self._conns: set[Connection] = set()
+        self._tasks: set[asyncio.Task] = set()
+        self._server: asyncio.base_events.Server | None = None
+        self._closed: asyncio.Event | None = None
+
+    @property
+    def n_open(self) -> int:
+        """Open connections, the refused ones still closing included."""
+        return len(self._tasks)
+
+    def log(self, event: str, **kv) -> None:
+        if self._log is not None:
+            try:
+                self._log(event, **kv)
+            except Exception:   # a broken log sink must not take a connection down
+                pass
+
+    async def serve(self, sock: socket.socket) -> None:
+        """Accept on an already-bound socket (listen() is called if it was not) until close()."""
+        if self._server is not None:
+            raise RuntimeError("HttpServer.serve() was already called; one server serves one socket")
+        self._closed = asyncio.Event()
+        sock.setblocking(False)
+        self._server = await asyncio.start_server(self._accept, sock=sock, backlog=min(self.max_connections, 4096),
+                                                  limit=1 << 16)
+        if self.closing:  # close() came while starting
+            self._server.close()
+        await self._closed.wait()
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._tasks.add(task)
+        try:
+            if len(self._tasks) > self.max_connections or self.closing:
+                await self._refuse(reader, writer)
+                return
+            conn = Connection(self, reader, writer)
+            self._conns.add(conn)
+            try:
+                await conn.run()
+            finally:
+                self._conns.discard(conn)
+        except asyncio.CancelledError:
+            writer.close()
+            raise
+        except Exception as e:   # a transport bug: this connection ends, the server keeps serving
+            self.log("http connection error", level="error", error=repr(e), exc_info=e)
+            writer.close()
+        finally:
+            self._tasks.discard(task)
+
+    async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.closing:
+            response = error_response(503, "Server is shutting down", "unavailable_error")
+        else:
+            response = error_response(503, f"Too many open connections: the bound is max_connections="
+                                           f"{self.max_connections}", "unavailable_error", [("retry-after", "1")])
+            self.log("http connection refused", n_open=len(self._tasks) - 1, max_connections=self.max_connections)
+        try:
+            async with asyncio.timeout(LINGER_S):
+                writer.write(raw_response(response, server_header=self.server_header))
+                await writer.drain()
+                if writer.can_write_eof():
+                    writer.write_eof()
+                while await reader.read(1 << 16):   # discard the request so the close is not a reset
+                    pass
+        except (TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    def close(self) -> None:
+        """Stop accepting; idle keep-alive connections close now, busy ones after their answer."""
+        self.closing = True
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self._conns):
+            if conn.idle and conn.task is not None:
+                conn.task.cancel()
+        if self._closed is not None:
+            self._closed.set()
+
+    async def wait_closed(self) -> None:
+        """Wait for in-flight answers up to drain_timeout_s, then cancel what is left (streams are aclose()d)."""
+        if not self.closing:
+            raise RuntimeError("HttpServer.wait_closed() before close()")
+        tasks = set(self._tasks)
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=self.drain_timeout_s)
+            for task in pending:
+                task.cancel()
+            if pending:
+                self.log("http drain timeout", n_cancelled=len(pending), drain_timeout_s=self.drain_timeout_s)
+                await asyncio.wait(pending)
+        if self._server is not None:
+            await self._server.wait_closed()

@@ -1,0 +1,140 @@
+"""engine stage: load the weights, send READY, then run the engine loop over ZeroMQ.
+
+Threads (vLLM v1's shape):
+- input thread: the DEALER socket -> a queue (Generate, Cancel, SlotsQuery, Shutdown);
+- busy loop (main thread): drain the queue (add / cancel), engine.step(), one
+  Tokens message per step on PUSH; while idle it blocks on the queue (no spin)
+  and checks that the supervisor is still its parent.
+A fault in step() fails every request in flight, then sends Dead: the
+supervisor answers 500 to them and exits 70.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+
+import zmq
+
+from bloomery import records
+from bloomery.engine.types import ModelInfo, TokenOut
+from bloomery.messages import engine as em
+from bloomery.messages import stage as sm
+from bloomery.messages.codec import MessageError
+from bloomery.stages.common import parent_alive, run_stage
+
+IDLE_WAIT_S = 0.5
+ENGINE_ID = b"engine"
+
+
+def _input_thread(ctx: zmq.Context, req_addr: str, inbox: queue.Queue, stop: threading.Event) -> None:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, ENGINE_ID)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(req_addr)
+    sock.send(em.encode(em.Hello(os.getpid())))     # the ROUTER learns our id before READY
+    try:
+        while not stop.is_set():
+            if not sock.poll(200):
+                continue
+            data = sock.recv()
+            try:
+                inbox.put(em.decode_to_engine(data))
+            except MessageError as e:   # a front bug: say so, keep serving the others
+                records.record("serve", "message refused", component="engine", level="error", error=str(e))
+    finally:
+        sock.close()
+
+
+def model_info(args: dict, facts: dict, model) -> ModelInfo:
+    name = args.get("alias") or facts.get("general_name") or Path(args["model_file"]).stem
+    return ModelInfo(name=name, arch=str(model.arch), n_ctx=facts["n_ctx"], n_ctx_slot=facts["n_ctx_slot"],
+                     n_slots=facts["n_slots"], n_vocab=int(model.n_vocab), n_ctx_train=int(model.n_ctx_train),
+                     backend=facts["backend"], model_path=args["model_file"],
+                     n_params=int(getattr(model, "n_params", 0)), size_bytes=os.path.getsize(args["model_file"]))
+
+
+def serve(engine, inbox: queue.Queue, push: zmq.Socket, ppid: int) -> str:
+    """The busy loop; returns why it ended."""
+    last_slots = None
+    while True:
+        msgs = []
+        if not engine.has_work():     # idle: sleep on the queue, not a spin
+            try:
+                msgs.append(inbox.get(timeout=IDLE_WAIT_S))
+            except queue.Empty:
+                pass
+        while True:
+            try:
+                msgs.append(inbox.get_nowait())
+            except queue.Empty:
+                break
+        for msg in msgs:
+            if isinstance(msg, em.Generate):
+                try:
+                    engine.add(msg.req)
+                except Exception as e:   # refused by the scheduler: that request ends with its reason
+                    push.send(em.encode(em.Tokens((TokenOut(msg.req.req_id, None, "error", error=str(e)),))))
+            elif isinstance(msg, em.Cancel):
+                engine.cancel(msg.req_id)
+            elif isinstance(msg, em.SlotsQuery):
+                push.send(em.encode(em.SlotsReply(msg.query_id, tuple(engine.slots()))))
+            elif isinstance(msg, em.Shutdown):
+                return f"shutdown: {msg.reason}"
+        if not parent_alive(ppid):
+            return "the supervisor is gone"
+        if not engine.has_work():
+            continue
+        try:
+            outs = engine.step()
+        except Exception as e:
+            reason = f"engine step failed: {type(e).__name__}: {e}"
+            push.send(em.encode(em.Tokens(tuple(engine.abort_all(reason)))))
+            raise
+        if outs:
+            push.send(em.encode(em.Tokens(tuple(outs))))
+        slots = engine.slots()
+        if slots != last_slots:      # /slots reads the latest table without a round trip
+            push.send(em.encode(em.SlotsReply("", tuple(slots))))
+            last_slots = slots
+
+
+def main(args: dict) -> int:
+    from bloomery.engine.core import Engine
+    from bloomery.engine.loader import load_model
+
+    ppid = os.getppid()
+    facts = args["facts"]
+    ctx = zmq.Context.instance()
+    inbox: queue.Queue = queue.Queue()
+    stop = threading.Event()
+    reader = threading.Thread(target=_input_thread, args=(ctx, args["req_addr"], inbox, stop), daemon=True)
+    reader.start()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 2000)
+    push.connect(args["out_addr"])
+
+    t0 = time.monotonic()
+    records.record("load", "loading weights", component="engine", backend=facts["backend"],
+                   slots=facts["n_slots"], n_ctx_slot=facts["n_ctx_slot"])
+    model = load_model(args["model_file"], backend=facts["backend"], n_slots=facts["n_slots"],
+                       n_ctx_slot=facts["n_ctx_slot"])
+    engine = Engine(model, facts["n_slots"], facts["n_ctx_slot"])
+    info = model_info(args, facts, model)
+    load_s = round(time.monotonic() - t0, 3)
+    records.record("load", "model loaded", component="engine", load_s=load_s, n_params=info.n_params)
+    records.send(sm.Ready(info, {"load_s": load_s, "pid": os.getpid()}))
+    try:
+        why = serve(engine, inbox, push, ppid)
+    finally:
+        stop.set()
+        reader.join(2)
+    records.record("stopped", "engine loop ended", component="engine", why=why)
+    push.close(linger=1000)
+    return 0
+
+
+if __name__ == "__main__":
+    run_stage("engine", main)

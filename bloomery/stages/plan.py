@@ -1,0 +1,106 @@
+"""plan stage: GGUF header + census -> the Plan (no weight is read).
+
+Opens the header through bloomery.gguf_file (a truncated or corrupt file is
+refused by name here), checks the seat against the file's architecture, takes
+the census, picks the backend and computes the plan through bloomery.plan.
+Sends PlanDone with the plan records (the supervisor prints them; --plan stops
+after them) and the facts the engine stage needs.
+"""
+from __future__ import annotations
+
+from bloomery import records
+from bloomery.messages import stage as sm
+from bloomery.settings import SEATS
+from bloomery.stages.common import StageRefusal, run_stage
+
+MAX_AUTO_SLOTS = 8
+
+
+def choose_backend(device: str, card_free_bytes: tuple[int, ...]) -> tuple[str, str]:
+    """(backend, why) for --device cpu|cuda|auto."""
+    if device == "cpu":
+        return "numpy", "--device cpu"
+    if device == "cuda":
+        if not card_free_bytes:
+            raise StageRefusal("--device cuda: CuPy sees no card (install bloomery[cuda12] or use --device cpu)")
+        return "cuda", "--device cuda"
+    if card_free_bytes:
+        return "cuda", f"auto: CuPy sees {len(card_free_bytes)} card(s)"
+    return "numpy", "auto: no card seen through CuPy"
+
+
+def check_seat(seat: str | None, arch: str, path: str) -> str:
+    if arch not in SEATS:
+        raise StageRefusal(f"model file {path}: architecture {arch!r} has no seat here (seats: {', '.join(SEATS)})")
+    if seat is not None and seat != arch:
+        raise StageRefusal(f"--model {seat}: the file {path} is {arch!r}; the {seat} seat does not serve it "
+                           f"(use --model {arch} or leave --model out)")
+    return arch
+
+
+def check_ngl(ngl: str | None, n_layer: int) -> None:
+    if ngl is None or ngl in ("all", "auto") or int(ngl) < 0 or int(ngl) >= n_layer + 1:
+        return
+    raise StageRefusal(f"-ngl {ngl}: a count below the file's layers + 1 ({n_layer + 1}) is refused; "
+                       f"every layer runs on the device (use all, auto or a count >= {n_layer + 1})")
+
+
+def make(args: dict, gf, census):
+    """The Plan for these settings (PlanError / StageRefusal name what does not fit)."""
+    from bloomery.plan import PlanError, make_plan, model_facts
+
+    facts = model_facts(gf)
+    check_ngl(args.get("ngl"), facts.n_layer)
+    backend, why = choose_backend(args.get("device", "auto"), census.card_free_bytes)
+    ctx = args.get("ctx_size") or 0
+    slot_ctx = args.get("slot_ctx") or 0
+    try:
+        if args.get("parallel", 1) != "auto":
+            return make_plan(facts, census, backend, ctx, int(args.get("parallel", 1)), slot_ctx), why, "set"
+        one = make_plan(facts, census, backend, 0, 1, slot_ctx)     # one request's context first
+        for n in range(MAX_AUTO_SLOTS, 0, -1):
+            try:
+                return make_plan(facts, census, backend, 0, n, one.n_ctx_slot), why, "auto"
+            except PlanError:
+                continue
+        return one, why, "auto"
+    except PlanError as e:
+        raise StageRefusal(str(e)) from None
+
+
+def main(args: dict) -> int:
+    from bloomery.census import take_census
+    from bloomery.gguf_file import GGUFError, open_gguf
+
+    path = args["model_file"]
+    try:
+        gf = open_gguf(path)
+    except GGUFError as e:
+        raise StageRefusal(str(e)) from None
+    try:
+        arch = check_seat(args.get("seat"), gf.arch(), path)
+        census = take_census()
+        plan, backend_why, parallel_from = make(args, gf, census)
+        name = gf.get("general.name")
+    finally:
+        gf.close()
+    recs = []
+    for message, kv in plan.records():
+        if message == "plan":
+            kv = {**kv, "backend_from": backend_why}
+        if message == "parallel":
+            kv = {**kv, "from": parallel_from}
+        recs.append(sm.Record("plan", "plan", message, {k: _scalar(v) for k, v in kv.items()}))
+    facts = {"n_ctx": plan.n_ctx, "n_ctx_slot": plan.n_ctx_slot, "n_slots": plan.n_slots, "backend": plan.backend,
+             "arch": arch, "n_ctx_train": plan.n_ctx_train, "ctx_rule": plan.ctx_rule,
+             "general_name": name if isinstance(name, str) else None, "weights_bytes": plan.weights_bytes}
+    records.send(sm.PlanDone(tuple(recs), facts))
+    return 0
+
+
+def _scalar(v):
+    return v if v is None or isinstance(v, (str, int, float, bool)) else str(v)
+
+
+if __name__ == "__main__":
+    run_stage("plan", main)

@@ -1,0 +1,201 @@
+"""The flag table: spellings, precedence (7.2), --config rules (7.1), refusals by name."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bloomery import settings as S
+from bloomery.settings import SettingsError, parse
+
+M = ["-m", "model.gguf"]
+
+
+def refused(argv, env=None, match=""):
+    with pytest.raises(SettingsError, match=match) as ei:
+        parse(argv, env or {})
+    return str(ei.value)
+
+
+def cfg(tmp_path, obj, name="c.json"):
+    p = tmp_path / name
+    p.write_text(obj if isinstance(obj, str) else json.dumps(obj))
+    return str(p)
+
+
+def test_defaults():
+    s = parse(M, {})
+    assert (s.host, s.port, s.parallel, s.ctx_size, s.n_predict, s.device) == ("127.0.0.1", 8080, 1, None, -1, "auto")
+    assert s.api_keys == () and s.jinja and not s.plan
+
+
+@pytest.mark.parametrize("argv,field,value", [
+    (["-c", "4096"], "ctx_size", 4096), (["--ctx-size=2048"], "ctx_size", 2048), (["--ctx", "512"], "ctx_size", 512),
+    (["-np", "3"], "parallel", 3), (["--parallel", "auto"], "parallel", "auto"), (["-a", "coder"], "alias", "coder"),
+    (["--port", "0"], "port", 0), (["-n", "-1"], "n_predict", -1), (["--predict", "7"], "n_predict", 7),
+    (["--device", "cpu"], "device", "cpu"), (["--model", "qwen2"], "seat", "qwen2"), (["--plan"], "plan", True),
+    (["-ngl", "99"], "ngl", "99"), (["-ngl", "all"], "ngl", "all"),
+])
+def test_spellings(argv, field, value):
+    assert getattr(parse(M + argv, {}), field) == value
+
+
+def test_model_file_long_and_env():
+    assert parse(["--model-file", "a.gguf"], {}).model_file == "a.gguf"
+    assert parse([], {"LLAMA_ARG_MODEL": "b.gguf"}).model_file == "b.gguf"
+    refused([], {}, "no model")
+
+
+def test_precedence_command_line_over_config_over_env(tmp_path):
+    c = cfg(tmp_path, {"ctx-size": 2048, "port": 9000, "alias": "from-file"})
+    env = {"LLAMA_ARG_CTX_SIZE": "1024", "LLAMA_ARG_PORT": "7000", "LLAMA_ARG_HOST": "0.0.0.0",
+           "LLAMA_ARG_ALIAS": "from-env"}
+    s = parse(M + ["--config", c, "-c", "4096"], env)
+    assert s.ctx_size == 4096 and s.sources["ctx_size"] == "command line"
+    assert s.port == 9000 and s.sources["port"].startswith("config")
+    assert s.host == "0.0.0.0" and s.sources["host"] == "LLAMA_ARG_HOST"
+    assert s.alias == "from-file"
+    replaced = [kv for msg, kv in s.notes if msg == "setting replaced"]
+    assert {"entry": "LLAMA_ARG_CTX_SIZE", "by": "-c"} in replaced
+    assert any(kv["entry"] == "--config key 'ctx-size'" for kv in replaced)
+
+
+def test_api_keys_add_and_command_line_replaces_config_list(tmp_path):
+    kf = tmp_path / "keys"
+    kf.write_text("# comment\n\nk-file\n")
+    c = cfg(tmp_path, {"api-key": ["c1", "c2"]})
+    s = parse(M + ["--config", c, "--api-key", 'k1,"k,2"', "--api-key-file", str(kf)], {"LLAMA_API_KEY": "k-env"})
+    assert set(s.api_keys) == {"k1", "k,2", "k-file", "k-env"}       # config's list replaced by --api-key
+    s = parse(M + ["--config", c], {"LLAMA_API_KEY": "k-env"})
+    assert set(s.api_keys) == {"c1", "c2", "k-env"}
+
+
+def test_no_note_prints_a_key(tmp_path):
+    s = parse(M + ["--api-key", "sekrit-1"], {"LLAMA_API_KEY": "sekrit-2"})
+    assert "sekrit" not in repr(s.notes) and "sekrit" not in repr(s.redacted())
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["-c", "1", "--ctx-size", "2"], "given twice"),
+    (["--slots", "--no-slots"], "given twice"),
+    (["-c", "big"], "--ctx-size takes an integer, got 'big'"),
+    (["--port", "70000"], "--port 70000: must be in 0 .. 65535"),
+    (["-np", "0"], "--parallel 0"),
+    (["--temp", "nan"], "finite"),
+    (["--frobnicate"], "unknown flag '--frobnicate'"),
+    (["stray"], "a value with no flag"),
+    (["-c"], "-c needs a value"),
+    (["--plan=yes"], "switch and takes no value"),
+    (["--model", "llama"], "--model takes one of qwen2, qwen3, qwen3moe"),
+    (["--model", "/x.gguf"], "-m/--model-file"),
+    (["--device", "tpu"], "--device takes one of cpu, cuda, auto"),
+    (["-hf", "org/repo"], "-hf is refused"),
+    (["-dev", "CUDA0"], "-dev is refused"),
+    (["-sm", "row"], "--split-mode takes one of layer, none, got 'row'"),
+    (["--lora", "a.gguf"], "--lora is refused"),
+    (["--mmproj", "x"], "--mmproj is refused"),
+    (["--embeddings"], "--embeddings is refused"),
+    (["--grammar", "root ::= x"], "--grammar is refused"),
+    (["--slot-ctx", "1024", "-c", "4096"], "--slot-ctx beside --ctx-size"),
+    (["-np", "auto", "-c", "4096"], "--parallel auto beside --ctx-size"),
+    (["--api-key", ""], "empty API key"),
+    (["--api-key", "a,,b"], "empty API key"),
+    (["-n", "-2"], "--n-predict -2"),
+    (["-ngl", "lots"], "-ngl 'lots'"),
+    (["--chat-template-file", "/nonexistent/t.jinja"], "cannot read"),
+    (["--api-key-file", "/nonexistent/keys"], "cannot read"),
+    (["--seed", "-5"], "--seed -5"),
+])
+def test_refusals_name_the_problem(argv, match):
+    refused(M + argv, {}, match)
+
+
+@pytest.mark.parametrize("env,match", [
+    ({"LLAMA_ARG_SPLIT_MODE": "row"}, "LLAMA_ARG_SPLIT_MODE"),
+    ({"LLAMA_ARG_DEVICE": "CUDA0"}, "LLAMA_ARG_DEVICE is refused"),
+    ({"LLAMA_ARG_CTX_SIZE": "lots"}, "LLAMA_ARG_CTX_SIZE: --ctx-size takes an integer"),
+    ({"LLAMA_API_KEY": ""}, "empty API key"),
+    ({"LLAMA_ARG_EMBEDDINGS": "maybe"}, "LLAMA_ARG_EMBEDDINGS='maybe'"),
+    ({"LLAMA_ARG_EMBEDDINGS": "1"}, "LLAMA_ARG_EMBEDDINGS is refused"),
+])
+def test_env_refusals_name_the_variable(env, match):
+    refused(M, env, match)
+
+
+def test_noop_flags_are_read_and_recorded():
+    s = parse(M + ["-t", "4", "-b", "512", "-fa", "on", "--no-mmap", "--metrics", "--no-webui", "-cb",
+                   "--no-warmup", "-v", "--kv-unified", "--context-shift", "--cache-reuse", "256", "--no-jinja"], {})
+    flags = [kv["flag"] for msg, kv in s.notes if msg == "flag read, no effect here"]
+    assert flags == ["-t", "-b", "-fa", "--no-mmap", "--metrics", "--no-webui", "-cb", "--no-warmup", "-v",
+                     "--kv-unified", "--context-shift", "--cache-reuse", "--no-jinja"]
+    assert s.jinja
+    refused(M + ["-t", "x"], {}, "--threads takes an integer")
+
+
+def test_unknown_llama_variable_gets_a_line():
+    s = parse(M, {"LLAMA_ARG_SOMETHING_NEW": "1", "LLAMA_ARG_THREADS": "8", "PATH": "/bin"})
+    assert ("env variable not read by bloomery", {"variable": "LLAMA_ARG_SOMETHING_NEW"}) in s.notes
+    assert any(kv.get("flag") == "LLAMA_ARG_THREADS" for _, kv in s.notes)
+
+
+def test_sampling_defaults_are_kept():
+    s = parse(M + ["--temp", "0", "--seed", "42", "--top-k", "10"], {})
+    assert s.sampling_defaults == {"temperature": 0.0, "seed": 42, "top_k": 10}
+
+
+def test_config_file_values(tmp_path):
+    c = cfg(tmp_path, {"model-file": "rel/model.gguf", "ctx-size": "8192", "parallel": 2, "host": "0.0.0.0",
+                       "metrics": True, "no-webui": True})
+    s = parse(["--config", c], {})
+    assert s.model_file.endswith("/rel/model.gguf") and s.model_file.startswith("/")
+    assert (s.ctx_size, s.parallel, s.host) == (8192, 2, "0.0.0.0")
+    read = [kv for msg, kv in s.notes if msg == "config entry read"]
+    assert {"key": "ctx-size", "as": "--ctx-size", "value": 8192} in read
+    assert {"key": "model-file", "as": "--model-file", "value": "set"} in read
+
+
+@pytest.mark.parametrize("obj,match", [
+    ("[1, 2]", "must be one JSON object"),
+    ("{nope", "not JSON"),
+    ('{"ctx-size": 1, "ctx-size": 2}', "named twice"),
+    ({"--ctx-size": 1}, "without their dashes"),
+    ({"plan": True}, "asks the start to do something"),
+    ({"config": "x.json"}, "asks the start to do something"),
+    ({"help": True}, "asks the start to do something"),
+    ({"ctx_size": 1}, "no such flag"),
+    ({"c": 1}, "no such flag"),
+    ({"metrics": False}, "is no value"),
+    ({"alias": None}, "is no value"),
+    ({"alias": {"a": 1}}, "is no value"),
+    ({"api-key": []}, "empty list"),
+    ({"metrics": "yes"}, "is a switch"),
+    ({"ctx-size": True}, "takes a value"),
+    ({"ctx-size": [1, 2]}, "taken once"),
+    ({"ctx-size": 1.5}, "takes int"),
+    ({"hf-repo": "a/b"}, "is refused"),
+])
+def test_config_refusals(tmp_path, obj, match):
+    refused(["-m", "x", "--config", cfg(tmp_path, obj)], {}, match)
+
+
+def test_config_twice_and_missing(tmp_path):
+    c = cfg(tmp_path, {})
+    refused(M + ["--config", c, "--config", c], {}, "--config is given twice")
+    refused(M + ["--config", str(tmp_path / "none.json")], {}, "cannot read")
+
+
+def test_help_prints_the_table():
+    text = S.help_text()
+    for f in S.TABLE:
+        assert f.long in text
+    assert "LLAMA_ARG_CTX_SIZE" in text and "-np" in text
+    assert parse(["--help"], {}).help and parse(["-h"], {}).help   # no model needed
+
+
+def test_every_row_is_consistent():
+    envs = [f.env for f in S.TABLE if f.env]
+    assert len(envs) == len(set(envs)), "an env variable names two flags"
+    for f in S.TABLE:
+        assert f.action in ("set", "noop", "refuse") and f.help
+        assert f.type in ("str", "int", "float", "switch", "keys", "choice", "int_or_auto", "path")
+        assert not f.choices or f.type == "choice"

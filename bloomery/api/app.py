@@ -1,0 +1,112 @@
+"""The route table and what every handler shares: tokenizer, template, engine client, model facts.
+
+`App.dispatch` never raises: a handler's ApiError becomes llama-server's error
+object, and anything else a 500 that names it, so the transport only writes.
+"""
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+import uuid
+from typing import Awaitable, Callable
+
+from bloomery.api import chat, completion, props, tokenize
+from bloomery.api.generate import Generation
+from bloomery.api.params import GenParams
+from bloomery.engine.types import ModelInfo
+from bloomery.http.types import ApiError, Request, Response, StreamResponse
+
+
+class ExceedContextError(ApiError):
+    """llama-server's exceed_context_size_error, which carries the counts beside the message."""
+
+    def __init__(self, n_prompt: int, n_ctx: int):
+        super().__init__(400, f"request ({n_prompt} tokens) exceeds the available context size ({n_ctx} tokens), "
+                              f"try increasing it", "exceed_context_size_error")
+        self.n_prompt, self.n_ctx = n_prompt, n_ctx
+
+    def body(self) -> dict:
+        out = super().body()
+        out["error"].update(n_prompt_tokens=self.n_prompt, n_ctx=self.n_ctx)
+        return out
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+Route = Callable[["App", Request], Awaitable["Response | StreamResponse"]]
+ROUTES: dict[tuple[str, str], Route] = {}
+for _path in ("/health", "/v1/health"):
+    ROUTES["GET", _path] = props.handle_health
+for _path in ("/v1/models", "/models"):
+    ROUTES["GET", _path] = props.handle_models
+ROUTES["GET", "/props"] = props.handle_props
+ROUTES["POST", "/tokenize"] = tokenize.handle_tokenize
+ROUTES["POST", "/detokenize"] = tokenize.handle_detokenize
+ROUTES["POST", "/apply-template"] = chat.handle_apply_template
+for _path in ("/completion", "/completions"):
+    ROUTES["POST", _path] = completion.handle_completion
+ROUTES["POST", "/v1/completions"] = completion.handle_v1_completions
+for _path in ("/v1/chat/completions", "/chat/completions"):
+    ROUTES["POST", _path] = chat.handle_chat
+
+
+class App:
+    def __init__(self, tokenizer, template, client, info: ModelInfo, *, n_predict_default: int = -1,
+                 alias: str | None = None, model_meta: dict | None = None, endpoint_slots: bool = True,
+                 endpoint_metrics: bool = False, log: Callable[[str], None] = _stderr):
+        self.tok = tokenizer
+        self.template = template
+        self.client = client
+        self.info = info
+        self.n_predict_default = n_predict_default
+        self.model_name = alias or info.name
+        self.model_meta = model_meta or {}          # n_embd, vocab_type, ftype: GGUF facts ModelInfo lacks
+        self.endpoint_slots = endpoint_slots
+        self.endpoint_metrics = endpoint_metrics
+        self.log = log
+        self.created = int(time.time())
+        self.media_marker = f"<__media_{uuid.uuid4().hex}__>"
+        self._task_ids = itertools.count()
+
+    async def dispatch(self, req: Request) -> Response | StreamResponse:
+        handler = ROUTES.get((req.method.upper(), req.path))
+        if handler is None:
+            err = ApiError(404, f"File Not Found: {req.method} {req.path}", "not_found_error")
+            return Response.json(err.body(), status=404)
+        try:
+            return await handler(self, req)
+        except ApiError as e:
+            return Response.json(e.body(), status=e.status)
+        except Exception as e:   # a bug of ours still answers llama-server's error object
+            err = ApiError(500, f"internal error in {req.method} {req.path}: {type(e).__name__}: {e}", "server_error")
+            return Response.json(err.body(), status=500)
+
+    # --- what the route modules share ---
+
+    def gen_defaults(self) -> dict:
+        return {"n_predict_default": self.n_predict_default, "n_vocab": self.tok.n_vocab,
+                "eog_ids": frozenset(self.tok.eog_ids)}
+
+    def slot_id(self) -> int:
+        # TokenOut does not say which slot ran the request; with one slot it can only be slot 0
+        return 0 if self.info.n_slots == 1 else -1
+
+    def sse_headers(self) -> list[tuple[str, str]]:
+        return [("content-type", "text/event-stream"), ("x-accel-buffering", "no")]
+
+    def encode_chat(self, rendered) -> list[int]:
+        from bloomery.chat_template import encode_segments   # the chat-template module owns the guard
+        return list(encode_segments(self.tok, rendered.segments, add_special=True))
+
+    def start(self, path: str, prompt_ids: list[int], params: GenParams) -> Generation:
+        """A generation ready to run; refuses a prompt the slot cannot hold before anything reaches the engine."""
+        n_ctx = self.info.n_ctx_slot
+        if len(prompt_ids) >= n_ctx:
+            raise ExceedContextError(len(prompt_ids), n_ctx)
+        task_id = next(self._task_ids)
+        return Generation(tok=self.tok, client=self.client, req_id=f"cmpl-{task_id}-{uuid.uuid4().hex[:8]}",
+                          task_id=task_id, path=path, prompt_ids=prompt_ids, params=params,
+                          n_ctx_slot=n_ctx, log=self.log)

@@ -1,0 +1,181 @@
+"""One generation request through the engine: ids in, text pieces and a summary out.
+
+Shared by /completion, /v1/completions and /v1/chat/completions, which differ
+only in the shapes they write. The engine iterator is closed (which cancels the
+request in the engine) when a stop string ends the text, when the front's own
+n_predict bound is reached, or when the consumer stops iterating (the client left).
+"""
+from __future__ import annotations
+
+import time
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+from bloomery.api.params import GenParams
+from bloomery.api.stops import TextAssembler
+from bloomery.engine.types import EngineRequest, TokenOut
+from bloomery.http.types import ApiError
+
+# llama-server's stop_type -> the reason word of the request log line (serving guide 8.2)
+LOG_REASON = {"eos": "eos", "word": "stop", "limit": "length", "none": "stop", "cancel": "cancel", "error": "error"}
+
+
+@dataclass
+class Piece:
+    """Text that became safe to send, and the ids generated since the last piece."""
+
+    text: str
+    ids: list[int]
+    probs: list[dict]
+
+
+@dataclass
+class Outcome:
+    n_prompt: int = 0
+    n_cached: int = 0
+    ids: list[int] = field(default_factory=list)       # every generated id, stop ids included
+    probs: list[dict] = field(default_factory=list)    # completion_probabilities entries
+    content: str = ""
+    stop_type: str = "none"                             # none, eos, limit, word (llama-server's words)
+    stopping_word: str = ""
+    prompt_ms: float = 0.0
+    predicted_ms: float = 0.0
+    cancelled: bool = False
+
+    @property
+    def n_gen(self) -> int:
+        return len(self.ids)
+
+    @property
+    def finish_reason(self) -> str:
+        return "stop" if self.stop_type in ("eos", "word") else "length"
+
+    @property
+    def n_past(self) -> int:
+        """Positions the slot holds after the request (llama-server's tokens_cached)."""
+        return self.n_prompt + max(self.n_gen - 1, 0)
+
+    def timings(self) -> dict:
+        n_prompt_done = self.n_prompt - self.n_cached
+        n_steps = max(self.n_gen - 1, 0)      # the first id comes from the prompt pass, as llama-server counts
+        return {
+            "cache_n": self.n_cached,
+            "prompt_n": n_prompt_done,
+            "prompt_ms": self.prompt_ms,
+            "prompt_per_token_ms": self.prompt_ms / n_prompt_done if n_prompt_done else 0.0,
+            "prompt_per_second": 1e3 / self.prompt_ms * n_prompt_done if self.prompt_ms > 0 else 0.0,
+            "predicted_n": self.n_gen,
+            "predicted_ms": self.predicted_ms,
+            "predicted_per_token_ms": self.predicted_ms / n_steps if n_steps else 0.0,
+            "predicted_per_second": 1e3 / self.predicted_ms * n_steps if self.predicted_ms > 0 else 0.0,
+        }
+
+
+def prob_entry(tok, token_id: int, logprob: float, top) -> dict:
+    def one(i: int, lp: float) -> dict:
+        b = tok.token_to_piece(i, special=False)
+        return {"id": i, "token": b.decode("utf-8", errors="replace"), "bytes": list(b), "logprob": lp}
+    entry = one(token_id, logprob)
+    entry["top_logprobs"] = [one(p.token, p.logprob) for p in top]
+    return entry
+
+
+class Generation:
+    """Runs one EngineRequest; iterate `pieces()`, then read `outcome`."""
+
+    def __init__(self, *, tok, client, req_id: str, task_id: int, path: str, prompt_ids: list[int],
+                 params: GenParams, n_ctx_slot: int, log: Callable[[str], None]):
+        self.tok, self.client, self.params = tok, client, params
+        self.req_id, self.task_id, self.path = req_id, task_id, path
+        self.prompt_ids = prompt_ids
+        self.n_ctx_slot = n_ctx_slot
+        self.log = log
+        self.outcome = Outcome(n_prompt=len(prompt_ids))
+        self._text = TextAssembler(params.stop)
+
+    async def pieces(self) -> AsyncIterator[Piece]:
+        out = self.outcome
+        p = self.params
+        if not self.prompt_ids:   # llama-server answers an empty prompt with an empty result, no engine work
+            self._log("stop")
+            return
+        stop_ids = () if p.ignore_eos else tuple(sorted(self.tok.eog_ids))
+        req = EngineRequest(self.req_id, tuple(self.prompt_ids), p.n_predict, p.sampling, stop_ids, p.cache_prompt)
+        t_first: float | None = None
+        pending_ids: list[int] = []
+        pending_probs: list[dict] = []
+        finished = False
+        reason = "cancel"
+        stream = self.client.generate(req)
+        try:
+            async for o in stream:
+                o: TokenOut
+                now = time.perf_counter()
+                if t_first is None:
+                    t_first = now
+                    out.n_prompt = o.n_prompt or out.n_prompt
+                    out.n_cached, out.prompt_ms = o.n_cached, o.prompt_ms
+                if o.finish == "error":
+                    reason = "error"
+                    raise ApiError(500, f"generation failed: {o.error or 'unknown engine error'}", "server_error")
+                text = ""
+                if o.token is not None and not (p.n_predict >= 0 and out.n_gen >= p.n_predict):
+                    out.ids.append(o.token)
+                    pending_ids.append(o.token)
+                    if p.n_probs > 0 and o.logprob is not None:
+                        entry = prob_entry(self.tok, o.token, o.logprob, o.top)
+                        out.probs.append(entry)
+                        pending_probs.append(entry)
+                    out.predicted_ms = (now - t_first) * 1e3
+                    if o.finish == "stop":
+                        out.stop_type = "eos"      # a stop id ends the text and is never rendered
+                    else:
+                        text = self._text.feed(self.tok.token_to_piece(o.token, special=False))
+                        if self._text.stopping_word:
+                            out.stop_type, out.stopping_word = "word", self._text.stopping_word
+                if out.stop_type == "none" and (o.finish == "length" or (p.n_predict >= 0 and out.n_gen >= p.n_predict)):
+                    out.stop_type = "limit"
+                if o.finish == "cancel" and out.stop_type == "none":
+                    reason, out.cancelled = "cancel", True
+                done = out.stop_type != "none" or o.finish is not None
+                if done:
+                    text += self._text.finish()
+                if text or (done and (pending_ids or text)):
+                    yield Piece(text, pending_ids, pending_probs)
+                    pending_ids, pending_probs = [], []
+                if done:
+                    finished = True
+                    reason = LOG_REASON["cancel" if out.cancelled else out.stop_type]
+                    break
+        except ApiError:
+            raise
+        except Exception as e:   # the engine client failed (queue full, engine gone): the client sees why
+            reason = "error"
+            raise ApiError(500, f"generation failed: {type(e).__name__}: {e}", "server_error") from None
+        finally:
+            # leaving early (stop string, our bound, the client gone) cancels the request in the engine
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+            out.content = self._text.text
+            if not finished and reason == "cancel":
+                out.cancelled = True
+            self._log(reason)
+
+    def _log(self, reason: str) -> None:
+        out = self.outcome
+        n_done = out.n_prompt - out.n_cached
+        p_s = out.prompt_ms / 1e3
+        g_s = out.predicted_ms / 1e3
+        p_rate = n_done / p_s if p_s > 0 else 0.0
+        g_rate = max(out.n_gen - 1, 0) / g_s if g_s > 0 else 0.0
+        self.log(f"bloomery-serve: request {self.task_id} {self.path}: prompt {out.n_prompt} ids "
+                 f"({out.n_cached} reused) in {p_s:.3f} s, {p_rate:.1f} ids/s; generated {out.n_gen} ids "
+                 f"in {g_s:.3f} s, {g_rate:.1f} ids/s; stop {reason}; ctx {out.n_past}/{self.n_ctx_slot}")
+
+    async def run(self) -> Outcome:
+        async with aclosing(self.pieces()) as pieces:
+            async for _ in pieces:
+                pass
+        return self.outcome

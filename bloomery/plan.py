@@ -1,0 +1,277 @@
+"""Plan arithmetic: bytes by ggml type, KV, slots, scratch, host and card need.
+
+Pure functions, no I/O: the header facts come from an already-open GGUFFile and
+the census is passed in. Context rules follow the serving guide, section 3:
+  - no ctx_size: each slot asks the model's trained limit ("target"); if that plan
+    does not fit, the largest multiple of 1024 under it, down to 4096, that fits
+    ("fitted");
+  - ctx_size C with n_parallel N: N slots sharing C, as llama-server's -np N
+    without -kvu, which pads C up to 256 and each slot's C/N up to 256 ("set");
+    a set context is never cut: one that does not fit is a PlanError naming every
+    term and the largest context that fits;
+  - slot_ctx S: N slots of S each ("set"); beside ctx_size it is refused;
+  - n_parallel "auto": the most slots, up to 8, whose plan holds one request's
+    context (slot_ctx, else the trained limit); one slot where that had to be fitted.
+Byte terms: weights as stored (+ a float32 copy if NUMPY_KEEPS_F32_COPY), KV for
+every slot (float32 on numpy, f16 on cuda; the same K+V count llama.cpp allocates),
+scratch for one N_UBATCH prompt pass, then the host reserve or the card margin.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+MIB = 1024 * 1024
+# The numpy backend keeps the quantized blocks and dequantizes per matmul; set this
+# True if it ever caches a float32 copy of each matrix (then 4 bytes per weight count).
+NUMPY_KEEPS_F32_COPY = False
+KV_BYTES_PER_ELEM = {"numpy": 4, "cuda": 2}     # numpy: float32 KV; cuda: f16 KV
+N_UBATCH = 512                                   # positions in one prompt pass (scratch sizing)
+CARD_MARGIN_BYTES = 1024 * MIB                   # kept free on the card (llama-server's -fitt default)
+HOST_RESERVE_BYTES = 256 * MIB                   # interpreter, tokenizer tables, sockets beside the plan
+CTX_PAD = 256                                    # llama.cpp pads n_ctx and each slot's share to 256
+FIT_STEP, FIT_FLOOR = 1024, 4096                 # the fitted rule's grid and its floor
+
+
+class PlanError(Exception):
+    """A plan that cannot be made; the message names the setting, every term and the bound."""
+
+
+@dataclass(frozen=True)
+class Census:
+    host_avail_bytes: int
+    card_free_bytes: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    arch: str
+    n_layer: int
+    n_ctx_train: int
+    n_embd: int
+    n_head: int
+    n_head_kv: tuple[int, ...]      # one per layer (GGUF may store a scalar or a per-layer array)
+    head_dim_k: int
+    head_dim_v: int
+    n_ff: int                       # dense FFN width, or n_ff_exp * n_expert_used for MoE
+    n_vocab: int
+    tensor_bytes: dict[str, int]    # ggml type name -> bytes in the file
+    n_weights: int                  # elements of every tensor
+
+
+def _pad(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def _int_key(meta: dict, key: str, default=None, allow_list: bool = False):
+    v = meta.get(key, default)
+    ok = isinstance(v, int) and not isinstance(v, bool) and v >= 1
+    if allow_list and isinstance(v, list):
+        ok = bool(v) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
+    if not ok:
+        got = "missing" if v is None else repr(v if not isinstance(v, list) else v[:8])
+        raise PlanError(f"model key {key} is {got}; it must be a positive integer")
+    return v
+
+
+def model_facts(gguf_file) -> ModelFacts:
+    """The facts a plan needs, from an open GGUFFile's header (no tensor data read)."""
+    meta = gguf_file.metadata
+    arch = gguf_file.arch()
+    n_layer = _int_key(meta, f"{arch}.block_count")
+    n_embd = _int_key(meta, f"{arch}.embedding_length")
+    n_head = _int_key(meta, f"{arch}.attention.head_count")
+    kv = _int_key(meta, f"{arch}.attention.head_count_kv", n_head, allow_list=True)
+    n_head_kv = tuple(kv) if isinstance(kv, list) else (kv,) * n_layer
+    if len(n_head_kv) != n_layer:
+        raise PlanError(f"model key {arch}.attention.head_count_kv has {len(n_head_kv)} entries, "
+                        f"{arch}.block_count is {n_layer}")
+    if n_embd % n_head and (f"{arch}.attention.key_length" not in meta):
+        raise PlanError(f"{arch}.embedding_length {n_embd} is not a multiple of head_count {n_head} "
+                        f"and {arch}.attention.key_length is missing")
+    dk = _int_key(meta, f"{arch}.attention.key_length", n_embd // n_head)
+    dv = _int_key(meta, f"{arch}.attention.value_length", n_embd // n_head)
+    n_expert = meta.get(f"{arch}.expert_count", 0) or 0
+    if n_expert:
+        n_ff = (_int_key(meta, f"{arch}.expert_feed_forward_length")
+                * _int_key(meta, f"{arch}.expert_used_count"))
+    else:
+        n_ff = _int_key(meta, f"{arch}.feed_forward_length")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    n_vocab = len(tokens) if isinstance(tokens, list) else _int_key(meta, f"{arch}.vocab_size")
+    by_type: dict[str, int] = {}
+    n_weights = 0
+    for t in gguf_file.tensors.values():
+        by_type[t.type_name] = by_type.get(t.type_name, 0) + t.n_bytes
+        n = 1
+        for d in t.shape:
+            n *= d
+        n_weights += n
+    return ModelFacts(arch, n_layer, _int_key(meta, f"{arch}.context_length"), n_embd, n_head,
+                      n_head_kv, dk, dv, n_ff, n_vocab, dict(sorted(by_type.items())), n_weights)
+
+
+def kv_bytes_for(facts: ModelFacts, n_ctx: int, bytes_per_elem: int) -> int:
+    """K and V for n_ctx positions (all slots together) over every layer."""
+    per_pos = sum(h * (facts.head_dim_k + facts.head_dim_v) for h in facts.n_head_kv)
+    return n_ctx * per_pos * bytes_per_elem
+
+
+def scratch_bytes_for(facts: ModelFacts, n_ctx_slot: int) -> int:
+    """float32 activations of one N_UBATCH prompt pass: hidden, q/k/v, FFN, scores, logits."""
+    kv_width = 2 * max(facts.n_head_kv) * facts.head_dim_k
+    per_row = (4 * facts.n_embd + kv_width + 3 * facts.n_ff
+               + facts.n_head * n_ctx_slot + facts.n_vocab)
+    return 4 * N_UBATCH * per_row
+
+
+@dataclass(frozen=True)
+class Plan:
+    backend: str
+    arch: str
+    n_ctx: int                      # total positions, every slot together
+    n_ctx_slot: int
+    n_slots: int
+    ctx_rule: str                   # "set", "target" or "fitted"
+    n_ctx_train: int
+    tensor_bytes: dict[str, int]    # ggml type name -> bytes
+    weights_bytes: int              # what the backend keeps of the weights
+    kv_bytes: int
+    scratch_bytes: int
+    host_bytes: int
+    card_bytes: tuple[int, ...]     # per card in the census (0 for a card the plan leaves off)
+    terms: dict[str, int] = field(default_factory=dict)
+    parallel_from: str = "set"      # "set" (a count, default 1) or "auto"
+
+    def records(self) -> list[tuple[str, dict]]:
+        plan = {"backend": self.backend, "arch": self.arch, "weights_bytes": self.weights_bytes,
+                **{f"{k}_bytes": v for k, v in self.tensor_bytes.items()},
+                "kv_bytes": self.kv_bytes, "scratch_bytes": self.scratch_bytes,
+                "host_bytes": self.host_bytes, "cards": list(self.card_bytes)}
+        ctx = {"n_ctx_slot": self.n_ctx_slot, "n_ctx": self.n_ctx, "rule": self.ctx_rule,
+               "n_ctx_train": self.n_ctx_train}
+        return [("plan", plan), ("ctx", ctx), ("parallel", {"slots": self.n_slots, "from": self.parallel_from}),
+                ("need", {"bytes": self.host_bytes, "cards": list(self.card_bytes)})]
+
+
+def _weights_bytes(facts: ModelFacts, backend: str) -> int:
+    total = sum(facts.tensor_bytes.values())
+    if backend == "numpy" and NUMPY_KEEPS_F32_COPY:
+        total += 4 * facts.n_weights
+    return total
+
+
+def _terms(facts: ModelFacts, backend: str, n_slots: int, n_ctx_slot: int) -> dict[str, int]:
+    return {"weights": _weights_bytes(facts, backend),
+            "kv": kv_bytes_for(facts, n_slots * n_ctx_slot, KV_BYTES_PER_ELEM[backend]),
+            "scratch": scratch_bytes_for(facts, n_ctx_slot)}
+
+
+def _shortfall(facts, backend, census, n_slots, n_ctx_slot) -> str | None:
+    """None when the plan fits; else the sentence naming what it needs and what is there."""
+    t = _terms(facts, backend, n_slots, n_ctx_slot)
+    need = t["weights"] + t["kv"] + t["scratch"]
+    terms = f"weights {t['weights']} + kv {t['kv']} + scratch {t['scratch']}"
+    if backend == "numpy":
+        host = need + HOST_RESERVE_BYTES
+        if host > census.host_avail_bytes:
+            return (f"host needs {host} bytes ({terms} + reserve {HOST_RESERVE_BYTES}), "
+                    f"{census.host_avail_bytes} available")
+        return None
+    card = max(range(len(census.card_free_bytes)), key=lambda i: census.card_free_bytes[i])
+    free = census.card_free_bytes[card]
+    if need + CARD_MARGIN_BYTES > free:
+        return (f"card {card} needs {need + CARD_MARGIN_BYTES} bytes ({terms} + margin "
+                f"{CARD_MARGIN_BYTES}), {free} free")
+    if HOST_RESERVE_BYTES > census.host_avail_bytes:
+        return f"host needs {HOST_RESERVE_BYTES} bytes (reserve), {census.host_avail_bytes} available"
+    return None
+
+
+def _largest_slot(facts, backend, census, n_slots, hi: int, step: int) -> int:
+    """The largest multiple of `step` <= hi whose plan fits (0 if none); the need grows with it."""
+    lo, hi = 0, hi // step
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _shortfall(facts, backend, census, n_slots, mid * step) is None:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * step
+
+
+MAX_AUTO_SLOTS = 8                               # --parallel auto: the most slots it counts
+
+
+def _check_settings(facts, census, backend, ctx_size, n_parallel, slot_ctx) -> None:
+    if backend not in KV_BYTES_PER_ELEM:
+        raise PlanError(f"backend {backend!r} is not one of {sorted(KV_BYTES_PER_ELEM)}")
+    if backend == "cuda" and not census.card_free_bytes:
+        raise PlanError("backend 'cuda' needs a card, and the census lists none")
+    if n_parallel == "auto":
+        if ctx_size:
+            raise PlanError(f"--parallel auto beside --ctx-size {ctx_size} is refused: auto counts "
+                            f"slots of one request's context (--slot-ctx)")
+    elif not isinstance(n_parallel, int) or isinstance(n_parallel, bool) or n_parallel < 1:
+        raise PlanError(f"--parallel {n_parallel!r} must be an integer >= 1 or 'auto'")
+    for name, v in (("--ctx-size", ctx_size), ("--slot-ctx", slot_ctx)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise PlanError(f"{name} {v!r} must be an integer >= 0 (0: the model's trained limit)")
+    if ctx_size and slot_ctx:
+        raise PlanError(f"--slot-ctx {slot_ctx} beside --ctx-size {ctx_size} is refused: one names "
+                        f"the total, the other a slot's share")
+
+
+def _choose_ctx(facts, census, backend, n: int, ctx_size: int, slot_ctx: int) -> tuple[int, str]:
+    """(n_ctx_slot, rule) for n slots, or a PlanError naming every term."""
+    if ctx_size or slot_ctx:
+        n_ctx_slot = _pad(slot_ctx, CTX_PAD) if slot_ctx else _pad(_pad(ctx_size, CTX_PAD) // n, CTX_PAD)
+        if n_ctx_slot == 0:
+            raise PlanError(f"--ctx-size {ctx_size} gives {n} slots no position each")
+        why = _shortfall(facts, backend, census, n, n_ctx_slot)
+        if why:
+            best = _largest_slot(facts, backend, census, n, n_ctx_slot, CTX_PAD)
+            asked = f"--slot-ctx {slot_ctx}" if slot_ctx else f"--ctx-size {ctx_size}"
+            fits = (f"the largest context that fits is {best * n} ({n} slots x {best})" if best
+                    else "no context fits")
+            raise PlanError(f"{asked} ({n} slots x {n_ctx_slot}) does not fit: {why}; {fits}")
+        return n_ctx_slot, "set"
+    if _shortfall(facts, backend, census, n, facts.n_ctx_train) is None:
+        return facts.n_ctx_train, "target"
+    top = facts.n_ctx_train - 1 if facts.n_ctx_train % FIT_STEP == 0 else facts.n_ctx_train
+    best = _largest_slot(facts, backend, census, n, top, FIT_STEP)
+    if best < FIT_FLOOR:
+        floor = min(FIT_FLOOR, facts.n_ctx_train)
+        why = _shortfall(facts, backend, census, n, floor)
+        raise PlanError(f"no context fits {n} slot(s): the trained limit {facts.n_ctx_train} "
+                        f"and the floor {floor} do not ({why})")
+    return best, "fitted"
+
+
+def _auto_slots(facts, census, backend, slot_ctx: int) -> int:
+    """--parallel auto: the most slots, up to 8, whose plan holds one request's context;
+    one slot where that context already had to be fitted under the model's limit."""
+    n_ctx_slot, rule = _choose_ctx(facts, census, backend, 1, 0, slot_ctx)
+    if rule == "fitted":
+        return 1
+    return max(n for n in range(1, MAX_AUTO_SLOTS + 1)
+               if n == 1 or _shortfall(facts, backend, census, n, n_ctx_slot) is None)
+
+
+def make_plan(facts: ModelFacts, census: Census, backend: str = "numpy", ctx_size: int = 0,
+              n_parallel: int | str = 1, slot_ctx: int = 0) -> Plan:
+    """The plan for these settings; n_parallel is a count or "auto"."""
+    _check_settings(facts, census, backend, ctx_size, n_parallel, slot_ctx)
+    n = _auto_slots(facts, census, backend, slot_ctx) if n_parallel == "auto" else n_parallel
+    n_ctx_slot, rule = _choose_ctx(facts, census, backend, n, ctx_size, slot_ctx)
+    t = _terms(facts, backend, n, n_ctx_slot)
+    need = t["weights"] + t["kv"] + t["scratch"]
+    if backend == "numpy":
+        host, cards = need + HOST_RESERVE_BYTES, tuple(0 for _ in census.card_free_bytes)
+    else:
+        card = max(range(len(census.card_free_bytes)), key=lambda i: census.card_free_bytes[i])
+        host = HOST_RESERVE_BYTES
+        cards = tuple(need if i == card else 0 for i in range(len(census.card_free_bytes)))
+    return Plan(backend, facts.arch, n * n_ctx_slot, n_ctx_slot, n, rule, facts.n_ctx_train,
+                dict(facts.tensor_bytes), t["weights"], t["kv"], t["scratch"], host, cards, t,
+                parallel_from="auto" if n_parallel == "auto" else "set")

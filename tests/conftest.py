@@ -1,0 +1,46 @@
+"""Shared pytest fixtures. Keep one section per owner; add fixtures under a heading."""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def load_tool(name: str):
+    """Import tools/<name>.py as a module (tools/ is not a package)."""
+    path = REPO / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bloomery_tools_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def pytest_collection_modifyitems(config, items):
+    """live_reference tests run a freshly built llama.cpp: opt-in with BLOOMERY_LIVE_REF=1."""
+    if os.environ.get("BLOOMERY_LIVE_REF") == "1":
+        return
+    skip = pytest.mark.skip(reason="live llama.cpp comparison: set BLOOMERY_LIVE_REF=1")
+    for item in items:
+        if "live_reference" in item.keywords:
+            item.add_marker(skip)
+
+
+# --- models: the real file and synthetic ones (gguf_file / plan / make_synthetic) ---
+
+@pytest.fixture(scope="session")
+def real_model_path() -> Path:
+    """The real Qwen2.5-Coder-0.5B Q4_K_M file; skips the test if it cannot be fetched."""
+    try:
+        return Path(load_tool("fetch_model").fetch())
+    except (Exception, SystemExit) as e:  # fetch raises SystemExit on a bad download
+        pytest.skip(f"real model not available: {e}")
+
+
+@pytest.fixture(scope="session")
+def synthetic_dir(tmp_path_factory) -> Path:
+    """A session-wide folder for synthetic GGUF files (they are reused across tests)."""
+    return tmp_path_factory.mktemp("synthetic")

@@ -1,0 +1,231 @@
+"""Plan arithmetic with hand-computed numbers for the real model's header.
+
+Qwen2.5-Coder-0.5B (qwen2): 24 layers, n_embd 896, 14 heads, 2 KV heads of 64,
+n_ff 4864, vocab 151936, trained context 32768; tensor bytes 485,452,288.
+K+V per position over all layers: 24 * 2 * (64 + 64) = 6144 elements.
+numpy host need at n_ctx_slot S (1 slot), with the 256 MiB reserve:
+  weights 485,452,288 + reserve 268,435,456 + kv 6144*4*S
+  + scratch 4*512*(4*896 + 2*2*64 + 3*4864 + 14*S + 151936) = 2048*(170,368 + 14*S)
+  = 1,102,801,408 + 53,248 * S
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import gguf
+import numpy as np
+import pytest
+
+from bloomery import plan as plan_mod
+from bloomery.census import cgroup_limit_bytes, take_census
+from bloomery.gguf_file import open_gguf
+from bloomery.plan import Census, ModelFacts, PlanError, make_plan, model_facts
+
+QWEN25 = ModelFacts(
+    arch="qwen2", n_layer=24, n_ctx_train=32768, n_embd=896, n_head=14, n_head_kv=(2,) * 24,
+    head_dim_k=64, head_dim_v=64, n_ff=4864, n_vocab=151936,
+    tensor_bytes={"F32": 286208, "Q4_K": 29417472, "Q5_0": 266742784, "Q6_K": 42900480, "Q8_0": 146105344},
+    n_weights=630167424)
+WEIGHTS = 485_452_288
+BIG = Census(host_avail_bytes=10**12)
+
+
+def host_need(slot: int, n_slots: int = 1) -> int:     # the docstring's formula, any slot count
+    return WEIGHTS + 268_435_456 + 6144 * 4 * slot * n_slots + 2048 * (170_368 + 14 * slot)
+
+
+@pytest.mark.real_model
+def test_facts_from_the_real_header(real_model_path):
+    with open_gguf(str(real_model_path)) as g:
+        assert model_facts(g) == QWEN25
+
+
+def test_set_context_one_slot():
+    p = make_plan(QWEN25, BIG, ctx_size=4096)
+    assert (p.n_ctx, p.n_ctx_slot, p.n_slots, p.ctx_rule) == (4096, 4096, 1, "set")
+    assert p.weights_bytes == WEIGHTS == sum(p.tensor_bytes.values())
+    assert p.kv_bytes == 100_663_296                      # 4096 * 6144 * 4
+    assert p.scratch_bytes == 466_354_176                 # 2048 * (170368 + 14*4096)
+    assert p.host_bytes == 1_320_905_216 == host_need(4096)
+    assert p.card_bytes == ()
+
+
+def test_slots_share_a_set_context_like_llama_server():
+    p = make_plan(QWEN25, BIG, ctx_size=8192, n_parallel=4)
+    assert (p.n_ctx, p.n_ctx_slot, p.n_slots) == (8192, 2048, 4)
+    assert p.kv_bytes == 8192 * 6144 * 4
+    # llama.cpp pads n_ctx to 256 and each slot's share to 256: 4096/3 = 1365 -> 1536
+    p = make_plan(QWEN25, BIG, ctx_size=4096, n_parallel=3)
+    assert (p.n_ctx, p.n_ctx_slot) == (4608, 1536)
+    assert make_plan(QWEN25, BIG, ctx_size=1000).n_ctx_slot == 1024
+    p = make_plan(QWEN25, BIG, slot_ctx=32768, n_parallel=4)
+    assert (p.n_ctx, p.n_ctx_slot, p.ctx_rule) == (131072, 32768, "set")
+
+
+def test_default_context_is_the_trained_limit_per_slot():
+    p = make_plan(QWEN25, Census(host_need(32768)))        # exactly enough
+    assert (p.n_ctx_slot, p.ctx_rule, p.host_bytes) == (32768, "target", 2_847_631_872)
+    p = make_plan(QWEN25, BIG, n_parallel=2)
+    assert (p.n_ctx, p.n_ctx_slot, p.ctx_rule) == (65536, 32768, "target")
+
+
+def test_default_context_fits_down_in_steps_of_1024():
+    p = make_plan(QWEN25, Census(host_need(32768) - 1))   # one byte short of the target
+    assert (p.n_ctx_slot, p.ctx_rule) == (31744, "fitted")
+    # 2e9 bytes: S <= (2e9 - 1,102,801,408) / 53,248 = 16849.5 -> 16384
+    p = make_plan(QWEN25, Census(2_000_000_000))
+    assert (p.n_ctx_slot, p.n_ctx, p.ctx_rule) == (16384, 16384, "fitted")
+    assert p.host_bytes == host_need(16384) <= 2_000_000_000
+    assert make_plan(QWEN25, Census(host_need(4096))).n_ctx_slot == 4096
+    with pytest.raises(PlanError, match=r"no context fits 1 slot\(s\).*floor 4096.*1320905216 bytes"):
+        make_plan(QWEN25, Census(host_need(4096) - 1))
+
+
+def test_a_set_context_that_does_not_fit_names_every_term():
+    with pytest.raises(PlanError) as e:
+        make_plan(QWEN25, Census(2_000_000_000), ctx_size=32768)
+    msg = str(e.value)
+    for part in ("--ctx-size 32768", "host needs 2847631872 bytes", "weights 485452288",
+                 "kv 805306368", "scratch 1288437760", "reserve 268435456", "2000000000 available",
+                 "largest context that fits is 16640"):       # 16849 rounded down to 256
+        assert part in msg, msg
+    with pytest.raises(PlanError, match=r"largest context that fits is 8192 \(2 slots x 4096\)"):
+        # two slots: 1,102,801,408 + (2*24,576 + 28,672) * S <= host_need(4096, 2) -> S = 4096
+        make_plan(QWEN25, Census(host_need(4096, 2)), ctx_size=16384, n_parallel=2)
+
+
+def test_cuda_puts_weights_and_f16_kv_on_the_largest_card():
+    need = WEIGHTS + 32768 * 6144 * 2 + 2048 * (170_368 + 14 * 32768)   # kv 384 MiB, as llama.cpp
+    margin = 1024 * 2**20
+    p = make_plan(QWEN25, Census(2**30, (need + margin - 1, need + margin)), backend="cuda")
+    assert p.kv_bytes == 402_653_184
+    assert (p.card_bytes, p.host_bytes, p.ctx_rule) == ((0, need), 256 * 2**20, "target")
+    p = make_plan(QWEN25, Census(2**30, (need + margin - 1,)), backend="cuda")
+    assert (p.n_ctx_slot, p.ctx_rule) == (31744, "fitted")
+    with pytest.raises(PlanError, match=f"card 0 needs {need + margin} bytes.*margin {margin}"):
+        make_plan(QWEN25, Census(2**30, (need + margin - 1,)), backend="cuda", ctx_size=32768)
+    with pytest.raises(PlanError, match="census lists none"):
+        make_plan(QWEN25, BIG, backend="cuda")
+
+
+def test_f32_copy_assumption_is_one_constant(monkeypatch):
+    monkeypatch.setattr(plan_mod, "NUMPY_KEEPS_F32_COPY", True)
+    p = make_plan(QWEN25, BIG, ctx_size=4096)
+    assert p.weights_bytes == WEIGHTS + 4 * 630_167_424
+    assert make_plan(QWEN25, Census(2**30, (10**12,)), backend="cuda", ctx_size=4096).weights_bytes == WEIGHTS
+
+
+def test_records():
+    p = make_plan(QWEN25, Census(2_000_000_000), n_parallel=1)
+    recs = dict(p.records())
+    assert list(recs) == ["plan", "ctx", "parallel", "need"]
+    assert recs["ctx"] == {"n_ctx_slot": 16384, "n_ctx": 16384, "rule": "fitted", "n_ctx_train": 32768}
+    assert recs["parallel"] == {"slots": 1, "from": "set"}
+    assert recs["need"] == {"bytes": host_need(16384), "cards": []}
+    assert recs["plan"]["Q8_0_bytes"] == 146105344 and recs["plan"]["kv_bytes"] == p.kv_bytes
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.n_ctx = 1
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"n_parallel": 0}, "--parallel 0 must be an integer >= 1 or .auto."),
+    ({"n_parallel": "auto", "ctx_size": 8192}, "--parallel auto beside --ctx-size 8192 is refused"),
+    ({"ctx_size": -5}, "--ctx-size -5 must be an integer >= 0"),
+    ({"ctx_size": 4096, "slot_ctx": 1024}, "--slot-ctx 1024 beside --ctx-size 4096"),
+    ({"backend": "vulkan"}, "backend 'vulkan' is not one of"),
+])
+def test_bad_settings_are_refused_by_name(kwargs, words):
+    with pytest.raises(PlanError, match=words):
+        make_plan(QWEN25, BIG, **kwargs)
+
+
+def write_header(path, keys: dict):
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    for k, v in keys.items():
+        w.add_uint32(k, v)
+    w.add_tensor("x.weight", np.zeros(32, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return open_gguf(str(path))
+
+
+def test_missing_or_bad_header_keys_are_named(tmp_path):
+    keys = {"qwen2.block_count": 2, "qwen2.context_length": 2048, "qwen2.embedding_length": 64,
+            "qwen2.attention.head_count": 4, "qwen2.feed_forward_length": 128, "qwen2.vocab_size": 100}
+    f = model_facts(write_header(tmp_path / "ok.gguf", keys))
+    assert (f.n_head_kv, f.head_dim_k, f.n_vocab, f.tensor_bytes) == ((4, 4), 16, 100, {"F32": 128})
+    with pytest.raises(PlanError, match="qwen2.context_length is missing"):
+        model_facts(write_header(tmp_path / "a.gguf", {k: v for k, v in keys.items() if "context" not in k}))
+    with pytest.raises(PlanError, match="qwen2.block_count is 0"):
+        model_facts(write_header(tmp_path / "b.gguf", {**keys, "qwen2.block_count": 0}))
+
+
+def test_census_reads_this_machine(tmp_path):
+    c = take_census()
+    assert 0 < c.host_avail_bytes and isinstance(c.card_free_bytes, tuple)
+    proc = tmp_path / "cgroup"
+    root = tmp_path / "fs"
+    own = root / "box" / "svc"
+    own.mkdir(parents=True)
+    proc.write_text("0::/box/svc\n")
+    (root / "memory.max").write_text("max\n")                # the mount's root: no limit
+    assert cgroup_limit_bytes(root, proc) is None
+    (root / "box" / "memory.max").write_text("1000\n")       # a parent's limit binds its children
+    (root / "box" / "memory.current").write_text("300\n")
+    assert cgroup_limit_bytes(root, proc) == 700
+    (own / "memory.max").write_text("500\n")
+    (own / "memory.current").write_text("100\n")
+    assert cgroup_limit_bytes(root, proc) == 400
+    v1 = root / "memory" / "ctr"                                 # cgroup v1, as on this machine
+    v1.mkdir(parents=True)
+    proc.write_text("4:memory:/ctr\n0::/\n")
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    assert cgroup_limit_bytes(root, proc) is None
+    (v1 / "memory.limit_in_bytes").write_text("2048\n")
+    (v1 / "memory.usage_in_bytes").write_text("48\n")
+    assert cgroup_limit_bytes(root, proc) == 2000
+
+
+def test_parallel_auto_counts_slots_of_one_requests_context():
+    four = host_need(32768, 4)      # 4 slots of the trained limit, scratch sized for one pass
+    p = make_plan(QWEN25, Census(four), n_parallel="auto")
+    assert (p.n_slots, p.n_ctx_slot, p.ctx_rule, p.parallel_from) == (4, 32768, "target", "auto")
+    assert dict(p.records())["parallel"] == {"slots": 4, "from": "auto"}
+    assert make_plan(QWEN25, Census(four - 1), n_parallel="auto").n_slots == 3
+    assert make_plan(QWEN25, BIG, n_parallel="auto").n_slots == 8
+    p = make_plan(QWEN25, Census(2_000_000_000), n_parallel="auto")   # one slot already fitted
+    assert (p.n_slots, p.n_ctx_slot, p.ctx_rule) == (1, 16384, "fitted")
+    p = make_plan(QWEN25, Census(host_need(4096, 3)), n_parallel="auto", slot_ctx=4096)
+    assert (p.n_slots, p.n_ctx, p.ctx_rule) == (3, 12288, "set")
+
+
+@pytest.mark.live_reference
+@pytest.mark.real_model
+@pytest.mark.parametrize("ctx_size,n_parallel", [(8192, 2), (4096, 3), (1000, 1)])
+def test_slots_and_kv_bytes_match_llama_cpp(synthetic_dir, real_model_path, ctx_size, n_parallel):
+    import re
+    import subprocess
+
+    from conftest import load_tool
+    from test_synthetic import llama_bin
+
+    path = synthetic_dir / "plan_live_qwen3.gguf"
+    if not path.exists():
+        load_tool("make_synthetic").write_synthetic(path, arch="qwen3", mode="blocks", n_embd=256,
+                                                    n_head=4, n_head_kv=2, n_ff=512,
+                                                    tokenizer_from=str(real_model_path))
+    r = subprocess.run([str(llama_bin() / "llama-eval-callback"), "-m", str(path), "-p", "hi", "-n", "1",
+                        "-t", "2", "-v", "-c", str(ctx_size), "-np", str(n_parallel)],
+                       capture_output=True, text=True, timeout=300)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-3000:]
+    n_ctx = int(re.search(r"llama_context: n_ctx\s+= (\d+)", log)[1])
+    n_ctx_seq = int(re.search(r"llama_context: n_ctx_seq\s+= (\d+)", log)[1])
+    kv_mib = float(re.search(r"llama_kv_cache: size =\s+([\d.]+) MiB", log)[1])
+    with open_gguf(str(path)) as g:
+        p = make_plan(model_facts(g), Census(2**40, (2**40,)), backend="cuda",
+                      ctx_size=ctx_size, n_parallel=n_parallel)
+    assert (p.n_ctx, p.n_ctx_slot) == (n_ctx, n_ctx_seq)
+    assert p.kv_bytes == kv_mib * 2**20

@@ -1,0 +1,258 @@
+#!/usr/bin/env python3
+"""Write a synthetic GGUF (qwen2, qwen3 or qwen3moe) of any shape with random weights.
+
+The tokenizer keys (tokenizer.ggml.*, tokenizer.chat_template) are copied from the
+real Qwen2.5 file, so llama.cpp and bloomery load the result as they load an upload.
+Tensor names, shapes and keys follow llama.cpp's loader (src/models/qwen2.cpp,
+qwen3.cpp, qwen3moe.cpp). Two modes:
+  float  -- F32 or F16 matrices ~ N(0, 1/sqrt(fan_in)), norms near 1;
+  blocks -- quantized blocks written directly (random codes, scale fields set so a
+            row's values have std ~ 1/sqrt(fan_in)), tensor by tensor, never a float
+            copy of the model. Mix q4_k_m (attn_v / ffn_down Q6_K, other matrices and
+            the embedding Q4_K, output Q6_K) or q8_0; norms and the router stay F32.
+            A row whose length is not a multiple of 256 takes llama-quantize's
+            fallback (Q4_K -> Q5_0, Q6_K -> Q8_0), as the real 0.5B file does.
+
+Usage: tools/make_synthetic.py --arch qwen3moe --n-layer 2 --n-embd 64 ... -o out.gguf
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import struct
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from bloomery.gguf_file import open_gguf  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+ARCHS = ("qwen2", "qwen3", "qwen3moe")
+DEFAULTS = dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=0, n_ff=128, n_expert=4,
+                n_expert_used=2, n_ff_exp=64, vocab="full", ctx_train=4096, seed=0, mode="float",
+                ftype="f32", mix="q4_k_m")
+FILE_TYPE = {"f32": 0, "f16": 1, "q8_0": 7, "q4_k_m": 15}      # llama_ftype values
+FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q6_K: Q.Q8_0}                    # llama-quantize, rows not /256
+# std of one block code as stored (uniform random bits), to set the block scale from
+CODE_STD = {Q.Q4_K: 32 * np.sqrt((16**2 - 1) / 12), Q.Q6_K: 16 * np.sqrt((64**2 - 1) / 12),
+            Q.Q5_0: np.sqrt((32**2 - 1) / 12), Q.Q8_0: np.sqrt((256**2 - 1) / 12)}
+
+
+class ShapeError(ValueError):
+    """A flag value that cannot make a model llama.cpp loads; names the flag and the bound."""
+
+
+def fetch_model_path() -> Path:
+    spec = importlib.util.spec_from_file_location("fetch_model", REPO / "tools" / "fetch_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return Path(mod.fetch())
+
+
+class Packed(bytes):
+    """A metadata value already packed as GGUF bytes (array subtype, count, elements)."""
+
+
+class _Writer(gguf.GGUFWriter):
+    # packing the 300k tokenizer strings one by one costs ~1.5 s; they are packed once per process
+    def _pack_val(self, val, vtype, add_vtype, sub_type=None):
+        if isinstance(val, Packed):
+            return (struct.pack("<I", vtype) if add_vtype else b"") + bytes(val)
+        return super()._pack_val(val, vtype, add_vtype, sub_type=sub_type)
+
+
+_NP_CODE = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1",
+            10: "<u8", 11: "<i8", 12: "<f8"}
+
+
+def _pack_array(vals: list, sub: int) -> Packed:
+    head = struct.pack("<IQ", sub, len(vals))
+    if sub == gguf.GGUFValueType.STRING:
+        raw = [v.encode("utf-8", "surrogateescape") for v in vals]   # keep non-UTF-8 bytes as they were
+        return Packed(head + b"".join(struct.pack("<Q", len(b)) + b for b in raw))
+    return Packed(head + np.asarray(vals, dtype=_NP_CODE[sub]).tobytes())
+
+
+@functools.lru_cache(maxsize=2)
+def tokenizer_keys(source: str) -> tuple[tuple[str, object, int, int | None, int], ...]:
+    """(key, value, type, array subtype, n elements) of every tokenizer.* key of `source`."""
+    with open_gguf(source) as g:
+        out = []
+        for key, val in g.metadata.items():
+            if key.startswith("tokenizer."):
+                vtype, sub = g.value_types[key]
+                n = len(val) if sub is not None else 1
+                out.append((key, _pack_array(val, sub) if sub is not None else val, vtype, sub, n))
+        return tuple(out)
+
+
+def tensor_plan(arch: str, s: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, ne shape, role) for every tensor, in llama.cpp's order; role picks the init and type."""
+    d, hd, n_vocab = s["n_embd"], s["head_dim"], s["n_vocab"]
+    q_dim, kv_dim = hd * s["n_head"], hd * s["n_head_kv"]
+    out = [("token_embd.weight", (d, n_vocab), "embd"), ("output_norm.weight", (d,), "norm"),
+           ("output.weight", (d, n_vocab), "output")]
+    for i in range(s["n_layer"]):
+        b = f"blk.{i}."
+        out += [(b + "attn_norm.weight", (d,), "norm"), (b + "attn_q.weight", (d, q_dim), "mat"),
+                (b + "attn_k.weight", (d, kv_dim), "mat"), (b + "attn_v.weight", (d, kv_dim), "mat6")]
+        if arch == "qwen2":
+            out += [(b + "attn_q.bias", (q_dim,), "bias"), (b + "attn_k.bias", (kv_dim,), "bias"),
+                    (b + "attn_v.bias", (kv_dim,), "bias")]
+        out.append((b + "attn_output.weight", (q_dim, d), "mat"))
+        if arch != "qwen2":
+            out += [(b + "attn_q_norm.weight", (hd,), "norm"), (b + "attn_k_norm.weight", (hd,), "norm")]
+        out.append((b + "ffn_norm.weight", (d,), "norm"))
+        if arch == "qwen3moe":
+            e, f = s["n_expert"], s["n_ff_exp"]
+            out += [(b + "ffn_gate_inp.weight", (d, e), "router"),
+                    (b + "ffn_gate_exps.weight", (d, f, e), "mat"), (b + "ffn_up_exps.weight", (d, f, e), "mat"),
+                    (b + "ffn_down_exps.weight", (f, d, e), "mat6")]
+        else:
+            f = s["n_ff"]
+            out += [(b + "ffn_gate.weight", (d, f), "mat"), (b + "ffn_up.weight", (d, f), "mat"),
+                    (b + "ffn_down.weight", (f, d), "mat6")]
+    return out
+
+
+def ggml_type_for(role: str, ne0: int, s: dict) -> int:
+    if role in ("norm", "bias", "router"):
+        return Q.F32
+    if s["mode"] == "float":
+        return Q.F16 if s["ftype"] == "f16" else Q.F32
+    if s["mix"] == "q8_0":
+        return Q.Q8_0
+    qt = Q.Q6_K if role in ("mat6", "output") else Q.Q4_K
+    return qt if ne0 % 256 == 0 else FALLBACK[qt]
+
+
+def float_values(role: str, ne: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    shape = ne[::-1]                                       # numpy order: rows last-dim first
+    if role == "norm":
+        return (1.0 + 0.1 * rng.standard_normal(shape, np.float32)).astype(np.float32)
+    if role == "bias":
+        return (0.1 * rng.standard_normal(shape, np.float32)).astype(np.float32)
+    return rng.standard_normal(shape, np.float32) * np.float32(1 / np.sqrt(ne[0]))   # fan_in = ne[0]
+
+
+def block_bytes(qt: int, ne: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Random codes; each block's scale fields set so values have std 1/sqrt(ne[0]), mean ~0."""
+    block, type_size = gguf.GGML_QUANT_SIZES[Q(qt)]
+    n_blocks = int(np.prod(ne)) // block
+    raw = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)   # [B, type_size]
+    d = np.float16(1 / np.sqrt(ne[0]) / CODE_STD[qt])
+    if qt == Q.Q4_K:      # d, dmin, 12 packed 6-bit scales/mins (all 32), 128 nibbles
+        raw[:, 0:2] = np.frombuffer(d.tobytes(), np.uint8)
+        raw[:, 2:4] = np.frombuffer(np.float16(7.5 * d).tobytes(), np.uint8)   # centres the nibbles
+        raw[:, 4:12] = 0xA0
+        raw[:, 12:16] = 0x00
+    elif qt == Q.Q6_K:    # 128 low nibbles, 64 high pairs, 16 int8 scales, d
+        raw[:, 192:208] = 16
+        raw[:, 208:210] = np.frombuffer(d.tobytes(), np.uint8)
+    else:                 # Q5_0 and Q8_0 both start with d
+        raw[:, 0:2] = np.frombuffer(d.tobytes(), np.uint8)
+    return raw.reshape(-1)                                                    # [B * type_size]
+
+
+def check_shape(arch: str, s: dict) -> None:
+    if arch not in ARCHS:
+        raise ShapeError(f"--arch {arch!r} must be one of {', '.join(ARCHS)}")
+    for key in ("n_layer", "n_embd", "n_head", "n_head_kv", "n_ff", "ctx_train"):
+        if not isinstance(s[key], int) or s[key] < 1:
+            raise ShapeError(f"--{key.replace('_', '-')} {s[key]!r} must be an integer >= 1")
+    if s["vocab"] != "full":
+        raise ShapeError(f"--vocab {s['vocab']!r}: only 'full' (the real tokenizer's vocab) loads in llama.cpp")
+    if s["n_head"] % s["n_head_kv"]:
+        raise ShapeError(f"--n-head {s['n_head']} must be a multiple of --n-head-kv {s['n_head_kv']}")
+    if arch == "qwen2" and s["head_dim"] not in (0, s["n_embd"] // s["n_head"]):
+        raise ShapeError(f"--head-dim {s['head_dim']}: qwen2 takes n_embd / n_head = {s['n_embd'] // s['n_head']}")
+    head_dim = s["head_dim"] or s["n_embd"] // s["n_head"]
+    if head_dim < 2 or head_dim % 2 or (arch == "qwen2" and s["n_embd"] % s["n_head"]):
+        raise ShapeError(f"head dim {head_dim} (--head-dim, or --n-embd / --n-head) must be even, >= 2, exact")
+    if arch == "qwen3moe" and not 1 <= s["n_expert_used"] <= s["n_expert"]:
+        raise ShapeError(f"--n-expert-used {s['n_expert_used']} must be 1..--n-expert {s['n_expert']}")
+    if arch == "qwen3moe" and s["n_ff_exp"] < 1:
+        raise ShapeError(f"--n-ff-exp {s['n_ff_exp']} must be >= 1")
+    if s["mode"] not in ("float", "blocks") or s["ftype"] not in ("f32", "f16") or s["mix"] not in ("q4_k_m", "q8_0"):
+        raise ShapeError(f"--mode {s['mode']!r} / --ftype {s['ftype']!r} / --mix {s['mix']!r}: "
+                         f"float|blocks, f32|f16, q4_k_m|q8_0")
+    if s["mode"] == "blocks":
+        rows = {"--n-embd": s["n_embd"], "--n-ff": s["n_ff"], "--head-dim x --n-head": head_dim * s["n_head"]}
+        if arch == "qwen3moe":
+            rows["--n-ff-exp"] = s["n_ff_exp"]
+        for flag, n in rows.items():
+            if n % 32:
+                raise ShapeError(f"{flag} = {n}: blocks mode needs rows that are a multiple of 32")
+
+
+def write_synthetic(path, arch: str = "qwen2", tokenizer_from: str | None = None, **shape) -> Path:
+    """Write the file; returns its path. Shape keys as DEFAULTS (n_layer, n_embd, ...)."""
+    unknown = set(shape) - set(DEFAULTS)
+    if unknown:
+        raise ShapeError(f"unknown shape keys {sorted(unknown)}; known: {sorted(DEFAULTS)}")
+    s = {**DEFAULTS, **shape}
+    check_shape(arch, s)
+    s["head_dim"] = s["head_dim"] or s["n_embd"] // s["n_head"]
+    tok = tokenizer_keys(str(tokenizer_from or fetch_model_path()))
+    s["n_vocab"] = next(n for k, _, _, _, n in tok if k == "tokenizer.ggml.tokens")
+    w = _Writer(str(path), arch)
+    w.add_name(f"bloomery synthetic {arch}")
+    w.add_uint32(f"{arch}.block_count", s["n_layer"])
+    w.add_uint32(f"{arch}.context_length", s["ctx_train"])
+    w.add_uint32(f"{arch}.embedding_length", s["n_embd"])
+    w.add_uint32(f"{arch}.feed_forward_length", s["n_ff"])
+    w.add_uint32(f"{arch}.attention.head_count", s["n_head"])
+    w.add_uint32(f"{arch}.attention.head_count_kv", s["n_head_kv"])
+    if arch != "qwen2":
+        w.add_uint32(f"{arch}.attention.key_length", s["head_dim"])
+        w.add_uint32(f"{arch}.attention.value_length", s["head_dim"])
+    w.add_float32(f"{arch}.rope.freq_base", 1_000_000.0)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
+    if arch == "qwen3moe":
+        w.add_uint32(f"{arch}.expert_count", s["n_expert"])
+        w.add_uint32(f"{arch}.expert_used_count", s["n_expert_used"])
+        w.add_uint32(f"{arch}.expert_feed_forward_length", s["n_ff_exp"])
+    w.add_uint32("general.file_type", FILE_TYPE[s["ftype"] if s["mode"] == "float" else s["mix"]])
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for key, val, vtype, sub, _ in tok:
+        w.add_key_value(key, val, gguf.GGUFValueType(vtype), sub_type=None if sub is None else gguf.GGUFValueType(sub))
+    tensors = [(name, ne, role, ggml_type_for(role, ne[0], s)) for name, ne, role in tensor_plan(arch, s)]
+    for name, ne, role, qt in tensors:
+        block, type_size = gguf.GGML_QUANT_SIZES[Q(qt)]
+        w.add_tensor_info(name, ne[::-1], np.dtype(np.float32), int(np.prod(ne)) // block * type_size, raw_dtype=Q(qt))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for i, (name, ne, role, qt) in enumerate(tensors):   # one tensor in memory at a time
+        rng = np.random.default_rng([s["seed"], i])
+        if qt in (Q.F32, Q.F16):
+            w.write_tensor_data(float_values(role, ne, rng).astype(np.float16 if qt == Q.F16 else np.float32))
+        else:
+            w.write_tensor_data(block_bytes(qt, ne, rng))
+    w.close()
+    return Path(path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default="qwen2", choices=ARCHS)
+    for key, default in DEFAULTS.items():
+        flag = "--" + key.replace("_", "-")
+        ap.add_argument(flag, dest=key, default=default, type=type(default))
+    ap.add_argument("--tokenizer-from", default=None, help="GGUF to copy tokenizer keys from (default: the real model)")
+    ap.add_argument("-o", "--output", required=True)
+    args = vars(ap.parse_args(argv))
+    out, arch, tok = args.pop("output"), args.pop("arch"), args.pop("tokenizer_from")
+    try:
+        print(write_synthetic(out, arch=arch, tokenizer_from=tok, **args))
+    except ShapeError as e:
+        ap.error(str(e))
+
+
+if __name__ == "__main__":
+    main()

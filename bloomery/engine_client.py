@@ -20,6 +20,14 @@ class EngineClient(Protocol):
         the request in the engine."""
         ...
 
+    n_in_flight: int                 # requests generating now (the stop path waits on it)
+
     def slots(self) -> list[dict]:
-        """One dict per slot: id, n_ctx, is_processing, id_task (for /slots and /props)."""
+        """The last slot table known: one dict per slot with id, n_ctx, speculative,
+        is_processing, and once a request has run there id_task, the prompt counts,
+        params and next_token (for /slots and /props)."""
+        ...
+
+    async def query_slots(self, timeout_s: float = 5.0) -> list[dict]:
+        """A fresh slot table from the engine (same shape as slots())."""
         ...

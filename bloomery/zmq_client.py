@@ -3,7 +3,8 @@
 front ROUTER (bound here) -> engine DEALER: Generate, Cancel, SlotsQuery, Shutdown
 engine PUSH -> front PULL (bound here): Tokens (one per engine step), SlotsReply
 One reader task routes each TokenOut to its request's asyncio queue. When the
-engine dies, fail_all() ends every request in flight with finish="error".
+engine dies, fail_all() ends every request in flight with finish="error"; when the
+server stops, end_all() ends them with finish="shutdown".
 """
 from __future__ import annotations
 
@@ -127,7 +128,7 @@ class ZmqEngineClient:
             return [dict(s) for s in self._slots]
         n_slots = self.info.n_slots if self.info else 1
         n_ctx = self.info.n_ctx_slot if self.info else 0
-        return [{"id": i, "n_ctx": n_ctx, "is_processing": False, "id_task": -1} for i in range(n_slots)]
+        return [{"id": i, "n_ctx": n_ctx, "speculative": False, "is_processing": False} for i in range(n_slots)]
 
     async def query_slots(self, timeout_s: float = 5.0) -> list[dict]:
         qid = f"q{next(self._query_ids)}"
@@ -140,6 +141,17 @@ class ZmqEngineClient:
             self._queries.pop(qid, None)
 
     # -- the supervisor's side ---------------------------------------------------------
+    @property
+    def n_in_flight(self) -> int:
+        """Requests whose generate() is still being read (the drain waits for these)."""
+        return len(self._routes)
+
+    def end_all(self, message: str) -> None:
+        """The server is stopping: every request in flight ends now with finish "shutdown" naming why
+        (its client gets a clean 503 answer or error event, not a cut connection)."""
+        for req_id, q in list(self._routes.items()):
+            q.put_nowait(TokenOut(req_id, None, "shutdown", error=message))
+
     def fail_all(self, reason: str) -> None:
         """The engine died: every request in flight ends with an error naming why."""
         self.dead = reason

@@ -103,19 +103,21 @@ class ByteTok:
 class Scripted:
     """Replays `text` one byte an id, with probabilities when asked, then a length finish."""
 
-    def __init__(self, text: str = "Hi there\n"):
+    def __init__(self, text: str = "Hi there\n", slot: int = 0):
         self.ids = list(text.encode())
+        self.slot = slot
 
     async def generate(self, req):
         for k, tok in enumerate(self.ids[:req.n_predict if req.n_predict >= 0 else None]):
             last = k == len(self.ids) - 1 or k + 1 == req.n_predict
             top = tuple(TokenProb(t, -0.5 * j, 0.5) for j, t in enumerate([tok, 65, 66][:req.sampling.n_probs]))
             yield TokenOut(req.req_id, tok, "length" if last else None, logprob=-0.25 if top else None, top=top,
-                           n_prompt=len(req.prompt_ids), prompt_ms=2.0)
+                           n_prompt=len(req.prompt_ids), prompt_ms=2.0, slot=self.slot)
 
 
 INFO = ModelInfo(name="models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", arch="qwen2", n_ctx=4096, n_ctx_slot=4096,
-                 n_slots=1, n_vocab=257, n_ctx_train=32768, backend="numpy", model_path="models/x.gguf")
+                 n_slots=1, n_vocab=257, n_ctx_train=32768, backend="numpy", model_path="models/x.gguf",
+                 n_params=630167424, size_bytes=485452288, n_embd=896, vocab_type=2, ftype="Q4_K - Medium")
 
 
 class Template:
@@ -123,9 +125,8 @@ class Template:
     source = "{{ messages }}"
 
 
-def scripted_app() -> App:
-    return App(ByteTok(), Template(), Scripted(), INFO,
-               model_meta={"n_embd": 896, "vocab_type": 2, "ftype": "Q4_K - Medium"})
+def scripted_app(**kw) -> App:
+    return App(ByteTok(), Template(), kw.pop("client", None) or Scripted(), INFO, **kw)
 
 
 @pytest.mark.parametrize("case", [

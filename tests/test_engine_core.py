@@ -157,6 +157,42 @@ def test_cancel_running_and_queued():
     assert not engine.has_work() and not engine.slots()[0]["is_processing"]
 
 
+def test_every_output_names_the_slot_that_ran_it():
+    _, engine = make(n_slots=2)
+    for rid in ("a", "b", "c"):
+        engine.add(greq(rid, [1, 2, 3], n_predict=3))
+    engine.add(greq("queued", [4, 5], n_predict=3))
+    engine.cancel("queued")          # cancelled while waiting: no slot ever ran it
+    outs = drain(engine)
+    slot_of = {rid: {o.slot for o in got} for rid, got in outs.items()}
+    assert slot_of["queued"] == {-1}
+    assert slot_of["a"] != slot_of["b"] and slot_of["a"] | slot_of["b"] == {0, 1}
+    assert len(slot_of["c"]) == 1 and slot_of["c"] <= {0, 1}       # c waited, then one slot ran all of it
+
+
+def test_slots_table_reports_the_last_request_of_each_slot():
+    _, engine = make(n_slots=2)
+    assert engine.slots() == [{"id": i, "n_ctx": 64, "speculative": False, "is_processing": False}
+                              for i in (0, 1)]                     # nothing ran yet: no task keys
+    engine.add(greq("a", [1, 2, 3, 4], n_predict=5, id_task=7))
+    engine.step()                                                   # prefill + first id
+    ran = [e for e in engine.slots() if "id_task" in e]
+    assert len(ran) == 1
+    k, running = ran[0]["id"], ran[0]
+    assert running["is_processing"] and running["id_task"] == 7 and running["req_id"] == "a"
+    assert running["next_token"] == [{"has_next_token": True, "n_remain": 4, "n_decoded": 1}]
+    drain(engine)
+    engine.add(greq("b", [1, 2, 3, 9], n_predict=-1, id_task=8))   # shares 3 ids with a: a's slot
+    engine.step()
+    engine.cancel("b")
+    drain(engine)
+    done = engine.slots()[k]
+    assert (done["is_processing"], done["id_task"], done["n_prompt_tokens"], done["n_prompt_tokens_cache"],
+            done["n_prompt_tokens_processed"]) == (False, 8, 4, 3, 1)
+    assert done["next_token"] == [{"has_next_token": False, "n_remain": -1, "n_decoded": 1}]
+    assert "id_task" not in engine.slots()[1 - k]
+
+
 def test_model_error_fails_only_that_request():
     model, engine = make()
     engine.add(greq("bad", [1, POISON]))
@@ -225,8 +261,9 @@ def test_concurrent_requests_on_two_slots():
         client.close()
     for (rid, p), outs in zip(prompts.items(), results):
         assert [o.token for o in outs] == model.reference(p, 6) and outs[-1].finish == "length"
-    assert client.slots() == [{"id": 0, "n_ctx": 64, "is_processing": False, "id_task": -1},
-                              {"id": 1, "n_ctx": 64, "is_processing": False, "id_task": -1}]
+    slots = client.slots()
+    assert [(e["id"], e["n_ctx"], e["is_processing"]) for e in slots] == [(0, 64, False), (1, 64, False)]
+    assert {e["req_id"] for e in slots} <= set(prompts) and len({e["req_id"] for e in slots}) == 2
 
 
 def test_leaving_early_cancels_and_frees_the_slot():
@@ -238,7 +275,7 @@ def test_leaving_early_cancels_and_frees_the_slot():
         first = await gen.__anext__()
         await gen.aclose()
         for _ in range(200):   # the cancel lands within a few steps
-            if client.slots()[0]["id_task"] != "long":
+            if not client.slots()[0]["is_processing"]:
                 break
             await asyncio.sleep(0.01)
         n_kv_after_cancel = len(model.kv[0])

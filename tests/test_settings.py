@@ -123,10 +123,10 @@ def test_env_refusals_name_the_variable(env, match):
 
 
 def test_noop_flags_are_read_and_recorded():
-    s = parse(M + ["-t", "4", "-b", "512", "-fa", "on", "--no-mmap", "--metrics", "--no-webui", "-cb",
+    s = parse(M + ["-t", "4", "-b", "512", "-fa", "on", "--no-mmap", "--no-webui", "-cb",
                    "--no-warmup", "-v", "--kv-unified", "--context-shift", "--cache-reuse", "256", "--no-jinja"], {})
     flags = [kv["flag"] for msg, kv in s.notes if msg == "flag read, no effect here"]
-    assert flags == ["-t", "-b", "-fa", "--no-mmap", "--metrics", "--no-webui", "-cb", "--no-warmup", "-v",
+    assert flags == ["-t", "-b", "-fa", "--no-mmap", "--no-webui", "-cb", "--no-warmup", "-v",
                      "--kv-unified", "--context-shift", "--cache-reuse", "--no-jinja"]
     assert s.jinja
     refused(M + ["-t", "x"], {}, "--threads takes an integer")
@@ -141,6 +141,38 @@ def test_unknown_llama_variable_gets_a_line():
 def test_sampling_defaults_are_kept():
     s = parse(M + ["--temp", "0", "--seed", "42", "--top-k", "10"], {})
     assert s.sampling_defaults == {"temperature": 0.0, "seed": 42, "top_k": 10}
+
+
+def test_sampling_flags_become_the_request_defaults():
+    from bloomery.engine.types import SamplingParams
+    s = parse(M + ["--temp", "0.2", "--top-k", "5", "--min-p", "0", "--repeat-penalty", "1.1", "--repeat-last-n",
+                   "-1", "--presence-penalty", "0.5", "--frequency-penalty", "0.25", "--seed", "-1", "-n", "9"],
+              {"LLAMA_ARG_TOP_P": "0.9"})
+    assert s.sampling() == SamplingParams(temperature=0.2, top_k=5, top_p=0.9, min_p=0.0, repeat_penalty=1.1,
+                                          repeat_last_n=-1, presence_penalty=0.5, frequency_penalty=0.25,
+                                          seed=0xFFFFFFFF)
+    assert s.n_predict == 9
+    assert parse(M, {}).sampling() == SamplingParams()       # no flag: llama-server's own defaults
+    assert not [m for m, _ in s.notes if "not applied" in m or "no effect" in m]
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--top-p", "1.5"], "--top-p 1.5: must be in 0 .. 1"),
+    (["--min-p", "-0.1"], "--min-p -0.1: must be in 0 .. 1"),
+    (["--repeat-penalty", "0"], "--repeat-penalty 0: must be above 0"),
+    (["--seed", "-2"], "--seed -2: must be in -1"),
+    (["--temp", "nan"], "--temp must be finite"),
+])
+def test_bad_sampling_flags_are_refused_by_name(argv, match):
+    refused(M + argv, {}, match)
+
+
+def test_slots_and_metrics_switches():
+    assert parse(M, {}).endpoint_slots and not parse(M, {}).metrics
+    assert not parse(M + ["--no-slots"], {}).endpoint_slots
+    assert not parse(M, {"LLAMA_ARG_ENDPOINT_SLOTS": "0"}).endpoint_slots
+    s = parse(M + ["--metrics"], {})
+    assert s.metrics and any(kv == {"flag": "--metrics"} and "not served in this version" in m for m, kv in s.notes)
 
 
 def test_config_file_values(tmp_path):

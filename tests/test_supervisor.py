@@ -82,6 +82,25 @@ def test_precheck_order_and_keys():
     assert sup.precheck(_req("/health")) is None
 
 
+def test_draining_answers_503_to_new_requests_before_and_after_the_body():
+    sup = Supervisor(parse(["-m", "x.gguf"], {}))
+    for p in (Phase.PLAN, Phase.LOAD, Phase.READY):
+        sup.life.advance(p)
+    assert sup.precheck(_req()) is None
+    sup.life.advance(Phase.DRAINING, reason="SIGTERM")
+    for r in (sup.precheck(_req()), asyncio.run(sup.dispatch(_req("/completion", "POST")))):
+        assert r.status == 503 and json.loads(r.body)["error"]["message"] == "Server is shutting down"
+
+
+def test_make_app_takes_the_request_defaults_and_switches_from_the_flags():
+    from bloomery.front import make_app
+    s = parse(["-m", "x.gguf", "--temp", "0", "--top-k", "3", "-n", "9", "--no-slots", "--metrics"], {})
+    info = ModelInfo("t", "tiny", 64, 64, 1, 16, 64, "numpy", "-")
+    app = make_app(s, None, None, None, info)
+    assert (app.sampling_defaults.temperature, app.sampling_defaults.top_k, app.n_predict_default) == (0.0, 3, 9)
+    assert app.endpoint_slots is False and app.metrics_requested is True
+
+
 def test_runtime_dir_is_private_and_port_zero_binds(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     rt = runtime_dir()
@@ -140,6 +159,44 @@ def test_plan_stage_on_the_real_header(real_model_path, tmp_path):
     assert {k: done[0].facts[k] for k in ("n_ctx", "n_ctx_slot", "n_slots", "backend", "arch")} == \
         {"n_ctx": 4096, "n_ctx_slot": 2048, "n_slots": 2, "backend": "numpy", "arch": "qwen2"}
     assert [r.message for r in done[0].records][:3] == ["plan", "ctx", "parallel"]
+
+
+@pytest.mark.real_model
+def test_plan_stage_facts_carry_the_model_facts_llama_server_reports(real_model_path, tmp_path):
+    code, msgs = run_stage("plan", {"model_file": str(real_model_path), "ctx_size": 4096, "device": "cpu"}, tmp_path)
+    facts = next(m for m in msgs if isinstance(m, sm.PlanDone)).facts
+    ref = json.loads(Path("/work/shared/reference/llama-server-qwen25/v1_models.response.json").read_text())
+    meta = ref["data"][0]["meta"]           # llama-server's answer on this very file
+    assert (facts["n_embd"], facts["vocab_type"], facts["ftype"], facts["n_params"], facts["size_bytes"]) == \
+        (meta["n_embd"], meta["vocab_type"], meta["ftype"], meta["n_params"], meta["size"])
+    from bloomery.stages.engine import model_info
+    model = type("M", (), {"arch": "qwen2", "n_vocab": 151936, "n_ctx_train": 32768})()
+    info = model_info({"model_file": str(real_model_path)}, facts, model)
+    assert (info.n_embd, info.vocab_type, info.ftype, info.n_params, info.size_bytes) == \
+        (896, 2, "Q4_K - Medium", meta["n_params"], meta["size"])
+
+
+def test_ftype_name_as_llama_cpp_names_and_guesses_it():
+    from bloomery.stages.meta import ftype_name
+    assert ftype_name(15, []) == "Q4_K - Medium" and ftype_name(1, []) == "F16"
+    assert ftype_name(1024 | 7, []) == "(guessed) Q8_0"
+    assert ftype_name(None, ["F32", "Q6_K", "Q4_K", "Q4_K", "F32", "F32"]) == "(guessed) all F32"  # most tensors
+    assert ftype_name(None, ["Q4_K", "Q6_K", "Q4_K"]) == "(guessed) Q4_K - Medium"
+    assert ftype_name(None, ["IQ9_Z"]) == "(guessed) all F32"        # a type llama.cpp does not map
+
+
+@pytest.mark.real_model
+def test_plan_stage_parallel_auto_is_the_plan_modules_rule(real_model_path):
+    from bloomery.gguf_file import open_gguf
+    from bloomery.plan import Census, make_plan, model_facts
+    from bloomery.stages import plan as plan_stage
+    census = Census(host_avail_bytes=64 << 30)
+    with open_gguf(str(real_model_path)) as gf:
+        plan, _ = plan_stage.make({"parallel": "auto", "device": "cpu", "slot_ctx": 2048}, gf, census)
+        want = make_plan(model_facts(gf), census, "numpy", 0, "auto", 2048)
+        plain, _ = plan_stage.make({"parallel": "auto", "device": "cpu"}, gf, census)
+    assert plan == want and plan.parallel_from == "auto"
+    assert plain.ctx_rule == "target" and plain.n_ctx_slot == 32768     # one request's context, as the plan says
 
 
 @pytest.mark.real_model
@@ -224,8 +281,16 @@ def test_zmq_client_and_engine_loop(tmp_path):
             if not slots[0]["is_processing"]:
                 break
             await asyncio.sleep(0.05)
-        assert slots == [{"id": 0, "n_ctx": 64, "is_processing": False, "id_task": -1}]
+        assert [(e["id"], e["is_processing"], e["req_id"]) for e in slots] == [(0, False, "b")]
+        assert slots[0]["next_token"][0]["has_next_token"] is False
         assert model.n_decode < 3 + 30, "the cancel stopped request b long before its slot filled (62 steps)"
+        # stopping: end_all ends a request still generating with "shutdown", naming why
+        gen = client.generate(EngineRequest("d", (1,), -1, greedy))
+        assert (await gen.__anext__()).token == 2 and client.n_in_flight == 1
+        client.end_all("the server is shutting down (SIGTERM)")
+        rest = [o async for o in gen]
+        assert rest[-1].finish == "shutdown" and rest[-1].error == "the server is shutting down (SIGTERM)"
+        assert client.n_in_flight == 0
         await client.shutdown("test")
         loop.join(10)
         assert result["why"] == "shutdown: test"

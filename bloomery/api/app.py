@@ -11,10 +11,12 @@ import time
 import uuid
 from typing import Awaitable, Callable
 
-from bloomery.api import chat, completion, props, tokenize
+from collections import OrderedDict
+
+from bloomery.api import chat, completion, props, slots, tokenize
 from bloomery.api.generate import Generation
 from bloomery.api.params import GenParams
-from bloomery.engine.types import ModelInfo
+from bloomery.engine.types import ModelInfo, SamplingParams
 from bloomery.http.types import ApiError, Request, Response, StreamResponse
 
 
@@ -43,6 +45,8 @@ for _path in ("/health", "/v1/health"):
 for _path in ("/v1/models", "/models"):
     ROUTES["GET", _path] = props.handle_models
 ROUTES["GET", "/props"] = props.handle_props
+ROUTES["GET", "/slots"] = slots.handle_slots
+ROUTES["GET", "/metrics"] = slots.handle_metrics
 ROUTES["POST", "/tokenize"] = tokenize.handle_tokenize
 ROUTES["POST", "/detokenize"] = tokenize.handle_detokenize
 ROUTES["POST", "/apply-template"] = chat.handle_apply_template
@@ -53,23 +57,34 @@ for _path in ("/v1/chat/completions", "/chat/completions"):
     ROUTES["POST", _path] = chat.handle_chat
 
 
+N_RECENT = 64     # generations remembered for /slots (a slot's last request may be this far back)
+
+
 class App:
-    def __init__(self, tokenizer, template, client, info: ModelInfo, *, n_predict_default: int = -1,
-                 alias: str | None = None, model_meta: dict | None = None, endpoint_slots: bool = True,
-                 endpoint_metrics: bool = False, log: Callable[[str], None] = _stderr):
+    """sampling_defaults / n_predict_default: what a request gets for a field it leaves out (the server's
+    --temp, --top-k, ..., --seed and -n, as llama-server's flags set its request defaults).
+    endpoint_slots: GET /slots is served (--no-slots: 501). metrics_requested: --metrics was given;
+    /metrics answers 501 either way in this version, naming which."""
+
+    def __init__(self, tokenizer, template, client, info: ModelInfo, *,
+                 sampling_defaults: SamplingParams | None = None, n_predict_default: int = -1,
+                 alias: str | None = None, endpoint_slots: bool = True, metrics_requested: bool = False,
+                 log: Callable[[str], None] = _stderr):
         self.tok = tokenizer
         self.template = template
         self.client = client
         self.info = info
+        self.sampling_defaults = sampling_defaults or SamplingParams()
         self.n_predict_default = n_predict_default
         self.model_name = alias or info.name
-        self.model_meta = model_meta or {}          # n_embd, vocab_type, ftype: GGUF facts ModelInfo lacks
         self.endpoint_slots = endpoint_slots
-        self.endpoint_metrics = endpoint_metrics
+        self.metrics_requested = metrics_requested
         self.log = log
         self.created = int(time.time())
         self.media_marker = f"<__media_{uuid.uuid4().hex}__>"
         self._task_ids = itertools.count()
+        self.recent: OrderedDict[str, Generation] = OrderedDict()   # req_id -> its Generation (for /slots)
+        self.last_of_slot: dict[int, Generation] = {}               # what fell out of `recent`, per slot
 
     async def dispatch(self, req: Request) -> Response | StreamResponse:
         handler = ROUTES.get((req.method.upper(), req.path))
@@ -87,12 +102,8 @@ class App:
     # --- what the route modules share ---
 
     def gen_defaults(self) -> dict:
-        return {"n_predict_default": self.n_predict_default, "n_vocab": self.tok.n_vocab,
-                "eog_ids": frozenset(self.tok.eog_ids)}
-
-    def slot_id(self) -> int:
-        # TokenOut does not say which slot ran the request; with one slot it can only be slot 0
-        return 0 if self.info.n_slots == 1 else -1
+        return {"n_predict_default": self.n_predict_default, "sampling_defaults": self.sampling_defaults,
+                "n_vocab": self.tok.n_vocab, "eog_ids": frozenset(self.tok.eog_ids)}
 
     def sse_headers(self) -> list[tuple[str, str]]:
         return [("content-type", "text/event-stream"), ("x-accel-buffering", "no")]
@@ -107,6 +118,20 @@ class App:
         if len(prompt_ids) >= n_ctx:
             raise ExceedContextError(len(prompt_ids), n_ctx)
         task_id = next(self._task_ids)
-        return Generation(tok=self.tok, client=self.client, req_id=f"cmpl-{task_id}-{uuid.uuid4().hex[:8]}",
-                          task_id=task_id, path=path, prompt_ids=prompt_ids, params=params,
-                          n_ctx_slot=n_ctx, log=self.log)
+        gen = Generation(tok=self.tok, client=self.client, req_id=f"cmpl-{task_id}-{uuid.uuid4().hex[:8]}",
+                         task_id=task_id, path=path, prompt_ids=prompt_ids, params=params,
+                         n_ctx_slot=n_ctx, log=self.log)
+        self.recent[gen.req_id] = gen
+        while len(self.recent) > N_RECENT:
+            _, old = self.recent.popitem(last=False)
+            kept = self.last_of_slot.get(old.outcome.slot)
+            if old.outcome.slot >= 0 and (kept is None or kept.task_id < old.task_id):
+                self.last_of_slot[old.outcome.slot] = old     # a slot idle since keeps its last request
+        return gen
+
+    def generation(self, req_id: str) -> Generation | None:
+        """A recent generation by its engine req_id (for /slots' params)."""
+        gen = self.recent.get(req_id)
+        if gen is None:
+            gen = next((g for g in self.last_of_slot.values() if g.req_id == req_id), None)
+        return gen

@@ -5,7 +5,7 @@ import time
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
-from bloomery.api.generate import Generation, Outcome
+from bloomery.api.generate import Outcome
 from bloomery.api.params import Fields, GenParams, field_error, parse_gen_params
 from bloomery.api.shapes import BUILD_INFO, SSE_DONE, completion_id, generation_settings, sse, usage
 from bloomery.http.types import ApiError, Request, Response, StreamResponse
@@ -46,7 +46,7 @@ def llama_final(app: "App", out: Outcome, p: GenParams, prompt: object, *, strea
     body = {
         "index": 0, "content": "" if streamed else out.content,
         "tokens": [] if streamed or not p.return_tokens else out.ids,
-        "id_slot": app.slot_id(), "stop": True, "model": app.model_name,
+        "id_slot": out.slot, "stop": True, "model": app.model_name,
         "tokens_predicted": out.n_gen, "tokens_evaluated": out.n_prompt,
         "generation_settings": generation_settings(p), "prompt": prompt,
         "has_new_line": "\n" in out.content, "truncated": False,
@@ -75,6 +75,7 @@ async def handle_completion(app: "App", req: Request) -> Response | StreamRespon
             async with aclosing(gen.pieces()) as pieces:
                 async for piece in pieces:
                     n_sent += len(piece.ids)
+                    # llama-server's partial chunks say -1; the final one names the slot
                     chunk = {"index": 0, "content": piece.text, "tokens": piece.ids, "stop": False, "id_slot": -1,
                              "tokens_predicted": n_sent, "tokens_evaluated": gen.outcome.n_prompt}
                     if p.n_probs > 0:

@@ -18,7 +18,8 @@ from bloomery.engine.types import EngineRequest, TokenOut
 from bloomery.http.types import ApiError
 
 # llama-server's stop_type -> the reason word of the request log line (serving guide 8.2)
-LOG_REASON = {"eos": "eos", "word": "stop", "limit": "length", "none": "stop", "cancel": "cancel", "error": "error"}
+LOG_REASON = {"eos": "eos", "word": "stop", "limit": "length", "none": "stop", "cancel": "cancel", "error": "error",
+              "shutdown": "shutdown"}
 
 
 @dataclass
@@ -42,6 +43,7 @@ class Outcome:
     prompt_ms: float = 0.0
     predicted_ms: float = 0.0
     cancelled: bool = False
+    slot: int = -1                                      # the slot that ran it (llama-server's id_slot)
 
     @property
     def n_gen(self) -> int:
@@ -94,6 +96,10 @@ class Generation:
         self.outcome = Outcome(n_prompt=len(prompt_ids))
         self._text = TextAssembler(params.stop)
 
+    def current_text(self) -> str:
+        """The text generated so far (what /slots' has_new_line looks at)."""
+        return self._text.text
+
     async def pieces(self) -> AsyncIterator[Piece]:
         out = self.outcome
         p = self.params
@@ -101,7 +107,8 @@ class Generation:
             self._log("stop")
             return
         stop_ids = () if p.ignore_eos else tuple(sorted(self.tok.eog_ids))
-        req = EngineRequest(self.req_id, tuple(self.prompt_ids), p.n_predict, p.sampling, stop_ids, p.cache_prompt)
+        req = EngineRequest(self.req_id, tuple(self.prompt_ids), p.n_predict, p.sampling, stop_ids, p.cache_prompt,
+                            id_task=self.task_id)
         t_first: float | None = None
         pending_ids: list[int] = []
         pending_probs: list[dict] = []
@@ -116,9 +123,15 @@ class Generation:
                     t_first = now
                     out.n_prompt = o.n_prompt or out.n_prompt
                     out.n_cached, out.prompt_ms = o.n_cached, o.prompt_ms
+                if o.slot >= 0:
+                    out.slot = o.slot
                 if o.finish == "error":
                     reason = "error"
                     raise ApiError(500, f"generation failed: {o.error or 'unknown engine error'}", "server_error")
+                if o.finish == "shutdown":   # the server is stopping: a clean error answer, not a cut connection
+                    reason = "shutdown"
+                    raise ApiError(503, f"{o.error or 'the server is shutting down'}; this generation was ended "
+                                        f"after {out.n_gen} ids", "unavailable_error")
                 text = ""
                 if o.token is not None and not (p.n_predict >= 0 and out.n_gen >= p.n_predict):
                     out.ids.append(o.token)

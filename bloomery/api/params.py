@@ -203,6 +203,7 @@ def parse_samplers(f: Fields) -> tuple[str, ...]:
 
 
 def parse_gen_params(f: Fields, *, n_predict_default: int, n_vocab: int, eog_ids: frozenset[int],
+                     sampling_defaults: SamplingParams | None = None,
                      n_predict_names: tuple[str, ...] = ("n_predict", "max_completion_tokens", "max_tokens"),
                      allow_n_probs: bool = True) -> GenParams:
     refuse_unsupported(f)
@@ -211,7 +212,7 @@ def parse_gen_params(f: Fields, *, n_predict_default: int, n_vocab: int, eog_ids
     n_predict = f.int(*n_predict_names, lo=-1, hi=INT32_MAX)
     if n_predict is None or n_predict == -1:
         n_predict = n_predict_default
-    d = SamplingParams()
+    d = sampling_defaults or SamplingParams()      # the server's flags (--temp, ...) over llama-server's own
     samplers = parse_samplers(f)
     seed = f.int("seed", lo=-1, hi=UINT32_MAX)
     n_probs = 0
@@ -235,7 +236,7 @@ def parse_gen_params(f: Fields, *, n_predict_default: int, n_vocab: int, eog_ids
         repeat_last_n=pick(f.int("repeat_last_n", lo=-1, hi=INT32_MAX), d.repeat_last_n),
         presence_penalty=pick(f.float("presence_penalty"), d.presence_penalty),
         frequency_penalty=pick(f.float("frequency_penalty"), d.frequency_penalty),
-        seed=DEFAULT_SEED if seed in (None, -1) else seed,
+        seed=d.seed if seed is None else DEFAULT_SEED if seed == -1 else seed,
         n_probs=n_probs,
         logit_bias=tuple(bias),
     )

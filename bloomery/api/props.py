@@ -43,17 +43,17 @@ async def handle_props(app: "App", req: Request) -> Response:
     if source.endswith("\n"):    # llama-server shows the template as its jinja lexer keeps it: one trailing newline off
         source = source[:-1]
     return Response.json({
-        "default_generation_settings": {"params": default_settings(app.n_predict_default),
+        "default_generation_settings": {"params": default_settings(app.n_predict_default, app.sampling_defaults),
                                         "n_ctx": app.info.n_ctx_slot},
         "total_slots": app.info.n_slots,
         "model_alias": app.model_name,
-        "model_ftype": app.model_meta.get("ftype", ""),
+        "model_ftype": app.info.ftype,
         "model_path": app.info.model_path,
         "modalities": {"vision": False, "video": False, "audio": False},
         "media_marker": app.media_marker,
         "endpoint_slots": app.endpoint_slots,
         "endpoint_props": False,
-        "endpoint_metrics": app.endpoint_metrics,
+        "endpoint_metrics": False,     # /metrics is not served by this version, --metrics or not
         "ui": False,          # bloomery serves no web UI
         "ui_settings": {},
         "chat_template": source,
@@ -67,7 +67,7 @@ async def handle_props(app: "App", req: Request) -> Response:
 
 
 async def handle_models(app: "App", req: Request) -> Response:
-    name, info, meta = app.model_name, app.info, app.model_meta
+    name, info = app.model_name, app.info
     return Response.json({
         "models": [{
             "name": name, "model": name, "modified_at": "", "size": "", "digest": "", "type": "model",
@@ -80,8 +80,8 @@ async def handle_models(app: "App", req: Request) -> Response:
             "id": name, "aliases": [name], "tags": [], "object": "model",
             "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
             "created": app.created, "owned_by": "llamacpp",
-            "meta": {"vocab_type": meta.get("vocab_type", 0), "n_vocab": info.n_vocab, "n_ctx": info.n_ctx_slot,
-                     "n_ctx_train": info.n_ctx_train, "n_embd": meta.get("n_embd", 0),
-                     "n_params": info.n_params, "size": info.size_bytes, "ftype": meta.get("ftype", "")},
+            "meta": {"vocab_type": info.vocab_type, "n_vocab": info.n_vocab, "n_ctx": info.n_ctx_slot,
+                     "n_ctx_train": info.n_ctx_train, "n_embd": info.n_embd,
+                     "n_params": info.n_params, "size": info.size_bytes, "ftype": info.ftype},
         }],
     })

@@ -50,10 +50,16 @@ def _sampling_settings(sp: SamplingParams, *, n_predict: int, ignore_eos: bool, 
     }
 
 
-def default_settings(n_predict_default: int) -> dict:
-    """/props' default_generation_settings.params."""
-    return _sampling_settings(SamplingParams(), n_predict=n_predict_default, ignore_eos=False, stream=False,
-                              samplers=DEFAULT_SAMPLERS)
+def default_settings(n_predict_default: int, sampling_defaults: SamplingParams | None = None) -> dict:
+    """/props' default_generation_settings.params: the server's request defaults (its sampling flags)."""
+    return _sampling_settings(sampling_defaults or SamplingParams(), n_predict=n_predict_default, ignore_eos=False,
+                              stream=False, samplers=DEFAULT_SAMPLERS)
+
+
+def slot_params(p: GenParams) -> dict:
+    """/slots' params of a slot's request (llama-server's to_json(only_metrics): no stop, grammar, bias)."""
+    return _sampling_settings(p.sampling, n_predict=p.n_predict, ignore_eos=p.ignore_eos, stream=p.stream,
+                              samplers=p.samplers)
 
 
 def generation_settings(p: GenParams) -> dict:

@@ -8,6 +8,7 @@ id ("stop", reported in the same output, winning over the other two).
 
 add / cancel / slots / has_work may be called from another thread while step()
 runs: the bookkeeping sits behind a lock that is never held across a model call.
+Every TokenOut names the slot that ran its request (-1 for one that never had one).
 """
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ class Engine:
         self.scheduler = Scheduler(n_slots, n_ctx_slot, max_queue)
         self._lock = threading.Lock()
         self._cancels: list[str] = []
+        # per slot, its current or last request's counts (llama-server's /slots keeps task_prev too)
+        self._last: dict[int, dict] = {}
 
     # -- called from any thread ------------------------------------------------
     def add(self, req: EngineRequest) -> None:
@@ -53,8 +56,26 @@ class Engine:
             return bool(self._cancels) or self.scheduler.has_work()
 
     def slots(self) -> list[dict]:
+        """llama-server's /slots entries as far as the engine knows them: id, n_ctx, speculative,
+        is_processing; with id_task, req_id, n_prompt_tokens*, next_token once a request ran there."""
         with self._lock:
-            return self.scheduler.table()
+            out = []
+            for slot in self.scheduler.slots:
+                entry = {"id": slot.id, "n_ctx": slot.n_ctx_slot, "speculative": False,
+                         "is_processing": slot.is_processing}
+                last = self._last.get(slot.id)
+                if last is not None:
+                    running = slot.is_processing and slot.req.req_id == last["req_id"]
+                    n_decoded = slot.n_decoded if running else last["n_decoded"]
+                    n_remain = -1 if last["n_predict"] < 0 else max(last["n_predict"] - n_decoded, 0)
+                    # has_new_line is text: the front fills it in (the engine sees ids only)
+                    entry.update(id_task=last["id_task"], req_id=last["req_id"],
+                                 n_prompt_tokens=last["n_prompt"], n_prompt_tokens_processed=last["n_processed"],
+                                 n_prompt_tokens_cache=last["n_cached"],
+                                 next_token=[{"has_next_token": running, "n_remain": n_remain,
+                                              "n_decoded": n_decoded}])
+                out.append(entry)
+            return out
 
     def abort_all(self, message: str) -> list[TokenOut]:
         """Finish every queued and running request with "error" (after a fault in step)."""
@@ -63,7 +84,8 @@ class Engine:
             for req in list(self.scheduler.waiting):
                 self.scheduler.cancel(req.req_id)
             for slot in self.scheduler.busy():
-                outs.append(TokenOut(slot.req.req_id, None, "error", error=message))
+                outs.append(TokenOut(slot.req.req_id, None, "error", error=message, slot=slot.id))
+                self._note_done(slot.id, slot.req.req_id, slot.n_decoded)
                 self.scheduler.forget(slot)
                 self.scheduler.release(slot)
             self._cancels.clear()
@@ -75,10 +97,19 @@ class Engine:
         with self._lock:
             cancels, self._cancels = self._cancels, []
             for req_id in cancels:
-                if self.scheduler.cancel(req_id) is not False:
-                    outs.append(TokenOut(req_id, None, "cancel"))
+                got = self.scheduler.cancel(req_id)
+                if got is not False:   # True: it was waiting (no slot); a Slot: it ran there (now released)
+                    if got is not True:
+                        self._note_done(got.id, req_id, got.n_decoded)
+                    outs.append(TokenOut(req_id, None, "cancel", slot=got.id if got is not True else -1))
             decoding = [s for s in self.scheduler.busy() if s.next_id is not None]
             admitted = self.scheduler.schedule()
+            for slot in admitted:
+                req = slot.req
+                self._last[slot.id] = {"req_id": req.req_id, "id_task": req.id_task, "n_predict": req.n_predict,
+                                       "n_prompt": len(req.prompt_ids), "n_cached": slot.n_cached,
+                                       "n_processed": len(req.prompt_ids) - slot.n_cached,
+                                       "n_decoded": 0}
         for slot in admitted:
             outs.append(self._prefill(slot))
         if decoding:
@@ -140,16 +171,24 @@ class Engine:
             if s.token in st.stop_ids:
                 finish = "stop"
             if finish is not None:
+                self._note_done(slot.id, req.req_id, slot.n_decoded)
                 self.scheduler.release(slot)
         return TokenOut(req.req_id, s.token, finish, logprob=s.logprob, top=s.top,
                         n_prompt=n_prompt if first else 0,
                         n_cached=slot.n_cached if first else 0,
-                        prompt_ms=st.prompt_ms if first else 0.0)
+                        prompt_ms=st.prompt_ms if first else 0.0, slot=slot.id)
+
+    def _note_done(self, slot_id: int, req_id: str, n_decoded: int) -> None:
+        """Keep the finished request's counts for /slots (the lock is held)."""
+        last = self._last.get(slot_id)
+        if last is not None and last["req_id"] == req_id:
+            last["n_decoded"] = n_decoded
 
     def _fail(self, slot: Slot, err: Exception, n_prompt: int = 0, n_cached: int = 0) -> TokenOut:
         req_id = slot.req.req_id
         with self._lock:
+            self._note_done(slot.id, req_id, slot.n_decoded)
             self.scheduler.forget(slot)
             self.scheduler.release(slot)
         message = f"{type(err).__name__}: {err}" if not isinstance(err, SamplerError) else str(err)
-        return TokenOut(req_id, None, "error", n_prompt=n_prompt, n_cached=n_cached, error=message)
+        return TokenOut(req_id, None, "error", n_prompt=n_prompt, n_cached=n_cached, error=message, slot=slot.id)

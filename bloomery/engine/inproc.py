@@ -58,6 +58,16 @@ class InProcessEngineClient:
     def slots(self) -> list[dict]:
         return self.engine.slots()
 
+    async def query_slots(self, timeout_s: float = 5.0) -> list[dict]:
+        """The same as slots() (the table is in this process); the zmq client asks the engine process."""
+        return self.engine.slots()
+
+    @property
+    def n_in_flight(self) -> int:
+        """Requests whose generate() is still being read."""
+        with self._routes_lock:
+            return len(self._routes)
+
     def close(self, timeout_s: float = 5.0) -> None:
         with self._wake:
             self._closed = True

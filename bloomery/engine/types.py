@@ -36,6 +36,7 @@ class EngineRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_ids: tuple[int, ...] = ()            # end-of-generation ids (EOS/EOT); empty under ignore_eos
     cache_prompt: bool = True                 # reuse the slot's cached prefix when it matches
+    id_task: int = -1                         # the front's task number (what /slots reports as id_task)
 
 
 @dataclass(frozen=True)
@@ -51,13 +52,15 @@ class TokenOut:
 
     req_id: str
     token: int | None                         # None only on a finish without a new token (cancel, error)
-    finish: str | None = None                 # None while running; "stop" (a stop id), "length", "cancel", "error"
+    finish: str | None = None                 # None while running; "stop" (a stop id), "length", "cancel", "error",
+                                              # "shutdown" (the front's client ends it: the server is stopping)
     logprob: float | None = None              # log-softmax of the chosen id (when n_probs > 0)
     top: tuple[TokenProb, ...] = ()           # top n_probs candidates, most likely first (when n_probs > 0)
     n_prompt: int = 0                         # prompt ids of the request (set on its first output)
     n_cached: int = 0                         # prompt ids reused from the slot's cache (first output)
     prompt_ms: float = 0.0                    # prompt pass wall time (first output)
-    error: str | None = None                  # message when finish == "error"
+    error: str | None = None                  # message when finish is "error" or "shutdown"
+    slot: int = -1                            # the slot that ran the request; -1 when none did (queued, refused)
 
 
 @dataclass(frozen=True)
@@ -73,5 +76,8 @@ class ModelInfo:
     n_ctx_train: int
     backend: str               # "numpy" or "cuda"
     model_path: str
-    n_params: int = 0
-    size_bytes: int = 0
+    n_params: int = 0          # elements of every tensor (llama_model_n_params)
+    size_bytes: int = 0        # bytes of every tensor as stored (llama_model_size), not the file's size
+    n_embd: int = 0            # {arch}.embedding_length
+    vocab_type: int = 0        # llama.cpp's enum: 0 none, 1 SPM, 2 BPE, 3 WPM, 4 UGM, 5 RWKV, 6 PLaMo-2
+    ftype: str = ""            # llama_ftype_name of general.file_type ("Q4_K - Medium"), "(guessed) ..." without it

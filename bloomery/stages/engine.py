@@ -49,11 +49,14 @@ def _input_thread(ctx: zmq.Context, req_addr: str, inbox: queue.Queue, stop: thr
 
 
 def model_info(args: dict, facts: dict, model) -> ModelInfo:
+    """ModelInfo from the loaded model and the plan's facts (the GGUF facts of stages/meta.py)."""
     name = args.get("alias") or facts.get("general_name") or Path(args["model_file"]).stem
     return ModelInfo(name=name, arch=str(model.arch), n_ctx=facts["n_ctx"], n_ctx_slot=facts["n_ctx_slot"],
                      n_slots=facts["n_slots"], n_vocab=int(model.n_vocab), n_ctx_train=int(model.n_ctx_train),
                      backend=facts["backend"], model_path=args["model_file"],
-                     n_params=int(getattr(model, "n_params", 0)), size_bytes=os.path.getsize(args["model_file"]))
+                     n_params=int(facts.get("n_params", 0)), size_bytes=int(facts.get("size_bytes", 0)),
+                     n_embd=int(facts.get("n_embd", 0)), vocab_type=int(facts.get("vocab_type", 0)),
+                     ftype=str(facts.get("ftype", "")))
 
 
 def serve(engine, inbox: queue.Queue, push: zmq.Socket, ppid: int) -> str:
@@ -96,9 +99,10 @@ def serve(engine, inbox: queue.Queue, push: zmq.Socket, ppid: int) -> str:
         if outs:
             push.send(em.encode(em.Tokens(tuple(outs))))
         slots = engine.slots()
-        if slots != last_slots:      # /slots reads the latest table without a round trip
-            push.send(em.encode(em.SlotsReply("", tuple(slots))))
-            last_slots = slots
+        summary = [(e["id"], e["is_processing"], e.get("req_id")) for e in slots]
+        if summary != last_slots:    # client.slots() reads the latest table without a round trip; pushed when
+            push.send(em.encode(em.SlotsReply("", tuple(slots))))   # a slot takes or ends a request, not per id
+            last_slots = summary
 
 
 def main(args: dict) -> int:

@@ -4,7 +4,8 @@ Opens the header through bloomery.gguf_file (a truncated or corrupt file is
 refused by name here), checks the seat against the file's architecture, takes
 the census, picks the backend and computes the plan through bloomery.plan.
 Sends PlanDone with the plan records (the supervisor prints them; --plan stops
-after them) and the facts the engine stage needs.
+after them) and the facts the engine stage needs, the model facts of
+/v1/models and /props among them (stages/meta.py).
 """
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ from bloomery import records
 from bloomery.messages import stage as sm
 from bloomery.settings import SEATS
 from bloomery.stages.common import StageRefusal, run_stage
-
-MAX_AUTO_SLOTS = 8
+from bloomery.stages.meta import model_meta
 
 
 def choose_backend(device: str, card_free_bytes: tuple[int, ...]) -> tuple[str, str]:
@@ -46,26 +46,20 @@ def check_ngl(ngl: str | None, n_layer: int) -> None:
 
 
 def make(args: dict, gf, census):
-    """The Plan for these settings (PlanError / StageRefusal name what does not fit)."""
+    """(the Plan for these settings, why this backend); PlanError / StageRefusal name what does not fit.
+    --parallel auto is bloomery.plan's own rule (make_plan takes n_parallel="auto")."""
     from bloomery.plan import PlanError, make_plan, model_facts
 
     facts = model_facts(gf)
     check_ngl(args.get("ngl"), facts.n_layer)
     backend, why = choose_backend(args.get("device", "auto"), census.card_free_bytes)
-    ctx = args.get("ctx_size") or 0
-    slot_ctx = args.get("slot_ctx") or 0
+    parallel = args.get("parallel", 1)
+    n_parallel = "auto" if parallel == "auto" else int(parallel)
     try:
-        if args.get("parallel", 1) != "auto":
-            return make_plan(facts, census, backend, ctx, int(args.get("parallel", 1)), slot_ctx), why, "set"
-        one = make_plan(facts, census, backend, 0, 1, slot_ctx)     # one request's context first
-        for n in range(MAX_AUTO_SLOTS, 0, -1):
-            try:
-                return make_plan(facts, census, backend, 0, n, one.n_ctx_slot), why, "auto"
-            except PlanError:
-                continue
-        return one, why, "auto"
+        plan = make_plan(facts, census, backend, args.get("ctx_size") or 0, n_parallel, args.get("slot_ctx") or 0)
     except PlanError as e:
         raise StageRefusal(str(e)) from None
+    return plan, why
 
 
 def main(args: dict) -> int:
@@ -80,20 +74,20 @@ def main(args: dict) -> int:
     try:
         arch = check_seat(args.get("seat"), gf.arch(), path)
         census = take_census()
-        plan, backend_why, parallel_from = make(args, gf, census)
+        plan, backend_why = make(args, gf, census)
         name = gf.get("general.name")
+        meta = model_meta(gf)
     finally:
         gf.close()
     recs = []
     for message, kv in plan.records():
         if message == "plan":
             kv = {**kv, "backend_from": backend_why}
-        if message == "parallel":
-            kv = {**kv, "from": parallel_from}
         recs.append(sm.Record("plan", "plan", message, {k: _scalar(v) for k, v in kv.items()}))
     facts = {"n_ctx": plan.n_ctx, "n_ctx_slot": plan.n_ctx_slot, "n_slots": plan.n_slots, "backend": plan.backend,
              "arch": arch, "n_ctx_train": plan.n_ctx_train, "ctx_rule": plan.ctx_rule,
-             "general_name": name if isinstance(name, str) else None, "weights_bytes": plan.weights_bytes}
+             "general_name": name if isinstance(name, str) else None, "weights_bytes": plan.weights_bytes,
+             "parallel_from": plan.parallel_from, **meta}
     records.send(sm.PlanDone(tuple(recs), facts))
     return 0
 

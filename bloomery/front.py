@@ -1,0 +1,97 @@
+"""The supervisor's HTTP front: the gate every request passes, and the App built after READY.
+
+Gate: on headers, before the body is read (HttpServer's precheck): OPTIONS passes,
+then the phase gate (503 "Loading model" while loading, 503 "Server is shutting
+down" once draining), then the API key (401), in llama-server's order; dispatch
+checks the phase again (a request that passed precheck just before a signal).
+build_front reads the tokenizer and chat template from the GGUF header (no weights).
+"""
+from __future__ import annotations
+
+import os
+
+from bloomery.http.types import Response
+from bloomery.lifecycle import Lifecycle
+from bloomery.records import record
+from bloomery.settings import Settings
+
+PUBLIC_PATHS = ("/health", "/v1/health")
+
+
+class Gate:
+    def __init__(self, life: Lifecycle, api_keys: tuple[str, ...]):
+        self.life = life
+        self.api_keys = api_keys
+        self.app = None                 # the App, once the engine is READY
+
+    def phase_response(self) -> Response | None:
+        gate = self.life.gate()
+        return None if gate is None else Response.json(gate[1], status=gate[0])
+
+    def precheck(self, req) -> Response | None:
+        if req.method == "OPTIONS":
+            return None
+        early = self.phase_response()
+        if early is not None or not self.api_keys or req.path in PUBLIC_PATHS:
+            return early
+        key = req.headers.get("authorization") or req.headers.get("x-api-key") or ""
+        key = key[len("Bearer "):] if key.startswith("Bearer ") else key
+        if key in self.api_keys:
+            return None
+        return Response.json({"error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}},
+                             status=401)
+
+    async def dispatch(self, req):
+        early = self.phase_response()
+        if early is not None or self.app is None:
+            return early or Response.json(self.life.gate()[1], status=503)
+        return await self.app.dispatch(req)
+
+
+def make_app(s: Settings, tokenizer, template, client, info):
+    """The API App with the server's request defaults and endpoint switches from the settings."""
+    from bloomery.api.app import App
+
+    return App(tokenizer, template, client, info, sampling_defaults=s.sampling(), n_predict_default=s.n_predict,
+               alias=s.alias, endpoint_slots=s.endpoint_slots, metrics_requested=s.metrics)
+
+
+def choice_records(s: Settings, facts: dict) -> None:
+    """One record per choice the start made, after the plan (the ctx/parallel lines come from the plan)."""
+    record("start", "model", path=s.model_file, seat=facts.get("arch"), source="--model" if s.seat else "file arch")
+    record("start", "backend", backend=facts.get("backend"), device=s.device, source=s.sources.get("device", "default"))
+    record("start", "alias", name=s.alias or facts.get("general_name") or os.path.basename(s.model_file or ""),
+           source="--alias" if s.alias else "general.name" if facts.get("general_name") else "file name")
+    record("start", "n_predict", default=s.n_predict, source=s.sources.get("n_predict", "default"))
+    record("start", "api keys", n_keys=len(s.api_keys), public=list(PUBLIC_PATHS) if s.api_keys else "all")
+    record("start", "chat template", source=s.chat_template_file or "the GGUF's tokenizer.chat_template")
+    if s.sampling_defaults:
+        record("start", "sampling defaults: requests that leave these out get them", **s.sampling_defaults)
+    record("start", "endpoints", slots=s.endpoint_slots, metrics="not served (501)")
+
+
+def build_front(path: str, s: Settings):
+    """Tokenizer and chat template from the GGUF header (no weights), in a worker thread."""
+    from bloomery.chat_template import ChatTemplate
+    from bloomery.gguf_file import open_gguf
+    from bloomery.stage_runner import StageFailed
+    from bloomery.tokenizer import Tokenizer
+
+    with open_gguf(path) as gf:
+        md = gf.metadata
+        tok = Tokenizer.from_gguf(md)
+        if s.chat_template_file:
+            source, origin = open(s.chat_template_file, encoding="utf-8").read(), s.chat_template_file
+        else:
+            source, origin = md.get("tokenizer.chat_template"), "the GGUF's tokenizer.chat_template"
+        if not isinstance(source, str):
+            raise StageFailed("load", f"{path}: no tokenizer.chat_template; give --chat-template-file")
+        template = ChatTemplate(source, bos_token=_piece(tok, tok.bos_id), eos_token=_piece(tok, tok.eos_id),
+                                add_bos=bool(tok.add_bos), add_eos=bool(getattr(tok, "add_eos", False)), origin=origin)
+    return tok, template
+
+
+def _piece(tok, token_id) -> str:
+    if token_id is None or token_id < 0:
+        return ""
+    return tok.token_to_piece(token_id).decode("utf-8", "replace")

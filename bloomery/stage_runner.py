@@ -1,0 +1,119 @@
+"""The supervisor's stage processes: start one, read what the stages send, wait for an outcome.
+
+A stage runs as `python -m bloomery.stages.NAME RECORDS_ADDR ARGS_JSON` in its own
+process group (so a terminal's Ctrl-C reaches the supervisor only). Every stage PUSHes
+records and one outcome (FetchDone, PlanDone, Ready) or Dead to the supervisor's PULL
+socket at RECORDS_ADDR, in a private 0700 runtime folder.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+
+from bloomery import records
+from bloomery.messages import stage as sm
+from bloomery.records import record
+
+
+class StageFailed(Exception):
+    def __init__(self, stage: str, reason: str):
+        super().__init__(f"{stage}: {reason}")
+        self.stage, self.reason = stage, reason
+
+
+def runtime_dir() -> str:
+    """A private 0700 folder for the ipc sockets: $XDG_RUNTIME_DIR/bloomery-<pid>, else a tempdir."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if base and os.path.isdir(base) and os.access(base, os.W_OK):
+        path = os.path.join(base, f"bloomery-{os.getpid()}")
+        shutil.rmtree(path, ignore_errors=True)   # a stale folder of a dead process with our pid
+        os.mkdir(path, 0o700)
+    else:
+        path = tempfile.mkdtemp(prefix=f"bloomery-{os.getpid()}-")
+    os.chmod(path, 0o700)
+    return path
+
+
+def signal_name(returncode: int | None) -> str:
+    if returncode is not None and returncode < 0:
+        try:
+            return signal.Signals(-returncode).name
+        except ValueError:
+            pass
+    return f"exit {returncode}"
+
+
+class StageRunner:
+    """Starts stages and hands their outcomes over; `stop` (set on SIGINT/SIGTERM) ends any wait."""
+
+    def __init__(self, stage_addr: str, stop: asyncio.Event, phase=lambda: "-"):
+        self.stage_addr = stage_addr
+        self.stop = stop
+        self.phase = phase                     # the current phase's name, for the records
+        self.procs: dict[str, asyncio.subprocess.Process] = {}
+        self.outcomes: asyncio.Queue = asyncio.Queue()
+
+    async def read_messages(self, pull) -> None:
+        """Relay records to stderr, queue outcomes; runs as a task until cancelled."""
+        while True:
+            data = await pull.recv()
+            try:
+                msg = sm.decode(data)
+            except Exception as e:   # MessageError: a stage bug; say so and go on
+                record("serve", "stage message refused", level="error", error=str(e))
+                continue
+            if isinstance(msg, sm.Record):
+                records.emit(msg)
+            elif isinstance(msg, sm.Progress):
+                record(msg.phase, "progress", component=msg.component, done=msg.done, total=msg.total, unit=msg.unit)
+            else:
+                self.outcomes.put_nowait(msg)
+
+    async def start(self, name: str, args: dict) -> asyncio.subprocess.Process:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", f"bloomery.stages.{name}", self.stage_addr, json.dumps(args),
+            stdin=asyncio.subprocess.DEVNULL, start_new_session=True)   # own group: Ctrl-C reaches us only
+        self.procs[name] = proc
+        record(self.phase(), "stage started", stage=name, pid=proc.pid)
+        return proc
+
+    async def next_outcome(self, name: str, proc) -> object:
+        """The stage's next outcome message; StageFailed when it dies or sends Dead; None on stop."""
+        waits = {asyncio.ensure_future(self.outcomes.get()), asyncio.ensure_future(proc.wait()),
+                 asyncio.ensure_future(self.stop.wait())}
+        try:
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        got = [w.result() for w in done if w.done() and not w.cancelled()]
+        msg = next((g for g in got if isinstance(g, (sm.FetchDone, sm.PlanDone, sm.Ready, sm.Dead))), None)
+        if msg is None and proc.returncode is not None:
+            try:   # the outcome may still be on its way behind the exit
+                msg = await asyncio.wait_for(self.outcomes.get(), 1.0)
+            except asyncio.TimeoutError:
+                raise StageFailed(name, f"exited with status {proc.returncode} "
+                                  f"({signal_name(proc.returncode)}) before it finished") from None
+        if msg is None:
+            return None           # stop requested
+        if isinstance(msg, sm.Dead):
+            raise StageFailed(msg.stage, msg.reason)
+        return msg
+
+    def kill_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.returncode is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)   # each stage leads its own process group
+                except ProcessLookupError:
+                    pass
+
+    async def reap(self) -> None:
+        for proc in self.procs.values():
+            if proc.returncode is None:
+                await proc.wait()

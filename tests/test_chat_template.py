@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from bloomery import chat_template as ct
+from bloomery.chat_template import sandbox
 from bloomery.chat_template import ChatTemplate, TemplateError, encode_segments, template_args
 
 REPO = Path(__file__).resolve().parents[1]
@@ -229,7 +230,7 @@ def test_sandbox_blocks_internals():
 
 
 def test_runaway_output_is_bounded(monkeypatch):
-    monkeypatch.setattr(ct, "MAX_OUTPUT_CHARS", 1 << 20)
+    monkeypatch.setattr(sandbox, "MAX_OUTPUT_CHARS", 1 << 20)
     tmpl = ChatTemplate("{% for i in range(100000) %}{{ messages[0].content }}{% endfor %}")
     with pytest.raises(TemplateError, match="more than 1048576 characters"):
         tmpl.render([{"role": "user", "content": "x" * 100}])
@@ -241,3 +242,12 @@ def test_nested_loops_are_bounded():
     tmpl = ChatTemplate("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
     with pytest.raises(TemplateError, match="range items"):
         tmpl.render([{"role": "user", "content": "x"}])
+
+
+def test_tojson_sort_keys_sorts_by_plain_text():
+    # Client keys carry hidden marks; sorting must see the characters a client sent.
+    from bloomery.chat_template import ChatTemplate
+
+    t = ChatTemplate("{{ extra | tojson(sort_keys=true) }}", bos_token="", eos_token="")
+    out = t.render([{"role": "user", "content": "x"}], extra={"ab": 1, "abc": 2, "a": 3}).text
+    assert out == '{"a": 3, "ab": 1, "abc": 2}'

@@ -201,3 +201,17 @@ def test_unknown_routes_are_404_naming_method_and_path(method, path):
     assert isinstance(r, Response) and r.status == 404
     assert json.loads(r.body) == {"error": {"code": 404, "message": f"File Not Found: {method} {path}",
                                             "type": "not_found_error"}}
+
+
+def test_reasoning_effort_reaches_the_template_and_bad_words_are_refused():
+    from bloomery.chat_template import ChatTemplate
+
+    tmpl = ChatTemplate("{{ enable_thinking is defined and enable_thinking }}|{{ reasoning_effort | default('-') }}")
+    app = App(MiniTok(), tmpl, ScriptedClient([]), INFO, log=lambda line: None)
+    msgs = [{"role": "user", "content": "hi"}]
+    assert json.loads(post(app, "/apply-template", {"messages": msgs, "reasoning_effort": "none"}).body)["prompt"] == "False|-"
+    assert json.loads(post(app, "/apply-template", {"messages": msgs, "reasoning_effort": "high"}).body)["prompt"].endswith("|high")
+    kw = {"messages": msgs, "reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}}
+    assert json.loads(post(app, "/apply-template", kw).body)["prompt"].startswith("True|")
+    r = post(app, "/apply-template", {"messages": msgs, "reasoning_effort": "huge"})
+    assert r.status == 400 and b"reasoning_effort" in r.body

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from bloomery.api.params import Fields, field_error, parse_gen_params
 from bloomery.api.shapes import BUILD_INFO, SSE_DONE, completion_id, sse, usage
+from bloomery.chat_template import template_args
 from bloomery.http.types import ApiError, Request, Response, StreamResponse
 
 if TYPE_CHECKING:
@@ -29,6 +30,10 @@ def read_messages(f: Fields) -> list:
     return got[1]
 
 
+# OpenAI's words, and "max" (the serving guide, 11.3); "none" turns thinking off.
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
 def render_chat(app: "App", f: Fields):
     """The template's rendering of a chat request (messages, tools, chat_template_kwargs)."""
     messages = read_messages(f)
@@ -38,11 +43,14 @@ def render_chat(app: "App", f: Fields):
     kwargs = f.raw("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs[1], dict):
         raise field_error("chat_template_kwargs", "must be an object")
+    effort = f.raw("reasoning_effort")
+    if effort is not None and effort[1] not in REASONING_EFFORTS:
+        raise field_error("reasoning_effort", f"must be one of {', '.join(REASONING_EFFORTS)}, got {effort[1]!r}")
     add_gen = f.bool("add_generation_prompt")
     try:
         return app.template.render(messages, tools=tools[1] if tools else None,
                                    add_generation_prompt=True if add_gen is None else add_gen,
-                                   **(kwargs[1] if kwargs else {}))
+                                   **template_args(kwargs[1] if kwargs else None, effort[1] if effort else None))
     except ApiError:
         raise
     except Exception as e:   # TemplateError names the message or tool at fault; a request made it fail

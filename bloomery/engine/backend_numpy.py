@@ -1,0 +1,233 @@
+"""The numpy backend of the ops: llama.cpp's CPU numerics on the host.
+
+Each op mirrors the ggml-cpu kernel llama.cpp runs for it (named in its
+docstring), including where it rounds: activations quantized to the weight's
+vec_dot partner type, F16 where ggml uses F16, float64 where ggml sums in
+ggml_float. Weights stay as the GGUF's bytes until first use; a weight's
+integer planes are then decoded once and kept (about 4 bytes per parameter).
+
+Legend: T = tokens, D = hidden, N = weight rows, K = weight row length,
+E = experts, A = experts used per token, H = heads, Dh = head size.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+from typing import Sequence
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from bloomery.engine import quant
+from bloomery.engine.kv_cache import KVCache
+from bloomery.engine.ops import AttnSpan
+
+
+class NumpyWeight:
+    """A stored tensor: raw bytes (an mmap view) plus lazily decoded forms."""
+
+    def __init__(self, ggml_type: int, shape: Sequence[int], data: np.ndarray, cache_planes: bool = True):
+        self.ggml_type = int(ggml_type)
+        self.shape = tuple(int(s) for s in shape)                      # ne order: shape[0] = row length
+        self.data = data
+        self.cache_planes = cache_planes
+        self._planes: quant.Planes | None = None
+        self._dense: np.ndarray | None = None
+        self._experts: list[NumpyWeight] | None = None
+
+    @property
+    def n_cols(self) -> int:
+        return self.shape[0]
+
+    @property
+    def n_rows(self) -> int:
+        return int(np.prod(self.shape[1:2])) if len(self.shape) > 1 else 1
+
+    def expert(self, e: int) -> "NumpyWeight":
+        """Expert e of a [K, N, E] stack: its bytes are one contiguous slice."""
+        if self._experts is None:
+            n_exp = self.shape[2]
+            per = self.data.size // n_exp
+            self._experts = [NumpyWeight(self.ggml_type, self.shape[:2], self.data[i * per:(i + 1) * per],
+                                         self.cache_planes) for i in range(n_exp)]
+        return self._experts[e]
+
+    def dense(self) -> np.ndarray:
+        """Float32 [N, K] (F32 / F16 weights, and types with no exact integer path)."""
+        if self._dense is not None:
+            return self._dense
+        out = quant.dequantize(self.ggml_type, self.data, self.n_rows, self.n_cols)
+        if self.cache_planes:
+            self._dense = out
+        return out
+
+    def planes(self) -> quant.Planes:
+        if self._planes is not None:
+            return self._planes
+        p = quant.decode_planes(self.ggml_type, self.data, self.n_rows, self.n_cols)
+        if self.cache_planes:
+            self._planes = p
+        return p
+
+
+def _f32(x) -> np.ndarray:
+    return np.asarray(x, dtype=np.float32)
+
+
+def _vec(w) -> np.ndarray:
+    """A 1-D weight handle (norm weights, biases) or array as float32."""
+    if isinstance(w, NumpyWeight):
+        return w.dense().reshape(-1)
+    return _f32(w)
+
+
+_LIBM = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
+for _fn in ("cosf", "sinf", "powf"):
+    getattr(_LIBM, _fn).restype = ctypes.c_float
+_LIBM.cosf.argtypes = _LIBM.sinf.argtypes = [ctypes.c_float]
+_LIBM.powf.argtypes = [ctypes.c_float, ctypes.c_float]
+_ROPE_ROWS: dict[tuple[int, int, float], tuple[np.ndarray, np.ndarray]] = {}
+
+
+def rope_table(positions: np.ndarray, n_rot: int, freq_base: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin [T, n_rot/2] as ggml_rope_cache_init builds them: theta starts at the
+    position and is multiplied by powf(base, -2/n_rot) in f32 per pair; libm's cosf and
+    sinf (not always correctly rounded, so we call the same ones). Rows are cached."""
+    half = n_rot // 2
+    cos = np.empty((len(positions), half), np.float32)
+    sin = np.empty_like(cos)
+    for r, p in enumerate(positions.tolist()):
+        key = (int(p), n_rot, float(freq_base))
+        row = _ROPE_ROWS.get(key)
+        if row is None:
+            theta_scale = np.float32(_LIBM.powf(np.float32(freq_base), np.float32(-2.0) / np.float32(n_rot)))
+            theta = np.float32(p)
+            c_row, s_row = np.empty(half, np.float32), np.empty(half, np.float32)
+            for i in range(half):
+                c_row[i], s_row[i] = _LIBM.cosf(theta), _LIBM.sinf(theta)
+                theta = np.float32(theta * theta_scale)
+            row = _ROPE_ROWS[key] = (c_row, s_row)
+        cos[r], sin[r] = row
+    return cos, sin
+
+
+def _exp(x: np.ndarray) -> np.ndarray:
+    """expf rounded once from float64 (ggml's SIMD expf is within an ulp of it)."""
+    return np.exp(x.astype(np.float64)).astype(np.float32)
+
+
+class NumpyOps:
+    name = "numpy"
+
+    def __init__(self, cache_planes: bool = True):
+        self.cache_planes = cache_planes
+
+    # --- weights ---
+    def weight(self, ggml_type: int, shape: Sequence[int], data) -> NumpyWeight:
+        return NumpyWeight(ggml_type, shape, np.asarray(data), self.cache_planes)
+
+    def get_rows(self, w: NumpyWeight, ids) -> np.ndarray:
+        """ggml_get_rows: dequantize_row_* of just the rows asked for."""
+        ids = np.asarray(ids, dtype=np.int64)
+        n_rows = w.n_rows
+        if ids.size and (ids.min() < 0 or ids.max() >= n_rows):
+            bad = int(ids[(ids < 0) | (ids >= n_rows)][0])
+            raise ValueError(f"token id {bad} is out of range: the vocabulary has {n_rows} entries (0..{n_rows - 1})")
+        rows = w.data.reshape(n_rows, -1)[ids]                          # [T, row_bytes]
+        return quant.dequantize(w.ggml_type, rows.reshape(-1), len(ids), w.n_cols).copy()
+
+    def matmul(self, x, w: NumpyWeight) -> np.ndarray:
+        """ggml_compute_forward_mul_mat: src1 converted to the weight's vec_dot type first."""
+        x = _f32(x)                                                     # [T, K]
+        if x.shape[-1] != w.n_cols:
+            raise ValueError(f"matmul: input has {x.shape[-1]} columns, the weight's rows are {w.n_cols} long")
+        qt = QT(w.ggml_type)
+        if qt == QT.F32:
+            return x @ w.dense().T                                      # [T, N]
+        if qt == QT.F16:
+            return x.astype(np.float16).astype(np.float32) @ w.dense().T   # [T, N] f16 x f16 in f32
+        if qt in quant.EXACT_TYPES:
+            return quant.dot_planes(x, w.planes())                      # [T, N]
+        return x @ w.dense().T                                          # float fallback: no exact path
+
+    # --- elementwise and norms ---
+    def add(self, a, b) -> np.ndarray:
+        return _f32(a) + (_vec(b) if isinstance(b, NumpyWeight) else _f32(b))
+
+    def rms_norm(self, x, w, eps: float) -> np.ndarray:
+        """ggml_compute_forward_rms_norm_f32 (+ the fused mul): squares in f32, summed in double."""
+        x = _f32(x)                                                     # [..., D]
+        sq_sum = (x * x).sum(axis=-1, keepdims=True, dtype=np.float64)  # [..., 1] ggml_float
+        mean = (sq_sum / x.shape[-1]).astype(np.float32)
+        scale = np.float32(1) / np.sqrt(mean + np.float32(eps))         # [..., 1] f32
+        return (x * scale) * _vec(w)
+
+    def swiglu(self, gate, up) -> np.ndarray:
+        """ggml_vec_swiglu_f32: x / (1 + e^-x) * g in f32."""
+        g = _f32(gate)
+        return (g / (np.float32(1) + _exp(-g))) * _f32(up)
+
+    def rope_neox(self, x, positions, n_rot: int, freq_base: float) -> np.ndarray:
+        """ggml rope, NEOX mode (pairs i, i + n_rot/2), with ggml's cos/sin table and FMA."""
+        x = _f32(x)                                                     # [T, H, Dh]
+        half = n_rot // 2
+        cos, sin = rope_table(np.asarray(positions), n_rot, freq_base)  # [T, n_rot/2] each
+        c, s = cos[:, None, :].astype(np.float64), sin[:, None, :].astype(np.float64)
+        x0 = x[..., :half].astype(np.float64)                           # [T, H, n_rot/2]
+        x1 = x[..., half:n_rot].astype(np.float64)
+        out = x.copy()
+        # rotate_pairs compiles to fma(x0, cos, -(x1*sin)) and fma(x0, sin, x1*cos) at -O3:
+        # the second product rounds to f32, the first stays exact inside the FMA
+        out[..., :half] = x0 * c - (x1 * s).astype(np.float32)
+        out[..., half:n_rot] = x0 * s + (x1 * c).astype(np.float32)
+        return out
+
+    # --- attention ---
+    def kv_cache(self, n_layer: int, n_slots: int, n_ctx_slot: int, n_head_kv: int, head_dim: int) -> KVCache:
+        return KVCache(n_layer, n_slots, n_ctx_slot, n_head_kv, head_dim)
+
+    def attention(self, cache: KVCache, layer: int, spans: Sequence[AttnSpan], q, k, v, scale: float) -> np.ndarray:
+        """ggml_compute_forward_flash_attn_ext_f16 per span (each span is one sequence)."""
+        t, h, dh = q.shape
+        out = np.empty((t, h, dh), np.float32)                          # [T, H, Dh]
+        for sp in spans:
+            rows = slice(sp.row0, sp.row1)
+            cache.write(layer, sp.slot, sp.pos0, k[rows], v[rows])
+            out[rows] = cache.attend(layer, sp.slot, sp.pos0, q[rows], scale)
+        return out.reshape(t, h * dh)
+
+    # --- mixture of experts ---
+    def moe_route(self, logits, n_used: int, norm_weights: bool):
+        """ggml_soft_max, ggml_argsort_top_k, then (qwen3moe) weights / clamp(sum, 2^-14)."""
+        z = _f32(logits)                                                # [T, E]
+        p = _exp(z - z.max(axis=-1, keepdims=True))
+        p = p * (1.0 / p.sum(axis=-1, keepdims=True, dtype=np.float64)).astype(np.float32)   # [T, E]
+        ids = np.argsort(-p, axis=-1, kind="stable")[:, :n_used]        # [T, A]
+        w = np.take_along_axis(p, ids, axis=-1)                         # [T, A]
+        if norm_weights:
+            total = w.sum(axis=-1, keepdims=True, dtype=np.float64).astype(np.float32)
+            w = w / np.maximum(total, np.float32(6.103515625e-5))
+        return ids, w.astype(np.float32)
+
+    def moe_ffn(self, x, ids, weights, gate_exps: NumpyWeight, up_exps: NumpyWeight,
+                down_exps: NumpyWeight) -> np.ndarray:
+        """ggml_mul_mat_id per expert, weighted, then the A outputs added in rank order."""
+        x = _f32(x)                                                     # [T, D]
+        t, n_used = ids.shape
+        out = np.zeros((t, n_used, down_exps.shape[1]), np.float32)     # [T, A, D]
+        for e in np.unique(ids):
+            tok, rank = np.nonzero(ids == e)                            # rows routed to e
+            xe = x[tok]                                                 # [t_e, D]
+            h = self.swiglu(self.matmul(xe, gate_exps.expert(e)), self.matmul(xe, up_exps.expert(e)))
+            out[tok, rank] = self.matmul(h, down_exps.expert(e)) * weights[tok, rank][:, None]
+        acc = out[:, 0]
+        for a in range(1, n_used):
+            acc = acc + out[:, a]                                       # [T, D]
+        return acc
+
+    # --- host transfer ---
+    def from_host(self, x) -> np.ndarray:
+        return np.asarray(x)
+
+    def to_host(self, x) -> np.ndarray:
+        return np.asarray(x)

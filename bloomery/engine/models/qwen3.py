@@ -1,0 +1,32 @@
+"""Qwen3 (llama.cpp arch `qwen3`): Qwen2's block without Q/K/V biases and with a
+per-head RMSNorm on Q and K before RoPE (src/models/qwen3.cpp). The head size
+comes from `qwen3.attention.key_length` (it is not n_embd / n_head).
+
+Legend: T = tokens, D = hidden, H = query heads, Hkv = KV heads, Dh = head size.
+"""
+from __future__ import annotations
+
+from bloomery.engine.models.qwen2 import LAYER as QWEN2_LAYER
+from bloomery.engine.models.qwen2 import Qwen2
+
+LAYER = {k: v for k, v in QWEN2_LAYER.items() if k not in ("bq", "bk", "bv")} | {
+    "q_norm": "blk.{i}.attn_q_norm.weight",
+    "k_norm": "blk.{i}.attn_k_norm.weight",
+}
+
+
+class Qwen3(Qwen2):
+    arch = "qwen3"
+    layer_names = LAYER
+
+    def attention(self, il: int, x, positions, spans):
+        hp, ly, ops = self.hp, self.layers[il], self.ops
+        q = self._proj(x, ly["wq"], None, hp.n_head)                       # [T, H, Dh]
+        k = self._proj(x, ly["wk"], None, hp.n_head_kv)                    # [T, Hkv, Dh]
+        v = self._proj(x, ly["wv"], None, hp.n_head_kv)                    # [T, Hkv, Dh]
+        q = ops.rms_norm(q, ly["q_norm"], hp.rms_eps)                      # [T, H, Dh] per head
+        k = ops.rms_norm(k, ly["k_norm"], hp.rms_eps)                      # [T, Hkv, Dh]
+        q = ops.rope_neox(q, positions, hp.n_rot, hp.freq_base)            # [T, H, Dh]
+        k = ops.rope_neox(k, positions, hp.n_rot, hp.freq_base)            # [T, Hkv, Dh]
+        a = ops.attention(self.cache, il, spans, q, k, v, self.kq_scale)   # [T, H*Dh]
+        return ops.matmul(a, ly["wo"])                                     # [T, D]

@@ -1,0 +1,78 @@
+"""The ops the architecture files call: the whole contract with a backend.
+
+An architecture file only ever calls these, so a second backend (CUDA) is a
+second class with the same methods. Arrays go in and out in the backend's own
+array type; `to_host` is the one way back to numpy. Weights are opaque handles
+made by `weight()` from the GGUF bytes, and stay quantized: each backend
+decides how (and whether) to cache decoded forms.
+
+Legend: T = tokens in the batch, D = hidden size, H = query heads,
+Hkv = KV heads, Dh = head size, N = a weight's output rows, K = its input
+length, E = experts, A = experts used per token, V = vocabulary.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+Array = Any     # the backend's array type (numpy.ndarray for the numpy backend)
+Weight = Any    # an opaque handle from Ops.weight
+
+
+@dataclass(frozen=True)
+class AttnSpan:
+    """Rows [row0, row1) of a batch belong to `slot` at positions pos0 .. pos0+(row1-row0)-1."""
+    slot: int
+    pos0: int
+    row0: int
+    row1: int
+
+
+class Ops(Protocol):
+    name: str
+
+    # --- weights ---
+    def weight(self, ggml_type: int, shape: Sequence[int], data: Any) -> Weight:
+        """A handle for a stored tensor; shape in GGUF ne order (shape[0] is the row length)."""
+
+    def get_rows(self, w: Weight, ids: Array) -> Array:
+        """Rows `ids` [T] of a [N, K] table, dequantized -> [T, K] float32 (embedding lookup)."""
+
+    def matmul(self, x: Array, w: Weight) -> Array:
+        """x [T, K] @ w[N, K]^T -> [T, N], computed as llama.cpp's CPU does for w's type."""
+
+    # --- elementwise and norms ---
+    def add(self, a: Array, b: Array | Weight) -> Array:
+        """a + b, b broadcast over leading axes (a bias handle is accepted)."""
+
+    def rms_norm(self, x: Array, w: Weight, eps: float) -> Array:
+        """x [..., D] / rms(x) * w [D]."""
+
+    def swiglu(self, gate: Array, up: Array) -> Array:
+        """silu(gate) * up, same shape."""
+
+    def rope_neox(self, x: Array, positions: Array, n_rot: int, freq_base: float) -> Array:
+        """x [T, H, Dh] rotated in NEOX layout (pairs i, i + n_rot/2) at positions [T]."""
+
+    # --- attention over the KV cache ---
+    def kv_cache(self, n_layer: int, n_slots: int, n_ctx_slot: int, n_head_kv: int, head_dim: int) -> Any:
+        """A per-slot F16 K/V store (llama.cpp's default cache type)."""
+
+    def attention(self, cache: Any, layer: int, spans: Sequence[AttnSpan],
+                  q: Array, k: Array, v: Array, scale: float) -> Array:
+        """Write k, v [T, Hkv, Dh] at each span's positions, attend causally.
+
+        q [T, H, Dh] -> [T, H*Dh]; each span only sees its own slot.
+        """
+
+    # --- mixture of experts ---
+    def moe_route(self, logits: Array, n_used: int, norm_weights: bool) -> tuple[Array, Array]:
+        """logits [T, E] -> (expert ids [T, A], weights [T, A]): softmax, top-k, optional renorm."""
+
+    def moe_ffn(self, x: Array, ids: Array, weights: Array,
+                gate_exps: Weight, up_exps: Weight, down_exps: Weight) -> Array:
+        """x [T, D] through each token's A experts (gate, up, SiLU, down), weighted sum -> [T, D]."""
+
+    # --- host transfer ---
+    def from_host(self, x: Any) -> Array: ...
+    def to_host(self, x: Array) -> Any: ...

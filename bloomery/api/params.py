@@ -82,21 +82,19 @@ class Fields:
             raise field_error(n, f"Value must be between {lo:g} <= value <= {hi:g}, but got {v:g}")
         return v
 
-    def bool(self, name: str) -> bool | None:
+    def _typed(self, name: str, kind: type, kind_name: str):
         got = self.raw(name)
         if got is None:
             return None
-        if not isinstance(got[1], bool):
-            raise field_error(name, f"type must be boolean, but is {_json_type(got[1])}")
+        if not isinstance(got[1], kind):
+            raise field_error(name, f"type must be {kind_name}, but is {_json_type(got[1])}")
         return got[1]
 
+    def bool(self, name: str) -> bool | None:
+        return self._typed(name, bool, "boolean")
+
     def str(self, name: str) -> str | None:
-        got = self.raw(name)
-        if got is None:
-            return None
-        if not isinstance(got[1], str):
-            raise field_error(name, f"type must be string, but is {_json_type(got[1])}")
-        return got[1]
+        return self._typed(name, str, "string")
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from bloomery.api.app import App
 from bloomery.engine.types import ModelInfo, TokenOut, TokenProb
 from bloomery.http.types import Request, Response, StreamResponse
 
-REF = Path("/work/shared/reference/llama-server-qwen25")
+REF = Path(__file__).resolve().parents[2] / "shared" / "reference" / "llama-server-qwen25"   # ../shared beside the repo
 
 
 def load_case(name: str) -> tuple[dict, int, object]:

@@ -95,3 +95,15 @@ def test_bad_sizes_are_named():
         quant.decode_planes(QT.Q8_0, raw, 1, 32)
     with pytest.raises(quant.QuantError, match="row length 48 is not a multiple of the block size 32"):
         quant.dequantize(QT.Q8_0, np.zeros(34, np.uint8), 1, 48)
+
+
+def test_q8_K_mat_4x8_rows_let_the_positive_max_win_a_tie():
+    # ggml_quantize_mat_q8_K_4x8 (the repacked Q4_K gemm's rows) maps a +amax element to -127
+    # when there is one anywhere; quantize_row_q8_K_ref takes the first max's sign
+    x = np.zeros((2, 256), np.float32)
+    x[:, 3], x[:, 9], x[:, 20] = -2.0, 2.0, 1.0
+    q_ref, d_ref, _ = quant.quantize_q8_K(x)
+    q_mat, d_mat, _ = quant.quantize_q8_K(x, positive_wins=np.array([True, False]))
+    assert q_ref[0, [3, 9, 20]].tolist() == [-127, 127, 64] and d_ref[0, 0] > 0
+    assert q_mat[0, [3, 9, 20]].tolist() == [127, -127, -64] and d_mat[0, 0] == -d_ref[0, 0]
+    assert np.array_equal(q_mat[1], q_ref[1]) and d_mat[1, 0] == d_ref[1, 0]     # row 1: the ref rule

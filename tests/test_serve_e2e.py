@@ -173,3 +173,14 @@ def test_sigterm_mid_stream_ends_it_cleanly_and_refuses_new_requests(tiny_model)
     assert 4.0 < time.monotonic() - t_signal < 25, "the drain gave the stream about 5 s"
     assert code == 0, "\n".join(s.lines)
     assert any("ending requests still generating" in line for line in s.lines)
+
+
+@pytest.mark.parametrize("value,shown", [(None, "value=off"), ("on", "value=on")])
+def test_kernel_order_lever_is_read_and_recorded(tiny_model, value, shown):
+    env = {"BLOOMERY_KERNEL_ORDER": value} if value else {}
+    s = Served("-m", str(tiny_model), "-c", "256", env=env)
+    if not value:
+        s.env.pop("BLOOMERY_KERNEL_ORDER", None)
+    with s:
+        lever = [line for line in s.lines if "BLOOMERY_KERNEL_ORDER" in line]
+    assert lever and shown in lever[0], s.lines

@@ -116,6 +116,35 @@ def _exp(x: np.ndarray) -> np.ndarray:
     return np.exp(x.astype(np.float64)).astype(np.float32)
 
 
+def _fma32(a, b, c) -> np.ndarray:
+    """float32 fma: the product is exact in float64, the sum rounds (twice in ~2^-29 of cases)."""
+    return (np.asarray(a, np.float64) * b + c).astype(np.float32)
+
+
+_F = np.float32
+
+
+def _H(hex_literal: str) -> np.float32:
+    return np.float32(float.fromhex(hex_literal))
+
+
+def _v_expf(x: np.ndarray) -> np.ndarray:
+    """ggml_v_expf for __m512 (vec.h, the AVX512F build): Cody-Waite split on 2^n, a degree-5
+    polynomial in f32 FMAs, scalef; |n| > 192 goes to 0 or inf."""
+    x = np.asarray(x, np.float32)
+    r = _H('0x1.8p23')
+    z = _fma32(x, _H('0x1.715476p+0'), r)
+    n = z - r                                                           # round(x/ln2) as f32
+    b = _fma32(-n, _H('0x1.7f7d1cp-20'), _fma32(-n, _H('0x1.62e4p-1'), x))
+    u = b * b
+    j = _fma32(_fma32(_fma32(_H('0x1.0e4020p-7'), b, _H('0x1.573e2ep-5')), u,
+                      _fma32(_H('0x1.555e66p-3'), b, _H('0x1.fffdb6p-2'))),
+               u, _fma32(_H('0x1.ffffecp-1'), b, _F(1.0)))
+    big = np.abs(n) > 192
+    res = np.ldexp(j, np.where(big, 0, n).astype(np.int32))             # _mm512_scalef_ps
+    return np.where(big, np.where(n <= 0, _F(0), _F(np.inf)), res).astype(np.float32)
+
+
 class NumpyOps:
     name = "numpy"
 
@@ -146,6 +175,8 @@ class NumpyOps:
             return x @ w.dense().T                                      # [T, N]
         if qt == QT.F16:
             return x.astype(np.float16).astype(np.float32) @ w.dense().T   # [T, N] f16 x f16 in f32
+        if qt in quant.LLAMA_ORDER_TYPES and quant.KERNEL_ORDER:
+            return quant.dot_llama(x, w.planes())                       # [T, N] llama.cpp's float order
         if qt in quant.EXACT_TYPES:
             return quant.dot_planes(x, w.planes())                      # [T, N]
         return x @ w.dense().T                                          # float fallback: no exact path
@@ -163,9 +194,14 @@ class NumpyOps:
         return (x * scale) * _vec(w)
 
     def swiglu(self, gate, up) -> np.ndarray:
-        """ggml_vec_swiglu_f32: x / (1 + e^-x) * g in f32."""
-        g = _f32(gate)
-        return (g / (np.float32(1) + _exp(-g))) * _f32(up)
+        """ggml_vec_swiglu_f32: x / (1 + e^-x) * g in f32, with ggml_v_expf on each row's
+        16-wide chunks and expf on the tail (as its AVX512 loop does)."""
+        g, up = _f32(gate), _f32(up)
+        n_vec = g.shape[-1] - g.shape[-1] % 16
+        e = np.empty_like(g)
+        e[..., :n_vec] = _v_expf(np.float32(0) - g[..., :n_vec])
+        e[..., n_vec:] = _exp(-g[..., n_vec:])
+        return (g / (np.float32(1) + e)) * up
 
     def rope_neox(self, x, positions, n_rot: int, freq_base: float) -> np.ndarray:
         """ggml rope, NEOX mode (pairs i, i + n_rot/2), with ggml's cos/sin table and FMA."""

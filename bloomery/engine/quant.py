@@ -17,7 +17,8 @@ B = blocks per row, S = sub-blocks per row, Q = elements per (sub-)block.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
@@ -77,6 +78,7 @@ class Planes:
     sc: np.ndarray | None = None
     dmin: np.ndarray | None = None
     m: np.ndarray | None = None
+    cache: dict = field(default_factory=dict, repr=False)   # lazily built kernel-order layouts
 
 
 def _f16(raw: np.ndarray, col: int) -> np.ndarray:
@@ -184,17 +186,23 @@ def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q.reshape(t, k).astype(np.float32), d
 
 
-def quantize_q8_K(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def quantize_q8_K(x: np.ndarray, positive_wins: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """x [T, K] float32 -> (q [T, K] float32 ints, d [T, K/256], bsums [T, K/16]).
 
     As quantize_row_q8_K_ref: the element of largest magnitude (first one on a
     tie) maps to -127, iscale = -127/max, nearest_int rounds half to even,
-    values capped at 127; d = 1/iscale kept in f32.
+    values capped at 127; d = 1/iscale kept in f32. Rows where positive_wins [T]
+    is set follow x86 ggml_quantize_mat_q8_K_4x8 instead (the repacked gemm's
+    rows): on a +max / -max tie the positive one maps to -127, wherever it is.
     """
     t, k = x.shape
     xb = x.reshape(t, k // QK_K, QK_K)                                  # [T, B, 256]
     idx = np.abs(xb).argmax(axis=2)                                     # first max, as the ref's strict '>'
     vmax = np.take_along_axis(xb, idx[:, :, None], axis=2)[:, :, 0]     # [T, B] signed
+    if positive_wins is not None and positive_wins.any():
+        amax = np.abs(vmax)
+        has_pos = (xb == amax[:, :, None]).any(axis=2) & positive_wins[:, None]   # [T, B]
+        vmax = np.where(has_pos, amax, vmax)
     zero = vmax == 0
     safe = np.where(zero, np.float32(1), vmax).astype(np.float32)
     iscale = (np.float32(-127) / safe).astype(np.float32)               # [T, B]
@@ -267,3 +275,218 @@ def _combine(qt, p: Planes, isum, da, bsums, n0: int, n1: int) -> np.ndarray:
         dmin = -(da.T[:, :, None] * p.dmin[n0:n1].T[:, None, :])        # [Bs, T, n] f32
         acc = acc + dmin * summ.astype(np.float32)
     return acc.sum(axis=0)
+
+
+# --- llama.cpp's float order (x86 build with AVX2/AVX512, CPU_REPACK and llamafile on) ------
+# Which kernel llama.cpp runs for each weight type, and so which order we mirror:
+#   Q8_0, Q5_0: ggml_vec_dot_*_q8_0 for one column and llamafile's tinyBLAS_Q0_AVX for more
+#     (n >= 2): both keep 8 float lanes per output, lane l = the integer sum of elements
+#     4l..4l+3 of each 32-block, acc = fma(d_w*d_a, lane, acc) block after block, then
+#     hsum_float_8: ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)).
+#   Q6_K: ggml_vec_dot_q6_K_q8_K: 8 int32 lanes per super-block; lane l holds elements
+#     128j+32k+4l..+3 (unsigned 6-bit quants times their scale) minus 32*scale*bsum of
+#     sub-blocks 2l, 2l+1; acc = fma(d, float(lane), acc); hsum_float_8.
+#   Q6_K with T >= 8 columns: ggml-cpu's tiled K-quant matmul (tiled/tiled-kernel.cpp, the
+#     AVX512-VNNI microkernel): per super-block s1 = sum over 16-sub-blocks of
+#     scale*(raw - 32*bsum), an exact int32; r = float(s1)*d_w rounded, then buf = fma(r, d_a, buf)
+#     super-block after super-block (the source says add(buf, mul(r, d_a)); gcc's default
+#     -ffp-contract=fast fuses it: measured, the unfused order misses on ~70% of outputs).
+#   Q4_K with rows % 8 == 0: repacked at load to q4_K_8x8 (ggml_gemv/gemm_q4_K_8x8_q8_K):
+#     acc = fma(float(isum), d_w*d_a, acc) with isum an exact integer sum per super-block (gemv:
+#     T%4 trailing columns) or per 64 elements (gemm: the first T - T%4, quantized by
+#     ggml_quantize_mat_q8_K_4x8), mins in a second accumulator the same way, out = acc - acc_min.
+# A float32 fma is emulated in float64: the product is exact there (< 53 bits), only the sum
+# rounds twice, which differs from one rounding in about 2^-29 of the inexact cases.
+LLAMA_ORDER_TYPES = frozenset({QT.Q8_0, QT.Q5_0, QT.Q6_K, QT.Q4_K})
+# True (the lever BLOOMERY_KERNEL_ORDER=on): the four types above sum in llama.cpp's kernel
+# order, bit for bit, at about 2.5x the time of dot_planes on this machine. False (default):
+# every batch size takes dot_planes' one order (exact integer sums, float order our own), whose
+# final logits sit within ~0.5 of llama.cpp's; tests that compare batch shapes use it, since
+# llama.cpp's kernels, so ours, give a prompt's logits differently at T=1, T<8 and T>=8.
+KERNEL_ORDER = os.environ.get("BLOOMERY_KERNEL_ORDER", "off").lower() in ("on", "1", "true")
+
+
+def _find_blas_threads_local():
+    """numpy's OpenBLAS `openblas_set_num_threads_local` (None if numpy uses another BLAS)."""
+    import ctypes
+    import glob
+    import os
+    libs = os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs")
+    for path in glob.glob(os.path.join(libs, "*openblas*")):
+        try:
+            fn = ctypes.CDLL(path).openblas_set_num_threads_local
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+        return fn
+    return None
+
+
+_BLAS_THREADS_LOCAL = _find_blas_threads_local()
+
+
+class _OneBlasThread:
+    """The lane kernels run hundreds of tiny GEMMs ([n, 32] @ [32, 8T]); OpenBLAS's thread
+    hand-off costs ~100x their work on a busy 2-core machine, so run them on this thread."""
+
+    def __enter__(self):
+        self.prev = _BLAS_THREADS_LOCAL(1) if _BLAS_THREADS_LOCAL else None
+
+    def __exit__(self, *exc):
+        if self.prev is not None:
+            _BLAS_THREADS_LOCAL(self.prev)
+
+
+def _fma_step(d, v, acc32: np.ndarray, tmp64: np.ndarray) -> None:
+    """acc32 = fma(d, v, acc32) in float32 with one product and (almost always) one rounding."""
+    np.multiply(d, v, out=tmp64, dtype=np.float64)
+    np.add(tmp64, acc32, out=tmp64)
+    np.copyto(acc32, tmp64, casting="same_kind")
+
+
+def _hsum8(a: np.ndarray) -> np.ndarray:
+    """hsum_float_8 over axis 0 (8 lanes): 128-bit halves, then movehl, then the last pair."""
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
+
+
+def dot_llama(x: np.ndarray, p: Planes) -> np.ndarray:
+    """x [T, K] float32 @ planes [N, K]^T -> [T, N] in llama.cpp's CPU float order."""
+    with _OneBlasThread():
+        return _dot_llama(x, p)
+
+
+def _dot_llama(x: np.ndarray, p: Planes) -> np.ndarray:
+    qt = QT(p.ggml_type)
+    if qt in (QT.Q8_0, QT.Q5_0):
+        return _dot_q8_0_lanes(x, p)
+    if qt == QT.Q6_K:
+        return _dot_q6_K_tiled(x, p) if x.shape[0] >= TILED_MIN_T else _dot_q6_K_lanes(x, p)
+    if qt == QT.Q4_K and p.q.shape[1] % 8 == 0:
+        return _dot_q4_K_repacked(x, p)
+    return dot_planes(x, p)                                             # no mirrored kernel: exact sums
+
+
+def _dot_q8_0_lanes(x: np.ndarray, p: Planes) -> np.ndarray:
+    t = x.shape[0]
+    n_blocks, n_rows, _ = p.q.shape
+    qa, da = quantize_q8_0(x)
+    qa_b = qa.reshape(t, n_blocks, 8, 4).transpose(1, 2, 3, 0)          # [B, lane, 4, T]
+    a_bd = np.zeros((n_blocks, 8, 4, 8, t), np.float32)                 # block-diagonal per lane
+    for lane in range(8):
+        a_bd[:, lane, :, lane, :] = qa_b[:, lane]
+    a_bd = a_bd.reshape(n_blocks, 32, 8 * t)                            # [B, 32, 8T]
+    out = np.empty((t, n_rows), np.float32)
+    step = max(8, MAX_TMP_ELEMS // max(1, 8 * t))
+    for n0 in range(0, n_rows, step):
+        n1 = min(n_rows, n0 + step)
+        d = p.d[n0:n1].T[:, :, None] * da.T[:, None, :]                 # [B, n, T] f32 d_w*d_a
+        acc = np.zeros((n1 - n0, 8, t), np.float32)                     # [n, 8, T]
+        lanes = np.empty((n1 - n0, 8 * t), np.float32)
+        tmp = np.empty(acc.shape, np.float64)
+        for b in range(n_blocks):                                       # p.q[b, n0:n1] is contiguous: BLAS
+            np.dot(p.q[b, n0:n1], a_bd[b], out=lanes)                   # [n, 8T] exact ints
+            _fma_step(d[b][:, None, :], lanes.reshape(n1 - n0, 8, t), acc, tmp)
+        out[:, n0:n1] = _hsum8(acc.transpose(1, 0, 2)).T                # [T, n]
+    return out
+
+
+TILED_MIN_T = 8          # ggml_tiled_min_batch: the tiled path takes batches of 8+ columns
+
+
+def _dot_q6_K_tiled(x: np.ndarray, p: Planes) -> np.ndarray:
+    t = x.shape[0]
+    n_sub, n_rows, sub = p.q.shape
+    n_super = p.d.shape[1]
+    qa, da, _ = quantize_q8_K(x)
+    qa_b = np.ascontiguousarray(qa.reshape(t, n_sub, sub).transpose(1, 0, 2))   # [S, T, 16]
+    out = np.empty((t, n_rows), np.float32)
+    step = max(8, MAX_TMP_ELEMS // max(1, n_sub * t))
+    for n0 in range(0, n_rows, step):
+        n1 = min(n_rows, n0 + step)
+        isum = _block_sums(p.q[:, n0:n1], qa_b)                         # [S, T, n] exact, signed quants
+        sc = p.sc[n0:n1].T.astype(np.float64)                           # [S, n]
+        s1 = (isum * sc[:, None, :]).reshape(n_super, n_sub // n_super, t, n1 - n0).sum(axis=1)
+        r = s1.astype(np.float32) * p.d[n0:n1].T[:, None, :]           # [Bs, T, n] f32(s1)*d_w, rounded
+        acc = np.zeros((t, n1 - n0), np.float32)
+        tmp = np.empty(acc.shape, np.float64)
+        for i in range(n_super):
+            _fma_step(r[i], da[:, i:i + 1], acc, tmp)                  # gcc contracts add(buf, mul(r, d_a))
+        out[:, n0:n1] = acc
+    return out
+
+
+def _q6_K_layout(p: Planes) -> np.ndarray:
+    """Scale-times-unsigned-quant weights [Bs, 2, 8, N, 16] in the AVX2 kernel's lane order."""
+    if "q6_lanes" not in p.cache:
+        n_sub, n_rows, _ = p.q.shape
+        n_super = n_sub // 16
+        w = (p.q.transpose(1, 0, 2) + 32) * p.sc.astype(np.float32)[:, :, None]   # [N, S, 16] <= 8064
+        w = w.reshape(n_rows, n_super, 2, 4, 8, 4)                      # [N, Bs, j, k, lane, e]
+        p.cache["q6_lanes"] = np.ascontiguousarray(
+            w.transpose(1, 2, 4, 0, 3, 5).reshape(n_super, 2, 8, n_rows, 16))
+    return p.cache["q6_lanes"]
+
+
+def _dot_q6_K_lanes(x: np.ndarray, p: Planes) -> np.ndarray:
+    t = x.shape[0]
+    n_sub, n_rows, _ = p.q.shape
+    n_super = n_sub // 16
+    w = _q6_K_layout(p)
+    qa, da, bsums = quantize_q8_K(x)
+    a = qa.reshape(t, n_super, 2, 4, 8, 4).transpose(1, 2, 4, 3, 5, 0).reshape(n_super, 2, 8, 16, t)
+    bs = bsums.reshape(t, n_super, 8, 2).astype(np.float64)            # [T, Bs, lane, 2]
+    sc = p.sc.reshape(n_rows, n_super, 8, 2).astype(np.float64)         # [N, Bs, lane, 2]
+    out = np.empty((t, n_rows), np.float32)
+    step = max(8, MAX_TMP_ELEMS // max(1, n_super * 16 * t))
+    for n0 in range(0, n_rows, step):
+        n1 = min(n_rows, n0 + step)
+        half = np.matmul(w[:, :, :, n0:n1], a)                          # [Bs, 2, 8, n, T] exact (< 2^24)
+        lanes = half[:, 0].astype(np.float64) + half[:, 1]              # [Bs, 8, n, T] exact ints
+        lanes -= 32 * np.einsum("nilp,tilp->ilnt", sc[n0:n1], bs)
+        lanes32 = lanes.astype(np.float32)                              # _mm256_cvtepi32_ps
+        d = da.T[:, None, :] * p.d[n0:n1].T[:, :, None]      # [Bs, n, T] f32
+        acc = np.zeros((8, n1 - n0, t), np.float32)
+        tmp = np.empty(acc.shape, np.float64)
+        for i in range(n_super):
+            _fma_step(d[i][None], lanes32[i], acc, tmp)
+        out[:, n0:n1] = _hsum8(acc).T
+    return out
+
+
+def _dot_q4_K_repacked(x: np.ndarray, p: Planes) -> np.ndarray:
+    """gemm rows (the first T - T%4) fma once per 64 elements, gemv rows once per super-block."""
+    t = x.shape[0]
+    n_sub, n_rows, sub = p.q.shape
+    n_super = p.d.shape[1]
+    t_gemm = t - t % 4                                                  # forward_mul_mat_one_chunk's split
+    qa, da, bsums = quantize_q8_K(x, positive_wins=np.arange(t) < t_gemm)
+    qa_b = np.ascontiguousarray(qa.reshape(t, n_sub, sub).transpose(1, 0, 2))   # [S, T, Q]
+    bs32 = bsums.reshape(t, n_super, 4, 2, 2).sum(axis=4).astype(np.float64)    # [T, Bs, sb, 2]
+    out = np.empty((t, n_rows), np.float32)
+    step = max(8, MAX_TMP_ELEMS // max(1, n_sub * t))
+    for n0 in range(0, n_rows, step):
+        n1 = min(n_rows, n0 + step)
+        n = n1 - n0
+        isum = _block_sums(p.q[:, n0:n1], qa_b)                         # [S, T, n] exact
+        sc = p.sc[n0:n1].T.astype(np.float64)                           # [S, n]
+        sumi = (isum * sc[:, None, :]).reshape(n_super, 4, 2, t, n).sum(axis=2)   # [Bs, sb, T, n] exact
+        m = p.m[n0:n1].reshape(n, n_super, 4, 2).astype(np.float64)
+        summ = np.einsum("nsbj,tsbj->sbtn", m, bs32)                    # [Bs, sb, T, n] exact
+        dd = da.T[:, :, None] * p.d[n0:n1].T[:, None, :]                # [Bs, T, n] f32 d_w*d_a
+        dm = da.T[:, :, None] * p.dmin[n0:n1].T[:, None, :]
+        for rows, per_sb in ((slice(0, t_gemm), True), (slice(t_gemm, t), False)):
+            if rows.start == rows.stop:
+                continue
+            si, sm = sumi[:, :, rows], summ[:, :, rows]
+            if not per_sb:
+                si, sm = si.sum(axis=1, keepdims=True), sm.sum(axis=1, keepdims=True)
+            si32, sm32 = si.astype(np.float32), sm.astype(np.float32)   # _mm256_cvtepi32_ps
+            acc = np.zeros(si32.shape[2:], np.float32)                  # [rows, n]
+            acc_min = np.zeros_like(acc)
+            tmp = np.empty(acc.shape, np.float64)
+            for i in range(n_super):
+                for j in range(si32.shape[1]):
+                    _fma_step(si32[i, j], dd[i, rows], acc, tmp)
+                    _fma_step(sm32[i, j], dm[i, rows], acc_min, tmp)
+            out[rows, n0:n1] = acc - acc_min
+    return out

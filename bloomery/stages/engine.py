@@ -123,6 +123,11 @@ def main(args: dict) -> int:
     t0 = time.monotonic()
     records.record("load", "loading weights", component="engine", backend=facts["backend"],
                    slots=facts["n_slots"], n_ctx_slot=facts["n_ctx_slot"])
+    if facts["backend"] == "numpy":
+        from bloomery.engine import quant
+        records.record("load", "lever", component="engine", name="BLOOMERY_KERNEL_ORDER",
+                       value="on" if quant.KERNEL_ORDER else "off",
+                       means="llama.cpp's kernel float order" if quant.KERNEL_ORDER else "exact integer sums, our float order")
     model = load_model(args["model_file"], backend=facts["backend"], n_slots=facts["n_slots"],
                        n_ctx_slot=facts["n_ctx_slot"])
     engine = Engine(model, facts["n_slots"], facts["n_ctx_slot"])

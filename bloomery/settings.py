@@ -41,6 +41,7 @@ class Settings:
     device: str = "auto"
     ngl: str | None = None
     endpoint_slots: bool = True        # --no-slots: GET /slots answers 501
+    warmup: bool = True                # --no-warmup: the first request prepares the weights
     metrics: bool = False              # --metrics: accepted; /metrics answers 501 saying it is not served
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)   # SamplingParams field -> flag value
     sources: dict[str, str] = field(default_factory=dict)             # field -> where its value came from

@@ -151,7 +151,7 @@ class Supervisor:
             record("plan", "--plan: stopping before any weight is read")
             return 0
         self.life.advance(Phase.LOAD)
-        engine_args = {"model_file": fetched.path, "alias": s.alias, "facts": planned.facts,
+        engine_args = {"model_file": fetched.path, "alias": s.alias, "facts": planned.facts, "warmup": s.warmup,
                        "req_addr": f"ipc://{rt}/req", "out_addr": f"ipc://{rt}/out"}
         engine = await runner.start("engine", engine_args)
         front = asyncio.create_task(asyncio.to_thread(build_front, fetched.path, s))

@@ -184,3 +184,10 @@ def test_kernel_order_lever_is_read_and_recorded(tiny_model, value, shown):
     with s:
         lever = [line for line in s.lines if "BLOOMERY_KERNEL_ORDER" in line]
     assert lever and shown in lever[0], s.lines
+
+
+@pytest.mark.parametrize("flag,warmed", [((), True), (("--no-warmup",), False)])
+def test_warmup_prepares_the_weights_at_load_unless_told_not_to(tiny_model, flag, warmed):
+    with Served("-m", str(tiny_model), "-c", "256", *flag) as s:
+        lines = list(s.lines)
+    assert any("[load] engine: warmup" in line for line in lines) == warmed, lines

@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import zmq
 
 from bloomery import records
@@ -130,6 +131,13 @@ def main(args: dict) -> int:
                        means="llama.cpp's kernel float order" if quant.KERNEL_ORDER else "exact integer sums, our float order")
     model = load_model(args["model_file"], backend=facts["backend"], n_slots=facts["n_slots"],
                        n_ctx_slot=facts["n_ctx_slot"])
+    if args.get("warmup", True):
+        # As llama-server's warmup: one id through every layer prepares each weight's decoded
+        # form now, in the load phase, instead of in the first request. The slot's bookkeeping
+        # stays empty (the engine is made after), so nothing reuses what this wrote.
+        t_warm = time.monotonic()
+        model.prefill(0, np.zeros(1, np.int32), 0)
+        records.record("load", "warmup", component="engine", took_s=round(time.monotonic() - t_warm, 3))
     engine = Engine(model, facts["n_slots"], facts["n_ctx_slot"])
     info = model_info(args, facts, model)
     load_s = round(time.monotonic() - t0, 3)

@@ -251,8 +251,9 @@ def _block_sums(wq: np.ndarray, qa_b: np.ndarray) -> np.ndarray:
     if t == 1:      # one batched GEMV: numpy's stacked matmul is quick for a single column
         return np.matmul(wq, qa_b.transpose(0, 2, 1)).reshape(n_sub, 1, -1)
     isum = np.empty((n_sub, t, wq.shape[1]), np.float32)
-    for s in range(n_sub):  # one BLAS GEMM per block: stacked matmul does not reach BLAS here
-        np.dot(qa_b[s], wq[s].T, out=isum[s])
+    with _OneBlasThread():   # tiny GEMMs: OpenBLAS's thread hand-off would cost far more than the work
+        for s in range(n_sub):  # one BLAS GEMM per block: stacked matmul does not reach BLAS here
+            np.dot(qa_b[s], wq[s].T, out=isum[s])
     return isum
 
 
@@ -310,7 +311,6 @@ def _find_blas_threads_local():
     """numpy's OpenBLAS `openblas_set_num_threads_local` (None if numpy uses another BLAS)."""
     import ctypes
     import glob
-    import os
     libs = os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs")
     for path in glob.glob(os.path.join(libs, "*openblas*")):
         try:

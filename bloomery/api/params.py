@@ -53,13 +53,18 @@ class Fields:
                 return n, v
         return None
 
-    def int(self, *names: str, lo: int = -INT32_MAX - 1, hi: int = INT32_MAX) -> int | None:
+    def _number(self, names: tuple[str, ...]):
+        """(name, value) of the first field set among names, checked to be a JSON number; None if unset."""
         got = self.raw(*names)
+        if got is not None and (isinstance(got[1], bool) or not isinstance(got[1], (int, float))):
+            raise field_error(got[0], f"type must be number, but is {_json_type(got[1])}")
+        return got
+
+    def int(self, *names: str, lo: int = -INT32_MAX - 1, hi: int = INT32_MAX) -> int | None:
+        got = self._number(names)
         if got is None:
             return None
         n, v = got
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise field_error(n, f"type must be number, but is {_json_type(v)}")
         if isinstance(v, float):
             if not math.isfinite(v) or v != int(v):
                 raise field_error(n, f"must be an integer, but got {v}")
@@ -69,12 +74,10 @@ class Fields:
         return v
 
     def float(self, *names: str, lo: float = -math.inf, hi: float = math.inf) -> float | None:
-        got = self.raw(*names)
+        got = self._number(names)
         if got is None:
             return None
         n, v = got
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise field_error(n, f"type must be number, but is {_json_type(v)}")
         v = float(v)
         if not math.isfinite(v):
             raise field_error(n, f"must be a finite number, but got {v}")

@@ -41,6 +41,34 @@ def real_model_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tokenizer_source() -> Path:
+    """A GGUF to copy tokenizer keys from: BLOOMERY_TOKENIZER_GGUF (a tokenizer-only file, as
+    carried to the GPU machine, which has no network) or the real model."""
+    env = os.environ.get("BLOOMERY_TOKENIZER_GGUF")
+    if env and Path(env).is_file():
+        return Path(env)
+    try:
+        return Path(load_tool("fetch_model").fetch())
+    except (Exception, SystemExit) as e:
+        pytest.skip(f"no tokenizer source (set BLOOMERY_TOKENIZER_GGUF or fetch the real model): {e}")
+
+
+def gpu_count() -> int:
+    """Cards CuPy sees (0 without CuPy or a driver)."""
+    try:
+        import cupy
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
+@pytest.fixture(scope="session")
+def gpu():
+    if gpu_count() < 1:
+        pytest.skip("needs a CUDA card through CuPy")
+
+
+@pytest.fixture(scope="session")
 def synthetic_dir(tmp_path_factory) -> Path:
     """A session-wide folder for synthetic GGUF files (they are reused across tests)."""
     return tmp_path_factory.mktemp("synthetic")

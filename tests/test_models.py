@@ -165,8 +165,15 @@ def test_bad_load_arguments(synth, tmp_path):
     from bloomery.engine.loader import ModelError
     with pytest.raises(ModelError, match="n_slots must be at least 1, got 0"):
         _load(synth["qwen2"], n_slots=0)
-    with pytest.raises(ModelError, match="backend 'cuda' is not available"):
-        _load(synth["qwen2"], backend="cuda")
+    with pytest.raises(ModelError, match="backend 'metal' is not available: choose 'numpy' or 'cuda'"):
+        _load(synth["qwen2"], backend="metal")
+    from tests.conftest import gpu_count
+    if gpu_count() == 0:
+        try:
+            import cupy  # noqa: F401
+        except ImportError:
+            with pytest.raises(ModelError, match="backend 'cuda' needs CuPy"):
+                _load(synth["qwen2"], backend="cuda")
 
 
 def test_moe_route_renormalises_top_k():

@@ -238,6 +238,20 @@ def write_synthetic(path, arch: str = "qwen2", tokenizer_from: str | None = None
     return Path(path)
 
 
+def write_tokenizer_only(path, tokenizer_from: str | None = None) -> Path:
+    """A GGUF holding only the tokenizer keys of `tokenizer_from` (a few MB): what a machine
+    without the real model (the GPU device) needs to make synthetic files with its tokenizer."""
+    w = _Writer(str(path), "qwen2")
+    w.add_name("bloomery tokenizer keys")
+    for key, val, vtype, sub, _ in tokenizer_keys(str(tokenizer_from or fetch_model_path())):
+        w.add_key_value(key, val, gguf.GGUFValueType(vtype), sub_type=None if sub is None else gguf.GGUFValueType(sub))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    return Path(path)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="qwen2", choices=ARCHS)
@@ -245,9 +259,13 @@ def main(argv: list[str] | None = None) -> None:
         flag = "--" + key.replace("_", "-")
         ap.add_argument(flag, dest=key, default=default, type=type(default))
     ap.add_argument("--tokenizer-from", default=None, help="GGUF to copy tokenizer keys from (default: the real model)")
+    ap.add_argument("--tokenizer-only", action="store_true", help="write only the tokenizer keys")
     ap.add_argument("-o", "--output", required=True)
     args = vars(ap.parse_args(argv))
     out, arch, tok = args.pop("output"), args.pop("arch"), args.pop("tokenizer_from")
+    if args.pop("tokenizer_only"):
+        print(write_tokenizer_only(out, tok))
+        return
     try:
         print(write_synthetic(out, arch=arch, tokenizer_from=tok, **args))
     except ShapeError as e:

@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType as QT
 
 from bloomery.engine import quant
 from bloomery.engine.kv_cache import KVCache
-from bloomery.engine.ops import AttnSpan
+from bloomery.engine.ops import AttnSpan, Rows
 
 
 class NumpyWeight:
@@ -165,7 +165,20 @@ class NumpyOps:
         rows = w.data.reshape(n_rows, -1)[ids]                          # [T, row_bytes]
         return quant.dequantize(w.ggml_type, rows.reshape(-1), len(ids), w.n_cols).copy()
 
-    def matmul(self, x, w: NumpyWeight) -> np.ndarray:
+    def matmul(self, x, w: NumpyWeight, residual=None) -> np.ndarray:
+        y = self._matmul(x, w)
+        return y if residual is None else y + _f32(residual)           # ggml_add after the mul_mat
+
+    def matmuls(self, x, ws, biases) -> list[np.ndarray]:
+        return [self.matmul(x, w) if b is None else self.add(self.matmul(x, w), b) for w, b in zip(ws, biases)]
+
+    def rows(self, spans, positions) -> Rows:
+        return Rows(list(spans), None, np.asarray(positions))
+
+    def argmax(self, logits) -> np.ndarray:
+        return np.argmax(_f32(logits), axis=-1).astype(np.int32)
+
+    def _matmul(self, x, w: NumpyWeight) -> np.ndarray:
         """ggml_compute_forward_mul_mat: src1 converted to the weight's vec_dot type first."""
         x = _f32(x)                                                     # [T, K]
         if x.shape[-1] != w.n_cols:
@@ -222,6 +235,16 @@ class NumpyOps:
     def kv_cache(self, n_layer: int, n_slots: int, n_ctx_slot: int, n_head_kv: int, head_dim: int) -> KVCache:
         return KVCache(n_layer, n_slots, n_ctx_slot, n_head_kv, head_dim)
 
+    def self_attention(self, cache: KVCache, layer: int, rows: Rows, q, k, v, scale: float, n_rot: int,
+                       freq_base: float, q_norm=None, k_norm=None, eps: float = 0.0) -> np.ndarray:
+        if q_norm is not None:
+            q = self.rms_norm(q, q_norm, eps)                          # [T, H, Dh] per head
+        if k_norm is not None:
+            k = self.rms_norm(k, k_norm, eps)                          # [T, Hkv, Dh]
+        q = self.rope_neox(q, rows.positions, n_rot, freq_base)        # [T, H, Dh]
+        k = self.rope_neox(k, rows.positions, n_rot, freq_base)        # [T, Hkv, Dh]
+        return self.attention(cache, layer, rows.spans, q, k, v, scale)
+
     def attention(self, cache: KVCache, layer: int, spans: Sequence[AttnSpan], q, k, v, scale: float) -> np.ndarray:
         """ggml_compute_forward_flash_attn_ext_f16 per span (each span is one sequence)."""
         t, h, dh = q.shape
@@ -246,7 +269,7 @@ class NumpyOps:
         return ids, w.astype(np.float32)
 
     def moe_ffn(self, x, ids, weights, gate_exps: NumpyWeight, up_exps: NumpyWeight,
-                down_exps: NumpyWeight) -> np.ndarray:
+                down_exps: NumpyWeight, residual=None) -> np.ndarray:
         """ggml_mul_mat_id per expert, weighted, then the A outputs added in rank order."""
         x = _f32(x)                                                     # [T, D]
         t, n_used = ids.shape
@@ -259,7 +282,7 @@ class NumpyOps:
         acc = out[:, 0]
         for a in range(1, n_used):
             acc = acc + out[:, a]                                       # [T, D]
-        return acc
+        return acc if residual is None else acc + _f32(residual)
 
     # --- host transfer ---
     def from_host(self, x) -> np.ndarray:

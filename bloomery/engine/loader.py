@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from bloomery.engine.ops import AttnSpan, Ops
+from bloomery.engine.ops import AttnSpan, Ops, Rows
 from bloomery.gguf_file import GGUFFile, open_gguf
 
 N_UBATCH = 512   # llama-server's default -ub: a prompt runs in ubatches of this many tokens
@@ -43,6 +43,7 @@ class CausalLM:
         self.gf, self.ops = gf, ops
         self.n_slots, self.n_ctx_slot = n_slots, n_ctx_slot
         self.n_params = sum(int(np.prod(t.shape)) for t in gf.tensors.values())
+        self.n_ubatch = int(getattr(ops, "n_ubatch", N_UBATCH))          # rows per prompt batch
 
     # --- what an architecture provides ---
     n_vocab: int
@@ -52,7 +53,7 @@ class CausalLM:
     def embed(self, ids: np.ndarray):                       # [T] -> [T, D]
         raise NotImplementedError
 
-    def block(self, il: int, x, positions, spans: Sequence[AttnSpan]):   # [T, D] -> [T, D]
+    def block(self, il: int, x, rows: Rows):                # [T, D] -> [T, D]
         raise NotImplementedError
 
     def head(self, x):                                      # [T, D] -> [T, V]
@@ -71,9 +72,12 @@ class CausalLM:
     # --- the Model contract ---
     def _run(self, ids: np.ndarray, positions: np.ndarray, spans: Sequence[AttnSpan]):
         x = self.embed(self.ops.from_host(ids))                          # [T, D]
-        pos = self.ops.from_host(positions)
+        rows = self.ops.rows(spans, self.ops.from_host(positions))
+        return self.layers_forward(x, rows)
+
+    def layers_forward(self, x, rows: Rows):
         for il in range(self.n_layer):
-            x = self.block(il, x, pos, spans)                            # [T, D]
+            x = self.block(il, x, rows)                                  # [T, D]
         return x
 
     def _check(self, slot: int, ids, pos0: int) -> np.ndarray:
@@ -93,8 +97,8 @@ class CausalLM:
         """Every position's logits [T, V]; fills the slot's KV at pos0 .. pos0+T-1."""
         ids = self._check(slot, ids, pos0)
         outs = []
-        for c0 in range(0, ids.size, N_UBATCH):
-            chunk = ids[c0:c0 + N_UBATCH]                                # [t]
+        for c0 in range(0, ids.size, self.n_ubatch):
+            chunk = ids[c0:c0 + self.n_ubatch]                                # [t]
             p0 = pos0 + c0
             pos = np.arange(p0, p0 + chunk.size, dtype=np.int32)
             x = self._run(chunk, pos, [AttnSpan(slot, p0, 0, chunk.size)])
@@ -105,15 +109,14 @@ class CausalLM:
         """The last position's logits [V]; fills the slot's KV at pos0 .. pos0+T-1."""
         ids = self._check(slot, ids, pos0)
         x = None
-        for c0 in range(0, ids.size, N_UBATCH):
-            chunk = ids[c0:c0 + N_UBATCH]
+        for c0 in range(0, ids.size, self.n_ubatch):
+            chunk = ids[c0:c0 + self.n_ubatch]
             p0 = pos0 + c0
             pos = np.arange(p0, p0 + chunk.size, dtype=np.int32)
             x = self._run(chunk, pos, [AttnSpan(slot, p0, 0, chunk.size)])
         return self.ops.to_host(self.head(x[-1:]))[0]                   # [V]
 
-    def decode(self, slots: Sequence[int], ids, positions) -> np.ndarray:
-        """One token per slot, batched: logits [B, V]."""
+    def _decode_args(self, slots, ids, positions):
         slots = [int(s) for s in slots]
         ids = np.asarray(ids, dtype=np.int32).reshape(-1)                # [B]
         positions = np.asarray(positions, dtype=np.int32).reshape(-1)    # [B]
@@ -124,16 +127,47 @@ class CausalLM:
             raise ModelError(f"decode got slot(s) more than once: {slots}")
         for s, i, p in zip(slots, ids, positions):
             self._check(s, [i], int(p))
+        return slots, ids, positions
+
+    def _graphs(self, n: int):
+        """The backend's captured decode steps when it has them and they take n rows."""
+        make = getattr(self.ops, "decode_runner", None)
+        runner = make(self) if make is not None else None
+        return runner if runner is not None and n <= runner.max_batch else None
+
+    def decode(self, slots: Sequence[int], ids, positions) -> np.ndarray:
+        """One token per slot, batched: logits [B, V]."""
+        slots, ids, positions = self._decode_args(slots, ids, positions)
+        runner = self._graphs(len(slots))
+        if runner is not None:
+            return runner.run(slots, ids, positions, want_logits=True)
         spans = [AttnSpan(s, int(p), b, b + 1) for b, (s, p) in enumerate(zip(slots, positions))]
         x = self._run(ids, positions, spans)                             # [B, D]
         return self.ops.to_host(self.head(x))                           # [B, V]
+
+    def decode_greedy(self, slots: Sequence[int], ids, positions) -> np.ndarray:
+        """One token per slot, each slot's next id by argmax (the first largest logit): ids [B].
+        On a backend with captured steps only the ids leave the card."""
+        slots, ids, positions = self._decode_args(slots, ids, positions)
+        runner = self._graphs(len(slots))
+        if runner is not None:
+            return runner.run(slots, ids, positions, want_logits=False)
+        spans = [AttnSpan(s, int(p), b, b + 1) for b, (s, p) in enumerate(zip(slots, positions))]
+        x = self._run(ids, positions, spans)                             # [B, D]
+        return self.ops.to_host(self.ops.argmax(self.head(x)))          # [B]
 
 
 def make_ops(backend: str) -> Ops:
     if backend == "numpy":
         from bloomery.engine.backend_numpy import NumpyOps
         return NumpyOps()
-    raise ModelError(f"backend {backend!r} is not available: choose 'numpy'")
+    if backend == "cuda":
+        try:
+            from bloomery.engine.backend_cuda import CudaOps
+        except ImportError as e:
+            raise ModelError(f"backend 'cuda' needs CuPy (pip install bloomery[cuda13] or [cuda12]): {e}") from None
+        return CudaOps()
+    raise ModelError(f"backend {backend!r} is not available: choose 'numpy' or 'cuda'")
 
 
 def load_model(path: str, backend: str = "numpy", n_slots: int = 1, n_ctx_slot: int = 4096) -> CausalLM:

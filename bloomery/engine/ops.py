@@ -28,6 +28,16 @@ class AttnSpan:
     row1: int
 
 
+@dataclass(frozen=True)
+class Rows:
+    """Where each row of a batch sits: its slot and position, as backend arrays [T] (what a
+    device kernel reads, so a captured decode step needs no host values), and the same as
+    host spans where the caller knows them (None inside a captured decode graph)."""
+    spans: Sequence[AttnSpan] | None
+    slots: Any
+    positions: Any
+
+
 class Ops(Protocol):
     name: str
 
@@ -38,8 +48,11 @@ class Ops(Protocol):
     def get_rows(self, w: Weight, ids: Array) -> Array:
         """Rows `ids` [T] of a [N, K] table, dequantized -> [T, K] float32 (embedding lookup)."""
 
-    def matmul(self, x: Array, w: Weight) -> Array:
-        """x [T, K] @ w[N, K]^T -> [T, N], computed as llama.cpp's CPU does for w's type."""
+    def matmul(self, x: Array, w: Weight, residual: Array | None = None) -> Array:
+        """x [T, K] @ w[N, K]^T (+ residual [T, N]) -> [T, N]."""
+
+    def matmuls(self, x: Array, ws: Sequence[Weight], biases: Sequence[Weight | None]) -> list[Array]:
+        """[x @ w^T (+ b) for each w]: one pass over x for several weights (Q, K and V)."""
 
     # --- elementwise and norms ---
     def add(self, a: Array, b: Array | Weight) -> Array:
@@ -54,15 +67,23 @@ class Ops(Protocol):
     def rope_neox(self, x: Array, positions: Array, n_rot: int, freq_base: float) -> Array:
         """x [T, H, Dh] rotated in NEOX layout (pairs i, i + n_rot/2) at positions [T]."""
 
+    def rows(self, spans: Sequence[AttnSpan], positions: Array) -> Rows:
+        """The Rows of a batch laid out by `spans` (positions already on the backend)."""
+
+    def argmax(self, logits: Array) -> Array:
+        """logits [B, V] -> ids [B] int32, the first index of each row's largest value."""
+
     # --- attention over the KV cache ---
     def kv_cache(self, n_layer: int, n_slots: int, n_ctx_slot: int, n_head_kv: int, head_dim: int) -> Any:
         """A per-slot F16 K/V store (llama.cpp's default cache type)."""
 
-    def attention(self, cache: Any, layer: int, spans: Sequence[AttnSpan],
-                  q: Array, k: Array, v: Array, scale: float) -> Array:
-        """Write k, v [T, Hkv, Dh] at each span's positions, attend causally.
+    def self_attention(self, cache: Any, layer: int, rows: Rows, q: Array, k: Array, v: Array, scale: float,
+                       n_rot: int, freq_base: float, q_norm: Weight | None = None, k_norm: Weight | None = None,
+                       eps: float = 0.0) -> Array:
+        """The attention core of a block: optional per-head RMSNorm of q and k, NEOX RoPE at each
+        row's position, k and v written to the cache, causal attention within each row's slot.
 
-        q [T, H, Dh] -> [T, H*Dh]; each span only sees its own slot.
+        q [T, H, Dh], k and v [T, Hkv, Dh] -> [T, H*Dh].
         """
 
     # --- mixture of experts ---
@@ -70,8 +91,9 @@ class Ops(Protocol):
         """logits [T, E] -> (expert ids [T, A], weights [T, A]): softmax, top-k, optional renorm."""
 
     def moe_ffn(self, x: Array, ids: Array, weights: Array,
-                gate_exps: Weight, up_exps: Weight, down_exps: Weight) -> Array:
-        """x [T, D] through each token's A experts (gate, up, SiLU, down), weighted sum -> [T, D]."""
+                gate_exps: Weight, up_exps: Weight, down_exps: Weight, residual: Array | None = None) -> Array:
+        """x [T, D] through each token's A experts (gate, up, SiLU, down), weighted sum
+        (+ residual) -> [T, D]."""
 
     # --- host transfer ---
     def from_host(self, x: Any) -> Array: ...

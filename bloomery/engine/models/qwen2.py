@@ -94,34 +94,32 @@ class Qwen2(CausalLM):
     def embed(self, ids):
         return self.ops.get_rows(self.tok_embd, ids)                       # [T, D]
 
-    def _proj(self, x, w, b, n_heads: int):
-        y = self.ops.matmul(x, w)                                          # [T, n_heads*Dh]
-        if b is not None:
-            y = self.ops.add(y, b)
-        return y.reshape(y.shape[0], n_heads, self.hp.head_dim)            # [T, n_heads, Dh]
+    def qkv(self, il: int, x):
+        """Q, K and V projections in one pass over x: [T, H, Dh], [T, Hkv, Dh], [T, Hkv, Dh]."""
+        hp, ly = self.hp, self.layers[il]
+        q, k, v = self.ops.matmuls(x, [ly["wq"], ly["wk"], ly["wv"]],
+                                   [ly.get("bq"), ly.get("bk"), ly.get("bv")])   # [T, (H|Hkv)*Dh]
+        t = q.shape[0]
+        return (q.reshape(t, hp.n_head, hp.head_dim), k.reshape(t, hp.n_head_kv, hp.head_dim),
+                v.reshape(t, hp.n_head_kv, hp.head_dim))
 
-    def attention(self, il: int, x, positions, spans):
+    def attention(self, il: int, x, rows, residual):
         hp, ly, ops = self.hp, self.layers[il], self.ops
-        q = self._proj(x, ly["wq"], ly["bq"], hp.n_head)                   # [T, H, Dh]
-        k = self._proj(x, ly["wk"], ly["bk"], hp.n_head_kv)                # [T, Hkv, Dh]
-        v = self._proj(x, ly["wv"], ly["bv"], hp.n_head_kv)                # [T, Hkv, Dh]
-        q = ops.rope_neox(q, positions, hp.n_rot, hp.freq_base)            # [T, H, Dh]
-        k = ops.rope_neox(k, positions, hp.n_rot, hp.freq_base)            # [T, Hkv, Dh]
-        a = ops.attention(self.cache, il, spans, q, k, v, self.kq_scale)   # [T, H*Dh]
-        return ops.matmul(a, ly["wo"])                                     # [T, D]
+        q, k, v = self.qkv(il, x)
+        a = ops.self_attention(self.cache, il, rows, q, k, v, self.kq_scale, hp.n_rot, hp.freq_base)  # [T, H*Dh]
+        return ops.matmul(a, ly["wo"], residual)                           # [T, D]
 
-    def ffn(self, il: int, x):
+    def ffn(self, il: int, x, residual):
         ly, ops = self.layers[il], self.ops
-        g = ops.matmul(x, ly["ffn_gate"])                                  # [T, F]
-        u = ops.matmul(x, ly["ffn_up"])                                    # [T, F]
-        return ops.matmul(ops.swiglu(g, u), ly["ffn_down"])                # [T, D]
+        g, u = ops.matmuls(x, [ly["ffn_gate"], ly["ffn_up"]], [None, None])   # [T, F] each
+        return ops.matmul(ops.swiglu(g, u), ly["ffn_down"], residual)     # [T, D]
 
-    def block(self, il: int, x, positions, spans):
+    def block(self, il: int, x, rows):
         ly, ops, eps = self.layers[il], self.ops, self.hp.rms_eps
         h = ops.rms_norm(x, ly["attn_norm"], eps)                          # [T, D]
-        x = ops.add(self.attention(il, h, positions, spans), x)            # [T, D]
+        x = self.attention(il, h, rows, x)                                 # [T, D] (+ residual)
         h = ops.rms_norm(x, ly["ffn_norm"], eps)                           # [T, D]
-        return ops.add(self.ffn(il, h), x)                                 # [T, D]
+        return self.ffn(il, h, x)                                          # [T, D] (+ residual)
 
     def head(self, x):
         h = self.ops.rms_norm(x, self.output_norm, self.hp.rms_eps)        # [T, D]

@@ -19,14 +19,9 @@ class Qwen3(Qwen2):
     arch = "qwen3"
     layer_names = LAYER
 
-    def attention(self, il: int, x, positions, spans):
+    def attention(self, il: int, x, rows, residual):
         hp, ly, ops = self.hp, self.layers[il], self.ops
-        q = self._proj(x, ly["wq"], None, hp.n_head)                       # [T, H, Dh]
-        k = self._proj(x, ly["wk"], None, hp.n_head_kv)                    # [T, Hkv, Dh]
-        v = self._proj(x, ly["wv"], None, hp.n_head_kv)                    # [T, Hkv, Dh]
-        q = ops.rms_norm(q, ly["q_norm"], hp.rms_eps)                      # [T, H, Dh] per head
-        k = ops.rms_norm(k, ly["k_norm"], hp.rms_eps)                      # [T, Hkv, Dh]
-        q = ops.rope_neox(q, positions, hp.n_rot, hp.freq_base)            # [T, H, Dh]
-        k = ops.rope_neox(k, positions, hp.n_rot, hp.freq_base)            # [T, Hkv, Dh]
-        a = ops.attention(self.cache, il, spans, q, k, v, self.kq_scale)   # [T, H*Dh]
-        return ops.matmul(a, ly["wo"])                                     # [T, D]
+        q, k, v = self.qkv(il, x)                                          # [T, H|Hkv, Dh]
+        a = ops.self_attention(self.cache, il, rows, q, k, v, self.kq_scale, hp.n_rot, hp.freq_base,
+                               q_norm=ly["q_norm"], k_norm=ly["k_norm"], eps=hp.rms_eps)   # [T, H*Dh]
+        return ops.matmul(a, ly["wo"], residual)                           # [T, D]

@@ -47,8 +47,9 @@ class Qwen3Moe(Qwen3):
         super().__init__(gf, ops, n_slots, n_ctx_slot)
         self.moe = MoeParams.from_gguf(gf, self.arch)
 
-    def ffn(self, il: int, x):
+    def ffn(self, il: int, x, residual):
         ly, ops, moe = self.layers[il], self.ops, self.moe
         logits = ops.matmul(x, ly["gate_inp"])                             # [T, E]
         ids, w = ops.moe_route(logits, moe.n_expert_used, norm_weights=True)   # [T, A], [T, A]
-        return ops.moe_ffn(x, ids, w, ly["gate_exps"], ly["up_exps"], ly["down_exps"])   # [T, D]
+        return ops.moe_ffn(x, ids, w, ly["gate_exps"], ly["up_exps"], ly["down_exps"],
+                           residual)                                               # [T, D]

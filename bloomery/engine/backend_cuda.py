@@ -1,0 +1,261 @@
+"""The cuda backend of the ops (CuPy arrays, kernels/*.cu), chosen where CuPy sees a card.
+
+Weights stay in their GGUF blocks on the card. Batches of up to MMV_ROWS rows (decode, and
+short prompts) go through the mat-vec kernels, which read the blocks in place against an
+int8-per-32 form of the activation; longer batches dequantize to f16 and run cuBLAS
+tensor-core GEMMs. The attention and MoE steps live in cuda_attention.py and cuda_moe.py;
+the captured decode step in cuda_graph.py.
+
+Legend: T = rows in the batch, K = a weight's row length, N = its rows, D = hidden size.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+import cupy
+import numpy as np
+
+from bloomery.engine import cuda_attention, cuda_moe
+from bloomery.engine.cuda_gemm import gemm_nt
+from bloomery.engine.cuda_kernels import Kernels
+from bloomery.engine.ops import Rows
+
+MMV_ROWS = 8                       # rows the mat-vec kernels take at once (MAXB in matvec.cu)
+F32, F16, BF16 = 0, 1, 30
+BLOCKS = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 6: (32, 22), 8: (32, 34),
+          12: (256, 144), 13: (256, 176), 14: (256, 210)}    # ggml type -> (values, bytes) per block
+NAMES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+FLOAT_TYPES = (F32, F16, BF16)
+_NULL = np.uint64(0)
+
+
+def _i32(v) -> np.int32:
+    return np.int32(v)
+
+
+def _grid(n: int, per: int) -> int:
+    return max(1, (n + per - 1) // per)
+
+
+class CudaWeight:
+    """A tensor on the card: its bytes as stored, plus its 1-D form as f32 for vectors, and a
+    device table of each expert's address for stacked [K, N, E] expert tensors."""
+
+    def __init__(self, ggml_type: int, shape: Sequence[int], data: np.ndarray):
+        if ggml_type not in BLOCKS:
+            raise ValueError(f"ggml type {ggml_type} is not served by the cuda backend "
+                             f"(it reads {', '.join(NAMES.values())})")
+        self.ggml_type, self.shape = ggml_type, tuple(int(s) for s in shape)
+        self.n_cols = self.shape[0]
+        self.n_rows = self.shape[1] if len(self.shape) > 1 else 1
+        self.n_expert = self.shape[2] if len(self.shape) > 2 else 1
+        qk, nb = BLOCKS[ggml_type]
+        if self.n_cols % qk:
+            raise ValueError(f"a {NAMES[ggml_type]} row of {self.n_cols} values is not whole blocks of {qk}")
+        self.row_bytes = self.n_cols // qk * nb
+        self.data = cupy.asarray(np.ascontiguousarray(data).view(np.uint8))      # [n_bytes]
+        self.vec = None
+        if len(self.shape) == 1:        # norms and biases: f32 on the card
+            self.vec = cupy.asarray(_host_vector(ggml_type, np.asarray(data)))
+        self.expert_bytes = self.row_bytes * self.n_rows
+        self.table = None
+        if self.n_expert > 1:
+            base = self.data.data.ptr
+            self.table = cupy.asarray(np.array([base + e * self.expert_bytes for e in range(self.n_expert)],
+                                               np.uint64))                       # [E]
+
+    @property
+    def quantized(self) -> bool:
+        return self.ggml_type not in FLOAT_TYPES
+
+    @property
+    def n_bytes(self) -> int:
+        return int(self.data.size)
+
+
+def _host_vector(ggml_type: int, data: np.ndarray) -> np.ndarray:
+    if ggml_type == F32:
+        return data.view(np.float32).copy()
+    if ggml_type == F16:
+        return data.view(np.float16).astype(np.float32)
+    if ggml_type == BF16:
+        return (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    raise ValueError(f"a 1-D tensor of type {NAMES.get(ggml_type, ggml_type)} is not served")
+
+
+class CudaOps:
+    name = "cuda"
+    n_ubatch = 4096                # prompt rows per batch: the GEMM paths' fixed costs spread wide
+
+    def __init__(self):
+        self.k = Kernels()
+        self._q8: OrderedDict[int, tuple] = OrderedDict()    # id(x) -> (x, xq, xd, xs)
+        self._runners: dict[int, object] = {}
+
+    def decode_runner(self, model):
+        """The model's captured decode steps (cuda_graph.DecodeGraphs), made on first use."""
+        from bloomery.engine.cuda_graph import DecodeGraphs
+        if id(model) not in self._runners:
+            self._runners[id(model)] = DecodeGraphs(model)
+        return self._runners[id(model)]
+
+    # --- weights ---
+    def weight(self, ggml_type: int, shape: Sequence[int], data) -> CudaWeight:
+        return CudaWeight(ggml_type, shape, data)
+
+    def get_rows(self, w: CudaWeight, ids):
+        ids = self.from_host(ids).astype(cupy.int32, copy=False)
+        out = cupy.empty((ids.size, w.n_cols), cupy.float32)                     # [T, K]
+        self.k.get_rows((ids.size,), (128,), (w.data, _i32(w.ggml_type), np.int64(w.row_bytes),
+                                             _i32(w.n_cols), ids, out))
+        return out
+
+    # --- the activation's int8 form, made once per activation ---
+    def remember_q8(self, x, xq, xd, xs) -> None:
+        self._q8[id(x)] = (x, xq, xd, xs)
+        while len(self._q8) > 8:
+            self._q8.popitem(last=False)
+
+    def q8(self, x):
+        got = self._q8.get(id(x))
+        if got is not None and got[0] is x:
+            return got[1:]
+        t, k = x.shape
+        if k % 32:
+            raise ValueError(f"a row of {k} values cannot be quantized in blocks of 32")
+        xq = cupy.empty((t, k), cupy.int8)
+        xd = cupy.empty((t, k // 32), cupy.float32)
+        xs = cupy.empty((t, k // 32), cupy.float32)
+        n_blocks = t * k // 32
+        self.k.quantize_q8((_grid(n_blocks, 8),), (256,), (x, _i32(k), _i32(n_blocks), xq, xd, xs))
+        self.remember_q8(x, xq, xd, xs)
+        return xq, xd, xs
+
+    # --- matrix products ---
+    def matmul(self, x, w: CudaWeight, residual=None):
+        return self._products(x, [w], [None], [residual])[0]
+
+    def matmuls(self, x, ws, biases):
+        return self._products(x, list(ws), list(biases), [None] * len(ws))
+
+    def _products(self, x, ws, biases, residuals):
+        x = cupy.ascontiguousarray(x, dtype=cupy.float32)                         # [T, K]
+        for w in ws:
+            if x.shape[-1] != w.n_cols:
+                raise ValueError(f"matmul: input has {x.shape[-1]} columns, the weight's rows are {w.n_cols} long")
+        if x.shape[0] > MMV_ROWS:
+            outs = [self._gemm(x, w) for w in ws]
+            outs = [o if b is None else o + b.vec for o, b in zip(outs, biases)]
+            return [o if r is None else o + r for o, r in zip(outs, residuals)]
+        outs = []
+        for i in range(0, len(ws), 3):
+            outs += self._mmv(x, ws[i:i + 3], biases[i:i + 3], residuals[i:i + 3])
+        return outs
+
+    def _mmv(self, x, ws, biases, residuals):
+        t, k = x.shape
+        xq = xd = xs = _NULL
+        if any(w.quantized for w in ws):
+            xq, xd, xs = self.q8(x)
+        outs, params = [], []
+        for w, b, r in zip(ws, biases, residuals):
+            o = cupy.empty((t, w.n_rows), cupy.float32)                           # [T, N]
+            outs.append(o)
+            params += [w.data, np.int64(w.row_bytes), _i32(w.ggml_type), _i32(w.n_rows), o,
+                       b.vec if b is not None else _NULL,
+                       cupy.ascontiguousarray(r, dtype=cupy.float32) if r is not None else _NULL]
+        for _ in range(3 - len(ws)):
+            params += [_NULL, np.int64(0), _i32(0), _i32(0), _NULL, _NULL, _NULL]
+        nb = next(b for b in (1, 2, 4, 8) if b >= t)
+        rows_per_warp = 1                                                          # MMV_R in matvec.cu
+        n_groups = sum(-(-w.n_rows // rows_per_warp) for w in ws)
+        getattr(self.k, f"mmv3_b{nb}")((_grid(n_groups, 4),), (128,),
+                                       (*params, _i32(len(ws)), _i32(k), xq, xd, xs, x, _i32(t)))
+        return outs
+
+    def dequant_f16(self, w: CudaWeight):
+        """All of w's rows as f16 [n_expert * N, K] (a transient copy for the GEMM path)."""
+        if w.ggml_type == F16:
+            return w.data.view(cupy.float16).reshape(-1, w.n_cols)
+        n_rows = w.n_rows * w.n_expert
+        out = cupy.empty((n_rows, w.n_cols), cupy.float16)
+        n_items = n_rows * w.n_cols // 32                                         # an upper bound
+        self.k.dequant_f16((min(_grid(n_items, 256), 16384),), (256,), (w.data, _i32(w.ggml_type), np.int64(w.row_bytes),
+                                             np.int64(n_rows), _i32(w.n_cols), out))
+        return out
+
+    def f16(self, x):
+        x = cupy.ascontiguousarray(x, dtype=cupy.float32)
+        out = cupy.empty(x.shape, cupy.float16)
+        self.k.f32_to_f16((min(_grid(x.size, 256), 4096),), (256,), (x, np.int64(x.size), out))
+        return out
+
+    def _gemm(self, x, w: CudaWeight):
+        if w.ggml_type == F32:
+            return x @ w.data.view(cupy.float32).reshape(w.n_rows, w.n_cols).T   # [T, N] small (routers)
+        out = cupy.empty((x.shape[0], w.n_rows), cupy.float32)                    # [T, N]
+        return gemm_nt(self.f16(x), self.dequant_f16(w), out)
+
+    # --- elementwise and norms ---
+    def add(self, a, b):
+        return a + (b.vec if isinstance(b, CudaWeight) else b)
+
+    def rms_norm(self, x, w: CudaWeight, eps: float):
+        shape = x.shape
+        x2 = cupy.ascontiguousarray(x, dtype=cupy.float32).reshape(-1, shape[-1])  # [R, K]
+        r, k = x2.shape
+        y = cupy.empty_like(x2)
+        quant = k % 32 == 0 and len(shape) == 2
+        yq = cupy.empty((r, k), cupy.int8) if quant else None
+        yd = cupy.empty((r, k // 32), cupy.float32) if quant else None
+        ys = cupy.empty((r, k // 32), cupy.float32) if quant else None
+        if k > 8192:
+            raise ValueError(f"rms_norm: rows of {k} values are longer than the kernel's 8192")
+        threads = min(1024, max(32, -(-k // 4 // 32) * 32))
+        self.k.rms_norm_q8((r,), (threads,), (x2, w.vec, _i32(k), np.float32(eps), y,
+                                          yq if quant else _NULL, yd if quant else _NULL, ys if quant else _NULL))
+        y = y.reshape(shape)
+        if quant:
+            self.remember_q8(y, yq, yd, ys)
+        return y
+
+    def swiglu(self, gate, up):
+        out = cupy.empty(gate.shape, cupy.float32)
+        self.k.swiglu_f((min(_grid(gate.size, 256), 4096),), (256,),
+                        (cupy.ascontiguousarray(gate), cupy.ascontiguousarray(up), np.int64(gate.size), out, _NULL))
+        return out
+
+    def rows(self, spans, positions) -> Rows:
+        slots = np.empty(int(positions.shape[0]), np.int32)
+        for sp in spans:
+            slots[sp.row0:sp.row1] = sp.slot
+        return Rows(list(spans), cupy.asarray(slots), self.from_host(positions).astype(cupy.int32, copy=False))
+
+    def argmax(self, logits):
+        logits = cupy.ascontiguousarray(logits, dtype=cupy.float32)
+        out = cupy.empty(logits.shape[0], cupy.int32)
+        self.k.argmax_rows((logits.shape[0],), (1024,), (logits, _i32(logits.shape[1]), out))
+        return out
+
+    # --- attention and MoE (their own modules) ---
+    def kv_cache(self, n_layer, n_slots, n_ctx_slot, n_head_kv, head_dim):
+        return cuda_attention.KVCacheF16(n_layer, n_slots, n_ctx_slot, n_head_kv, head_dim)
+
+    def self_attention(self, cache, layer, rows, q, k, v, scale, n_rot, freq_base, q_norm=None, k_norm=None,
+                       eps=0.0):
+        return cuda_attention.self_attention(self, cache, layer, rows, q, k, v, scale, n_rot, freq_base,
+                                             q_norm, k_norm, eps)
+
+    def moe_route(self, logits, n_used: int, norm_weights: bool):
+        return cuda_moe.route(self, logits, n_used, norm_weights)
+
+    def moe_ffn(self, x, ids, weights, gate_exps, up_exps, down_exps, residual=None):
+        return cuda_moe.ffn(self, x, ids, weights, gate_exps, up_exps, down_exps, residual)
+
+    # --- host transfer ---
+    def from_host(self, x):
+        return x if isinstance(x, cupy.ndarray) else cupy.asarray(x)
+
+    def to_host(self, x) -> np.ndarray:
+        return cupy.asnumpy(x)

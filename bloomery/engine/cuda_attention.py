@@ -1,0 +1,131 @@
+"""Attention for the cuda backend: the per-slot F16 KV cache and the two paths over it.
+
+Rows whose slots and positions are only known on the card (a captured decode step), and
+any batch of up to MMV_ROWS rows, take the split-context kernels (attn_split + attn_merge:
+each row attends to its own slot up to its own position). Longer prompt batches, whose
+spans are known on the host, take two tensor-core GEMMs per span around a masked softmax.
+
+Legend: T = rows, H = query heads, Hkv = KV heads, G = H / Hkv, Dh = head size,
+C = n_ctx_slot, L = layers, S = slots.
+"""
+from __future__ import annotations
+
+import math
+
+import cupy
+import numpy as np
+
+from bloomery.engine.cuda_gemm import gemm_nn, gemm_nt
+
+SPLIT_V_BYTES = 32 << 10          # one split's V rows, staged in shared memory
+SMEM_MAX = 48 << 10
+
+
+def split_smem(g: int, dh: int, split: int) -> int:
+    return 4 * (g * dh + g * split + 32) + 2 * split * dh      # q, scores, softmax pieces, V rows
+
+
+def split_size(g: int, dh: int) -> int:
+    """Positions per attn_split block (one thread each): 128, halved until its shared memory fits."""
+    split = min(128, SPLIT_V_BYTES // (2 * dh))
+    while split > 32 and split_smem(g, dh, split) > SMEM_MAX:
+        split //= 2
+    return split
+SCORE_BYTES = 256 << 20            # the prompt path's score matrix per chunk
+_NULL = np.uint64(0)
+
+
+class KVCacheF16:
+    """K and V as f16 [L, S, Hkv, C, Dh]: each (slot, kv head) is contiguous over positions."""
+
+    def __init__(self, n_layer: int, n_slots: int, n_ctx_slot: int, n_head_kv: int, head_dim: int):
+        shape = (n_layer, n_slots, n_head_kv, n_ctx_slot, head_dim)
+        self.k = cupy.zeros(shape, cupy.float16)
+        self.v = cupy.zeros(shape, cupy.float16)
+        self.n_ctx_slot, self.n_head_kv, self.head_dim = n_ctx_slot, n_head_kv, head_dim
+        self.slot_stride = n_head_kv * n_ctx_slot * head_dim          # elements
+        self.layer_stride = n_slots * self.slot_stride
+
+    @property
+    def n_bytes(self) -> int:
+        return int(self.k.nbytes + self.v.nbytes)
+
+
+def self_attention(ops, cache: KVCacheF16, layer: int, rows, q, k, v, scale: float, n_rot: int,
+                   freq_base: float, q_norm, k_norm, eps: float):
+    t, n_head, dh = q.shape
+    n_kv_head = k.shape[1]
+    if n_rot != dh:
+        raise ValueError(f"the cuda backend rotates whole heads: rope dimension {n_rot} != head size {dh}")
+    if dh not in (64, 128, 256) or n_head % n_kv_head or n_head // n_kv_head > 16:
+        raise ValueError(f"head size {dh} / heads {n_head}/{n_kv_head}: the cuda attention takes head sizes "
+                         f"64, 128 or 256 and at most 16 query heads per KV head")
+    q_rot = cupy.empty((t, n_head, dh), cupy.float32)                     # [T, H, Dh]
+    layer_off = np.int64(layer * cache.layer_stride)
+    ops.k.rope_store((t, n_head + n_kv_head), (dh // 2,), (
+        cupy.ascontiguousarray(q), cupy.ascontiguousarray(k), cupy.ascontiguousarray(v),
+        q_norm.vec if q_norm is not None else _NULL, k_norm.vec if k_norm is not None else _NULL,
+        np.float32(eps), rows.slots, rows.positions, np.int32(n_head), np.int32(n_kv_head), np.int32(dh),
+        np.int32(n_rot), np.float32(math.log2(freq_base)), layer_off, np.int64(cache.slot_stride),
+        np.int32(cache.n_ctx_slot), cache.k, cache.v, q_rot))
+    if rows.spans is None or t <= 8:
+        return _split_path(ops, cache, layer_off, rows, q_rot, n_kv_head, scale)
+    return _gemm_path(ops, cache, layer, rows.spans, q_rot, n_kv_head, scale)
+
+
+def _split_path(ops, cache, layer_off, rows, q_rot, n_kv_head: int, scale: float):
+    t, n_head, dh = q_rot.shape
+    g = n_head // n_kv_head
+    split = split_size(g, dh)
+    n_split = -(-cache.n_ctx_slot // split)
+    part_m = cupy.empty((t, n_head, n_split), cupy.float32)
+    part_l = cupy.empty((t, n_head, n_split), cupy.float32)
+    part_o = cupy.empty((t, n_head, n_split, dh), cupy.float32)
+    smem = split_smem(g, dh, split)
+    if smem > SMEM_MAX:
+        raise ValueError(f"attention with {g} query heads per KV head of size {dh} needs {smem} bytes of "
+                         f"shared memory, more than {SMEM_MAX}")
+    getattr(ops.k, f"attn_split_{dh}")((n_split, n_kv_head, t), (split,), (
+        q_rot, cache.k, cache.v, rows.slots, rows.positions, np.int32(n_head), np.int32(n_kv_head), layer_off, np.int64(cache.slot_stride), np.int32(cache.n_ctx_slot),
+        np.float32(scale), part_m, part_l, part_o), shared_mem=smem)
+    out = cupy.empty((t, n_head * dh), cupy.float32)                      # [T, H*Dh]
+    oq = cupy.empty((t, n_head * dh), cupy.int8)
+    od = cupy.empty((t, n_head * dh // 32), cupy.float32)
+    os_ = cupy.empty((t, n_head * dh // 32), cupy.float32)
+    ops.k.attn_merge((t, n_head), (dh,), (part_m, part_l, part_o, rows.positions, np.int32(split),
+                                          np.int32(n_split), np.int32(n_head), np.int32(dh), out, oq, od, os_),
+                     shared_mem=4 * n_split)
+    ops.remember_q8(out, oq, od, os_)
+    return out
+
+
+def _gemm_path(ops, cache, layer: int, spans, q_rot, n_kv_head: int, scale: float):
+    t, n_head, dh = q_rot.shape
+    g = n_head // n_kv_head
+    c = cache.n_ctx_slot
+    out = cupy.empty((t, n_head * dh), cupy.float32)                      # [T, H*Dh]
+    kf, vf = cache.k.view(cupy.float16), cache.v.view(cupy.float16)
+    for sp in spans:
+        n_rows = sp.row1 - sp.row0
+        n_kv = sp.pos0 + n_rows
+        qs = (q_rot[sp.row0:sp.row1] * np.float32(scale)).reshape(n_rows, n_kv_head, g, dh)
+        q16 = ops.f16(qs.transpose(1, 0, 2, 3))                           # [Hkv, t, G, Dh]
+        k0 = kf[layer, sp.slot]                                           # [Hkv, C, Dh]
+        v0 = vf[layer, sp.slot]
+        chunk = max(1, min(n_rows, SCORE_BYTES // (4 * n_head * n_kv)))
+        for c0 in range(0, n_rows, chunk):
+            cn = min(chunk, n_rows - c0)
+            m = cn * g                                                    # rows per kv head
+            qc = cupy.ascontiguousarray(q16[:, c0:c0 + cn]).reshape(n_kv_head, m, dh)
+            s = cupy.empty((n_kv_head, m, n_kv), cupy.float32)            # [Hkv, m, n_kv]
+            gemm_nt(qc, k0, s, batch=n_kv_head, stride_x=m * dh, stride_w=c * dh, stride_out=m * n_kv,
+                    m=m, n=n_kv, k=dh, ldw=dh)
+            p = cupy.empty((n_kv_head, m, n_kv), cupy.float16)
+            ops.k.softmax_causal((n_kv_head * m,), (256,), (s, np.int32(n_kv), np.int32(sp.pos0 + c0),
+                                                            np.int32(g), np.int32(m), p))
+            o = cupy.empty((n_kv_head, m, dh), cupy.float32)              # [Hkv, m, Dh]
+            gemm_nn(p, v0, o, batch=n_kv_head, stride_p=m * n_kv, stride_v=c * dh, stride_out=m * dh,
+                    m=m, n=dh, k=n_kv, ldv=dh)
+            rows = o.reshape(n_kv_head, cn, g, dh).transpose(1, 0, 2, 3).reshape(cn, n_head * dh)
+            out[sp.row0 + c0:sp.row0 + c0 + cn] = rows
+    return out

@@ -1,0 +1,103 @@
+"""The MoE router and expert FFN for the cuda backend.
+
+Decode-sized batches (<= MMV_ROWS tokens) run two kernels that read each chosen expert's
+blocks in place through the tensor's device table of expert addresses (moe_gate_up, then
+moe_down with the weighted sum and the residual). Prompt batches group rows by expert into
+a padded [E, cmax, D] layout and run three batched tensor-core GEMMs over the dequantized
+experts.
+
+Legend: T = tokens, A = experts per token, E = experts, F = expert FFN size, D = hidden.
+"""
+from __future__ import annotations
+
+import cupy
+import numpy as np
+
+from bloomery.engine.cuda_gemm import gemm_nt
+
+_NULL = np.uint64(0)
+DOWN_R = 8                          # rows per block in moe_down (DOWN_R in moe.cu)
+
+
+def route(ops, logits, n_used: int, norm: bool):
+    logits = cupy.ascontiguousarray(logits, dtype=cupy.float32)           # [T, E]
+    t, n_expert = logits.shape
+    ids = cupy.empty((t, n_used), cupy.int32)                             # [T, A]
+    wts = cupy.empty((t, n_used), cupy.float32)
+    args = (logits, np.int32(n_expert), np.int32(n_used), np.int32(int(norm)), ids, wts)
+    vpl = next((v for v in (4, 8, 16, 32) if 32 * v >= n_expert), None)
+    if vpl is not None and n_used <= 32:            # one warp per token
+        getattr(ops.k, f"moe_route_w{vpl}")((t,), (32,), args)
+    else:
+        threads = min(1024, max(32, -(-n_expert // 32) * 32))
+        ops.k.moe_route((t,), (threads,), args, shared_mem=4 * n_expert)
+    return ids, wts
+
+
+def _check(gate, up, down, d: int):
+    for w in (gate, up, down):
+        if w.table is None or not w.quantized:
+            raise ValueError("the cuda MoE path reads quantized stacked expert tensors")
+    if gate.n_rows % 32 or d % DOWN_R or gate.n_cols != d or down.n_cols != gate.n_rows:
+        raise ValueError(f"expert shapes gate {gate.shape} down {down.shape} do not fit hidden size {d} "
+                         f"(the expert width must be a multiple of 32, the hidden size of {DOWN_R})")
+
+
+def ffn(ops, x, ids, wts, gate, up, down, residual=None):
+    x = cupy.ascontiguousarray(x, dtype=cupy.float32)                     # [T, D]
+    t, d = x.shape
+    _check(gate, up, down, d)
+    if t > 8:
+        return _grouped(ops, x, ids, wts, gate, up, down, residual)
+    n_used, f = ids.shape[1], gate.n_rows
+    if n_used > 32:
+        raise ValueError(f"the cuda MoE kernels take at most 32 experts per token, the file uses {n_used}")
+    xq, xd, xs = ops.q8(x)
+    aq = cupy.empty((t * n_used, f), cupy.int8)                           # [T*A, F]
+    ad = cupy.empty((t * n_used, f // 32), cupy.float32)
+    as_ = cupy.empty((t * n_used, f // 32), cupy.float32)
+    ids = cupy.ascontiguousarray(ids, dtype=cupy.int32)
+    wts = cupy.ascontiguousarray(wts, dtype=cupy.float32)
+    ops.k.moe_gate_up((f // 32, t * n_used), (256,), (
+        gate.table, up.table, np.int32(gate.ggml_type), np.int32(up.ggml_type), np.int64(gate.row_bytes),
+        np.int64(up.row_bytes), np.int32(f), np.int32(d), xq, xd, xs, ids, np.int32(n_used), aq, ad, as_))
+    out = cupy.empty((t, d), cupy.float32)                                # [T, D]
+    res = cupy.ascontiguousarray(residual, dtype=cupy.float32) if residual is not None else _NULL
+    ops.k.moe_down((d // DOWN_R, t), (32 * min(n_used, 8),), (
+        down.table, np.int32(down.ggml_type), np.int64(down.row_bytes), np.int32(d), np.int32(f),
+        aq, ad, as_, ids, wts, np.int32(n_used), res, out))
+    return out
+
+
+def _grouped(ops, x, ids, wts, gate, up, down, residual):
+    t, d = x.shape
+    n_used, n_expert, f = ids.shape[1], gate.n_expert, gate.n_rows
+    flat = cupy.ascontiguousarray(ids, dtype=cupy.int32).reshape(-1)     # [T*A]
+    counts = cupy.bincount(flat, minlength=n_expert)                      # [E]
+    cmax = int(counts.max())                                              # one sync per layer
+    order = cupy.argsort(flat).astype(cupy.int32)                         # pairs grouped by expert
+    sorted_e = flat[order]
+    offsets = cupy.cumsum(counts) - counts
+    rank = cupy.arange(flat.size, dtype=cupy.int32) - offsets[sorted_e].astype(cupy.int32)
+    dst = (sorted_e * cmax + rank).astype(cupy.int32)                     # row in [E*cmax]
+    pos_of = cupy.empty_like(dst)
+    pos_of[order] = dst
+    src_tok = (order // n_used).astype(cupy.int32)
+    xp = cupy.zeros((n_expert * cmax, d), cupy.float16)                   # [E*cmax, D]
+    ops.k.gather_rows((flat.size,), (256,), (x, src_tok, dst, np.int32(flat.size), np.int32(d), xp))
+    g = cupy.empty((n_expert, cmax, f), cupy.float32)                     # [E, cmax, F]
+    u = cupy.empty((n_expert, cmax, f), cupy.float32)
+    for w, out in ((gate, g), (up, u)):
+        gemm_nt(xp, ops.dequant_f16(w), out, batch=n_expert, stride_x=cmax * d, stride_w=f * d,
+                stride_out=cmax * f, m=cmax, n=f, k=d)
+    h = cupy.empty((n_expert, cmax, f), cupy.float16)
+    ops.k.swiglu_f((4096,), (256,), (g, u, np.int64(g.size), _NULL, h))
+    del g, u
+    y = cupy.empty((n_expert, cmax, d), cupy.float32)                     # [E, cmax, D]
+    gemm_nt(h, ops.dequant_f16(down), y, batch=n_expert, stride_x=cmax * f, stride_w=d * f,
+            stride_out=cmax * d, m=cmax, n=d, k=f)
+    out = cupy.empty((t, d), cupy.float32)
+    res = cupy.ascontiguousarray(residual, dtype=cupy.float32) if residual is not None else _NULL
+    ops.k.combine_rows((t,), (256,), (y, pos_of, cupy.ascontiguousarray(wts, dtype=cupy.float32),
+                                      np.int32(n_used), np.int32(d), res, out))
+    return out

@@ -1,0 +1,113 @@
+// Embedding rows, dequantization to f16 for the prompt GEMMs, and elementwise steps.
+#include "common.cuh"
+#include "blocks.cuh"
+
+
+template <class T>
+__device__ __forceinline__ void deq_item(const u8* row, int item, float* out) { T w; w.deq(row, item, out); }
+
+// The IV values of work item `item` of `row` (IV = 64 for Q4_K/Q5_K, 32 for the others).
+__device__ __forceinline__ int deq_any(int type, const u8* row, int item, float* out) {
+    switch (type) {
+        case T_Q4_K: deq_item<Q4K>(row, item, out); return 64;
+        case T_Q5_K: deq_item<Q5K>(row, item, out); return 64;
+        case T_Q6_K: deq_item<Q6K>(row, item, out); return 32;
+        case T_Q8_0: deq_item<Q8_0>(row, item, out); return 32;
+        case T_Q5_0: deq_item<Q5_0>(row, item, out); return 32;
+        case T_Q4_0: deq_item<Q4_0>(row, item, out); return 32;
+    }
+    return 0;
+}
+__device__ __forceinline__ int item_values(int type) { return (type == T_Q4_K || type == T_Q5_K) ? 64 : 32; }
+__device__ __forceinline__ float float_at(int type, const u8* row, int i) {
+    return type == T_F32 ? F32W::get(row, i) : (type == T_F16 ? F16W::get(row, i) : BF16W::get(row, i));
+}
+__device__ __forceinline__ bool is_float(int type) { return type == T_F32 || type == T_F16 || type == T_BF16; }
+
+// out [n_ids, K] float = rows ids of W. grid (n_ids), block 128.
+extern "C" __global__ void get_rows(const u8* __restrict__ W, int type, i64 row_bytes, int K,
+                                    const int* __restrict__ ids, float* __restrict__ out) {
+    const u8* row = W + (i64)ids[blockIdx.x] * row_bytes;
+    float* o = out + (i64)blockIdx.x * K;
+    if (is_float(type)) {
+        for (int i = threadIdx.x; i < K; i += blockDim.x) o[i] = float_at(type, row, i);
+        return;
+    }
+    int iv = item_values(type);
+    float v[64];
+    for (int it = threadIdx.x; it < K / iv; it += blockDim.x) {
+        deq_any(type, row, it, v);
+        for (int l = 0; l < iv; l++) o[it * iv + l] = v[l];
+    }
+}
+
+// out [n_rows, K] f16 = W dequantized (every row; stacked experts are just more rows).
+// One thread per work item of IV values, kept in registers (IV is the type's constant) and
+// written as 16-byte stores; consecutive threads take consecutive items of a row.
+template <class T>
+__device__ __forceinline__ void deq_rows_f16(const u8* __restrict__ W, i64 row_bytes, i64 n_rows, int K,
+                                             u16* __restrict__ out) {
+    const int IV = T::IV;
+    i64 per_row = K / IV;
+    i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 g = (i64)blockIdx.x * blockDim.x + threadIdx.x; g < n_rows * per_row; g += stride) {
+        i64 r = g / per_row;
+        int it = (int)(g - r * per_row);
+        float v[IV];
+        T w;
+        w.deq(W + r * row_bytes, it, v);
+        uint4* o = (uint4*)(out + r * K + (i64)it * IV);
+#pragma unroll
+        for (int c = 0; c < IV / 8; c++) {
+            uint4 u;
+            u.x = (u32)f2h(v[8 * c]) | ((u32)f2h(v[8 * c + 1]) << 16);
+            u.y = (u32)f2h(v[8 * c + 2]) | ((u32)f2h(v[8 * c + 3]) << 16);
+            u.z = (u32)f2h(v[8 * c + 4]) | ((u32)f2h(v[8 * c + 5]) << 16);
+            u.w = (u32)f2h(v[8 * c + 6]) | ((u32)f2h(v[8 * c + 7]) << 16);
+            o[c] = u;
+        }
+    }
+}
+
+extern "C" __global__ void dequant_f16(const u8* __restrict__ W, int type, i64 row_bytes, i64 n_rows, int K,
+                                       u16* __restrict__ out) {
+    switch (type) {
+        case T_Q4_K: deq_rows_f16<Q4K>(W, row_bytes, n_rows, K, out); return;
+        case T_Q5_K: deq_rows_f16<Q5K>(W, row_bytes, n_rows, K, out); return;
+        case T_Q6_K: deq_rows_f16<Q6K>(W, row_bytes, n_rows, K, out); return;
+        case T_Q8_0: deq_rows_f16<Q8_0>(W, row_bytes, n_rows, K, out); return;
+        case T_Q5_0: deq_rows_f16<Q5_0>(W, row_bytes, n_rows, K, out); return;
+        case T_Q4_0: deq_rows_f16<Q4_0>(W, row_bytes, n_rows, K, out); return;
+    }
+    i64 stride = (i64)gridDim.x * blockDim.x;       // float formats
+    for (i64 g = (i64)blockIdx.x * blockDim.x + threadIdx.x; g < n_rows * K; g += stride)
+        out[g] = f2h(float_at(type, W + (g / K) * row_bytes, (int)(g % K)));
+}
+
+extern "C" __global__ void f32_to_f16(const float* __restrict__ x, i64 n, u16* __restrict__ y) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) y[i] = f2h(x[i]);
+}
+extern "C" __global__ void f16_to_f32(const u16* __restrict__ x, i64 n, float* __restrict__ y) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) y[i] = h2f(x[i]);
+}
+// act = silu(g) * u over [n] elements; g, u float (f32) -> out f16 (prompt path) or f32.
+extern "C" __global__ void swiglu_f(const float* __restrict__ g, const float* __restrict__ u, i64 n,
+                                    float* __restrict__ out32, u16* __restrict__ out16) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        float v = silu(g[i]) * u[i];
+        if (out32) out32[i] = v;
+        if (out16) out16[i] = f2h(v);
+    }
+}
+// swiglu over the fused [rows, 2F] gate|up output of the prompt path's expert GEMM -> f16 [rows, F]
+extern "C" __global__ void swiglu_pair_f16(const float* __restrict__ gu, i64 rows, int F, u16* __restrict__ out) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < rows * F; i += (i64)gridDim.x * blockDim.x) {
+        i64 r = i / F; int c = (int)(i % F);
+        out[i] = f2h(silu(gu[r * 2 * F + c]) * gu[r * 2 * F + F + c]);
+    }
+}
+extern "C" __global__ void add_f(const float* __restrict__ a, const float* __restrict__ b, i64 n, i64 nb,
+                                 float* __restrict__ out) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        out[i] = a[i] + b[i % nb];
+}

@@ -1,0 +1,304 @@
+// The MoE router and the grouped expert FFN for decode-sized batches. Expert e of a
+// stacked tensor lives at table[e] (a device pointer per expert), so experts can move
+// between card memory and mapped host memory without recapturing a decode graph.
+#include "common.cuh"
+#include "blocks.cuh"
+
+
+// softmax over E logits, top-A (ties: lower index first), optional renormalisation of the
+// chosen weights (divided by max(sum, 2^-14), as llama.cpp's qwen3moe graph). One block per token.
+extern "C" __global__ void moe_route(const float* __restrict__ logits, int E, int A, int norm,
+                                     int* __restrict__ ids, float* __restrict__ wts) {
+    extern __shared__ float p[];          // [E]
+    __shared__ float sh[32];
+    __shared__ int shi[32];
+    const float* z = logits + (i64)blockIdx.x * E;
+    float m = -3.4e38f;
+    for (int i = threadIdx.x; i < E; i += blockDim.x) m = fmaxf(m, z[i]);
+    m = block_max(m, sh);
+    float s = 0.f;
+    for (int i = threadIdx.x; i < E; i += blockDim.x) { float e = __expf(z[i] - m); p[i] = e; s += e; }
+    s = block_sum(s, sh);
+    float inv = 1.f / s;
+    for (int i = threadIdx.x; i < E; i += blockDim.x) p[i] *= inv;
+    __syncthreads();
+    float total = 0.f;
+    int lane = threadIdx.x % WARP, w = threadIdx.x / WARP, nw = blockDim.x / WARP;
+    for (int a = 0; a < A; a++) {
+        float best = -1.f; int bi = 0x7fffffff;
+        for (int i = threadIdx.x; i < E; i += blockDim.x)
+            if (p[i] > best) { best = p[i]; bi = i; }
+        warp_argmax(best, bi);
+        if (lane == 0) { sh[w] = best; shi[w] = bi; }
+        __syncthreads();
+        if (w == 0) {
+            best = lane < nw ? sh[lane] : -1.f;
+            bi = lane < nw ? shi[lane] : 0x7fffffff;
+            warp_argmax(best, bi);
+            if (lane == 0) {
+                ids[(i64)blockIdx.x * A + a] = bi;
+                wts[(i64)blockIdx.x * A + a] = best;
+                p[bi] = -2.f;     // taken
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0 && norm) {
+        for (int a = 0; a < A; a++) total += wts[(i64)blockIdx.x * A + a];
+        total = fmaxf(total, 6.103515625e-5f);
+        for (int a = 0; a < A; a++) wts[(i64)blockIdx.x * A + a] /= total;
+    }
+}
+
+// The same router in one warp per token (E <= 32 * VPL, A <= 32): no block barriers.
+template <int VPL>
+__device__ __forceinline__ void route_warp(const float* __restrict__ logits, int E, int A, int norm,
+                                           int* __restrict__ ids, float* __restrict__ wts) {
+    int t = blockIdx.x, lane = threadIdx.x % WARP;
+    const float* z = logits + (i64)t * E;
+    float p[VPL];
+    float m = -3.4e38f;
+#pragma unroll
+    for (int j = 0; j < VPL; j++) {
+        int i = lane + WARP * j;
+        p[j] = i < E ? z[i] : -3.4e38f;
+        m = fmaxf(m, p[j]);
+    }
+    m = warp_max(m);
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < VPL; j++) {
+        p[j] = lane + WARP * j < E ? __expf(p[j] - m) : 0.f;
+        s += p[j];
+    }
+    float inv = 1.f / warp_sum(s);
+#pragma unroll
+    for (int j = 0; j < VPL; j++) p[j] = lane + WARP * j < E ? p[j] * inv : -1.f;
+    float mine_w = 0.f;
+    int mine_id = 0;
+    for (int a = 0; a < A; a++) {
+        float best = -1.f;
+        int bi = 0x7fffffff;
+#pragma unroll
+        for (int j = 0; j < VPL; j++)
+            if (p[j] > best) { best = p[j]; bi = lane + WARP * j; }   // j ascending: lower index on ties
+        warp_argmax(best, bi);
+#pragma unroll
+        for (int j = 0; j < VPL; j++) if (lane + WARP * j == bi) p[j] = -2.f;      // taken
+        if (lane == a) { mine_w = best; mine_id = bi; }
+    }
+    float total = warp_sum(lane < A ? mine_w : 0.f);
+    if (lane < A) {
+        ids[(i64)t * A + lane] = mine_id;
+        wts[(i64)t * A + lane] = norm ? mine_w / fmaxf(total, 6.103515625e-5f) : mine_w;
+    }
+}
+#define MOE_ROUTE_W(VPL) extern "C" __global__ void moe_route_w##VPL(const float* logits, int E, int A, int norm, \
+    int* ids, float* wts) { route_warp<VPL>(logits, E, A, norm, ids, wts); }
+MOE_ROUTE_W(4)
+MOE_ROUTE_W(8)
+MOE_ROUTE_W(16)
+MOE_ROUTE_W(32)
+
+template <class T>
+__device__ __forceinline__ float item_loop(const u8* row, int n_items, const i8* xq, const float* xd, const float* xs) {
+    float acc = 0.f;
+    for (int it = threadIdx.x % WARP; it < n_items; it += WARP) {
+        T w;
+        w.load(row, it);
+        acc += w.dot(xq, xd, xs, it);
+    }
+    return acc;
+}
+
+// gate and up rows of the same type in one loop: both items' loads go out together
+template <class T>
+__device__ __forceinline__ void item_loop2(const u8* rg, const u8* ru, int n_items, const i8* xq, const float* xd,
+                                           const float* xs, float& g, float& u) {
+    for (int it = threadIdx.x % WARP; it < n_items; it += WARP) {
+        T a, b;
+        a.load(rg, it);
+        b.load(ru, it);
+        g += a.dot(xq, xd, xs, it);
+        u += b.dot(xq, xd, xs, it);
+    }
+}
+__device__ __forceinline__ void qdot2(int type, const u8* rg, const u8* ru, int K, const i8* xq, const float* xd,
+                                      const float* xs, float& g, float& u) {
+    switch (type) {
+        case T_Q4_K: item_loop2<Q4K>(rg, ru, K / 64, xq, xd, xs, g, u); break;
+        case T_Q5_K: item_loop2<Q5K>(rg, ru, K / 64, xq, xd, xs, g, u); break;
+        case T_Q6_K: item_loop2<Q6K>(rg, ru, K / 32, xq, xd, xs, g, u); break;
+        case T_Q8_0: item_loop2<Q8_0>(rg, ru, K / 32, xq, xd, xs, g, u); break;
+        case T_Q5_0: item_loop2<Q5_0>(rg, ru, K / 32, xq, xd, xs, g, u); break;
+        case T_Q4_0: item_loop2<Q4_0>(rg, ru, K / 32, xq, xd, xs, g, u); break;
+    }
+}
+
+// R consecutive rows from row0 (row_bytes apart), their dots added into acc[r] times wt;
+// all R rows' loads go out before any is used.
+template <class T, int R>
+__device__ __forceinline__ void item_rows(const u8* row0, i64 row_bytes, int n_items, const i8* xq, const float* xd,
+                                          const float* xs, float wt, float* acc) {
+    for (int it = threadIdx.x % WARP; it < n_items; it += WARP) {
+        T w[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) w[r].load(row0 + r * row_bytes, it);
+#pragma unroll
+        for (int r = 0; r < R; r++) acc[r] += wt * w[r].dot(xq, xd, xs, it);
+    }
+}
+template <int R>
+__device__ __forceinline__ void qdot_rows(int type, const u8* row0, i64 row_bytes, int K, const i8* xq, const float* xd,
+                                          const float* xs, float wt, float* acc) {
+    switch (type) {
+        case T_Q4_K: item_rows<Q4K, R>(row0, row_bytes, K / 64, xq, xd, xs, wt, acc); break;
+        case T_Q5_K: item_rows<Q5K, R>(row0, row_bytes, K / 64, xq, xd, xs, wt, acc); break;
+        case T_Q6_K: item_rows<Q6K, R>(row0, row_bytes, K / 32, xq, xd, xs, wt, acc); break;
+        case T_Q8_0: item_rows<Q8_0, R>(row0, row_bytes, K / 32, xq, xd, xs, wt, acc); break;
+        case T_Q5_0: item_rows<Q5_0, R>(row0, row_bytes, K / 32, xq, xd, xs, wt, acc); break;
+        case T_Q4_0: item_rows<Q4_0, R>(row0, row_bytes, K / 32, xq, xd, xs, wt, acc); break;
+    }
+}
+
+__device__ __forceinline__ float qdot(int type, const u8* row, int K, const i8* xq, const float* xd, const float* xs) {
+    switch (type) {
+        case T_Q4_K: return item_loop<Q4K>(row, K / 64, xq, xd, xs);
+        case T_Q5_K: return item_loop<Q5K>(row, K / 64, xq, xd, xs);
+        case T_Q6_K: return item_loop<Q6K>(row, K / 32, xq, xd, xs);
+        case T_Q8_0: return item_loop<Q8_0>(row, K / 32, xq, xd, xs);
+        case T_Q5_0: return item_loop<Q5_0>(row, K / 32, xq, xd, xs);
+        case T_Q4_0: return item_loop<Q4_0>(row, K / 32, xq, xd, xs);
+    }
+    return 0.f;
+}
+
+// gate and up for each (token, chosen expert): act = silu(x.Wg[e]) * (x.Wu[e]), written
+// quantized (int8 per 32) for the down projection. Block = 8 warps of 4 rows, so the block
+// holds one whole q8 group; each warp takes its rows two at a time, the four items (gate and
+// up of both rows) loaded together. grid (F/32, B*A), block 256. F % 32 == 0.
+template <class T>
+__device__ __forceinline__ void gate_up_pair(const u8* g0, const u8* u0, const u8* g1, const u8* u1, int n_items,
+                                             const i8* xq, const float* xd, const float* xs, float* acc /* [4] */) {
+    for (int it = threadIdx.x % WARP; it < n_items; it += WARP) {
+        T a, b, c, d;
+        a.load(g0, it); b.load(u0, it); c.load(g1, it); d.load(u1, it);
+        acc[0] += a.dot(xq, xd, xs, it);
+        acc[1] += b.dot(xq, xd, xs, it);
+        acc[2] += c.dot(xq, xd, xs, it);
+        acc[3] += d.dot(xq, xd, xs, it);
+    }
+}
+__device__ __forceinline__ void gate_up_any(int type, const u8* g0, const u8* u0, const u8* g1, const u8* u1, int K,
+                                            const i8* xq, const float* xd, const float* xs, float* acc) {
+    switch (type) {
+        case T_Q4_K: gate_up_pair<Q4K>(g0, u0, g1, u1, K / 64, xq, xd, xs, acc); break;
+        case T_Q5_K: gate_up_pair<Q5K>(g0, u0, g1, u1, K / 64, xq, xd, xs, acc); break;
+        case T_Q6_K: gate_up_pair<Q6K>(g0, u0, g1, u1, K / 32, xq, xd, xs, acc); break;
+        case T_Q8_0: gate_up_pair<Q8_0>(g0, u0, g1, u1, K / 32, xq, xd, xs, acc); break;
+        case T_Q5_0: gate_up_pair<Q5_0>(g0, u0, g1, u1, K / 32, xq, xd, xs, acc); break;
+        case T_Q4_0: gate_up_pair<Q4_0>(g0, u0, g1, u1, K / 32, xq, xd, xs, acc); break;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(const u64* __restrict__ tab_g, const u64* __restrict__ tab_u,
+                                       int type_g, int type_u, i64 row_bytes_g, i64 row_bytes_u, int F, int K,
+                                       const i8* __restrict__ xq, const float* __restrict__ xd,
+                                       const float* __restrict__ xs, const int* __restrict__ ids, int A,
+                                       i8* __restrict__ aq, float* __restrict__ ad, float* __restrict__ as_) {
+    __shared__ float act[32];
+    int ba = blockIdx.y, b = ba / A;
+    int e = ids[ba];
+    const i8* x = xq + (i64)b * K;
+    const float* d = xd + (i64)b * (K / 32);
+    const float* s = xs + (i64)b * (K / 32);
+    int w = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    const u8* gb = (const u8*)tab_g[e];
+    const u8* ub = (const u8*)tab_u[e];
+    for (int r = w * 4; r < w * 4 + 4; r += 2) {
+        int row = blockIdx.x * 32 + r;
+        const u8* g0 = gb + (i64)row * row_bytes_g;
+        const u8* u0 = ub + (i64)row * row_bytes_u;
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        if (type_g == type_u) {
+            gate_up_any(type_g, g0, u0, g0 + row_bytes_g, u0 + row_bytes_u, K, x, d, s, acc);
+        } else {
+            acc[0] = qdot(type_g, g0, K, x, d, s);
+            acc[1] = qdot(type_u, u0, K, x, d, s);
+            acc[2] = qdot(type_g, g0 + row_bytes_g, K, x, d, s);
+            acc[3] = qdot(type_u, u0 + row_bytes_u, K, x, d, s);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++) acc[j] = warp_sum(acc[j]);
+        if (lane == 0) { act[r] = silu(acc[0]) * acc[1]; act[r + 1] = silu(acc[2]) * acc[3]; }
+    }
+    __syncthreads();
+    if (w == 0) {
+        float v = act[lane];
+        float amax = warp_max(fabsf(v));
+        float dd = amax / 127.f;
+        int qv = amax == 0.f ? 0 : __float2int_rn(v / dd);
+        float sum = warp_sum((float)qv) * dd;
+        i64 at = (i64)ba * F + blockIdx.x * 32 + lane;
+        aq[at] = (i8)qv;
+        if (lane == 0) { ad[at / 32] = dd; as_[at / 32] = sum; }
+    }
+}
+
+// down for each token: out[b, row] = (res[b, row]) + sum_a w[b, a] * act[b, a] . Wd[ids[b, a]][row]
+// grid (D/DOWN_R, B), block 32*min(A, 8) threads: warp a takes expert slots a, a+8, ... for
+// DOWN_R consecutive rows (their loads together); the experts' parts are then added in rank
+// order through shared memory (the same order as the numpy backend).
+#define DOWN_R 8
+extern "C" __global__ void __launch_bounds__(256) moe_down(const u64* __restrict__ tab_d, int type_d, i64 row_bytes_d, int D, int F,
+                                    const i8* __restrict__ aq, const float* __restrict__ ad,
+                                    const float* __restrict__ as_, const int* __restrict__ ids,
+                                    const float* __restrict__ wts, int A, const float* __restrict__ res,
+                                    float* __restrict__ out) {
+    __shared__ float part[32][DOWN_R];     // [expert slot][row], A <= 32
+    int b = blockIdx.y, w = threadIdx.x / WARP, lane = threadIdx.x % WARP, nw = blockDim.x / WARP;
+    int row = blockIdx.x * DOWN_R;
+    for (int a = w; a < A; a += nw) {
+        i64 ba = (i64)b * A + a;
+        const u8* base = (const u8*)tab_d[ids[ba]] + (i64)row * row_bytes_d;
+        float acc[DOWN_R];
+#pragma unroll
+        for (int r = 0; r < DOWN_R; r++) acc[r] = 0.f;
+        qdot_rows<DOWN_R>(type_d, base, row_bytes_d, F, aq + ba * F, ad + ba * (F / 32), as_ + ba * (F / 32),
+                          wts[ba], acc);
+#pragma unroll
+        for (int r = 0; r < DOWN_R; r++) {
+            float v = warp_sum(acc[r]);
+            if (lane == 0) part[a][r] = v;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < DOWN_R) {
+        int r = threadIdx.x;
+        float total = part[0][r];
+        for (int a = 1; a < A; a++) total += part[a][r];
+        out[(i64)b * D + row + r] = (res ? res[(i64)b * D + row + r] : 0.f) + total;
+    }
+}
+
+// Prompt path: rows of x placed in expert order (out[dst[j]] = x[src[j]]), and the expert
+// outputs scattered back, weighted and summed per token in rank order.
+extern "C" __global__ void gather_rows(const float* __restrict__ x, const int* __restrict__ src,
+                                       const int* __restrict__ dst, int n, int D, u16* __restrict__ out_f16) {
+    int j = blockIdx.x;
+    if (j >= n) return;
+    const float* r = x + (i64)src[j] * D;
+    u16* o = out_f16 + (i64)dst[j] * D;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) o[i] = f2h(r[i]);
+}
+// pos_of[t*A + a] = row of (token t, rank a) in the expert-ordered output y [n, D].
+extern "C" __global__ void combine_rows(const float* __restrict__ y, const int* __restrict__ pos_of,
+                                        const float* __restrict__ wts, int A, int D,
+                                        const float* __restrict__ res, float* __restrict__ out) {
+    int t = blockIdx.x;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+        float acc = 0.f;
+        for (int a = 0; a < A; a++) acc += wts[(i64)t * A + a] * y[(i64)pos_of[(i64)t * A + a] * D + i];
+        out[(i64)t * D + i] = (res ? res[(i64)t * D + i] : 0.f) + acc;
+    }
+}

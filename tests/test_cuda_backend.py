@@ -1,0 +1,170 @@
+"""The cuda backend's kernels against plain references (gguf-py's dequantization, float64
+products, the numpy backend's attention and MoE). Runs where CuPy sees a card; skips
+elsewhere (CI has none).
+
+Bands: the mat-vec kernels quantize the activation to int8 per 32 values (as llama.cpp's
+CUDA mmvq does), which alone gives a relative error near 0.4 %; the GEMM path rounds both
+operands to f16 (about 0.05 % each). Attention keeps K and V in f16 like the numpy backend.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+Q = gguf.GGMLQuantizationType
+
+TYPES = [Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F16, Q.BF16, Q.F32]
+SCALE_AT = {Q.Q4_0: (0,), Q.Q5_0: (0,), Q.Q8_0: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+
+
+def random_tensor(qt, n_rows: int, n_cols: int, rng) -> np.ndarray:
+    """Random stored bytes of a [n_rows, n_cols] tensor of type qt, with sane f16 scales."""
+    block, size = gguf.GGML_QUANT_SIZES[qt]
+    if qt in (Q.F32, Q.F16, Q.BF16):
+        x = rng.standard_normal((n_rows, n_cols)).astype(np.float32)
+        if qt == Q.F32:
+            return x.view(np.uint8).reshape(-1)
+        if qt == Q.F16:
+            return x.astype(np.float16).view(np.uint8).reshape(-1)
+        return (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(-1)
+    n_blocks = n_rows * n_cols // block
+    raw = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)
+    for off in SCALE_AT[qt]:
+        d = (rng.uniform(0.5, 1.5, n_blocks) / 64).astype(np.float16)
+        raw[:, off:off + 2] = d.view(np.uint8).reshape(n_blocks, 2)
+    return raw.reshape(-1)
+
+
+def reference(qt, data: np.ndarray, n_rows: int, n_cols: int) -> np.ndarray:
+    return gguf.quants.dequantize(data.reshape(n_rows, -1), qt).astype(np.float64).reshape(n_rows, n_cols)
+
+
+@pytest.fixture(scope="module")
+def ops(gpu):
+    from bloomery.engine.backend_cuda import CudaOps
+    return CudaOps()
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
+def test_dequant_and_rows_equal_gguf_py(ops, qt):
+    import cupy
+    rng = np.random.default_rng(int(qt))
+    n_rows, n_cols = 48, 512
+    data = random_tensor(qt, n_rows, n_cols, rng)
+    ref = reference(qt, data, n_rows, n_cols)
+    w = ops.weight(int(qt), (n_cols, n_rows), data)
+    deq = cupy.asnumpy(ops.dequant_f16(w)).astype(np.float64)
+    np.testing.assert_allclose(deq, ref.astype(np.float16).astype(np.float64), rtol=2e-3, atol=1e-6)
+    ids = np.array([0, 47, 5, 5, 31], np.int32)
+    rows = cupy.asnumpy(ops.get_rows(w, ids))
+    np.testing.assert_allclose(rows, ref[ids], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("t", [1, 3, 8, 40])
+def test_matmul_matches_float64(ops, qt, t):
+    import cupy
+    rng = np.random.default_rng([int(qt), t])
+    n_rows, n_cols = 200, 768
+    data = random_tensor(qt, n_rows, n_cols, rng)
+    ref_w = reference(qt, data, n_rows, n_cols)
+    w = ops.weight(int(qt), (n_cols, n_rows), data)
+    x = rng.standard_normal((t, n_cols)).astype(np.float32)
+    res = rng.standard_normal((t, n_rows)).astype(np.float32)
+    y = cupy.asnumpy(ops.matmul(cupy.asarray(x), w, residual=cupy.asarray(res)))
+    ref = x.astype(np.float64) @ ref_w.T + res
+    band = 2e-3 if qt in (Q.F32,) else (1.5e-2 if t <= 8 else 4e-3)
+    assert rel(y, ref) < band, (qt.name, t, rel(y, ref))
+
+
+def test_three_weights_in_one_pass_with_biases(ops):
+    import cupy
+    rng = np.random.default_rng(3)
+    ws, refs, biases = [], [], []
+    for qt, n in ((Q.Q4_K, 256), (Q.Q6_K, 64), (Q.Q8_0, 64)):
+        data = random_tensor(qt, n, 512, rng)
+        ws.append(ops.weight(int(qt), (512, n), data))
+        refs.append(reference(qt, data, n, 512))
+        b = rng.standard_normal(n).astype(np.float32)
+        biases.append((ops.weight(int(Q.F32), (n,), b.view(np.uint8)), b))
+    x = rng.standard_normal((2, 512)).astype(np.float32)
+    outs = ops.matmuls(cupy.asarray(x), ws, [b for b, _ in biases])
+    for o, r, (_, b) in zip(outs, refs, biases):
+        assert rel(cupy.asnumpy(o), x @ r.T + b) < 1.5e-2
+
+
+def test_rms_norm_and_argmax(ops):
+    import cupy
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((5, 1024)).astype(np.float32)
+    g = rng.uniform(0.5, 1.5, 1024).astype(np.float32)
+    w = ops.weight(int(Q.F32), (1024,), g.view(np.uint8))
+    y = cupy.asnumpy(ops.rms_norm(cupy.asarray(x), w, 1e-6))
+    ref = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6) * g
+    assert rel(y, ref) < 1e-5
+    logits = rng.standard_normal((3, 151936)).astype(np.float32)
+    logits[1, 77] = logits[1, 99] = 50.0                 # a tie: the first index wins
+    assert cupy.asnumpy(ops.argmax(cupy.asarray(logits))).tolist() == [int(logits[0].argmax()), 77,
+                                                                      int(logits[2].argmax())]
+
+
+@pytest.mark.parametrize("t", [2, 40])
+def test_moe_matches_numpy_backend(ops, t):
+    import cupy
+    from bloomery.engine.backend_numpy import NumpyOps
+    cpu = NumpyOps()
+    rng = np.random.default_rng(5 + t)
+    d, f, n_expert, n_used = 512, 256, 16, 4
+    gate, up = (random_tensor(Q.Q4_K, n_expert * f, d, rng) for _ in range(2))
+    down = random_tensor(Q.Q6_K, n_expert * d, f, rng)
+    x = (0.1 * rng.standard_normal((t, d))).astype(np.float32)     # activations in f16's range
+    res = rng.standard_normal((t, d)).astype(np.float32)
+    logits = rng.standard_normal((t, n_expert)).astype(np.float32)
+    ids_c, w_c = cpu.moe_route(logits, n_used, True)
+    ids_g, w_g = ops.moe_route(cupy.asarray(logits), n_used, True)
+    np.testing.assert_array_equal(cupy.asnumpy(ids_g), ids_c)
+    np.testing.assert_allclose(cupy.asnumpy(w_g), w_c, rtol=1e-5)
+    mk = lambda o, data, shape: o.weight(int(Q.Q4_K if shape[0] == d else Q.Q6_K), shape, data)  # noqa: E731
+    cw = [mk(cpu, gate, (d, f, n_expert)), mk(cpu, up, (d, f, n_expert)), mk(cpu, down, (f, d, n_expert))]
+    gw = [mk(ops, gate, (d, f, n_expert)), mk(ops, up, (d, f, n_expert)), mk(ops, down, (f, d, n_expert))]
+    ref = cpu.moe_ffn(x, ids_c, w_c, *cw, residual=res)
+    got = cupy.asnumpy(ops.moe_ffn(cupy.asarray(x), ids_g, w_g, *gw, residual=cupy.asarray(res)))
+    # both sides quantize the activation (int8 per 32 here, Q8_K per 256 on the CPU) before the
+    # expert matrices and again before down: two roundings each, about 1 % apiece
+    assert rel(got - res, ref - res) < 3e-2, rel(got - res, ref - res)
+
+
+@pytest.mark.parametrize("t,pos0", [(1, 0), (3, 70), (8, 5), (40, 0), (33, 100)])
+def test_attention_matches_numpy_backend(ops, t, pos0):
+    import cupy
+    from bloomery.engine.backend_numpy import NumpyOps
+    from bloomery.engine.ops import AttnSpan
+    cpu = NumpyOps()
+    rng = np.random.default_rng(t + pos0)
+    n_head, n_kv, dh, n_ctx = 8, 2, 128, 256
+    qn = rng.uniform(0.5, 1.5, dh).astype(np.float32)
+    kn = rng.uniform(0.5, 1.5, dh).astype(np.float32)
+    c_cache, g_cache = cpu.kv_cache(1, 2, n_ctx, n_kv, dh), ops.kv_cache(1, 2, n_ctx, n_kv, dh)
+    out_c = out_g = None
+    for p0, n in ((0, pos0), (pos0, t)):               # a history, then the rows under test
+        if n == 0:
+            continue
+        q = rng.standard_normal((n, n_head, dh)).astype(np.float32)
+        k = rng.standard_normal((n, n_kv, dh)).astype(np.float32)
+        v = rng.standard_normal((n, n_kv, dh)).astype(np.float32)
+        spans = [AttnSpan(1, p0, 0, n)]
+        pos = np.arange(p0, p0 + n, dtype=np.int32)
+        args = (0.088, dh, 1e6)
+        out_c = cpu.self_attention(c_cache, 0, cpu.rows(spans, pos), q, k, v, *args,
+                                   q_norm=cpu.weight(0, (dh,), qn.view(np.uint8)),
+                                   k_norm=cpu.weight(0, (dh,), kn.view(np.uint8)), eps=1e-6)
+        out_g = ops.self_attention(g_cache, 0, ops.rows(spans, pos), cupy.asarray(q), cupy.asarray(k),
+                                   cupy.asarray(v), *args, q_norm=ops.weight(0, (dh,), qn.view(np.uint8)),
+                                   k_norm=ops.weight(0, (dh,), kn.view(np.uint8)), eps=1e-6)
+    assert rel(cupy.asnumpy(out_g), out_c) < 3e-3, rel(cupy.asnumpy(out_g), out_c)

@@ -1,0 +1,219 @@
+#!/usr/bin/env python3
+"""Benchmark bloomery's cuda backend against llama.cpp's CUDA build on one file, in one run.
+
+Makes (with tools/make_synthetic.py) a file of the Qwen3-30B-A3B shape at the Q4_K_M mix
+(qwen3moe, 48 layers, n_embd 2048, 32/4 heads of 128, 128 experts top 8, width 768, vocab
+151936), runs llama-bench (-ngl 99 -fa 1) and bloomery on it, and prints one table: prompt
+tok/s at P=512 and P=4096, decode tok/s at depth 512 and 4096 (n=128, greedy), card bytes
+used, and the ratio; plus the decode's fraction of the memory-bandwidth floor.
+
+  python3 tools/bench_cuda.py --work /tmp/bench --llama-bench <bin>/llama-bench [--out result.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))
+
+SHAPE = dict(n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128, n_ff=6144, n_expert=128,
+             n_expert_used=8, n_ff_exp=768, ctx_train=40960, mode="blocks", mix="q4_k_m", seed=1)
+PROMPTS = (512, 4096)
+DEPTHS = (512, 4096)
+N_GEN = 128
+
+
+def card_used_bytes() -> int:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, check=True).stdout
+    return int(out.split()[0]) << 20
+
+
+class PeakMemory:
+    """The card's peak used memory while a block runs (nvidia-smi every 0.2 s), less the start."""
+
+    def __enter__(self):
+        self.base, self.peak, self._stop = card_used_bytes(), 0, threading.Event()
+        self._t = threading.Thread(target=self._poll, daemon=True)
+        self._t.start()
+        return self
+
+    def _poll(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, card_used_bytes())
+            time.sleep(0.2)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.used = max(self.peak - self.base, 0)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (median of 10 over 4 GiB)."""
+    import cupy
+    a = cupy.ones(1 << 30, cupy.float32)
+    b = cupy.empty_like(a)
+    times = []
+    for _ in range(12):
+        e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+        e0.record()
+        b[...] = a
+        e1.record()
+        e1.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(e0, e1) / 1e3)
+    rate = 2 * a.nbytes / float(np.median(times[2:]))
+    del a, b
+    cupy.get_default_memory_pool().free_all_blocks()
+    return rate
+
+
+def llama_bench(exe: str, path: Path) -> dict:
+    rows = {}
+    runs = [["-p", ",".join(map(str, PROMPTS)), "-n", "0"],
+            ["-p", "0", "-n", str(N_GEN), "-d", ",".join(map(str, DEPTHS))]]
+    with PeakMemory() as mem:
+        for extra in runs:
+            cmd = [exe, "-m", str(path), "-ngl", "99", "-fa", "1", "-r", "3", "-o", "json", *extra]
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            if out.returncode:
+                raise SystemExit(f"llama-bench failed ({out.returncode}): {out.stderr[-2000:]}")
+            for r in json.loads(out.stdout):
+                if r["n_prompt"] and not r["n_gen"]:
+                    rows[f"pp{r['n_prompt']}"] = r["avg_ts"]
+                elif r["n_gen"]:
+                    rows[f"tg{r['n_gen']}@d{r.get('n_depth', 0)}"] = r["avg_ts"]
+    rows["card_bytes"] = mem.used
+    return rows
+
+
+def bloomery_bench(path: Path, profile: bool) -> dict:
+    import cupy
+    from bloomery.engine.loader import load_model
+    rows = {}
+    with PeakMemory() as mem:
+        t0 = time.perf_counter()
+        model = load_model(str(path), backend="cuda", n_slots=1, n_ctx_slot=max(DEPTHS) + N_GEN + 64)
+        cupy.cuda.Device().synchronize()
+        rows["load_s"] = time.perf_counter() - t0
+        rng = np.random.default_rng(0)
+        ids = rng.integers(100, 150000, max(PROMPTS + DEPTHS), dtype=np.int32)
+        model.prefill(0, ids[:16], 0)                          # compile, cuBLAS handles
+        for p in PROMPTS:
+            ts = []
+            for _ in range(3):
+                t = time.perf_counter()
+                model.prefill(0, ids[:p], 0)
+                ts.append(time.perf_counter() - t)
+            rows[f"pp{p}"] = p / float(np.median(ts))
+        for d in DEPTHS:
+            model.prefill(0, ids[:d], 0)
+            model.decode_greedy([0], [int(ids[d - 1])], [d])   # capture the step once
+            ts = []
+            for _ in range(3):
+                tok = int(ids[d - 1])
+                t = time.perf_counter()
+                for i in range(N_GEN):
+                    tok = int(model.decode_greedy([0], [tok], [d + i])[0])
+                ts.append(time.perf_counter() - t)
+            rows[f"tg{N_GEN}@d{d}"] = N_GEN / float(np.median(ts))
+        if profile:
+            rows["kernels_ms"] = kernel_profile(model, DEPTHS[0])
+    rows["card_bytes"] = mem.used
+    rows["bytes_per_token"] = {d: decode_bytes(model, d) for d in DEPTHS}
+    return rows
+
+
+def decode_bytes(model, depth: int) -> int:
+    """Bytes a decode step must read: every weight but the embedding table, the chosen
+    experts' share of the stacked expert tensors, one embedding row, the KV up to depth."""
+    gf, total = model.gf, 0
+    for name, t in gf.tensors.items():
+        if name == "token_embd.weight":
+            total += t.n_bytes // t.shape[1]
+        elif "_exps." in name:
+            total += t.n_bytes * model.moe.n_expert_used // model.moe.n_expert
+        else:
+            total += t.n_bytes
+    hp = model.hp
+    return total + 2 * hp.n_layer * hp.n_head_kv * hp.head_dim * 2 * depth
+
+
+def kernel_profile(model, depth: int) -> dict:
+    """Per-kernel GPU time (ms per decode step) of the captured step, through torch's CUPTI profiler."""
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return {}
+    torch.cuda.init()
+    n = 20
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(n):
+            model.decode_greedy([0], [1], [depth + i])
+    out = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t:
+            out[ev.key[:60]] = round(t / 1e3 / n, 4)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:25])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", default="/tmp/bloomery-bench")
+    ap.add_argument("--llama-bench", default=None, help="llama.cpp's CUDA llama-bench (omit to skip it)")
+    ap.add_argument("--tokenizer-from", default=None)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--layers", type=int, default=SHAPE["n_layer"], help="fewer layers for a quick run")
+    args = ap.parse_args()
+    from make_synthetic import write_synthetic
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    path = work / f"qwen3moe-30b-a3b-shape-q4_k_m-L{args.layers}.gguf"
+    if not path.exists():
+        t = time.perf_counter()
+        write_synthetic(path, "qwen3moe", tokenizer_from=args.tokenizer_from, **{**SHAPE, "n_layer": args.layers})
+        print(f"wrote {path} ({path.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t:.0f} s", flush=True)
+    result = {"file": str(path), "file_bytes": path.stat().st_size, "copy_bytes_s": copy_bandwidth()}
+    result["bloomery"] = bloomery_bench(path, args.profile)
+    print("bloomery:", json.dumps(result["bloomery"]), flush=True)
+    if args.llama_bench:
+        result["llama.cpp"] = llama_bench(args.llama_bench, path)
+        print("llama.cpp:", json.dumps(result["llama.cpp"]), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    print_table(result)
+
+
+def print_table(r: dict) -> None:
+    b, lc = r["bloomery"], r.get("llama.cpp", {})
+    keys = [f"pp{p}" for p in PROMPTS] + [f"tg{N_GEN}@d{d}" for d in DEPTHS]
+    print(f"\n{'test':<14}{'llama.cpp':>12}{'bloomery':>12}{'ratio':>8}")
+    for k in keys:
+        lv, bv = lc.get(k), b.get(k)
+        ratio = f"{bv / lv:.2f}" if lv and bv else "-"
+        print(f"{k:<14}{(f'{lv:.1f}' if lv else '-'):>12}{(f'{bv:.1f}' if bv else '-'):>12}{ratio:>8}")
+    cb = lc.get("card_bytes")
+    print(f"{'card GiB':<14}{(f'{cb / 2**30:.2f}' if cb else '-'):>12}{b['card_bytes'] / 2**30:>12.2f}")
+    bw = r["copy_bytes_s"]
+    for d in DEPTHS:
+        per_tok = b["bytes_per_token"][d]
+        floor = bw / per_tok
+        got = b.get(f"tg{N_GEN}@d{d}", 0)
+        print(f"decode d{d}: {per_tok / 1e9:.3f} GB/token, copy {bw / 1e12:.2f} TB/s -> floor {floor:.0f} tok/s, "
+              f"reached {got / floor:.1%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,27 +1,35 @@
 """The supervisor's HTTP front: the gate every request passes, and the App built after READY.
 
-Gate: on headers, before the body is read (HttpServer's precheck): OPTIONS passes,
-then the phase gate (503 "Loading model" while loading, 503 "Server is shutting
-down" once draining), then the API key (401), in llama-server's order; dispatch
-checks the phase again (a request that passed precheck just before a signal).
+Gate: on headers, before the body is read (HttpServer's precheck): the Host guard
+when bound to loopback (403, http/guard.py says why), OPTIONS answered as
+llama-server's CORS preflight, then the phase gate (503 "Loading model" while
+loading, 503 "Server is shutting down" once draining), then the API key (401), in
+llama-server's order; dispatch checks the phase again (a request that passed
+precheck just before a signal). Every answer echoes the request's Origin.
 build_front reads the tokenizer and chat template from the GGUF header (no weights).
 """
 from __future__ import annotations
 
 import os
 
+from bloomery.http import guard
 from bloomery.http.types import Response
 from bloomery.lifecycle import Lifecycle
 from bloomery.records import record
 from bloomery.settings import Settings
 
-PUBLIC_PATHS = ("/health", "/v1/health")
+# llama-server keeps /health and /v1/health public; the model list is public here too (issue 4: a
+# client may discover the model before it has a key; the list names only the model).
+PUBLIC_PATHS = ("/health", "/v1/health", "/v1/models", "/models")
+INVALID_KEY = {"error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}}
 
 
 class Gate:
-    def __init__(self, life: Lifecycle, api_keys: tuple[str, ...]):
+    def __init__(self, life: Lifecycle, api_keys: tuple[str, ...], cors_origins: str = "*"):
         self.life = life
+        self.cors_origins = cors_origins
         self.api_keys = api_keys
+        self._key_bytes = tuple(k.encode("utf-8") for k in api_keys)
         self.app = None                 # the App, once the engine is READY
 
     def phase_response(self) -> Response | None:
@@ -29,23 +37,35 @@ class Gate:
         return None if gate is None else Response.json(gate[1], status=gate[0])
 
     def precheck(self, req) -> Response | None:
+        """On the headers alone: Host guard, OPTIONS (CORS preflight), phase 503, API key 401."""
+        refusal = guard.host_refusal(req.listen, req.headers)
+        if refusal is not None:
+            record("http", "refused: Host is not a loopback name", level="warning", peer=req.peer,
+                   host=req.headers.get("host", "")[:200])
+            return Response.json({"error": {"code": 403, "message": refusal, "type": "permission_error"}},
+                                 status=403)
         if req.method == "OPTIONS":
-            return None
+            return Response(200, b"", [("content-type", "text/html"), *guard.preflight_headers(req.headers, self.cors_origins)])
         early = self.phase_response()
-        if early is not None or not self.api_keys or req.path in PUBLIC_PATHS:
-            return early
-        key = req.headers.get("authorization") or req.headers.get("x-api-key") or ""
-        key = key[len("Bearer "):] if key.startswith("Bearer ") else key
-        if key in self.api_keys:
-            return None
-        return Response.json({"error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}},
-                             status=401)
+        if early is None and self.api_keys and req.path not in PUBLIC_PATHS:
+            if not guard.key_matches(guard.offered_key(req.headers), self._key_bytes):
+                record("http", "unauthorized: Invalid API Key", level="warning", peer=req.peer,
+                       method=req.method, path=req.path[:200])
+                early = Response.json(INVALID_KEY, status=401)
+        if early is not None:
+            early.headers = [*early.headers, *guard.cors_headers(req.headers, self.cors_origins)]
+        return early
 
     async def dispatch(self, req):
         early = self.phase_response()
         if early is not None or self.app is None:
-            return early or Response.json(self.life.gate()[1], status=503)
-        return await self.app.dispatch(req)
+            response = early or Response.json(self.life.gate()[1], status=503)
+        else:
+            response = await self.app.dispatch(req)
+        cors = guard.cors_headers(req.headers, self.cors_origins)
+        if cors:   # a new list: a handler may answer one shared Response object
+            response.headers = [*response.headers, *cors]
+        return response
 
 
 def make_app(s: Settings, tokenizer, template, client, info):
@@ -53,7 +73,7 @@ def make_app(s: Settings, tokenizer, template, client, info):
     from bloomery.api.app import App
 
     return App(tokenizer, template, client, info, sampling_defaults=s.sampling(), n_predict_default=s.n_predict,
-               alias=s.alias, endpoint_slots=s.endpoint_slots, metrics_requested=s.metrics)
+               alias=s.alias, tags=s.tags, endpoint_slots=s.endpoint_slots, metrics_requested=s.metrics)
 
 
 def choice_records(s: Settings, facts: dict) -> None:

@@ -1,35 +1,52 @@
-"""The one phase machine of a server: fetch -> plan -> load -> ready -> draining -> stopped.
+"""The one phase machine of a server: fetch -> plan [-> queued] -> load -> ready -> draining -> stopped.
 
 It drives /health and the loading gate (every route answers llama-server's 503
-"Loading model" with the phase until READY), sd_notify, and one record per
-change. Pure bookkeeping: no sockets except the optional NOTIFY_SOCKET datagram.
+"Loading model" with the phase until READY), one record per change, and what
+systemd hears (sdnotify.py sends it): a STATUS line per phase, EXTEND_TIMEOUT_USEC
+on entering each start phase (the supervisor's pulse re-sends it while the phase
+lasts), READY=1 only on ready (after the engine's READY), STOPPING=1 on draining.
+Bookkeeping only: the datagrams go through the Notifier it is given.
 """
 from __future__ import annotations
 
-import os
-import socket
 import time
 from enum import Enum
 
 from bloomery.records import record
+from bloomery.sdnotify import EXTEND_S, Notifier, sd_notify  # noqa: F401  (sd_notify: older callers)
 
 
 class Phase(str, Enum):
     FETCH = "fetch"
     PLAN = "plan"
+    QUEUED = "queued"       # the need hook (a host broker) has not granted the start yet
     LOAD = "load"
     READY = "ready"
     DRAINING = "draining"
     STOPPED = "stopped"
 
 
+# the phases of a start: systemd's TimeoutStartSec is extended while one lasts
+STARTING = frozenset({Phase.FETCH, Phase.PLAN, Phase.QUEUED, Phase.LOAD})
+
 _NEXT = {
     Phase.FETCH: {Phase.PLAN, Phase.DRAINING, Phase.STOPPED},
-    Phase.PLAN: {Phase.LOAD, Phase.DRAINING, Phase.STOPPED},
+    Phase.PLAN: {Phase.QUEUED, Phase.LOAD, Phase.DRAINING, Phase.STOPPED},
+    Phase.QUEUED: {Phase.LOAD, Phase.DRAINING, Phase.STOPPED},
     Phase.LOAD: {Phase.READY, Phase.DRAINING, Phase.STOPPED},
     Phase.READY: {Phase.DRAINING, Phase.STOPPED},
     Phase.DRAINING: {Phase.STOPPED},
     Phase.STOPPED: set(),
+}
+
+_STATUS = {   # what `systemctl status` shows per phase
+    Phase.FETCH: "fetching the model",
+    Phase.PLAN: "planning the load",
+    Phase.QUEUED: "queued: waiting for the need hook to grant the start",
+    Phase.LOAD: "loading the weights",
+    Phase.READY: "ready",
+    Phase.DRAINING: "draining",
+    Phase.STOPPED: "stopped",
 }
 
 
@@ -37,24 +54,29 @@ class LifecycleError(Exception):
     pass
 
 
-def sd_notify(message: str, env: dict | None = None) -> bool:
-    """systemd's notify protocol: one datagram to $NOTIFY_SOCKET; False when not under systemd."""
-    path = (env if env is not None else os.environ).get("NOTIFY_SOCKET")
-    if not path:
-        return False
-    addr = "\0" + path[1:] if path.startswith("@") else path   # abstract namespace
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-        s.sendto(message.encode(), addr)
-    return True
+def status_text(phase: Phase, reason: str = "", **kv) -> str:
+    """The STATUS= line of a phase: its words, then the reason and the facts given (k=v)."""
+    extra = [reason] if reason else []
+    extra += [f"{k}={v}" for k, v in kv.items()]
+    return f"{_STATUS[phase]} ({', '.join(extra)})" if extra else _STATUS[phase]
 
 
 class Lifecycle:
-    def __init__(self, notify_env: dict | None = None):
+    def __init__(self, notifier: Notifier | None = None, *, notify_env: dict | None = None):
         self.phase = Phase.FETCH
         self.since_s = time.monotonic()
         self.reason = ""
-        self._notify_env = notify_env
-        sd_notify(f"STATUS=phase {self.phase.value}", self._notify_env)
+        self.notifier = notifier if notifier is not None else Notifier(notify_env)
+        self._tell(self.phase)
+
+    def _tell(self, to: Phase, reason: str = "", **kv) -> None:
+        text = status_text(to, reason, **kv)
+        if to == Phase.READY:
+            self.notifier.ready(text)
+        elif to == Phase.DRAINING:
+            self.notifier.stopping(text)
+        else:
+            self.notifier.status(text, extend_s=EXTEND_S if to in STARTING else None)
 
     def advance(self, to: Phase, reason: str = "", **kv) -> None:
         if to == self.phase:
@@ -66,12 +88,11 @@ class Lifecycle:
         record(to.value, "phase", component="lifecycle", **{"from": self.phase.value}, took_s=took_s,
                **({"reason": reason} if reason else {}), **kv)
         self.phase, self.since_s, self.reason = to, time.monotonic(), reason
-        if to == Phase.READY:
-            sd_notify("READY=1\nSTATUS=ready", self._notify_env)
-        elif to == Phase.DRAINING:
-            sd_notify(f"STOPPING=1\nSTATUS=draining ({reason})", self._notify_env)
-        else:
-            sd_notify(f"STATUS=phase {to.value}", self._notify_env)
+        self._tell(to, reason, **kv)
+
+    def starting(self) -> bool:
+        """True while a start phase lasts (the pulse extends systemd's start timeout then)."""
+        return self.phase in STARTING
 
     @property
     def ready(self) -> bool:
@@ -79,13 +100,13 @@ class Lifecycle:
 
     @property
     def loading(self) -> bool:
-        return self.phase in (Phase.FETCH, Phase.PLAN, Phase.LOAD)
+        return self.phase in STARTING
 
     def gate(self) -> tuple[int, dict] | None:
         """None when requests pass; else (status, body) every route answers."""
         if self.ready:
             return None
-        if self.loading:   # llama-server's loading body, plus the phase
+        if self.loading:   # llama-server's loading body, plus the phase (queued included)
             return 503, {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error",
                                    "phase": self.phase.value}}
         return 503, {"error": {"code": 503, "message": "Server is shutting down", "type": "unavailable_error",

@@ -19,7 +19,7 @@ from bloomery.messages import stage as sm
 
 _SECRET_FIELDS = {"api_key", "api_keys", "key", "keys", "authorization", "x_api_key"}
 _secrets: set[str] = set()
-_state: dict = {"component": "bloomery-serve", "push": None, "stream": None}
+_state: dict = {"component": "bloomery-serve", "push": None, "stream": None, "lost": 0}
 _lock = threading.Lock()
 
 
@@ -74,8 +74,16 @@ def emit(rec: sm.Record) -> None:
             except Exception:          # supervisor gone: fall back to our own stderr
                 pass
         stream = _state["stream"] or sys.stderr
-        stream.write(format_record(rec) + "\n")
-        stream.flush()
+        try:
+            stream.write(format_record(rec) + "\n")
+            stream.flush()
+        except (OSError, ValueError):   # the sink is gone (a broken pipe, a closed journal stream):
+            _state["lost"] += 1         # the record is lost, never the caller's control flow
+
+
+def lost_records() -> int:
+    """Records that could not be written because stderr was gone."""
+    return _state["lost"]
 
 
 def configure(component: str = "bloomery-serve", push_addr: str | None = None, ctx=None, stream=None) -> None:

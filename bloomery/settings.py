@@ -22,6 +22,10 @@ _FALSE = {"off", "disabled", "false", "0"}
 @dataclass
 class Settings:
     model_file: str | None = None
+    hf_repo: str | None = None         # --hf-repo <repo>[@<rev>][:<quant>]: the fetch stage downloads it
+    hf_file: str | None = None
+    hf_token: str | None = None        # never printed (redacted() leaves it out; a record secret)
+    offline: bool = False              # --offline: --hf-repo from the cache only
     seat: str | None = None
     ctx_size: int | None = None        # None: the plan chooses (0 on the command line means the same)
     slot_ctx: int | None = None
@@ -29,6 +33,8 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8080
     alias: str | None = None
+    tags: str | None = None
+    cors_origins: str = "*"
     api_keys: tuple[str, ...] = ()     # every source added; never printed
     api_key_file: str | None = None
     chat_template_file: str | None = None
@@ -43,6 +49,7 @@ class Settings:
     endpoint_slots: bool = True        # --no-slots: GET /slots answers 501
     warmup: bool = True                # --no-warmup: the first request prepares the weights
     metrics: bool = False              # --metrics: accepted; /metrics answers 501 saying it is not served
+    need_hook: str | None = None       # --need-hook PATH (None: $BLOOMERY_NEED_HOOK, else the broker's hook if any)
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)   # SamplingParams field -> flag value
     sources: dict[str, str] = field(default_factory=dict)             # field -> where its value came from
     notes: list[tuple[str, dict]] = field(default_factory=list)       # records to print: (message, k=v)
@@ -56,7 +63,7 @@ class Settings:
 
     def redacted(self) -> dict:
         """The settings as plain data, API keys replaced by their count."""
-        d = {k: v for k, v in self.__dict__.items() if k not in ("api_keys", "notes", "sources")}
+        d = {k: v for k, v in self.__dict__.items() if k not in ("api_keys", "hf_token", "notes", "sources")}
         d["n_api_keys"] = len(self.api_keys)
         return d
 
@@ -244,6 +251,24 @@ def parse(argv: list[str], env: dict[str, str] | None = None) -> Settings:
     return s
 
 
+def _check_model_source(s: Settings) -> None:
+    if s.model_file and s.hf_repo:
+        raise SettingsError(f"-m {s.model_file} beside --hf-repo {s.hf_repo}: give one model source")
+    if s.hf_file and not s.hf_repo:
+        raise SettingsError(f"--hf-file {s.hf_file}: needs --hf-repo (the repo that holds it)")
+    if s.hf_repo:
+        from bloomery.hf.errors import SpecError
+        from bloomery.hf.spec import parse_spec
+        try:
+            parse_spec(s.hf_repo)
+        except SpecError as e:
+            raise SettingsError(str(e)) from None
+    elif not s.model_file:
+        raise SettingsError("no model (llama-server's router mode, several models loaded on demand without -m, "
+                            "is not served): give -m FILE (--model-file) or --hf-repo <user>/<model>[:quant], "
+                            "or LLAMA_ARG_MODEL / LLAMA_ARG_HF_REPO")
+
+
 def _check(s: Settings, keys: list[str]) -> None:
     if s.api_key_file:
         keys.extend(_read_key_file(s.api_key_file))
@@ -253,8 +278,7 @@ def _check(s: Settings, keys: list[str]) -> None:
         s.notes.append(("flag read, no effect here", {"flag": "--no-jinja", "why": "jinja templates are always on"}))
     if s.help or s.version:
         return
-    if not s.model_file:
-        raise SettingsError("no model: give -m FILE (--model-file), or LLAMA_ARG_MODEL")
+    _check_model_source(s)
     if s.ctx_size is not None and s.ctx_size < 0:
         raise SettingsError(f"--ctx-size {s.ctx_size}: must be >= 0 (0: the plan's choice)")
     if s.ctx_size == 0:

@@ -29,10 +29,12 @@ import uvloop
 import zmq
 import zmq.asyncio
 
-from bloomery import records, settings as settings_mod
+from bloomery import need, records, settings as settings_mod
 from bloomery.front import Gate, build_front, choice_records, make_app
 from bloomery.lifecycle import Lifecycle, Phase
 from bloomery.records import record
+from bloomery.sdnotify import Notifier, pulse
+from bloomery.socket_activation import listening_socket
 from bloomery.settings import Settings, SettingsError
 from bloomery.stage_runner import StageFailed, StageRunner, runtime_dir  # noqa: F401  (runtime_dir: tests)
 
@@ -41,6 +43,19 @@ EXIT_ENGINE = 70          # the engine died (serving guide 8.3)
 VERSION = "0.1.0"
 DRAIN_S = 5.0             # on a signal: how long requests still generating may go on
 ENGINE_STOP_S = 10.0      # then how long the engine gets to end between its calls
+
+
+def bind_ports(hosts: str, port: int) -> list[socket.socket]:
+    """--host a,b: one listening socket per address, all on one port (--port 0: the first's free port)."""
+    socks: list[socket.socket] = []
+    try:
+        for host in [h.strip() for h in hosts.split(",") if h.strip()] or ["127.0.0.1"]:
+            socks.append(bind_port(host, port if not socks else socks[0].getsockname()[1]))
+    except SettingsError:
+        for one in socks:
+            one.close()
+        raise
+    return socks
 
 
 def bind_port(host: str, port: int) -> socket.socket:
@@ -62,8 +77,9 @@ class Supervisor:
     def __init__(self, s: Settings, drain_s: float = DRAIN_S):
         self.s = s
         self.drain_s = drain_s
-        self.life = Lifecycle()
-        self.gate = Gate(self.life, s.api_keys)
+        self.notifier = Notifier()      # $NOTIFY_SOCKET / $WATCHDOG_USEC, read once
+        self.life = Lifecycle(self.notifier)
+        self.gate = Gate(self.life, s.api_keys, s.cors_origins)
         self.client = None
         self.server = None
         self.stop = asyncio.Event()
@@ -104,12 +120,16 @@ class Supervisor:
             pull.setsockopt(zmq.LINGER, 0)
             pull.bind(self.runner.stage_addr)
             tasks.append(asyncio.create_task(self.runner.read_messages(pull)))
+            self.notifier.check()       # a NOTIFY_SOCKET/WATCHDOG_USEC we cannot use: refused by name
+            tasks.append(asyncio.create_task(pulse(self.notifier, self.life.starting)))   # WATCHDOG, EXTEND_TIMEOUT
             return await self._run(ctx, rt, tasks)
         except StageFailed as e:
             record("stopped", "stage failed", level="error", stage=e.stage, reason=e.reason)
+            self.notifier.status(f"failed: {e.stage}: {e.reason}")
             return EXIT_ENGINE if e.stage == "engine" else EXIT_REFUSED
         except SettingsError as e:
             record("start", "refused", level="error", error=str(e))
+            self.notifier.status(f"refused: {e}")
             return EXIT_REFUSED
         finally:
             self.runner.kill_all()
@@ -127,15 +147,23 @@ class Supervisor:
             from bloomery.http.server import HttpServer
             from bloomery.zmq_client import ZmqEngineClient
 
-            sock = bind_port(s.host, s.port)
-            host, port = sock.getsockname()[:2]
-            record("fetch", "listening", host=host, port=port, url=f"http://{host}:{port}")
+            activated = listening_socket()                                # systemd's LISTEN_FDS socket, else bind
+            socks = [activated] if activated else bind_ports(s.host, s.port)
+            for sock in socks:
+                host, port = sock.getsockname()[:2]
+                shown = f"[{host}]" if ":" in host else host
+                record("fetch", "listening", host=host, port=port, url=f"http://{shown}:{port}")
             self.server = HttpServer(self.dispatch, precheck=self.precheck, drain_timeout_s=DRAIN_S,
                                      log=lambda event, **kv: record(self.life.phase.value, event, component="http", **kv))
-            tasks.append(asyncio.create_task(self.server.serve(sock)))
+            tasks.append(asyncio.create_task(self.server.serve(socks)))
             self.client = ZmqEngineClient(ctx, f"ipc://{rt}/req", f"ipc://{rt}/out")
             self.client.start()
-        fetched = await runner.next_outcome("fetch", await runner.start("fetch", {"model_file": s.model_file}))
+        if s.hf_token:   # the fetch stage reads it from its environment, never from argv (ps shows argv)
+            records.add_secret(s.hf_token)
+            os.environ["HF_TOKEN"] = s.hf_token
+        hook = None if s.plan else need.resolve_hook(s.need_hook, os.environ)   # a bad hook: refused before fetch
+        fetch_args = {"model_file": s.model_file, "hf_repo": s.hf_repo, "hf_file": s.hf_file, "offline": s.offline}
+        fetched = await runner.next_outcome("fetch", await runner.start("fetch", fetch_args))
         if fetched is None:
             return await self._stopped()
         self.life.advance(Phase.PLAN)
@@ -150,6 +178,11 @@ class Supervisor:
         if s.plan:
             record("plan", "--plan: stopping before any weight is read")
             return 0
+        if hook is not None:   # the host broker (or another scheduler) grants the start: phase queued till then
+            model_name = s.alias or os.path.basename(fetched.path)
+            if not await need.negotiate(hook, need.need_record(planned, fetched, model_name, os.environ),
+                                        self.life, self.stop):
+                return await self._stopped()
         self.life.advance(Phase.LOAD)
         engine_args = {"model_file": fetched.path, "alias": s.alias, "facts": planned.facts, "warmup": s.warmup,
                        "req_addr": f"ipc://{rt}/req", "out_addr": f"ipc://{rt}/out"}

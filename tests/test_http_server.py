@@ -179,7 +179,7 @@ def test_413_on_declared_64mib_plus_one_before_the_body_is_sent(serve):
         s.sendall(b"x" * 1000)  # only a little of the body: the answer must not wait for the rest
         out = read_all(s)
     head, _, body = out.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 413 ") and b"connection: close" in head
+    assert head.startswith(b"HTTP/1.1 413 ") and b"connection: close" in head.lower()
     err = json.loads(body)["error"]
     assert err["type"] == "invalid_request_error" and str(LIMIT + 1) in err["message"] and str(LIMIT) in err["message"]
     assert app.n_dispatched == 0
@@ -343,7 +343,7 @@ def test_expect_100_continue_and_precheck_refusal(serve):
 def test_malformed_http_is_400_then_close(serve, data):
     st, app = serve()
     out = raw(st, data, shut=False)
-    assert out.startswith(b"HTTP/1.1 400 ") and b"connection: close" in out
+    assert out.startswith(b"HTTP/1.1 400 ") and b"connection: close" in out.lower()
     assert json.loads(out.split(b"\r\n\r\n", 1)[1])["error"]["code"] == 400
     assert app.n_dispatched == 0
 

@@ -89,7 +89,7 @@ def test_no_note_prints_a_key(tmp_path):
     (["--model", "llama"], "--model takes one of qwen2, qwen3, qwen3moe"),
     (["--model", "/x.gguf"], "-m/--model-file"),
     (["--device", "tpu"], "--device takes one of cpu, cuda, auto"),
-    (["-hf", "org/repo"], "-hf is refused"),
+    (["-hf", "org/repo"], "give one model source"),
     (["-dev", "CUDA0"], "-dev is refused"),
     (["-sm", "row"], "--split-mode takes one of layer, none, got 'row'"),
     (["--lora", "a.gguf"], "--lora is refused"),
@@ -204,7 +204,7 @@ def test_config_file_values(tmp_path):
     ({"ctx-size": True}, "takes a value"),
     ({"ctx-size": [1, 2]}, "taken once"),
     ({"ctx-size": 1.5}, "takes int"),
-    ({"hf-repo": "a/b"}, "is refused"),
+    ({"hf-repo": "a/b"}, "give one model source"),
 ])
 def test_config_refusals(tmp_path, obj, match):
     refused(["-m", "x", "--config", cfg(tmp_path, obj)], {}, match)

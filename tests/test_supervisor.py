@@ -70,16 +70,17 @@ def _req(path="/v1/models", method="GET", headers=None):
 
 def test_precheck_order_and_keys():
     sup = Supervisor(parse(["-m", "x.gguf", "--api-key", "k1,k2"], {}))
-    loading = sup.precheck(_req())
+    loading = sup.precheck(_req("/props"))
     assert loading.status == 503 and json.loads(loading.body)["error"]["phase"] == "fetch"
-    assert sup.precheck(_req(method="OPTIONS")) is None
+    assert sup.precheck(_req("/props", method="OPTIONS")).status == 200     # preflight, even while loading
     for p in (Phase.PLAN, Phase.LOAD, Phase.READY):
         sup.life.advance(p)
-    denied = sup.precheck(_req())
+    denied = sup.precheck(_req("/props"))
     assert denied.status == 401 and json.loads(denied.body)["error"]["message"] == "Invalid API Key"
-    assert sup.precheck(_req(headers={"authorization": "Bearer k2"})) is None
-    assert sup.precheck(_req(headers={"x-api-key": "k1"})) is None
+    assert sup.precheck(_req("/props", headers={"authorization": "Bearer k2"})) is None
+    assert sup.precheck(_req("/props", headers={"x-api-key": "k1"})) is None
     assert sup.precheck(_req("/health")) is None
+    assert sup.precheck(_req("/v1/models")) is None                        # public, as issue 4 asks
 
 
 def test_draining_answers_503_to_new_requests_before_and_after_the_body():

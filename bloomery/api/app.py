@@ -6,6 +6,7 @@ object, and anything else a 500 that names it, so the transport only writes.
 from __future__ import annotations
 
 import itertools
+import re
 import sys
 import time
 import uuid
@@ -13,7 +14,8 @@ from typing import Awaitable, Callable
 
 from collections import OrderedDict
 
-from bloomery.api import chat, completion, props, slots, tokenize
+from bloomery.api import anthropic, chat, completion, input_tokens, models, ollama, props, responses, slots, tokenize
+from bloomery.api.metrics import Metrics
 from bloomery.api.generate import Generation
 from bloomery.api.params import GenParams
 from bloomery.engine.types import ModelInfo, SamplingParams
@@ -43,7 +45,7 @@ ROUTES: dict[tuple[str, str], Route] = {}
 for _path in ("/health", "/v1/health"):
     ROUTES["GET", _path] = props.handle_health
 for _path in ("/v1/models", "/models"):
-    ROUTES["GET", _path] = props.handle_models
+    ROUTES["GET", _path] = models.handle_models
 ROUTES["GET", "/props"] = props.handle_props
 ROUTES["GET", "/slots"] = slots.handle_slots
 ROUTES["GET", "/metrics"] = slots.handle_metrics
@@ -55,6 +57,32 @@ for _path in ("/completion", "/completions"):
 ROUTES["POST", "/v1/completions"] = completion.handle_v1_completions
 for _path in ("/v1/chat/completions", "/chat/completions"):
     ROUTES["POST", _path] = chat.handle_chat
+ROUTES["POST", "/props"] = props.handle_post_props
+for _path in ("/v1/chat/completions/input_tokens", "/chat/completions/input_tokens"):
+    ROUTES["POST", _path] = input_tokens.handle_chat_input_tokens
+ROUTES["GET", "/api/tags"] = ollama.handle_tags
+ROUTES["POST", "/api/show"] = ollama.handle_show
+for _path in ("/v1/responses", "/responses"):
+    ROUTES["POST", _path] = responses.handle_create
+for _path in ("/v1/responses/input_tokens", "/responses/input_tokens"):
+    ROUTES["POST", _path] = input_tokens.handle_responses_input_tokens
+ROUTES["POST", "/v1/messages"] = anthropic.handle_messages
+ROUTES["POST", "/v1/messages/count_tokens"] = anthropic.handle_count_tokens
+
+# routes with an id in the path: (method, pattern, handler); the handler reads the id from req.path
+PATTERN_ROUTES: list[tuple[str, "re.Pattern[str]", Route]] = [
+    ("GET", re.compile(r"/(?:v1/)?models/.+"), models.handle_model),
+    ("GET", re.compile(r"/(?:v1/)?responses/[^/]+"), responses.handle_get),
+    ("DELETE", re.compile(r"/(?:v1/)?responses/[^/]+"), responses.handle_delete),
+    ("POST", re.compile(r"/(?:v1/)?responses/[^/]+/cancel"), responses.handle_cancel),
+]
+
+
+def find_route(method: str, path: str) -> Route | None:
+    handler = ROUTES.get((method, path))
+    if handler is None:
+        handler = next((h for m, pat, h in PATTERN_ROUTES if m == method and pat.fullmatch(path)), None)
+    return handler
 
 
 N_RECENT = 64     # generations remembered for /slots (a slot's last request may be this far back)
@@ -63,22 +91,29 @@ N_RECENT = 64     # generations remembered for /slots (a slot's last request may
 class App:
     """sampling_defaults / n_predict_default: what a request gets for a field it leaves out (the server's
     --temp, --top-k, ..., --seed and -n, as llama-server's flags set its request defaults).
-    endpoint_slots: GET /slots is served (--no-slots: 501). metrics_requested: --metrics was given;
-    /metrics answers 501 either way in this version, naming which."""
+    endpoint_slots: GET /slots is served (--no-slots: 501). metrics_requested: --metrics was given
+    (/metrics is served; without it 501 as llama-server). endpoint_props: --props (POST /props answers)."""
 
     def __init__(self, tokenizer, template, client, info: ModelInfo, *,
                  sampling_defaults: SamplingParams | None = None, n_predict_default: int = -1,
-                 alias: str | None = None, endpoint_slots: bool = True, metrics_requested: bool = False,
-                 log: Callable[[str], None] = _stderr):
+                 alias: str | None = None, tags: str | None = None, endpoint_slots: bool = True,
+                 metrics_requested: bool = False,
+                 endpoint_props: bool = False, log: Callable[[str], None] = _stderr):
         self.tok = tokenizer
         self.template = template
         self.client = client
         self.info = info
         self.sampling_defaults = sampling_defaults or SamplingParams()
         self.n_predict_default = n_predict_default
-        self.model_name = alias or info.name
+        # --alias a,b,c: every name answers; the id is the first in sorted order (llama-server's std::set)
+        self.aliases = sorted({a.strip() for a in (alias or "").split(",") if a.strip()}) or [info.name]
+        self.model_name = self.aliases[0]
+        self.tags = sorted({t.strip() for t in (tags or "").split(",") if t.strip()})
         self.endpoint_slots = endpoint_slots
         self.metrics_requested = metrics_requested
+        self.endpoint_props = endpoint_props          # --props: POST /props answers success (it changes nothing)
+        self.metrics = Metrics()
+        self.responses = responses.ResponseStore()    # /v1/responses kept for GET / previous_response_id
         self.log = log
         self.created = int(time.time())
         self.media_marker = f"<__media_{uuid.uuid4().hex}__>"
@@ -87,7 +122,7 @@ class App:
         self.last_of_slot: dict[int, Generation] = {}               # what fell out of `recent`, per slot
 
     async def dispatch(self, req: Request) -> Response | StreamResponse:
-        handler = ROUTES.get((req.method.upper(), req.path))
+        handler = find_route(req.method.upper(), req.path)
         if handler is None:
             err = ApiError(404, f"File Not Found: {req.method} {req.path}", "not_found_error")
             return Response.json(err.body(), status=404)
@@ -120,7 +155,7 @@ class App:
         task_id = next(self._task_ids)
         gen = Generation(tok=self.tok, client=self.client, req_id=f"cmpl-{task_id}-{uuid.uuid4().hex[:8]}",
                          task_id=task_id, path=path, prompt_ids=prompt_ids, params=params,
-                         n_ctx_slot=n_ctx, log=self.log)
+                         n_ctx_slot=n_ctx, log=self.log, metrics=self.metrics)
         self.recent[gen.req_id] = gen
         while len(self.recent) > N_RECENT:
             _, old = self.recent.popitem(last=False)

@@ -1,8 +1,9 @@
 """POST /v1/chat/completions (and /chat/completions) in OpenAI's shape, and POST /apply-template.
 
-Tools reach the template (the prompt renders them), but in this slice a call the
-model writes comes back as plain content: tool-call parsing is the next issue's
-work. Reasoning, logprobs and n > 1 are not served yet and are refused by name.
+Tools reach the template (the prompt renders them); the reply is shaped by
+api/toolcalls/reply.py (think span -> reasoning_content, call markup -> tool_calls,
+streamed as OpenAI's deltas); response_format and a forced tool_choice set the
+request's grammar (api/toolcalls/structured.py). n choices and logprobs: api/choices.py.
 """
 from __future__ import annotations
 
@@ -10,8 +11,13 @@ import time
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
+from bloomery.api import choices
 from bloomery.api.params import Fields, field_error, parse_gen_params
-from bloomery.api.shapes import BUILD_INFO, SSE_DONE, completion_id, sse, usage
+from bloomery.api.reasoning import prompt_opens_think, read_reasoning
+from bloomery.api.toolcalls import CallError, framing_of, read_tool_request
+from bloomery.api.toolcalls.reply import Reply
+from bloomery.api.toolcalls.structured import apply_structured
+from bloomery.api.shapes import BUILD_INFO, SSE_DONE, completion_id, sse
 from bloomery.chat_template import template_args
 from bloomery.http.types import ApiError, Request, Response, StreamResponse
 
@@ -59,15 +65,6 @@ def render_chat(app: "App", f: Fields):
 
 
 def _refuse_chat_fields(f: Fields) -> None:
-    if f.raw("logprobs") not in (None, ("logprobs", False)):
-        raise field_error("logprobs", "logprobs on /v1/chat/completions are not supported by this server yet")
-    if f.raw("top_logprobs") is not None:
-        raise field_error("top_logprobs", "top_logprobs on /v1/chat/completions are not supported by this server yet")
-    rf = f.raw("response_format")
-    if rf is not None:
-        kind = rf[1].get("type") if isinstance(rf[1], dict) else None
-        if kind != "text":
-            raise field_error("response_format", f"type {kind!r} is not supported by this server yet (only 'text')")
     so = f.raw("stream_options")
     if so is not None and not isinstance(so[1], dict):
         raise field_error("stream_options", "must be an object")
@@ -76,24 +73,42 @@ def _refuse_chat_fields(f: Fields) -> None:
 async def handle_chat(app: "App", req: Request) -> Response | StreamResponse:
     f = Fields(req.json())
     _refuse_chat_fields(f)
-    p = parse_gen_params(f, **app.gen_defaults(), allow_n_probs=False)
+    n_top = choices.read_chat_logprobs(f)     # -1: no logprobs; the engine reports at least the chosen id's
+    p = parse_gen_params(f, **app.gen_defaults(), allow_n_probs=False, n_max=choices.MAX_CHOICES,
+                         n_probs_set=max(n_top, 1) if n_top >= 0 else 0)
+    n = choices.read_n(f)
     rendered = render_chat(app, f)
     ids = app.encode_chat(rendered)
+    treq, rs = read_tool_request(f.body), read_reasoning(f)
+    framing = framing_of(app.template.source)
+    think_open = rs.extract and prompt_opens_think(rendered.text)
+    if think_open and rs.budget != -1:
+        raise field_error("reasoning_budget", f"a finite budget ({rs.budget}) is not served by this server yet")
+    p = apply_structured(p, f.body, treq, framing, rs, think_open, f.raw("temperature") is not None)
+    replies = [Reply(framing, treq, rs, think_open) for _ in range(n)]
     include_usage = False
     so = f.raw("stream_options")
     if so is not None:
         include_usage = bool(Fields(so[1], "stream_options").bool("include_usage"))
-    gen = app.start(req.path, ids, p)
+    gens = [app.start(req.path, ids, choices.choice_params(p, i)) for i in range(n)]
+    gen = gens[0]
     cid, created = completion_id(), int(time.time())
 
+    def logprobs_of(probs: list[dict]) -> dict:
+        return {"logprobs": {"content": choices.logprobs_content(probs, n_top)}} if n_top >= 0 else {}
+
     if not p.stream:
-        out = await gen.run()
+        outs = await choices.run_all(gens)
+        for reply, out in zip(replies, outs):
+            reply.feed(out.content)
+            _finish_reply(reply, out.finish_reason)
         return Response.json({
-            "choices": [{"finish_reason": out.finish_reason, "index": 0,
-                         "message": {"role": "assistant", "content": out.content}}],
+            "choices": [{"finish_reason": replies[i].finish_reason(out.finish_reason), "index": i,
+                         "message": replies[i].message(), **logprobs_of(out.probs)}
+                        for i, out in enumerate(outs)],
             "created": created, "model": app.model_name, "system_fingerprint": BUILD_INFO,
-            "object": "chat.completion", "usage": usage(out.n_prompt, out.n_gen, out.n_cached),
-            "id": cid, "timings": out.timings()})
+            "object": "chat.completion", "usage": choices.usage_of(outs),
+            "id": cid, "timings": outs[0].timings()})
 
     def chunk(choices: list, **extra) -> bytes:
         return sse({"choices": choices, "created": created, "id": cid, "model": app.model_name,
@@ -101,23 +116,40 @@ async def handle_chat(app: "App", req: Request) -> Response | StreamResponse:
 
     async def chunks():
         try:
-            yield chunk([{"finish_reason": None, "index": 0, "delta": {"role": "assistant", "content": None}}])
-            async with aclosing(gen.pieces()) as pieces:
-                async for piece in pieces:
-                    if piece.text:
-                        extra = {"timings": gen.outcome.timings()} if p.timings_per_token else {}
-                        yield chunk([{"finish_reason": None, "index": 0, "delta": {"content": piece.text}}], **extra)
+            for i in range(n):
+                yield chunk([{"finish_reason": None, "index": i, "delta": {"role": "assistant", "content": None}}])
+            async with aclosing(choices.merge_pieces(gens)) as pieces:
+                async for i, piece in pieces:
+                    deltas = replies[i].feed(piece.text) if piece.text else []
+                    if not deltas and n_top >= 0 and piece.probs:
+                        deltas = [{}]
+                    for k, delta in enumerate(deltas):
+                        extra = {"timings": gens[i].outcome.timings()} if p.timings_per_token else {}
+                        yield chunk([{"finish_reason": None, "index": i, "delta": delta,
+                                      **(logprobs_of(piece.probs) if k == 0 else {})}], **extra)
+            for i, g in enumerate(gens):
+                for delta in _finish_reply(replies[i], g.outcome.finish_reason):
+                    yield chunk([{"finish_reason": None, "index": i, "delta": delta}])
             out = gen.outcome
-            last = [{"finish_reason": out.finish_reason, "index": 0, "delta": {}}]
+            last = [{"finish_reason": replies[i].finish_reason(g.outcome.finish_reason), "index": i, "delta": {}}
+                    for i, g in enumerate(gens)]
             if include_usage:   # the usage chunk carries the timings then, as llama-server's stream does
                 yield chunk(last)
-                yield chunk([], usage=usage(out.n_prompt, out.n_gen, out.n_cached), timings=out.timings())
+                yield chunk([], usage=choices.usage_of([g.outcome for g in gens]), timings=out.timings())
             else:
                 yield chunk(last, timings=out.timings())
             yield SSE_DONE
         except ApiError as e:
             yield sse(e.body())
     return StreamResponse(200, chunks(), app.sse_headers())
+
+
+def _finish_reply(reply: Reply, finish_reason: str) -> list[dict]:
+    """The reply's last deltas; a call the model left open on its own is a 500 naming it."""
+    try:
+        return reply.finish(cut=finish_reason == "length")
+    except CallError as e:
+        raise ApiError(500, f"the model's reply is not a whole tool call: {e}", "server_error") from None
 
 
 async def handle_apply_template(app: "App", req: Request) -> Response:

@@ -5,9 +5,10 @@ import time
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
+from bloomery.api import choices
 from bloomery.api.generate import Outcome
 from bloomery.api.params import Fields, GenParams, field_error, parse_gen_params
-from bloomery.api.shapes import BUILD_INFO, SSE_DONE, completion_id, generation_settings, sse, usage
+from bloomery.api.shapes import BUILD_INFO, SSE_DONE, completion_id, generation_settings, sse
 from bloomery.http.types import ApiError, Request, Response, StreamResponse
 
 if TYPE_CHECKING:
@@ -106,31 +107,31 @@ async def handle_v1_completions(app: "App", req: Request) -> Response | StreamRe
     f = Fields(req.json())
     _refuse_oai_completion_fields(f)
     ids = prompt_ids(app, f)
-    p = parse_gen_params(f, **app.gen_defaults(), allow_n_probs=False)
-    gen = app.start(req.path, ids, p)
+    p = parse_gen_params(f, **app.gen_defaults(), allow_n_probs=False, n_max=choices.MAX_CHOICES)
+    n = choices.read_n(f)
+    gens = [app.start(req.path, ids, choices.choice_params(p, i)) for i in range(n)]
     cid, created = completion_id(), int(time.time())
     head = {"created": created, "model": app.model_name, "system_fingerprint": BUILD_INFO,
             "object": "text_completion"}
 
-    def choice(text: str, finish: str | None) -> dict:
-        return {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
+    def choice(text: str, finish: str | None, i: int = 0) -> dict:
+        return {"text": text, "index": i, "logprobs": None, "finish_reason": finish}
 
     if not p.stream:
-        out = await gen.run()
-        return Response.json({"choices": [choice(out.content, out.finish_reason)], **head,
-                              "usage": usage(out.n_prompt, out.n_gen, out.n_cached), "id": cid,
-                              "timings": out.timings()})
+        outs = await choices.run_all(gens)
+        return Response.json({"choices": [choice(o.content, o.finish_reason, i) for i, o in enumerate(outs)], **head,
+                              "usage": choices.usage_of(outs), "id": cid, "timings": outs[0].timings()})
 
     async def chunks():
         try:
-            async with aclosing(gen.pieces()) as pieces:
-                async for piece in pieces:
+            async with aclosing(choices.merge_pieces(gens)) as pieces:
+                async for i, piece in pieces:
                     if piece.text:
-                        extra = {"timings": gen.outcome.timings()} if p.timings_per_token else {}
-                        yield sse({"choices": [choice(piece.text, None)], **head, "id": cid, **extra})
-            out = gen.outcome
-            yield sse({"choices": [choice("", out.finish_reason)], **head,
-                       "usage": usage(out.n_prompt, out.n_gen, out.n_cached), "id": cid, "timings": out.timings()})
+                        extra = {"timings": gens[i].outcome.timings()} if p.timings_per_token else {}
+                        yield sse({"choices": [choice(piece.text, None, i)], **head, "id": cid, **extra})
+            outs = [g.outcome for g in gens]
+            yield sse({"choices": [choice("", o.finish_reason, i) for i, o in enumerate(outs)], **head,
+                       "usage": choices.usage_of(outs), "id": cid, "timings": outs[0].timings()})
             yield SSE_DONE
         except ApiError as e:
             yield sse(e.body())

@@ -87,8 +87,10 @@ class Generation:
     """Runs one EngineRequest; iterate `pieces()`, then read `outcome`."""
 
     def __init__(self, *, tok, client, req_id: str, task_id: int, path: str, prompt_ids: list[int],
-                 params: GenParams, n_ctx_slot: int, log: Callable[[str], None]):
+                 params: GenParams, n_ctx_slot: int, log: Callable[[str], None], metrics=None):
         self.tok, self.client, self.params = tok, client, params
+        self.metrics = metrics          # api/metrics.Metrics (or None): told of each id and of the end
+        self.state = "new"              # new -> queued (sent to the engine) -> running (first id) -> done
         self.req_id, self.task_id, self.path = req_id, task_id, path
         self.prompt_ids = prompt_ids
         self.n_ctx_slot = n_ctx_slot
@@ -104,8 +106,10 @@ class Generation:
         out = self.outcome
         p = self.params
         if not self.prompt_ids:   # llama-server answers an empty prompt with an empty result, no engine work
+            self.state = "done"
             self._log("stop")
             return
+        self.state = "queued"
         stop_ids = () if p.ignore_eos else tuple(sorted(self.tok.eog_ids))
         req = EngineRequest(self.req_id, tuple(self.prompt_ids), p.n_predict, p.sampling, stop_ids, p.cache_prompt,
                             id_task=self.task_id)
@@ -121,6 +125,9 @@ class Generation:
                 now = time.perf_counter()
                 if t_first is None:
                     t_first = now
+                    self.state = "running"
+                    if self.metrics is not None:
+                        self.metrics.on_first(self)
                     out.n_prompt = o.n_prompt or out.n_prompt
                     out.n_cached, out.prompt_ms = o.n_cached, o.prompt_ms
                 if o.slot >= 0:
@@ -136,17 +143,21 @@ class Generation:
                 if o.token is not None and not (p.n_predict >= 0 and out.n_gen >= p.n_predict):
                     out.ids.append(o.token)
                     pending_ids.append(o.token)
+                    if self.metrics is not None:
+                        self.metrics.on_token()
                     if p.n_probs > 0 and o.logprob is not None:
                         entry = prob_entry(self.tok, o.token, o.logprob, o.top)
                         out.probs.append(entry)
                         pending_probs.append(entry)
                     out.predicted_ms = (now - t_first) * 1e3
-                    if o.finish == "stop":
+                    if o.finish == "stop" and o.token in stop_ids:
                         out.stop_type = "eos"      # a stop id ends the text and is never rendered
                     else:
                         text = self._text.feed(self.tok.token_to_piece(o.token, special=False))
                         if self._text.stopping_word:
                             out.stop_type, out.stopping_word = "word", self._text.stopping_word
+                        elif o.finish == "stop":   # structured output is whole: its last id is text
+                            out.stop_type = "eos"
                 if out.stop_type == "none" and (o.finish == "length" or (p.n_predict >= 0 and out.n_gen >= p.n_predict)):
                     out.stop_type = "limit"
                 if o.finish == "cancel" and out.stop_type == "none":
@@ -174,6 +185,9 @@ class Generation:
             out.content = self._text.text
             if not finished and reason == "cancel":
                 out.cancelled = True
+            self.state = "done"
+            if self.metrics is not None:
+                self.metrics.on_end(self)
             self._log(reason)
 
     def _log(self, reason: str) -> None:

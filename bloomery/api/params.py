@@ -206,17 +206,19 @@ def parse_samplers(f: Fields) -> tuple[str, ...]:
 def parse_gen_params(f: Fields, *, n_predict_default: int, n_vocab: int, eog_ids: frozenset[int],
                      sampling_defaults: SamplingParams | None = None,
                      n_predict_names: tuple[str, ...] = ("n_predict", "max_completion_tokens", "max_tokens"),
-                     allow_n_probs: bool = True) -> GenParams:
+                     allow_n_probs: bool = True, n_max: int = 1, n_probs_set: int = 0) -> GenParams:
+    """n_max: the route's bound on `n` (1 outside the routes that serve choices: llama-server's message).
+    n_probs_set: candidates per id a route asked for in its own fields (chat's top_logprobs) when allow_n_probs
+    is off."""
     refuse_unsupported(f)
-    n = f.int("n", lo=1, hi=1)   # several choices are not in this slice: llama-server's message for n > 1
-    del n
+    f.int("n", lo=1, hi=n_max)
     n_predict = f.int(*n_predict_names, lo=-1, hi=INT32_MAX)
     if n_predict is None or n_predict == -1:
         n_predict = n_predict_default
     d = sampling_defaults or SamplingParams()      # the server's flags (--temp, ...) over llama-server's own
     samplers = parse_samplers(f)
     seed = f.int("seed", lo=-1, hi=UINT32_MAX)
-    n_probs = 0
+    n_probs = n_probs_set
     if allow_n_probs:
         n_probs = f.int("n_probs", "logprobs", lo=0, hi=n_vocab) or 0   # llama-server's alias order
     elif f.raw("n_probs") is not None:

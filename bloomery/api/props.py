@@ -1,10 +1,10 @@
-"""GET /health, /props and /v1/models in llama-server's shapes."""
+"""GET /health, GET and POST /props in llama-server's shapes (/v1/models: api/models.py)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from bloomery.api.shapes import BUILD_INFO, default_settings
-from bloomery.http.types import Request, Response
+from bloomery.http.types import ApiError, Request, Response
 
 if TYPE_CHECKING:
     from bloomery.api.app import App
@@ -52,8 +52,8 @@ async def handle_props(app: "App", req: Request) -> Response:
         "modalities": {"vision": False, "video": False, "audio": False},
         "media_marker": app.media_marker,
         "endpoint_slots": app.endpoint_slots,
-        "endpoint_props": False,
-        "endpoint_metrics": False,     # /metrics is not served by this version, --metrics or not
+        "endpoint_props": app.endpoint_props,
+        "endpoint_metrics": app.metrics_requested,
         "ui": False,          # bloomery serves no web UI
         "ui_settings": {},
         "chat_template": source,
@@ -66,22 +66,9 @@ async def handle_props(app: "App", req: Request) -> Response:
     })
 
 
-async def handle_models(app: "App", req: Request) -> Response:
-    name, info = app.model_name, app.info
-    return Response.json({
-        "models": [{
-            "name": name, "model": name, "modified_at": "", "size": "", "digest": "", "type": "model",
-            "description": "", "tags": [""], "capabilities": ["completion"], "parameters": "",
-            "details": {"parent_model": "", "format": "gguf", "family": "", "families": [""],
-                        "parameter_size": "", "quantization_level": ""},
-        }],
-        "object": "list",
-        "data": [{
-            "id": name, "aliases": [name], "tags": [], "object": "model",
-            "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
-            "created": app.created, "owned_by": "llamacpp",
-            "meta": {"vocab_type": info.vocab_type, "n_vocab": info.n_vocab, "n_ctx": info.n_ctx_slot,
-                     "n_ctx_train": info.n_ctx_train, "n_embd": info.n_embd,
-                     "n_params": info.n_params, "size": info.size_bytes, "ftype": info.ftype},
-        }],
-    })
+async def handle_post_props(app: "App", req: Request) -> Response:
+    """llama-server's POST /props: 501 without --props; with it, success (it has no property to change)."""
+    if not app.endpoint_props:
+        raise ApiError(501, "This server does not support changing global properties. Start it with `--props`",
+                       "not_supported_error")
+    return Response.json({"success": True})

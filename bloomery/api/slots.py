@@ -3,8 +3,8 @@
 /slots: one object per slot (id, n_ctx, speculative, is_processing; once a request
 ran there: id_task, the prompt counts, params, next_token), from the engine's own
 table; the params are the generation's, which the front remembers by req_id.
---no-slots: 501 as llama-server. /metrics is not served by this version: 501,
-with llama-server's message when --metrics was not given and ours when it was.
+--no-slots: 501 as llama-server. /metrics: llama-server's Prometheus text with --metrics
+(api/metrics.py keeps the counts), 501 with llama-server's message without it.
 """
 from __future__ import annotations
 
@@ -60,5 +60,10 @@ async def handle_metrics(app: "App", req: Request) -> Response:
     if not app.metrics_requested:
         raise ApiError(501, "This server does not support metrics endpoint. Start it with `--metrics`",
                        "not_supported_error")
-    raise ApiError(501, "This server does not serve the metrics endpoint in this version "
-                        "(--metrics was given; bloomery has no /metrics yet)", "not_supported_error")
+    table = await _slot_table(app)
+    n_processing = sum(1 for e in table if e.get("is_processing"))
+    # requests sent to the engine that no slot holds yet wait in its queue (llama-server's deferred)
+    n_in_flight = sum(1 for g in list(app.recent.values()) if g.state in ("queued", "running"))
+    body = app.metrics.render(n_processing, max(n_in_flight - n_processing, 0))
+    return Response(200, body.encode("utf-8"), [("content-type", "text/plain; version=0.0.4"),
+                                                 ("process-start-time-unix", str(app.metrics.t_start))])

@@ -21,6 +21,7 @@ import numpy as np
 from bloomery.engine.sampler import Sampler, SamplerError
 from bloomery.engine.scheduler import Scheduler, Slot
 from bloomery.engine.types import EngineRequest, TokenOut
+from bloomery.grammar import Matcher, ProgramCache, ProgramError, Vocab
 
 
 @dataclass
@@ -40,6 +41,8 @@ class Engine:
         self._cancels: list[str] = []
         # per slot, its current or last request's counts (llama-server's /slots keeps task_prev too)
         self._last: dict[int, dict] = {}
+        self._grammar_vocab: Vocab | None = None     # the vocabulary's bytes, built on the first schema request
+        self._programs = ProgramCache()
 
     # -- called from any thread ------------------------------------------------
     def add(self, req: EngineRequest) -> None:
@@ -121,7 +124,8 @@ class Engine:
         n_prompt, n_cached = len(req.prompt_ids), slot.n_cached
         t0 = time.perf_counter()
         try:
-            sampler = Sampler(req.sampling, self.n_vocab, self.n_ctx_slot, req.prompt_ids)
+            sampler = Sampler(req.sampling, self.n_vocab, self.n_ctx_slot, req.prompt_ids,
+                              matcher=self._matcher(req))
             ids = np.asarray(req.prompt_ids[n_cached:], dtype=np.int32)          # [T]
             logits = self.model.prefill(slot.id, ids, n_cached)                   # [V]
         except Exception as e:   # one request's failure must not stop the others
@@ -160,7 +164,10 @@ class Engine:
             s = st.sampler.sample(logits)
         except SamplerError as e:
             return self._fail(slot, e, n_prompt, slot.n_cached if first else 0)
-        st.sampler.accept(s.token)
+        try:
+            st.sampler.accept_generated(s.token)
+        except SamplerError as e:
+            return self._fail(slot, e, n_prompt, slot.n_cached if first else 0)
         with self._lock:
             self.scheduler.sampled(slot, s.token)
             finish = None
@@ -168,8 +175,8 @@ class Engine:
                 finish = "length"      # the slot is full: no position left for this id
             if 0 <= req.n_predict <= slot.n_decoded:
                 finish = "length"
-            if s.token in st.stop_ids:
-                finish = "stop"
+            if s.token in st.stop_ids or st.sampler.grammar_done:
+                finish = "stop"        # a stop id, or the structured output is whole
             if finish is not None:
                 self._note_done(slot.id, req.req_id, slot.n_decoded)
                 self.scheduler.release(slot)
@@ -177,6 +184,19 @@ class Engine:
                         n_prompt=n_prompt if first else 0,
                         n_cached=slot.n_cached if first else 0,
                         prompt_ms=st.prompt_ms if first else 0.0, slot=slot.id)
+
+    def _matcher(self, req: EngineRequest) -> Matcher | None:
+        """The request's structured-output state: its program compiled once (cached by text)
+        against the vocabulary's token bytes."""
+        if not req.sampling.grammar:
+            return None
+        if self._grammar_vocab is None:
+            gf = getattr(self.model, "gf", None)
+            if gf is None:
+                raise ProgramError("this model carries no vocabulary to run structured output against")
+            from bloomery.tokenizer import Tokenizer
+            self._grammar_vocab = Vocab.from_tokenizer(Tokenizer.from_gguf(gf.metadata))
+        return Matcher(self._programs.get(req.sampling.grammar), self._grammar_vocab, req.stop_ids)
 
     def _note_done(self, slot_id: int, req_id: str, n_decoded: int) -> None:
         """Keep the finished request's counts for /slots (the lock is held)."""

@@ -16,6 +16,11 @@ Floats follow llama.cpp: float32 logits, expf, float32 running sums in top_p and
 the n_probs softmax, a float64 running sum in dist, and std::mt19937 with
 libstdc++'s uniform_real_distribution<double> for the draw.
 
+Structured output (SamplingParams.grammar): the engine hands the Sampler a
+bloomery.grammar Matcher; after the bias and the penalties the row is masked to
+the ids the schema allows (greedy: the first allowed id in descending order), and
+accept_generated() advances it.
+
 V = vocab size, C = candidates left.
 """
 from __future__ import annotations
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from bloomery.engine.types import SamplingParams, TokenProb
+from bloomery.grammar.matcher import GrammarError
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF
 FLOAT32_LOWEST = float(np.finfo(np.float32).min)   # llama-server's logprob of a 0 probability
@@ -121,9 +127,10 @@ class Sampler:
     """One request's chain: its penalty window and its random stream."""
 
     def __init__(self, params: SamplingParams, n_vocab: int, n_ctx_slot: int,
-                 prompt_ids: tuple[int, ...] | list[int] = ()):
+                 prompt_ids: tuple[int, ...] | list[int] = (), matcher=None):
         _check(params, n_vocab)
         self.params = params
+        self.matcher = matcher            # structured output (bloomery.grammar.Matcher), or None
         self.n_vocab = n_vocab
         self.greedy = params.temperature <= 0.0
         self.seed = params.seed & 0xFFFFFFFF
@@ -156,6 +163,20 @@ class Sampler:
                 del self._counts[old]
         self._window.append(token)
 
+    def accept_generated(self, token: int) -> None:
+        """A sampled id: the penalty window, and the structured-output state."""
+        self.accept(token)
+        if self.matcher is not None:
+            try:
+                self.matcher.accept(token)
+            except GrammarError as e:
+                raise SamplerError(str(e)) from None
+
+    @property
+    def grammar_done(self) -> bool:
+        """The structured output is whole and nothing may follow: the request ends with "stop"."""
+        return self.matcher is not None and self.matcher.done
+
     def sample(self, logits: np.ndarray) -> Sample:
         """Pick the next id from one row of raw logits [V]; accept() it after."""
         if logits.shape != (self.n_vocab,):
@@ -163,7 +184,10 @@ class Sampler:
         raw = np.asarray(logits, dtype=np.float32)                # [V]
         if np.isnan(raw).any():
             raise SamplerError(f"model produced NaN logits ({int(np.isnan(raw).sum())} of {raw.shape[0]})")
-        token = self._chain(raw.copy())
+        try:
+            token = self._chain(raw.copy())
+        except GrammarError as e:
+            raise SamplerError(str(e)) from None
         n_probs = self.params.n_probs
         if n_probs <= 0:
             return Sample(token)
@@ -178,6 +202,12 @@ class Sampler:
             np.add.at(logits, self._bias_ids, self._bias)        # duplicates add, as llama.cpp's loop
         if self.penalties_on and self._counts:
             self._penalize(logits)
+        if self.matcher is not None:
+            # the schema's mask: greedy walks the ids in descending order and takes the first allowed;
+            # a sampled pick runs the chain over the masked row (top_k allowed ids are enough when set)
+            if self.greedy:
+                return self.matcher.pick_greedy(logits)
+            logits = self.matcher.mask(logits, prm.top_k)
         if self.greedy:
             # temperature <= 0 keeps only the first maximum; dist then always picks it
             return int(np.argmax(logits))

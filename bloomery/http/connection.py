@@ -17,7 +17,7 @@ import h11
 
 from .respond import PeerGone, ResponseWriter, where
 from .types import ApiError, Request, Response, StreamResponse
-from .wire import build_request, declared_length, decode_body, error_response, peer_text
+from .wire import ACCEPTED_ENCODINGS, build_request, declared_length, decode_body, error_response, peer_text
 
 if TYPE_CHECKING:
     from .server import HttpServer
@@ -137,6 +137,7 @@ class Connection(ResponseWriter):
         head = event.method == b"HEAD"
         try:
             request = build_request(event, self.peer)
+            request.listen = getattr(self, "listen_host", "") or srv.listen_host
             if head:
                 request.method = "GET"   # answered like GET, the body left out
             n_declared = declared_length(event)
@@ -151,7 +152,9 @@ class Connection(ResponseWriter):
             request.body = await self._read_body()
             decode_body(request, srv.max_body_bytes)
         except ApiError as e:
-            return await self._answer_early(Response.json(e.body(), e.status), head)
+            # 415 names the codings it takes in Accept-Encoding (RFC 7694)
+            extra = [("accept-encoding", ACCEPTED_ENCODINGS)] if e.status == 415 else []
+            return await self._answer_early(Response.json(e.body(), e.status, extra), head)
         except Reject as r:
             return await self._answer_early(r.response, head)
 

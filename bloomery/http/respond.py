@@ -12,7 +12,7 @@ import traceback
 
 import h11
 
-from .types import ApiError, Response, StreamResponse
+from .types import ApiError, Response, StreamResponse, canonical
 from .wire import error_response, raw_response, reason_phrase
 
 
@@ -36,13 +36,13 @@ class ResponseWriter:
                   n_body_bytes: int | None = None) -> h11.Response:
         """Validated response head; framing is ours (Content-Length, or h11's chunked when None)."""
         hop = ("content-length", "transfer-encoding", "connection")
-        kept = [(k, v) for k, v in headers if k.lower() not in hop]
+        kept = [(canonical(k), v) for k, v in headers if k.lower() not in hop]
         if not any(k.lower() == "server" for k, _ in kept):
-            kept.insert(0, ("server", self.server.server_header))
+            kept.insert(0, ("Server", self.server.server_header))
         if n_body_bytes is not None:
-            kept.append(("content-length", str(n_body_bytes)))
+            kept.append(("Content-Length", str(n_body_bytes)))
         if close:
-            kept.append(("connection", "close"))
+            kept.append(("Connection", "close"))
         return h11.Response(status_code=status, reason=reason_phrase(status), headers=kept)
 
     async def _send_response(self, response: Response, head: bool, close: bool) -> None:

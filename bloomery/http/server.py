@@ -61,6 +61,7 @@ class HttpServer:
         self._tasks: set[asyncio.Task] = set()
         self._server: asyncio.base_events.Server | None = None
         self._closed: asyncio.Event | None = None
+        self.listen_host = ""           # the listening socket's address, given to each Request
 
     @property
     def n_open(self) -> int:
@@ -74,19 +75,28 @@ class HttpServer:
             except Exception:   # a broken log sink must not take a connection down
                 pass
 
-    async def serve(self, sock: socket.socket) -> None:
-        """Accept on an already-bound socket (listen() is called if it was not) until close()."""
+    async def serve(self, sock: "socket.socket | list[socket.socket]") -> None:
+        """Accept on already-bound sockets (listen() is called if it was not) until close(); each
+        connection's Request.listen is the address of the socket it came in on."""
         if self._server is not None:
-            raise RuntimeError("HttpServer.serve() was already called; one server serves one socket")
+            raise RuntimeError("HttpServer.serve() was already called; one server serves one set of sockets")
+        socks = sock if isinstance(sock, list) else [sock]
         self._closed = asyncio.Event()
-        sock.setblocking(False)
-        self._server = await asyncio.start_server(self._accept, sock=sock, backlog=min(self.max_connections, 4096),
-                                                  limit=1 << 16)
+        self._servers = []
+        for one in socks:
+            one.setblocking(False)
+            host = str(one.getsockname()[0]) if one.family in (socket.AF_INET, socket.AF_INET6) else ""
+            self.listen_host = self.listen_host or host
+            accept = (lambda r, w, host=host: self._accept(r, w, host))
+            self._servers.append(await asyncio.start_server(accept, sock=one, backlog=min(self.max_connections, 4096),
+                                                            limit=1 << 16))
+        self._server = self._servers[0]
         if self.closing:  # close() came while starting
-            self._server.close()
+            for one in self._servers:
+                one.close()
         await self._closed.wait()
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, listen: str = "") -> None:
         task = asyncio.current_task()
         self._tasks.add(task)
         try:
@@ -94,6 +104,7 @@ class HttpServer:
                 await self._refuse(reader, writer)
                 return
             conn = Connection(self, reader, writer)
+            conn.listen_host = listen or self.listen_host
             self._conns.add(conn)
             try:
                 await conn.run()
@@ -131,8 +142,8 @@ class HttpServer:
     def close(self) -> None:
         """Stop accepting; idle keep-alive connections close now, busy ones after their answer."""
         self.closing = True
-        if self._server is not None:
-            self._server.close()
+        for one in getattr(self, "_servers", []):
+            one.close()
         for conn in list(self._conns):
             if conn.idle and conn.task is not None:
                 conn.task.cancel()
@@ -151,5 +162,5 @@ class HttpServer:
             if pending:
                 self.log("http drain timeout", n_cancelled=len(pending), drain_timeout_s=self.drain_timeout_s)
                 await asyncio.wait(pending)
-        if self._server is not None:
-            await self._server.wait_closed()
+        for one in getattr(self, "_servers", []):
+            await one.wait_closed()

@@ -8,8 +8,32 @@ error object {"error": {"code", "message", "type"}}.
 from __future__ import annotations
 
 import json
+import re
+import sys
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable
+
+
+# \uD800-\uDFFF escapes: JSON lets them through unpaired, Python keeps them, and they are not text
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _refuse_lone_surrogates(obj: object) -> None:
+    """A lone surrogate is a 400 as in llama-server's JSON parser (a pair was already joined by json)."""
+    stack = [obj]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ApiError(400, "Failed to parse the request body as JSON: a string holds a lone UTF-16 "
+                                    f"surrogate U+{ord(v[e.start]):04X} (\\u escapes must pair)") from None
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
 
 
 @dataclass
@@ -20,13 +44,21 @@ class Request:
     headers: dict[str, str]             # lower-case names; repeated headers joined with ", "
     body: bytes
     peer: str = ""                      # client address, for logs and loopback checks
+    listen: str = ""                    # the address the server listens on (the Host guard's "bound to loopback")
 
     def json(self) -> object:
         """The body as JSON, or ApiError 400 naming the problem."""
         try:
-            return json.loads(self.body.decode("utf-8") if self.body else "")
+            obj = json.loads(self.body.decode("utf-8") if self.body else "")
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ApiError(400, f"Failed to parse the request body as JSON: {e}", "invalid_request_error") from None
+        except RecursionError:   # the decoder recurses per level: a deep body must not be a 500
+            raise ApiError(400, "Failed to parse the request body as JSON: it nests arrays or objects deeper "
+                                f"than this server reads (about {sys.getrecursionlimit() - 100} levels)",
+                           "invalid_request_error") from None
+        if _SURROGATE_ESCAPE.search(self.body):
+            _refuse_lone_surrogates(obj)
+        return obj
 
 
 @dataclass
@@ -70,3 +102,9 @@ class ApiError(Exception):
 
 
 Handler = Callable[[Request], Awaitable["Response | StreamResponse"]]
+
+
+def canonical(name: str) -> str:
+    """A header name as llama-server writes it (Content-Type, Access-Control-Allow-Origin): HTTP
+    names are case-insensitive, but some clients (llama.cpp's own tests) look them up in a dict."""
+    return "-".join(part[:1].upper() + part[1:].lower() for part in name.split("-"))

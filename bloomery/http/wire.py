@@ -10,7 +10,7 @@ from urllib.parse import parse_qsl, unquote_to_bytes
 
 import h11
 
-from .types import ApiError, Request, Response
+from .types import ApiError, Request, Response, canonical
 
 # Codings a body may arrive in (the serving guide's "Compressed bodies").
 ACCEPTED_ENCODINGS = "gzip, deflate"
@@ -32,12 +32,12 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
 def raw_response(response: Response, *, server_header: str, head: bool = False) -> bytes:
     """A whole response, `Connection: close`, for when h11 has no request to answer
     (timeouts before a request line, the connection bound)."""
-    headers = [(k, v) for k, v in response.headers if k.lower() not in ("content-length", "connection",
-                                                                      "transfer-encoding")]
+    headers = [(canonical(k), v) for k, v in response.headers if k.lower() not in ("content-length", "connection",
+                                                                                 "transfer-encoding")]
     # h11 validates names and values (no CR/LF smuggled in by a handler).
     checked = h11.Response(status_code=response.status, reason=reason_phrase(response.status),
-                           headers=[("server", server_header), *headers,
-                                    ("content-length", str(len(response.body))), ("connection", "close")])
+                           headers=[("Server", server_header), *headers,
+                                    ("Content-Length", str(len(response.body))), ("Connection", "close")])
     lines = [b"HTTP/1.1 %d %s" % (checked.status_code, checked.reason)]
     lines += [k + b": " + v for k, v in checked.headers.raw_items()]
     return b"\r\n".join(lines) + b"\r\n\r\n" + (b"" if head else response.body)

@@ -1,0 +1,75 @@
+"""Tool calls for the Responses and Anthropic routes, through the route-independent parser (api/toolcalls).
+
+These routes read a finished reply: content plus the calls the model wrote
+(function_call items, tool_use blocks); their streams send a call when it closes.
+A call can only be watched for where the template has a framing; a forced call
+(tool_choice required / named, Anthropic any / tool) needs the grammar path,
+which these routes do not run yet: refused by name.
+"""
+from __future__ import annotations
+
+from bloomery.api.params import field_error
+
+
+def _toolcalls():
+    try:
+        import bloomery.api.toolcalls as tc
+        return tc
+    except ImportError:
+        return None
+
+
+def tool_request(app, chat_body: dict, route: str):
+    """The request's ToolRequest when it sends tools (None without), or a 400 naming what is not served."""
+    if not chat_body.get("tools"):
+        return None
+    tc = _toolcalls()
+    if tc is None:
+        raise field_error("tools", f"tool calls are not served on {route} in this version")
+    treq = tc.read_tool_request(chat_body)
+    if treq.forced:
+        raise field_error("tool_choice", f"a forced tool call ({treq.choice}) is not served on {route} in this "
+                                         f"version; use auto")
+    return treq
+
+
+class ReplyCalls:
+    """Splits a reply into content and calls, incrementally (feed text pieces, then finish)."""
+
+    def __init__(self, app, treq):
+        tc = _toolcalls()
+        self.tc = tc
+        source = getattr(app.template, "source", "") or ""
+        framing = tc.framing_of(source) if treq is not None else None
+        self.parser = tc.make_parser(framing, treq) if treq is not None else None
+        self.content = ""
+
+    def feed(self, text: str) -> tuple[str, list]:
+        """(content released, calls closed) by this piece."""
+        if self.parser is None:
+            self.content += text
+            return text, []
+        return self._take(self.parser.feed(text))
+
+    def finish(self, cut: bool) -> tuple[str, list]:
+        if self.parser is None:
+            return "", []
+        try:
+            return self._take(self.parser.finish(cut=cut))
+        except self.tc.CallError as e:
+            from bloomery.http.types import ApiError
+            raise ApiError(500, f"tool call parsing failed: {e}", "server_error") from None
+
+    def _take(self, events: list) -> tuple[str, list]:
+        text, closed = "", []
+        for ev in events:
+            if isinstance(ev, self.tc.ContentDelta):
+                text += ev.text
+            elif isinstance(ev, self.tc.CallEnd):
+                closed.append(self.parser.calls[ev.index])
+        self.content += text
+        return text, closed
+
+    @property
+    def calls(self) -> list:
+        return list(self.parser.calls) if self.parser is not None else []

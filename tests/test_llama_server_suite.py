@@ -1,0 +1,77 @@
+"""Acceptance (issue 4): llama.cpp's own server tests against bloomery-serve on the real model.
+
+Runs tools/llama_server_suite/run.py --server bloomery --select ci (the tests that pass on
+llama-server with the same file: tests/golden/llama_server_suite_baseline.json) and fails
+listing every test that passes there and fails here, unless selection.py refuses it by name
+(with the reason). Regenerate the golden with the command stored in it ("regenerate").
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SUITE = REPO / "tools/llama_server_suite"
+
+
+def _load(name: str):
+    sys.path.insert(0, str(SUITE))
+    spec = importlib.util.spec_from_file_location(f"llama_server_suite_{name}", SUITE / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_golden_baseline_is_consistent():
+    """The golden names only SERVED or REFUSED files and says how to make it again."""
+    selection = _load("selection")
+    golden = json.loads(selection.GOLDEN.read_text())
+    assert golden["server"] == "llama" and golden["regenerate"].startswith("python tools/llama_server_suite/run.py")
+    files = {n.split("::", 1)[0] for n in golden["tests"]}
+    assert files <= set(selection.SERVED) | set(selection.REFUSED_FILES)
+    assert selection.ci_tests(golden), "the golden has no passing test: CI would check nothing"
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_gap_is_only_tests_refused_by_name(real_model_path, tmp_path):
+    selection, gap = _load("selection"), _load("gap")
+    out = tmp_path / "bloomery.json"
+    cmd = [sys.executable, str(SUITE / "run.py"), "--server", "bloomery", "--select", "ci", "--model",
+           str(real_model_path), "--out", str(out), "--log", str(tmp_path / "pytest.log")]
+    subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=3600)
+    ours = json.loads(out.read_text())
+    golden = json.loads(selection.GOLDEN.read_text())
+    missing = sorted(set(selection.ci_tests(golden)) - set(ours["tests"]))
+    assert not missing, f"tests selected but never reported (see {tmp_path / 'pytest.log'}): {missing[:20]}"
+    open_gap, _refused = gap.gap(golden, ours)
+    report = "\n".join(f"{n}\n    {why}" for n, why in open_gap)
+    assert not open_gap, f"{len(open_gap)} tests pass on llama-server and fail on bloomery:\n{report}"
+
+
+def test_wrapper_swaps_only_the_model_arguments():
+    rewrite = _load("wrapper").rewrite
+    got = rewrite(["--port", "8080", "--hf-repo", "ggml-org/models", "--hf-file", "x/y.gguf", "--alias", "a",
+                   "-hf", "r", "--model-url=http://u", "--api-key", "k", "--no-jinja"], "/m.gguf")
+    assert got == ["-m", "/m.gguf", "--port", "8080", "--alias", "a", "--api-key", "k", "--no-jinja"]
+    assert rewrite(["--port", "1", "--ctx-size", "8"], "/m.gguf") == ["--port", "1", "--ctx-size", "8"]  # router
+
+
+def test_gap_counts_only_tests_that_pass_on_llama_server():
+    gap = _load("gap")
+    golden = {"tests": {"unit/test_basic.py::a": {"outcome": "passed"}, "unit/test_basic.py::b": {"outcome": "failed"},
+                        "unit/test_basic.py::test_no_ui": {"outcome": "passed"},
+                        "unit/test_basic.py::c": {"outcome": "passed"}}}
+    ours = {"tests": {"unit/test_basic.py::a": {"outcome": "failed", "reason": "assert 1 == 2"},
+                      "unit/test_basic.py::b": {"outcome": "failed", "reason": "x"},
+                      "unit/test_basic.py::test_no_ui": {"outcome": "failed", "reason": "404"},
+                      "unit/test_basic.py::c": {"outcome": "passed", "reason": ""}}}
+    open_gap, refused = gap.gap(golden, ours)
+    assert open_gap == [("unit/test_basic.py::a", "assert 1 == 2")]
+    assert [n for n, _ in refused] == ["unit/test_basic.py::test_no_ui"]

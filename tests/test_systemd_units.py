@@ -1,0 +1,142 @@
+"""units/: `systemd-analyze verify` (and its offline security score) on every unit, in a scratch
+root that holds the host's own units and the executables the units name; then what the
+units promise (Type=notify, the watchdog, the back-off, the hardening) read from the files."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+UNITS = ("bloomery@.service", "bloomery@.socket", "bloomery-broker.service")
+ANALYZE = shutil.which("systemd-analyze")
+needs_analyze = pytest.mark.skipif(ANALYZE is None, reason="systemd-analyze is not installed "
+                                   "(apt-get install systemd): the units cannot be verified here")
+MAX_EXPOSURE = 30              # systemd-analyze security's threshold: 3.0 of 10 ("OK")
+
+
+def systemd_version() -> int:
+    out = subprocess.run([ANALYZE, "--version"], capture_output=True, text=True).stdout
+    return int(re.match(r"systemd (\d+)", out).group(1))
+
+
+def tolerated(line: str, version: int) -> bool:
+    """Only the back-off keys systemd 254 added may be unknown to an older systemd (it ignores them)."""
+    return version < 254 and bool(re.search(r"Unknown key '(RestartSteps|RestartMaxDelaySec)'", line))
+
+
+def scratch_root(tmp: Path, unit_dir: Path, executables=("usr/bin/bloomery-serve", "usr/bin/bloomery-broker")) -> Path:
+    """A root with the host's units (the targets ours name) beside ours, and the executables."""
+    root = tmp / "root"
+    dest = root / "lib/systemd/system"
+    host_units = next(p for p in (Path("/lib/systemd/system"), Path("/usr/lib/systemd/system")) if p.is_dir())
+    shutil.copytree(host_units, dest, symlinks=True, dirs_exist_ok=True)
+    for unit in UNITS:
+        shutil.copy(unit_dir / unit, dest / unit)
+    for exe in executables:
+        path = root / exe
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("#!/bin/sh\n")
+            path.chmod(0o755)
+    return root
+
+
+def verify(root: Path) -> list[str]:
+    """systemd-analyze verify's complaints about our units (it exits 0 on many of them: every line counts)."""
+    version = systemd_version()
+    paths = [str(root / "lib/systemd/system" / u) for u in UNITS]
+    out = subprocess.run([ANALYZE, "verify", "--man=no", f"--root={root}", *paths], capture_output=True, text=True,
+                         cwd=root)
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if line.strip() and not tolerated(line, version)]
+    return lines + ([f"exit status {out.returncode}"] if out.returncode else [])
+
+
+@needs_analyze
+def test_every_unit_verifies(tmp_path):
+    assert verify(scratch_root(tmp_path, REPO / "units")) == []
+
+
+@needs_analyze
+def test_verify_catches_a_bad_value(tmp_path):
+    """The check itself: a wrong value (systemd ignores it with a warning, exit 0) is caught."""
+    bad = tmp_path / "units"
+    shutil.copytree(REPO / "units", bad)
+    text = (bad / "bloomery@.service").read_text()
+    (bad / "bloomery@.service").write_text(text.replace("KillMode=mixed", "KillMode=gentle"))
+    assert any("KillMode" in line or "kill mode" in line for line in verify(scratch_root(tmp_path, bad)))
+
+
+@needs_analyze
+def test_verify_catches_a_missing_executable(tmp_path):
+    root = scratch_root(tmp_path, REPO / "units", executables=("usr/bin/bloomery-serve",))
+    assert any("/usr/bin/bloomery-broker" in line for line in verify(root))
+
+
+@needs_analyze
+@pytest.mark.parametrize("unit", ["bloomery@x.service", "bloomery-broker.service"])
+def test_hardening_exposure_stays_low(tmp_path, unit):
+    root = scratch_root(tmp_path, REPO / "units")
+    out = subprocess.run([ANALYZE, "security", "--offline=yes", f"--threshold={MAX_EXPOSURE}", f"--root={root}",
+                          "--no-pager", unit], capture_output=True, text=True, cwd=root)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr
+
+
+# -- what the units promise, read from the files ------------------------------------------
+def settings(unit: str) -> dict[str, list[str]]:
+    """key -> every value given (a key may repeat: DeviceAllow=); comments and sections dropped."""
+    out: dict[str, list[str]] = {}
+    for line in (REPO / "units" / unit).read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith(("#", ";", "[")):
+            key, _, value = line.partition("=")
+            out.setdefault(key, []).append(value)
+    return out
+
+
+def test_service_is_notify_with_watchdog_short_start_and_bounded_restarts():
+    s = settings("bloomery@.service")
+    assert s["Type"] == ["notify"] and s["NotifyAccess"] == ["main"]
+    assert s["ExecStart"] == ["/usr/bin/bloomery-serve --config /etc/bloomery/%i.json"]
+    assert int(s["TimeoutStartSec"][0]) <= 120        # EXTEND_TIMEOUT_USEC carries a long start
+    assert int(s["WatchdogSec"][0]) >= 10
+    assert s["Restart"] == ["on-failure"] and int(s["RestartSec"][0]) > 0
+    assert int(s["StartLimitBurst"][0]) > 0 and int(s["StartLimitIntervalSec"][0]) > 0
+    assert int(s["RestartMaxDelaySec"][0]) >= int(s["RestartSec"][0])
+
+
+@pytest.mark.parametrize("unit", ["bloomery@.service", "bloomery-broker.service"])
+def test_services_run_hardened_as_the_static_user(unit):
+    s = settings(unit)
+    assert s["User"] == ["bloomery"] and s["Group"] == ["bloomery"]
+    for key, value in {"ProtectSystem": "strict", "ProtectHome": "yes", "PrivateTmp": "yes",
+                       "NoNewPrivileges": "yes", "DevicePolicy": "closed", "CapabilityBoundingSet": ""}.items():
+        assert s[key] == [value], key
+    allowed = " ".join(s["DeviceAllow"])
+    assert "char-nvidia-frontend rw" in allowed and "char-nvidia-uvm rw" in allowed
+    assert "DynamicUser" not in s
+
+
+def test_directories_and_their_modes():
+    server, broker = settings("bloomery@.service"), settings("bloomery-broker.service")
+    assert server["RuntimeDirectory"] == ["bloomery/%i"] and server["RuntimeDirectoryMode"] == ["0700"]
+    assert server["CacheDirectory"] == ["bloomery"] and server["StateDirectory"] == ["bloomery"]
+    assert "XDG_RUNTIME_DIR=%t/bloomery/%i" in " ".join(server["Environment"])   # stage sockets live there
+    assert broker["RuntimeDirectory"] == ["bloomery-broker"] and broker["RuntimeDirectoryMode"] == ["0750"]
+    assert broker["StateDirectory"] == ["bloomery-broker"]
+    assert broker["ExecStart"] == ["/usr/bin/bloomery-broker serve"]
+
+
+def test_socket_passes_one_listener_to_its_service():
+    s = settings("bloomery@.socket")
+    assert len(s["ListenStream"]) == 1 and s["Accept"] == ["no"]
+    assert s["Service"] == ["bloomery@%i.service"] and s["FileDescriptorName"] == ["http"]
+
+
+def test_example_config_is_a_valid_instance_config():
+    from bloomery.settings import parse
+    s = parse(["--config", str(REPO / "packaging/example.json")], {})
+    assert s.port == 8080 and (s.hf_repo or s.model_file)

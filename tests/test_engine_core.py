@@ -348,3 +348,43 @@ def test_engine_on_synthetic_qwen2_matches_full_recomputation(real_model_path, s
     engine.add(greq("d", d, n_predict=5))
     out_d = drain(engine)["d"]
     assert out_d[0].n_cached == 5 and [o.token for o in out_d] == reference(d)
+
+
+class PicksOnDevice(StandInModel):
+    """A model with decode_greedy (a backend that picks on its card): the engine must use it
+    for plain greedy batches and fall back to decode() + the sampler otherwise."""
+
+    def decode_greedy(self, slots, ids, positions):
+        self.calls.append(("decode_greedy", tuple(slots)))
+        for s, i, p in zip(slots, ids, positions):
+            self._write(s, [int(i)], int(p))
+        return np.array([int(np.argmax(self._logits(self.kv[s]))) for s in slots], np.int32)
+
+
+def test_plain_greedy_batches_take_only_ids_from_the_model():
+    model = PicksOnDevice(2, 64)
+    engine = Engine(model, 2, 64)
+    engine.add(greq("g", [1, 2, 3], n_predict=5))
+    outs = drain(engine)
+    assert [o.token for o in outs["g"]] == model.reference([1, 2, 3], 5)
+    assert {c[0] for c in model.calls} == {"prefill", "decode_greedy"}
+    model.calls.clear()
+    # asking for probabilities needs the logits on the host: a batch with such a request decodes
+    engine.add(greq("p", [4, 5], n_predict=5, sampling=SamplingParams(temperature=0.0, n_probs=2)))
+    engine.add(greq("g2", [1, 2, 3], n_predict=5))
+    outs = drain(engine)
+    assert [o.token for o in outs["p"]] == model.reference([4, 5], 5)
+    assert [o.token for o in outs["g2"]] == model.reference([1, 2, 3], 5)
+    assert "decode" in {c[0] for c in model.calls}
+    assert all(o.top for o in outs["p"]) and not any(o.top for o in outs["g2"])
+
+
+def test_a_greedy_pick_outside_the_vocabulary_fails_that_request_by_name():
+    class Broken(PicksOnDevice):
+        def decode_greedy(self, slots, ids, positions):
+            super().decode_greedy(slots, ids, positions)
+            return np.full(len(slots), 2**31 - 1, np.int32)          # what an all-NaN argmax gives
+    engine = Engine(Broken(1, 64), 1, 64)
+    engine.add(greq("x", [1, 2], n_predict=4))
+    outs = drain(engine)
+    assert outs["x"][-1].finish == "error" and "not a token id" in outs["x"][-1].error

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bloomery.engine.sampler import Sampler, SamplerError
+from bloomery.engine.sampler import Sample, Sampler, SamplerError
 from bloomery.engine.scheduler import Scheduler, Slot
 from bloomery.engine.types import EngineRequest, TokenOut
 from bloomery.grammar import Matcher, ProgramCache, ProgramError, Vocab
@@ -139,6 +139,22 @@ class Engine:
     def _decode(self, slots: list[Slot]) -> list[TokenOut]:
         ids = np.array([s.next_id for s in slots], dtype=np.int32)               # [B]
         positions = np.array([s.n_past for s in slots], dtype=np.int32)          # [B]
+        # every slot greedy on raw logits: the model picks (on its device) and only ids come back
+        picks = None
+        greedy = getattr(self.model, "decode_greedy", None)
+        if greedy is not None and all(s.state.sampler.plain_greedy for s in slots):
+            try:
+                picks = np.asarray(greedy([s.id for s in slots], ids, positions)).reshape(-1)   # [B]
+                if picks.shape != (len(slots),):
+                    raise ValueError(f"model.decode_greedy returned shape {picks.shape}, expected ({len(slots)},)")
+            except Exception as e:
+                if len(slots) == 1:
+                    return [self._fail(slots[0], e)]
+                return [out for s in slots for out in self._decode([s])]
+            with self._lock:
+                for slot in slots:
+                    self.scheduler.fed(slot)
+            return [self._sample(slot, None, first=False, token=int(picks[b])) for b, slot in enumerate(slots)]
         try:
             logits = self.model.decode([s.id for s in slots], ids, positions)    # [B, V]
             if np.shape(logits) != (len(slots), self.n_vocab):
@@ -157,11 +173,18 @@ class Engine:
             outs.append(self._sample(slot, logits[b], first=False))
         return outs
 
-    def _sample(self, slot: Slot, logits: np.ndarray, first: bool) -> TokenOut:
+    def _sample(self, slot: Slot, logits: np.ndarray | None, first: bool, token: int | None = None) -> TokenOut:
+        """Pick from logits (the sampler chain), or take the id the model picked (plain greedy)."""
         req, st = slot.req, slot.state
         n_prompt = len(req.prompt_ids)
         try:
-            s = st.sampler.sample(logits)
+            if token is None:
+                s = st.sampler.sample(logits)
+            elif 0 <= token < self.n_vocab:
+                s = Sample(token)
+            else:
+                raise SamplerError(f"the model's greedy pick {token} is not a token id (0..{self.n_vocab - 1}): "
+                                   f"its logits had no finite largest value")
         except SamplerError as e:
             return self._fail(slot, e, n_prompt, slot.n_cached if first else 0)
         try:

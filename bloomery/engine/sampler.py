@@ -173,6 +173,13 @@ class Sampler:
                 raise SamplerError(str(e)) from None
 
     @property
+    def plain_greedy(self) -> bool:
+        """The pick is the argmax of the raw logits (no bias, penalties, mask or probabilities asked):
+        the model may then pick on its own device and hand over only the id."""
+        return (self.greedy and self._bias_ids is None and not self.penalties_on and self.matcher is None
+                and self.params.n_probs <= 0)
+
+    @property
     def grammar_done(self) -> bool:
         """The structured output is whole and nothing may follow: the request ends with "stop"."""
         return self.matcher is not None and self.matcher.done

@@ -25,6 +25,8 @@ MIB = 1024 * 1024
 # The numpy backend keeps the quantized blocks and dequantizes per matmul; set this
 # True if it ever caches a float32 copy of each matrix (then 4 bytes per weight count).
 NUMPY_KEEPS_F32_COPY = False
+CUDA_UBATCH = 4096               # the cuda backend's prompt rows per pass (CudaOps.n_ubatch)
+CUDA_SCORE_BYTES = 256 << 20     # its attention score chunk (cuda_attention.SCORE_BYTES)
 KV_BYTES_PER_ELEM = {"numpy": 4, "cuda": 2}     # numpy: float32 KV; cuda: f16 KV
 N_UBATCH = 512                                   # positions in one prompt pass (scratch sizing)
 CARD_MARGIN_BYTES = 1024 * MIB                   # kept free on the card (llama-server's -fitt default)
@@ -57,6 +59,7 @@ class ModelFacts:
     n_vocab: int
     tensor_bytes: dict[str, int]    # ggml type name -> bytes in the file
     n_weights: int                  # elements of every tensor
+    max_tensor_elems: int = 0       # elements of the largest tensor (a stacked expert tensor in MoE files)
 
 
 def _pad(n: int, to: int) -> int:
@@ -100,15 +103,16 @@ def model_facts(gguf_file) -> ModelFacts:
     tokens = meta.get("tokenizer.ggml.tokens")
     n_vocab = len(tokens) if isinstance(tokens, list) else _int_key(meta, f"{arch}.vocab_size")
     by_type: dict[str, int] = {}
-    n_weights = 0
+    n_weights = max_elems = 0
     for t in gguf_file.tensors.values():
         by_type[t.type_name] = by_type.get(t.type_name, 0) + t.n_bytes
         n = 1
         for d in t.shape:
             n *= d
         n_weights += n
+        max_elems = max(max_elems, n)
     return ModelFacts(arch, n_layer, _int_key(meta, f"{arch}.context_length"), n_embd, n_head,
-                      n_head_kv, dk, dv, n_ff, n_vocab, dict(sorted(by_type.items())), n_weights)
+                      n_head_kv, dk, dv, n_ff, n_vocab, dict(sorted(by_type.items())), n_weights, max_elems)
 
 
 def kv_bytes_for(facts: ModelFacts, n_ctx: int, bytes_per_elem: int) -> int:
@@ -117,9 +121,21 @@ def kv_bytes_for(facts: ModelFacts, n_ctx: int, bytes_per_elem: int) -> int:
     return n_ctx * per_pos * bytes_per_elem
 
 
-def scratch_bytes_for(facts: ModelFacts, n_ctx_slot: int) -> int:
-    """float32 activations of one N_UBATCH prompt pass: hidden, q/k/v, FFN, scores, logits."""
+def scratch_bytes_for(facts: ModelFacts, n_ctx_slot: int, backend: str = "numpy") -> int:
+    """Transient bytes of one prompt pass.
+
+    numpy: float32 activations of one N_UBATCH pass (hidden, q/k/v, FFN, scores, logits).
+    cuda (an estimate, not yet checked against the card): the prompt path's f16 copies of up to
+    three weights at once (the largest tensor: MoE gate, up and down stacks), float32/f16
+    activations of a CUDA_UBATCH-row pass with MoE rows padded by half for the grouping, the
+    attention's score chunk (CUDA_SCORE_BYTES f32 + its f16 probabilities), one row of logits.
+    """
     kv_width = 2 * max(facts.n_head_kv) * facts.head_dim_k
+    if backend == "cuda":
+        q_width = (facts.n_head + kv_width // facts.head_dim_k) * facts.head_dim_k
+        per_row = 6 * facts.n_embd + 2 * q_width + 6 * facts.n_ff
+        return (3 * 2 * facts.max_tensor_elems + 4 * CUDA_UBATCH * per_row
+                + CUDA_SCORE_BYTES * 3 // 2 + 4 * facts.n_vocab)
     per_row = (4 * facts.n_embd + kv_width + 3 * facts.n_ff
                + facts.n_head * n_ctx_slot + facts.n_vocab)
     return 4 * N_UBATCH * per_row
@@ -164,7 +180,7 @@ def _weights_bytes(facts: ModelFacts, backend: str) -> int:
 def _terms(facts: ModelFacts, backend: str, n_slots: int, n_ctx_slot: int) -> dict[str, int]:
     return {"weights": _weights_bytes(facts, backend),
             "kv": kv_bytes_for(facts, n_slots * n_ctx_slot, KV_BYTES_PER_ELEM[backend]),
-            "scratch": scratch_bytes_for(facts, n_ctx_slot)}
+            "scratch": scratch_bytes_for(facts, n_ctx_slot, backend)}
 
 
 def _shortfall(facts, backend, census, n_slots, n_ctx_slot) -> str | None:

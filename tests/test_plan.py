@@ -25,7 +25,7 @@ QWEN25 = ModelFacts(
     arch="qwen2", n_layer=24, n_ctx_train=32768, n_embd=896, n_head=14, n_head_kv=(2,) * 24,
     head_dim_k=64, head_dim_v=64, n_ff=4864, n_vocab=151936,
     tensor_bytes={"F32": 286208, "Q4_K": 29417472, "Q5_0": 266742784, "Q6_K": 42900480, "Q8_0": 146105344},
-    n_weights=630167424)
+    n_weights=630167424, max_tensor_elems=136134656)
 WEIGHTS = 485_452_288
 BIG = Census(host_avail_bytes=10**12)
 
@@ -95,7 +95,8 @@ def test_a_set_context_that_does_not_fit_names_every_term():
 
 
 def test_cuda_puts_weights_and_f16_kv_on_the_largest_card():
-    need = WEIGHTS + 32768 * 6144 * 2 + 2048 * (170_368 + 14 * 32768)   # kv 384 MiB, as llama.cpp
+    from bloomery.plan import scratch_bytes_for
+    need = WEIGHTS + 32768 * 6144 * 2 + scratch_bytes_for(QWEN25, 32768, "cuda")   # kv 384 MiB, as llama.cpp
     margin = 1024 * 2**20
     p = make_plan(QWEN25, Census(2**30, (need + margin - 1, need + margin)), backend="cuda")
     assert p.kv_bytes == 402_653_184
@@ -229,3 +230,15 @@ def test_slots_and_kv_bytes_match_llama_cpp(synthetic_dir, real_model_path, ctx_
                       ctx_size=ctx_size, n_parallel=n_parallel)
     assert (p.n_ctx, p.n_ctx_slot) == (n_ctx, n_ctx_seq)
     assert p.kv_bytes == kv_mib * 2**20
+
+
+def test_cuda_scratch_counts_the_prompt_paths_f16_weight_copies():
+    """The cuda plan's scratch holds three f16 copies of the largest tensor (the prompt path
+    dequantizes MoE gate, up and down stacks at once) plus its activations; numpy's does not."""
+    from bloomery.plan import CUDA_SCORE_BYTES, CUDA_UBATCH, scratch_bytes_for
+    moe = dataclasses.replace(QWEN25, max_tensor_elems=128 * 768 * 2048)
+    cuda = scratch_bytes_for(moe, 4096, "cuda")
+    assert cuda >= 3 * 2 * 128 * 768 * 2048 + CUDA_SCORE_BYTES
+    assert cuda - scratch_bytes_for(QWEN25, 4096, "cuda") == 3 * 2 * (128 * 768 * 2048 - 136134656)
+    assert scratch_bytes_for(moe, 4096, "numpy") == scratch_bytes_for(QWEN25, 4096, "numpy")
+    assert CUDA_UBATCH == 4096

@@ -20,6 +20,7 @@ from bloomery.engine import cuda_attention, cuda_moe
 from bloomery.engine.cuda_gemm import gemm_nt
 from bloomery.engine.cuda_kernels import Kernels
 from bloomery.engine.ops import Rows
+from bloomery.plan import CUDA_UBATCH
 
 MMV_ROWS = 8                       # rows the mat-vec kernels take at once (MAXB in matvec.cu)
 F32, F16, BF16 = 0, 1, 30
@@ -86,7 +87,7 @@ def _host_vector(ggml_type: int, data: np.ndarray) -> np.ndarray:
 
 class CudaOps:
     name = "cuda"
-    n_ubatch = 4096                # prompt rows per batch: the GEMM paths' fixed costs spread wide
+    n_ubatch = CUDA_UBATCH         # prompt rows per batch: the GEMM paths' fixed costs spread wide
 
     def __init__(self):
         self.k = Kernels()
@@ -252,6 +253,12 @@ class CudaOps:
 
     def moe_ffn(self, x, ids, weights, gate_exps, up_exps, down_exps, residual=None):
         return cuda_moe.ffn(self, x, ids, weights, gate_exps, up_exps, down_exps, residual)
+
+    def release_scratch(self) -> None:
+        """After a prompt: hand the pool's cached blocks (the prompt path's transient f16 weight
+        copies and activations) back to the card, so between prompts the card holds weights, KV
+        and the captured decode steps (their own pools) only."""
+        cupy.get_default_memory_pool().free_all_blocks()
 
     # --- host transfer ---
     def from_host(self, x):

@@ -16,6 +16,7 @@ import cupy
 import numpy as np
 
 from bloomery.engine.cuda_gemm import gemm_nn, gemm_nt
+from bloomery.plan import CUDA_SCORE_BYTES
 
 SPLIT_V_BYTES = 32 << 10          # one split's V rows, staged in shared memory
 SMEM_MAX = 48 << 10
@@ -31,7 +32,7 @@ def split_size(g: int, dh: int) -> int:
     while split > 32 and split_smem(g, dh, split) > SMEM_MAX:
         split //= 2
     return split
-SCORE_BYTES = 256 << 20            # the prompt path's score matrix per chunk
+SCORE_BYTES = CUDA_SCORE_BYTES     # the prompt path's score matrix per chunk (counted by the plan)
 _NULL = np.uint64(0)
 
 

@@ -114,7 +114,11 @@ class CausalLM:
             p0 = pos0 + c0
             pos = np.arange(p0, p0 + chunk.size, dtype=np.int32)
             x = self._run(chunk, pos, [AttnSpan(slot, p0, 0, chunk.size)])
-        return self.ops.to_host(self.head(x[-1:]))[0]                   # [V]
+        logits = self.ops.to_host(self.head(x[-1:]))[0]                 # [V]
+        release = getattr(self.ops, "release_scratch", None)
+        if release is not None and ids.size > 8:                        # a prompt-path pass ran
+            release()
+        return logits
 
     def _decode_args(self, slots, ids, positions):
         slots = [int(s) for s in slots]

@@ -50,6 +50,8 @@ def _goldens(template: str) -> list[Path]:
 @pytest.mark.real_model
 @pytest.mark.parametrize("name", ["apply_template", "apply_template_tools_fewshot"])
 def test_reference_apply_template(model_template, name):
+    if not REFERENCE.exists():
+        pytest.skip("shared/reference is not beside the repo")
     body = json.loads((REFERENCE / f"{name}.request.json").read_text())["body_json"]
     want = json.loads((REFERENCE / f"{name}.response.json").read_text())["prompt"]
     assert _render_request(model_template, body).text == want

@@ -1,0 +1,59 @@
+"""The kernel sources without a card: includes inlined once, every kernel the Python side
+launches exists, and (where nvcc is installed) every module compiles for sm_90."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from bloomery.engine.cuda_kernels import MODULES, kernel_dir, source
+
+ENGINE = Path(__file__).resolve().parents[1] / "bloomery" / "engine"
+
+
+def kernel_names() -> set[str]:
+    names: set[str] = set()
+    for mod in MODULES:
+        src = source(mod)
+        names |= set(re.findall(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s+)?(\w+)\(', src))
+        for macro, prefix in (("MMV3", "mmv3_b"), ("ATTN_SPLIT", "attn_split_"), ("MOE_ROUTE_W", "moe_route_w")):
+            names |= {prefix + n for n in re.findall(rf"^{macro}\((\d+)\)", src, re.M)}
+    return names
+
+
+def test_includes_are_inlined_once():
+    for mod in MODULES:
+        src = source(mod)
+        assert "#include" not in src, mod
+        assert src.count("__device__ __forceinline__ float h2f(") == 1, mod
+    assert (kernel_dir() / "matvec.cu").is_file()
+
+
+def test_every_launched_kernel_exists():
+    names = kernel_names()
+    called: set[str] = set()
+    for py in ENGINE.glob("cuda_*.py"):
+        called |= set(re.findall(r"\.k\.(\w+)\(", py.read_text()))
+    called |= set(re.findall(r"\.k\.(\w+)\(", (ENGINE / "backend_cuda.py").read_text()))
+    called -= {"compile_all", "view"}             # the loader's own method; cupy's ndarray.view
+    assert called and called <= names, sorted(called - names)
+    # the families picked by name at run time: getattr(ops.k, f"attn_split_{dh}") and the like
+    for py in [*ENGINE.glob("cuda_*.py"), ENGINE / "backend_cuda.py"]:
+        for template in re.findall(r'getattr\([\w.]*\bk, f"([\w{}.\[\]\s()<>=,]+)"\)', py.read_text()):
+            pattern = re.sub(r"\{[^}]*\}", r"\\d+", template)
+            assert any(re.fullmatch(pattern, n) for n in names), (py.name, template)
+    assert {"mmv3_b1", "mmv3_b2", "mmv3_b4", "mmv3_b8", "attn_split_64", "attn_split_128", "attn_split_256",
+            "moe_route_w4", "moe_route_w8", "moe_route_w16", "moe_route_w32"} <= names
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("mod", MODULES)
+def test_module_compiles_for_sm90(mod, tmp_path):
+    cu = tmp_path / f"{mod}.cu"
+    cu.write_text(source(mod))
+    out = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-o", str(tmp_path / f"{mod}.cubin"), str(cu)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]

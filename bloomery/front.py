@@ -73,7 +73,8 @@ def make_app(s: Settings, tokenizer, template, client, info):
     from bloomery.api.app import App
 
     return App(tokenizer, template, client, info, sampling_defaults=s.sampling(), n_predict_default=s.n_predict,
-               alias=s.alias, tags=s.tags, endpoint_slots=s.endpoint_slots, metrics_requested=s.metrics)
+               alias=s.alias, tags=s.tags, endpoint_slots=s.endpoint_slots, metrics_requested=s.metrics,
+               verbose_default=s.verbose)
 
 
 def choice_records(s: Settings, facts: dict) -> None:

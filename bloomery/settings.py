@@ -49,6 +49,7 @@ class Settings:
     endpoint_slots: bool = True        # --no-slots: GET /slots answers 501
     warmup: bool = True                # --no-warmup: the first request prepares the weights
     metrics: bool = False              # --metrics: accepted; /metrics answers 501 saying it is not served
+    verbose: bool = False              # -v: a request's verbose defaults to true (the __verbose debug field)
     need_hook: str | None = None       # --need-hook PATH (None: $BLOOMERY_NEED_HOOK, else the broker's hook if any)
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)   # SamplingParams field -> flag value
     sources: dict[str, str] = field(default_factory=dict)             # field -> where its value came from

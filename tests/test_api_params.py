@@ -76,6 +76,7 @@ def test_wrong_types_and_bounds_name_the_field(body, name):
     ({"dry_multiplier": 0.8}, "dry_multiplier"), ({"xtc_probability": 0.5}, "xtc_probability"),
     ({"json_schema": {"type": "object"}}, "json_schema"), ({"id_slot": 1}, "id_slot"), ({"lora": [{"id": 0}]}, "lora"),
     ({"post_sampling_probs": True}, "post_sampling_probs"), ({"n_indent": 4}, "n_indent"),
+    ({"return_progress": True}, "return_progress"),
 ])
 def test_known_but_unsupported_fields_are_refused_by_name(body, name):
     assert f"'{name}'" in refused(body).message
@@ -83,7 +84,7 @@ def test_known_but_unsupported_fields_are_refused_by_name(body, name):
 
 def test_unsupported_fields_at_their_off_values_are_accepted():
     parse({"grammar": "", "mirostat": 0, "typical_p": 1, "dry_multiplier": 0, "xtc_probability": 0, "id_slot": -1,
-           "lora": [], "post_sampling_probs": False, "n_indent": 0})
+           "lora": [], "post_sampling_probs": False, "n_indent": 0, "return_progress": False})
 
 
 def test_stop_takes_a_string_or_a_list():
@@ -92,8 +93,9 @@ def test_stop_takes_a_string_or_a_list():
 
 
 def test_logit_bias_object_is_read_and_other_forms_refused():
+    """Serving guide 11.2: OpenAI's object only; an array of pairs, false and a token's text are refused."""
     assert parse({"logit_bias": {"15": 5, "16": -100}}).sampling.logit_bias == ((15, 5.0), (16, -100.0))
-    for bad in ([[15, 5]], {"x": 1}, {"15": 101}, {"999999": 1}, {"15": False}, {"15": 1, "015": 2}):
+    for bad in ([[15, 5]], {"x": 1}, {"15": 101}, {"999999": 1}, {"15": False}, {"15": 1, "015": 2}, "x"):
         assert "logit_bias" in refused({"logit_bias": bad}).message
 
 

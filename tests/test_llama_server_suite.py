@@ -51,8 +51,14 @@ def test_gap_is_only_tests_refused_by_name(real_model_path, tmp_path):
     missing = sorted(set(selection.ci_tests(golden)) - set(ours["tests"]))
     assert not missing, f"tests selected but never reported (see {tmp_path / 'pytest.log'}): {missing[:20]}"
     open_gap, _refused = gap.gap(golden, ours)
-    report = "\n".join(f"{n}\n    {why}" for n, why in open_gap)
-    assert not open_gap, f"{len(open_gap)} tests pass on llama-server and fail on bloomery:\n{report}"
+    known = selection.KNOWN_OPEN_GAPS
+    new_gap = [(n, why) for n, why in open_gap if n not in known]
+    closed = sorted(set(known) & {n for n, r in ours["tests"].items() if r["outcome"] == "passed"})
+    report = "\n".join(f"{n}\n    {why}" for n, why in new_gap)
+    assert not new_gap, f"{len(new_gap)} tests pass on llama-server and fail on bloomery:\n{report}"
+    assert not closed, f"known gaps now pass: take them out of selection.KNOWN_OPEN_GAPS: {closed}"
+    for n in sorted(set(known) & {n for n, _ in open_gap}):
+        print(f"known open gap: {n}: {known[n]}")
 
 
 def test_wrapper_swaps_only_the_model_arguments():
@@ -75,3 +81,26 @@ def test_gap_counts_only_tests_that_pass_on_llama_server():
     open_gap, refused = gap.gap(golden, ours)
     assert open_gap == [("unit/test_basic.py::a", "assert 1 == 2")]
     assert [n for n, _ in refused] == ["unit/test_basic.py::test_no_ui"]
+
+
+def test_merge_replaces_only_the_files_a_run_measured():
+    merged = _load("run").merged
+    prior = {"server": "llama", "regenerate": "python tools/llama_server_suite/run.py --select served",
+             "file_s": {"unit/a.py": 1.0, "unit/b.py": 2.0},
+             "tests": {"unit/a.py::x": {"outcome": "passed"}, "unit/b.py::y": {"outcome": "passed"}}}
+    doc = merged(prior, {"server": "llama", "regenerate": "python run.py unit/b.py", "file_s": {"unit/b.py": 3.0},
+                         "tests": {"unit/b.py::z": {"outcome": "failed"}}})
+    assert doc["tests"] == {"unit/a.py::x": {"outcome": "passed"}, "unit/b.py::z": {"outcome": "failed"}}
+    assert doc["file_s"] == {"unit/a.py": 1.0, "unit/b.py": 3.0} and doc["covers"] == ["unit/a.py", "unit/b.py"]
+    assert doc["regenerate"] == prior["regenerate"]
+
+
+def test_ci_leaves_out_refused_and_too_slow_tests_but_never_counts_them_as_passing():
+    selection, gap = _load("selection"), _load("gap")
+    slow = next(iter(selection.CI_TOO_SLOW))
+    golden = {"tests": {slow: {"outcome": "passed"}, "unit/test_basic.py::test_no_ui": {"outcome": "passed"},
+                        "unit/test_basic.py::a": {"outcome": "passed"}}}
+    assert selection.ci_tests(golden) == ["unit/test_basic.py::a"]
+    # a too-slow test that was run and failed is still a gap (CI_TOO_SLOW is not a refusal)
+    open_gap, _ = gap.gap(golden, {"tests": {slow: {"outcome": "failed", "reason": "x"}}})
+    assert open_gap == [(slow, "x")]

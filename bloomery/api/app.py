@@ -97,7 +97,7 @@ class App:
     def __init__(self, tokenizer, template, client, info: ModelInfo, *,
                  sampling_defaults: SamplingParams | None = None, n_predict_default: int = -1,
                  alias: str | None = None, tags: str | None = None, endpoint_slots: bool = True,
-                 metrics_requested: bool = False,
+                 metrics_requested: bool = False, verbose_default: bool = False,
                  endpoint_props: bool = False, log: Callable[[str], None] = _stderr):
         self.tok = tokenizer
         self.template = template
@@ -111,6 +111,7 @@ class App:
         self.tags = sorted({t.strip() for t in (tags or "").split(",") if t.strip()})
         self.endpoint_slots = endpoint_slots
         self.metrics_requested = metrics_requested
+        self.verbose_default = verbose_default        # -v: answers carry __verbose unless a request turns it off
         self.endpoint_props = endpoint_props          # --props: POST /props answers success (it changes nothing)
         self.metrics = Metrics()
         self.responses = responses.ResponseStore()    # /v1/responses kept for GET / previous_response_id
@@ -138,7 +139,8 @@ class App:
 
     def gen_defaults(self) -> dict:
         return {"n_predict_default": self.n_predict_default, "sampling_defaults": self.sampling_defaults,
-                "n_vocab": self.tok.n_vocab, "eog_ids": frozenset(self.tok.eog_ids)}
+                "n_vocab": self.tok.n_vocab, "eog_ids": frozenset(self.tok.eog_ids),
+                "encode": lambda text: self.tok.encode(text, add_special=False, parse_special=False)}
 
     def sse_headers(self) -> list[tuple[str, str]]:
         return [("content-type", "text/event-stream"), ("x-accel-buffering", "no")]

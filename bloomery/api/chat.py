@@ -12,6 +12,7 @@ from contextlib import aclosing
 from typing import TYPE_CHECKING
 
 from bloomery.api import choices
+from bloomery.api.completion import llama_final
 from bloomery.api.params import Fields, field_error, parse_gen_params
 from bloomery.api.reasoning import prompt_opens_think, read_reasoning
 from bloomery.api.toolcalls import CallError, framing_of, read_tool_request
@@ -53,6 +54,11 @@ def render_chat(app: "App", f: Fields):
     if effort is not None and effort[1] not in REASONING_EFFORTS:
         raise field_error("reasoning_effort", f"must be one of {', '.join(REASONING_EFFORTS)}, got {effort[1]!r}")
     add_gen = f.bool("add_generation_prompt")
+    if _continues_final_message(f):
+        # vLLM's explicit name for the prefill the template does anyway when the last message is the assistant's
+        if add_gen is None or add_gen:
+            raise field_error("continue_final_message", "Cannot set both add_generation_prompt and "
+                                                        "continue_final_message to true.")
     try:
         return app.template.render(messages, tools=tools[1] if tools else None,
                                    add_generation_prompt=True if add_gen is None else add_gen,
@@ -64,14 +70,35 @@ def render_chat(app: "App", f: Fields):
         raise ApiError(400, f"The chat template could not render this request: {e}", param=param) from None
 
 
+def _continues_final_message(f: Fields) -> bool:
+    """continue_final_message: true or "content" continue the last message; "reasoning_content" (continuing
+    a reasoning span) is refused by name; anything else is off, as llama-server reads it."""
+    got = f.raw("continue_final_message")
+    v = None if got is None else got[1]
+    if v == "reasoning_content":
+        raise field_error("continue_final_message", "continuing the reasoning of the last message is not "
+                                                    "supported by this server (true or 'content' are)")
+    return v is True or v == "content"
+
+
 def _refuse_chat_fields(f: Fields) -> None:
     so = f.raw("stream_options")
     if so is not None and not isinstance(so[1], dict):
         raise field_error("stream_options", "must be an object")
 
 
+def _json_schema_as_response_format(body: object) -> object:
+    """llama-server's top-level json_schema on a chat request is response_format json_schema by another name."""
+    if not isinstance(body, dict) or body.get("json_schema") is None:
+        return body
+    if body.get("response_format") is not None:
+        raise field_error("json_schema", "give json_schema or response_format, not both")
+    rest = {k: v for k, v in body.items() if k != "json_schema"}
+    return {**rest, "response_format": {"type": "json_schema", "json_schema": {"schema": body["json_schema"]}}}
+
+
 async def handle_chat(app: "App", req: Request) -> Response | StreamResponse:
-    f = Fields(req.json())
+    f = Fields(_json_schema_as_response_format(req.json()))
     _refuse_chat_fields(f)
     n_top = choices.read_chat_logprobs(f)     # -1: no logprobs; the engine reports at least the chosen id's
     p = parse_gen_params(f, **app.gen_defaults(), allow_n_probs=False, n_max=choices.MAX_CHOICES,
@@ -93,6 +120,12 @@ async def handle_chat(app: "App", req: Request) -> Response | StreamResponse:
     gens = [app.start(req.path, ids, choices.choice_params(p, i)) for i in range(n)]
     gen = gens[0]
     cid, created = completion_id(), int(time.time())
+    verbose = f.bool("verbose")
+    verbose = app.verbose_default if verbose is None else verbose
+
+    def verbose_of(out) -> dict:
+        """llama-server's debug field: the /completion answer of the first choice, the rendered prompt in it."""
+        return {"__verbose": llama_final(app, out, p, rendered.text, streamed=False)} if verbose else {}
 
     def logprobs_of(probs: list[dict]) -> dict:
         return {"logprobs": {"content": choices.logprobs_content(probs, n_top)}} if n_top >= 0 else {}
@@ -108,7 +141,7 @@ async def handle_chat(app: "App", req: Request) -> Response | StreamResponse:
                         for i, out in enumerate(outs)],
             "created": created, "model": app.model_name, "system_fingerprint": BUILD_INFO,
             "object": "chat.completion", "usage": choices.usage_of(outs),
-            "id": cid, "timings": outs[0].timings()})
+            "id": cid, "timings": outs[0].timings(), **verbose_of(outs[0])})
 
     def chunk(choices: list, **extra) -> bytes:
         return sse({"choices": choices, "created": created, "id": cid, "model": app.model_name,
@@ -134,10 +167,10 @@ async def handle_chat(app: "App", req: Request) -> Response | StreamResponse:
             last = [{"finish_reason": replies[i].finish_reason(g.outcome.finish_reason), "index": i, "delta": {}}
                     for i, g in enumerate(gens)]
             if include_usage:   # the usage chunk carries the timings then, as llama-server's stream does
-                yield chunk(last)
+                yield chunk(last, **verbose_of(out))
                 yield chunk([], usage=choices.usage_of([g.outcome for g in gens]), timings=out.timings())
             else:
-                yield chunk(last, timings=out.timings())
+                yield chunk(last, timings=out.timings(), **verbose_of(out))
             yield SSE_DONE
         except ApiError as e:
             yield sse(e.body())

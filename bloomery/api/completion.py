@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from bloomery.api import choices
 from bloomery.api.generate import Outcome
 from bloomery.api.params import Fields, GenParams, field_error, parse_gen_params
+from bloomery.api.prompts import read_prompts
 from bloomery.api.shapes import BUILD_INFO, SSE_DONE, completion_id, generation_settings, sse
 from bloomery.http.types import ApiError, Request, Response, StreamResponse
 
@@ -16,31 +17,40 @@ if TYPE_CHECKING:
 
 
 def prompt_ids(app: "App", f: Fields) -> list[int]:
-    """A prompt as llama-server takes it: a string, an array of ids, or an array mixing strings and ids.
-    Special-token spellings in a /completion prompt parse (it is the client's own tokenization)."""
-    got = f.raw("prompt")
-    if got is None:
-        raise ApiError(400, "'prompt' is required", param="prompt")
+    """The one prompt of a route that takes one (several are refused by name)."""
+    got = read_prompts(app.tok, f.raw("prompt")[1] if f.raw("prompt") else None)
+    if len(got) > 1:
+        raise field_error("prompt", f"{len(got)} prompts in one request are not supported here; "
+                                    "send one prompt a request")
+    return got[0]
+
+
+def response_fields(f: Fields) -> list[str]:
+    """llama-server's response_fields: the final /completion body keeps only these ("a/b" reaches into
+    objects); an empty list keeps everything."""
+    got = f.raw("response_fields")
+    if got is None or got[1] is None:
+        return []
     v = got[1]
-    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
-        v = v[0]          # one prompt wrapped in an array
-    if isinstance(v, str):
-        return app.tok.encode(v, add_special=True, parse_special=True)
-    if isinstance(v, list):
-        if v and all(isinstance(x, str) for x in v):
-            raise field_error("prompt", f"{len(v)} prompts in one request are not supported; send one prompt a request")
-        ids: list[int] = []
-        for i, x in enumerate(v):
-            if isinstance(x, str):
-                ids += app.tok.encode(x, add_special=not ids, parse_special=True)
-            elif isinstance(x, int) and not isinstance(x, bool):
-                if not 0 <= x < app.tok.n_vocab:
-                    raise field_error("prompt", f"token id {x} at [{i}] is outside 0..{app.tok.n_vocab - 1}")
-                ids.append(x)
-            else:
-                raise field_error("prompt", f"element [{i}] must be a string or a token id, but is {x!r}")
-        return ids
-    raise field_error("prompt", f"must be a string or an array of strings and token ids, but is {type(v).__name__}")
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise field_error("response_fields", f"must be an array of strings, but is {v!r}")
+    return v
+
+
+def pick_fields(paths: list[str], body: dict) -> dict:
+    """The fields named by paths, each under its path; a path that reaches nothing is left out."""
+    if not paths:
+        return body
+    picked = {}
+    for path in paths:
+        cur: object = body
+        for key in path.split("/"):
+            if not isinstance(cur, dict) or key not in cur:
+                break
+            cur = cur[key]
+        else:
+            picked[path] = cur
+    return picked
 
 
 def llama_final(app: "App", out: Outcome, p: GenParams, prompt: object, *, streamed: bool) -> dict:
@@ -61,30 +71,40 @@ def llama_final(app: "App", out: Outcome, p: GenParams, prompt: object, *, strea
 
 async def handle_completion(app: "App", req: Request) -> Response | StreamResponse:
     f = Fields(req.json())
-    ids = prompt_ids(app, f)
+    raw = f.raw("prompt")
+    all_ids = read_prompts(app.tok, raw[1] if raw else None)
+    if len(all_ids) > choices.MAX_CHOICES:   # they go to the engine together, as n choices do
+        raise field_error("prompt", f"{len(all_ids)} prompts in one request; at most {choices.MAX_CHOICES}")
     p = parse_gen_params(f, **app.gen_defaults())
-    prompt = f.raw("prompt")[1]
-    prompt_text = prompt if isinstance(prompt, str) else app.tok.decode(ids)
-    gen = app.start(req.path, ids, p)
+    fields = response_fields(f)
+    prompt = raw[1]
+    # the prompt echoed back: the string as sent, else the ids decoded (one per prompt)
+    texts = [prompt if isinstance(prompt, str) else app.tok.decode(ids) for ids in all_ids]
+    gens = [app.start(req.path, ids, p) for ids in all_ids]
+    several = len(gens) > 1
     if not p.stream:
-        out = await gen.run()
-        return Response.json(llama_final(app, out, p, prompt_text, streamed=False))
+        outs = await choices.run_all(gens)
+        bodies = [pick_fields(fields, {**llama_final(app, o, p, texts[i], streamed=False), "index": i})
+                  for i, o in enumerate(outs)]
+        # as llama-server: one prompt answers an object, several an array in prompt order
+        return Response.json(bodies if several else bodies[0])
 
     async def chunks():
         try:
-            n_sent = 0
-            async with aclosing(gen.pieces()) as pieces:
-                async for piece in pieces:
-                    n_sent += len(piece.ids)
+            n_sent = [0] * len(gens)
+            async with aclosing(choices.merge_pieces(gens)) as pieces:
+                async for i, piece in pieces:
+                    n_sent[i] += len(piece.ids)
                     # llama-server's partial chunks say -1; the final one names the slot
-                    chunk = {"index": 0, "content": piece.text, "tokens": piece.ids, "stop": False, "id_slot": -1,
-                             "tokens_predicted": n_sent, "tokens_evaluated": gen.outcome.n_prompt}
+                    chunk = {"index": i, "content": piece.text, "tokens": piece.ids, "stop": False, "id_slot": -1,
+                             "tokens_predicted": n_sent[i], "tokens_evaluated": gens[i].outcome.n_prompt}
                     if p.n_probs > 0:
                         chunk["completion_probabilities"] = piece.probs
                     if p.timings_per_token:
-                        chunk["timings"] = gen.outcome.timings()
+                        chunk["timings"] = gens[i].outcome.timings()
                     yield sse(chunk)
-            yield sse(llama_final(app, gen.outcome, p, prompt_text, streamed=True))
+            for i, g in enumerate(gens):
+                yield sse(pick_fields(fields, {**llama_final(app, g.outcome, p, texts[i], streamed=True), "index": i}))
         except ApiError as e:
             yield sse(e.body())
     return StreamResponse(200, chunks(), app.sse_headers())

@@ -128,6 +128,8 @@ def refuse_unsupported(f: Fields) -> None:
         raise field_error("grammar", "grammars are not supported by this server")
     if f.raw("json_schema") is not None:
         raise field_error("json_schema", "structured output is not supported by this server yet")
+    if f.bool("return_progress"):   # the engine takes a prompt in one pass: there is no progress to report
+        raise field_error("return_progress", "prompt progress events are not supported by this server")
     if f.bool("post_sampling_probs"):
         raise field_error("post_sampling_probs", "probabilities after the sampling chain are not supported by this server")
     id_slot = f.int("id_slot", lo=-1)
@@ -159,19 +161,22 @@ def parse_stop(f: Fields) -> tuple[str, ...]:
     return tuple(dict.fromkeys(words))
 
 
-def parse_logit_bias(f: Fields, n_vocab: int) -> list[tuple[int, float]]:
-    """OpenAI's object {"id": bias}, bias in -100..100; other forms are refused by name."""
+def parse_logit_bias(f: Fields, n_vocab: int, encode=None) -> list[tuple[int, float]]:
+    """OpenAI's object {"id": bias}, bias in -100..100 (serving guide 11.2). llama-server's other
+    forms (an array of pairs, false, a token's text as key) are refused by name, as the guide says;
+    `encode` is unused (kept so the routes' call stays one shape)."""
     got = f.raw("logit_bias")
     if got is None:
         return []
     if not isinstance(got[1], dict):
-        raise field_error("logit_bias", f"must be an object from token ids to numbers, but is {_json_type(got[1])}")
+        raise field_error("logit_bias", f"must be an object from token ids to numbers (arrays of pairs are not "
+                                        f"served), but is {_json_type(got[1])}")
     out: dict[int, float] = {}
     for key, bias in got[1].items():
         try:
             tok = int(key)
         except ValueError:
-            raise field_error("logit_bias", f"key {key!r} is not a token id") from None
+            raise field_error("logit_bias", f"key {key!r} is not a token id (a token's text is not served)") from None
         if not 0 <= tok < n_vocab:
             raise field_error("logit_bias", f"token id {tok} is outside 0..{n_vocab - 1}")
         if tok in out:
@@ -206,10 +211,11 @@ def parse_samplers(f: Fields) -> tuple[str, ...]:
 def parse_gen_params(f: Fields, *, n_predict_default: int, n_vocab: int, eog_ids: frozenset[int],
                      sampling_defaults: SamplingParams | None = None,
                      n_predict_names: tuple[str, ...] = ("n_predict", "max_completion_tokens", "max_tokens"),
-                     allow_n_probs: bool = True, n_max: int = 1, n_probs_set: int = 0) -> GenParams:
+                     allow_n_probs: bool = True, n_max: int = 1, n_probs_set: int = 0,
+                     encode=None) -> GenParams:
     """n_max: the route's bound on `n` (1 outside the routes that serve choices: llama-server's message).
     n_probs_set: candidates per id a route asked for in its own fields (chat's top_logprobs) when allow_n_probs
-    is off."""
+    is off. encode: text -> ids without special tokens (logit_bias keys given as text)."""
     refuse_unsupported(f)
     f.int("n", lo=1, hi=n_max)
     n_predict = f.int(*n_predict_names, lo=-1, hi=INT32_MAX)
@@ -224,7 +230,7 @@ def parse_gen_params(f: Fields, *, n_predict_default: int, n_vocab: int, eog_ids
     elif f.raw("n_probs") is not None:
         raise field_error("n_probs", "this route renders no probabilities (use /completion)")
     ignore_eos = bool(f.bool("ignore_eos"))
-    bias = parse_logit_bias(f, n_vocab)
+    bias = parse_logit_bias(f, n_vocab, encode)
     if ignore_eos:   # as llama-server: the stop ids can never be picked
         bias = [(t, b) for t, b in bias if t not in eog_ids] + [(t, -math.inf) for t in sorted(eog_ids)]
 

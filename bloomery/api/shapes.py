@@ -74,7 +74,9 @@ def generation_settings(p: GenParams) -> dict:
         elif k == "adaptive_decay":
             out["stop"] = list(p.stop)
         elif k == "stream":
-            out["logit_bias"] = [{"bias": b, "token": t} for t, b in p.sampling.logit_bias if b != float("-inf")]
+            # every bias, ignore_eos's bans too; -inf is null, as llama-server's JSON writes it
+            out["logit_bias"] = [{"bias": None if b == float("-inf") else b, "token": t}
+                                 for t, b in p.sampling.logit_bias]
         elif k == "min_keep":
             out.update(grammar="", grammar_lazy=False, grammar_triggers=[], preserved_tokens=[])
     return out

@@ -41,8 +41,11 @@ def render_slot(app: "App", entry: dict) -> dict:
         out["params"] = slot_params(gen.params)
     nxt = dict(entry["next_token"][0]) if entry.get("next_token") else {}
     text = gen.current_text() if gen is not None else ""
+    # an idle slot shows no budget: llama-server resets it when the task ends (its captured slots_after)
+    busy = bool(entry["is_processing"])
     out["next_token"] = [{"has_next_token": bool(nxt.get("has_next_token", False)), "has_new_line": "\n" in text,
-                          "n_remain": nxt.get("n_remain", -1), "n_decoded": nxt.get("n_decoded", 0)}]
+                          "n_remain": nxt.get("n_remain", -1) if busy else -1,
+                          "n_decoded": nxt.get("n_decoded", 0) if busy else 0}]
     return out
 
 

@@ -34,7 +34,7 @@ import ref_source  # noqa: E402
 import selection  # noqa: E402
 
 DEFAULT_MODEL = Path.home() / ".cache/bloomery/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-TEST_TIMEOUT_S = 120
+TEST_TIMEOUT_S = int(os.environ.get("BLOOMERY_SUITE_TEST_TIMEOUT_S", 120))   # raise it to run a CI_TOO_SLOW test
 PRELOAD = "        ServerPreset.load_all()"
 ADDED_CONFTEST = f'''
 
@@ -113,7 +113,7 @@ def outcomes(junit_xml: Path) -> dict[str, dict]:
 
 
 def run(server: str, tests: list[str], model: Path, log_path: Path | None, out: Path | None = None,
-        meta: dict | None = None) -> dict[str, dict]:
+        meta: dict | None = None, prior: dict | None = None) -> dict[str, dict]:
     """One pytest per selection (a file or a node id), so a long run keeps what it has (written to `out`
     after each file) and the per-file times are measured."""
     tests_src = ref_source.tests_dir()
@@ -142,8 +142,23 @@ def run(server: str, tests: list[str], model: Path, log_path: Path | None, out: 
                 result[sel] = {"outcome": "failed", "reason": "pytest wrote no results", "time_s": file_s[sel]}
             print(f"llama_server_suite: {server}: {sel}: {file_s[sel]:.0f} s", file=sys.stderr)
             if out is not None:
-                write(out, {**(meta or {}), "file_s": file_s, "tests": result})
+                write(out, merged(prior, {**(meta or {}), "file_s": file_s, "tests": result}))
     return result
+
+
+def merged(prior: dict | None, doc: dict) -> dict:
+    """doc over prior, file by file: the files this run measured replace theirs, the others stay.
+    `covers` lists every measured file, so a partial golden says which ones it holds."""
+    if prior is None:
+        return {**doc, "covers": sorted(doc["file_s"])}
+    ran = set(doc["file_s"])
+    tests = {n: r for n, r in prior.get("tests", {}).items() if n.split("::", 1)[0] not in ran}
+    file_s = {f: s for f, s in prior.get("file_s", {}).items() if f not in ran}
+    tests.update(doc["tests"])
+    file_s.update(doc["file_s"])
+    # the prior's regenerate stays: it is the command that remakes the whole file
+    return {**prior, **doc, "tests": tests, "file_s": file_s, "covers": sorted(file_s),
+            "regenerate": prior.get("regenerate", doc.get("regenerate"))}
 
 
 def write(out: Path, doc: dict) -> None:
@@ -158,12 +173,15 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=Path(os.environ.get("BLOOMERY_SUITE_MODEL", DEFAULT_MODEL)))
     ap.add_argument("--out", type=Path, help="write {nodeid: result} as JSON here")
     ap.add_argument("--log", type=Path, help="pytest's output goes here")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the files of --out this run does not take (add files to the golden one at a time)")
     ap.add_argument("tests", nargs="*", help="pytest node ids relative to the tests folder (default: --select)")
     a = ap.parse_args()
     tests = a.tests or selection.files(a.select, ref_source.tests_dir())
     meta = {"server": a.server, "llama_cpp": ref_source.VERSION, "model": a.model.name,
             "regenerate": " ".join(["python", "tools/llama_server_suite/run.py", *sys.argv[1:]])}
-    result = run(a.server, tests, a.model, a.log, a.out, meta)
+    prior = json.loads(a.out.read_text()) if a.merge and a.out and a.out.exists() else None
+    result = run(a.server, tests, a.model, a.log, a.out, meta, prior)
     counts = {k: sum(1 for r in result.values() if r["outcome"] == k) for k in ("passed", "failed", "skipped")}
     print(json.dumps(counts))
 

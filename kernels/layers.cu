@@ -87,9 +87,6 @@ extern "C" __global__ void dequant_f16(const u8* __restrict__ W, int type, i64 r
 extern "C" __global__ void f32_to_f16(const float* __restrict__ x, i64 n, u16* __restrict__ y) {
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) y[i] = f2h(x[i]);
 }
-extern "C" __global__ void f16_to_f32(const u16* __restrict__ x, i64 n, float* __restrict__ y) {
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) y[i] = h2f(x[i]);
-}
 // act = silu(g) * u over [n] elements; g, u float (f32) -> out f16 (prompt path) or f32.
 extern "C" __global__ void swiglu_f(const float* __restrict__ g, const float* __restrict__ u, i64 n,
                                     float* __restrict__ out32, u16* __restrict__ out16) {
@@ -98,16 +95,4 @@ extern "C" __global__ void swiglu_f(const float* __restrict__ g, const float* __
         if (out32) out32[i] = v;
         if (out16) out16[i] = f2h(v);
     }
-}
-// swiglu over the fused [rows, 2F] gate|up output of the prompt path's expert GEMM -> f16 [rows, F]
-extern "C" __global__ void swiglu_pair_f16(const float* __restrict__ gu, i64 rows, int F, u16* __restrict__ out) {
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < rows * F; i += (i64)gridDim.x * blockDim.x) {
-        i64 r = i / F; int c = (int)(i % F);
-        out[i] = f2h(silu(gu[r * 2 * F + c]) * gu[r * 2 * F + F + c]);
-    }
-}
-extern "C" __global__ void add_f(const float* __restrict__ a, const float* __restrict__ b, i64 n, i64 nb,
-                                 float* __restrict__ out) {
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
-        out[i] = a[i] + b[i % nb];
 }

@@ -111,30 +111,6 @@ __device__ __forceinline__ float item_loop(const u8* row, int n_items, const i8*
     return acc;
 }
 
-// gate and up rows of the same type in one loop: both items' loads go out together
-template <class T>
-__device__ __forceinline__ void item_loop2(const u8* rg, const u8* ru, int n_items, const i8* xq, const float* xd,
-                                           const float* xs, float& g, float& u) {
-    for (int it = threadIdx.x % WARP; it < n_items; it += WARP) {
-        T a, b;
-        a.load(rg, it);
-        b.load(ru, it);
-        g += a.dot(xq, xd, xs, it);
-        u += b.dot(xq, xd, xs, it);
-    }
-}
-__device__ __forceinline__ void qdot2(int type, const u8* rg, const u8* ru, int K, const i8* xq, const float* xd,
-                                      const float* xs, float& g, float& u) {
-    switch (type) {
-        case T_Q4_K: item_loop2<Q4K>(rg, ru, K / 64, xq, xd, xs, g, u); break;
-        case T_Q5_K: item_loop2<Q5K>(rg, ru, K / 64, xq, xd, xs, g, u); break;
-        case T_Q6_K: item_loop2<Q6K>(rg, ru, K / 32, xq, xd, xs, g, u); break;
-        case T_Q8_0: item_loop2<Q8_0>(rg, ru, K / 32, xq, xd, xs, g, u); break;
-        case T_Q5_0: item_loop2<Q5_0>(rg, ru, K / 32, xq, xd, xs, g, u); break;
-        case T_Q4_0: item_loop2<Q4_0>(rg, ru, K / 32, xq, xd, xs, g, u); break;
-    }
-}
-
 // R consecutive rows from row0 (row_bytes apart), their dots added into acc[r] times wt;
 // all R rows' loads go out before any is used.
 template <class T, int R>

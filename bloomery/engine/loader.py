@@ -141,24 +141,21 @@ class CausalLM:
 
     def decode(self, slots: Sequence[int], ids, positions) -> np.ndarray:
         """One token per slot, batched: logits [B, V]."""
-        slots, ids, positions = self._decode_args(slots, ids, positions)
-        runner = self._graphs(len(slots))
-        if runner is not None:
-            return runner.run(slots, ids, positions, want_logits=True)
-        spans = [AttnSpan(s, int(p), b, b + 1) for b, (s, p) in enumerate(zip(slots, positions))]
-        x = self._run(ids, positions, spans)                             # [B, D]
-        return self.ops.to_host(self.head(x))                           # [B, V]
+        return self._step(slots, ids, positions, want_logits=True)
 
     def decode_greedy(self, slots: Sequence[int], ids, positions) -> np.ndarray:
         """One token per slot, each slot's next id by argmax (the first largest logit): ids [B].
         On a backend with captured steps only the ids leave the card."""
+        return self._step(slots, ids, positions, want_logits=False)
+
+    def _step(self, slots, ids, positions, want_logits: bool) -> np.ndarray:
         slots, ids, positions = self._decode_args(slots, ids, positions)
         runner = self._graphs(len(slots))
         if runner is not None:
-            return runner.run(slots, ids, positions, want_logits=False)
+            return runner.run(slots, ids, positions, want_logits=want_logits)
         spans = [AttnSpan(s, int(p), b, b + 1) for b, (s, p) in enumerate(zip(slots, positions))]
-        x = self._run(ids, positions, spans)                             # [B, D]
-        return self.ops.to_host(self.ops.argmax(self.head(x)))          # [B]
+        logits = self.head(self._run(ids, positions, spans))             # [B, V]
+        return self.ops.to_host(logits if want_logits else self.ops.argmax(logits))
 
 
 def make_ops(backend: str) -> Ops:

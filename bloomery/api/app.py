@@ -139,8 +139,7 @@ class App:
 
     def gen_defaults(self) -> dict:
         return {"n_predict_default": self.n_predict_default, "sampling_defaults": self.sampling_defaults,
-                "n_vocab": self.tok.n_vocab, "eog_ids": frozenset(self.tok.eog_ids),
-                "encode": lambda text: self.tok.encode(text, add_special=False, parse_special=False)}
+                "n_vocab": self.tok.n_vocab, "eog_ids": frozenset(self.tok.eog_ids)}
 
     def sse_headers(self) -> list[tuple[str, str]]:
         return [("content-type", "text/event-stream"), ("x-accel-buffering", "no")]

@@ -161,10 +161,9 @@ def parse_stop(f: Fields) -> tuple[str, ...]:
     return tuple(dict.fromkeys(words))
 
 
-def parse_logit_bias(f: Fields, n_vocab: int, encode=None) -> list[tuple[int, float]]:
+def parse_logit_bias(f: Fields, n_vocab: int) -> list[tuple[int, float]]:
     """OpenAI's object {"id": bias}, bias in -100..100 (serving guide 11.2). llama-server's other
-    forms (an array of pairs, false, a token's text as key) are refused by name, as the guide says;
-    `encode` is unused (kept so the routes' call stays one shape)."""
+    forms (an array of pairs, false, a token's text as key) are refused by name, as the guide says."""
     got = f.raw("logit_bias")
     if got is None:
         return []
@@ -211,11 +210,10 @@ def parse_samplers(f: Fields) -> tuple[str, ...]:
 def parse_gen_params(f: Fields, *, n_predict_default: int, n_vocab: int, eog_ids: frozenset[int],
                      sampling_defaults: SamplingParams | None = None,
                      n_predict_names: tuple[str, ...] = ("n_predict", "max_completion_tokens", "max_tokens"),
-                     allow_n_probs: bool = True, n_max: int = 1, n_probs_set: int = 0,
-                     encode=None) -> GenParams:
+                     allow_n_probs: bool = True, n_max: int = 1, n_probs_set: int = 0) -> GenParams:
     """n_max: the route's bound on `n` (1 outside the routes that serve choices: llama-server's message).
     n_probs_set: candidates per id a route asked for in its own fields (chat's top_logprobs) when allow_n_probs
-    is off. encode: text -> ids without special tokens (logit_bias keys given as text)."""
+    is off."""
     refuse_unsupported(f)
     f.int("n", lo=1, hi=n_max)
     n_predict = f.int(*n_predict_names, lo=-1, hi=INT32_MAX)
@@ -230,7 +228,7 @@ def parse_gen_params(f: Fields, *, n_predict_default: int, n_vocab: int, eog_ids
     elif f.raw("n_probs") is not None:
         raise field_error("n_probs", "this route renders no probabilities (use /completion)")
     ignore_eos = bool(f.bool("ignore_eos"))
-    bias = parse_logit_bias(f, n_vocab, encode)
+    bias = parse_logit_bias(f, n_vocab)
     if ignore_eos:   # as llama-server: the stop ids can never be picked
         bias = [(t, b) for t, b in bias if t not in eog_ids] + [(t, -math.inf) for t in sorted(eog_ids)]
 

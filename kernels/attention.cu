@@ -1,7 +1,7 @@
 // Attention over the per-slot F16 KV cache, laid out [layer][slot][kv head][position][Dh].
 // rope_store: per-head RMSNorm (optional), NEOX RoPE, K/V written at each row's (slot, pos).
-// attn_split + attn_merge: decode-style attention, each row its own slot and position,
-// the context cut into CH-position pieces (flash-decoding), merged in a second pass.
+// attn_dec + attn_merge: decode-style attention, each row its own slot and position,
+// the keys cut into pieces that follow the depth (flash-decoding), merged in a second pass.
 // softmax_causal: the prompt path's masked softmax between its two GEMMs.
 #include "common.cuh"
 
@@ -44,125 +44,189 @@ extern "C" __global__ void rope_store(const float* __restrict__ q, const float* 
     }
 }
 
-// Decode-style attention in two passes. attn_split: grid (n_split, Hkv, T), block CH threads;
-// split `s` covers positions [s*CH, (s+1)*CH) of row t's slot, thread i one position: it
-// loads its whole K and V rows at once (16-byte loads, V into shared memory) and scores K
-// for all G query heads of the kv head (q in shared memory); then one warp per head takes
-// the softmax pieces, and thread d sums P[g] x V[., d] for every head.
-// part_m/part_l [T, H, n_split], part_o [T, H, n_split, Dh]. G <= MAXG.
-// (Measured on the H200: 1.23 ms per token over 48 layers at depth 512; a variant with four
-// threads per position measured 3.2 ms. docs/performance.md.)
-#define MAXG 16
-template <int DH>
-__device__ __forceinline__ void attn_split_body(const float* __restrict__ q, const u16* __restrict__ kc,
-                                                const u16* __restrict__ vc, const int* __restrict__ slots,
-                                                const int* __restrict__ pos, int H, int Hkv,
-                                                i64 layer_off, i64 slot_stride, int C, float scale,
-                                                float* __restrict__ part_m, float* __restrict__ part_l,
-                                                float* __restrict__ part_o) {
-    extern __shared__ float sm[];
-    const int CH = blockDim.x;
-    int split = blockIdx.x, kv = blockIdx.y, t = blockIdx.z, n_split = gridDim.x;
-    int G = H / Hkv, tid = threadIdx.x, lane = tid % WARP, w = tid / WARP, nw = blockDim.x / WARP;
-    float* sq = sm;                    // [G][DH]
-    float* ss = sm + G * DH;           // [G][CH]
-    float* sml = ss + G * CH;          // [2][MAXG]
-    u16* sv = (u16*)(sml + 2 * MAXG);  // [CH][DH] this split's V rows
-    int n_kv = pos[t] + 1;
-    int p0 = split * CH;
-    i64 pbase = ((i64)t * H + kv * G) * n_split + split;     // head g at pbase + g * n_split
-    if (p0 >= n_kv) {
-        if (tid < G) { part_m[pbase + (i64)tid * n_split] = -3.0e38f; part_l[pbase + (i64)tid * n_split] = 0.f; }
-        return;
-    }
-    for (int i = tid; i < G * DH; i += blockDim.x) sq[i] = q[((i64)t * H + kv * G) * DH + i] * scale;
-    __syncthreads();
-    i64 base = layer_off + (i64)slots[t] * slot_stride + (i64)kv * C * DH;
-    int p = p0 + tid;
-    float s[MAXG];
+// Decode-style attention in two passes (flash-decoding). attn_dec: grid (NS, Hkv, T), block
+// 4 warps. Row t's n_kv = pos[t] + 1 keys are cut into at most NS pieces of attn_piece()
+// positions (a multiple of 32, so the grid is fixed at capture and the work follows the
+// depth); block s takes piece s for one kv head and all its G query heads, 32 positions at
+// a time: each warp scores PW = 32 / MAXG positions per step, a lane holding DH / 32 dims of
+// each position's K and V (coalesced rows) and of every head's q, the PW x MAXG partial dots
+// summed across the warp in 31 shuffles (a transposing butterfly: lane l ends with the sum
+// for position l / MAXG, head l % MAXG); then an online softmax per head over the chunks
+// and P x V from the V rows still in registers, the four warps' parts added at the end.
+// part_m/part_l [T, H, NS], part_o [T, H, NS, Dh]; only the pieces a row reaches are written.
+// (The first kernel here, one thread per position and 16 blocks at depth 512, measured
+// 1.23 ms per token over 48 layers on the H200; docs/performance.md.)
+__device__ __forceinline__ int attn_piece(int n_kv, int NS) {
+    int per = (n_kv + NS - 1) / NS;
+    return (per + 31) & ~31;
+}
+
+// The sum over the warp of each of v[0..32); lane l returns the sum of v[l].
+__device__ __forceinline__ float xreduce32(float (&v)[32]) {
+    int lane = threadIdx.x % WARP;
 #pragma unroll
-    for (int g = 0; g < MAXG; g++) s[g] = 0.f;
-    if (p < n_kv) {
-        // all of this position's K and V loads go out before the first use
-        const uint4* kr = (const uint4*)(kc + base + (i64)p * DH);
-        const uint4* vr = (const uint4*)(vc + base + (i64)p * DH);
-        uint4 kb[DH / 8];
+    for (int o = 16, n = 16; o > 0; o >>= 1, n >>= 1) {
+        bool hi = lane & o;
 #pragma unroll
-        for (int c = 0; c < DH / 8; c++) kb[c] = kr[c];
-        uint4* svr = (uint4*)(sv + tid * DH);
-#pragma unroll
-        for (int c = 0; c < DH / 8; c++) svr[c] = vr[c];
-#pragma unroll
-        for (int c = 0; c < DH / 8; c++) {
-            uint4 u = kb[c];
-            float k8[8] = {h2f((u16)(u.x & 0xffff)), h2f((u16)(u.x >> 16)), h2f((u16)(u.y & 0xffff)), h2f((u16)(u.y >> 16)),
-                           h2f((u16)(u.z & 0xffff)), h2f((u16)(u.z >> 16)), h2f((u16)(u.w & 0xffff)), h2f((u16)(u.w >> 16))};
-#pragma unroll
-            for (int g = 0; g < MAXG; g++) {
-                if (g < G) {
-                    const float4* qg = (const float4*)(sq + g * DH + c * 8);
-                    float4 a = qg[0], b = qg[1];
-                    s[g] += a.x * k8[0] + a.y * k8[1] + a.z * k8[2] + a.w * k8[3]
-                          + b.x * k8[4] + b.y * k8[5] + b.z * k8[6] + b.w * k8[7];
-                }
+        for (int i = 0; i < 16; i++) {
+            if (i < n) {
+                float send = hi ? v[i] : v[i + n];
+                float keep = hi ? v[i + n] : v[i];
+                v[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
             }
         }
     }
-#pragma unroll
-    for (int g = 0; g < MAXG; g++) if (g < G) ss[g * CH + tid] = p < n_kv ? s[g] : -3.0e38f;
-    __syncthreads();
-    for (int g = w; g < G; g += nw) {          // softmax pieces, one warp per head
-        float m = -3.0e38f;
-        for (int i = lane; i < CH; i += WARP) m = fmaxf(m, ss[g * CH + i]);
-        m = warp_max(m);
-        float l = 0.f;
-        for (int i = lane; i < CH; i += WARP) {
-            float e = p0 + i < n_kv ? __expf(ss[g * CH + i] - m) : 0.f;
-            ss[g * CH + i] = e;
-            l += e;
-        }
-        l = warp_sum(l);
-        if (lane == 0) { sml[g] = m; sml[MAXG + g] = l; }
-    }
-    __syncthreads();
-    int np = min(CH, n_kv - p0);
-    for (int d = tid; d < DH; d += blockDim.x) {
-        float acc[MAXG];
-#pragma unroll
-        for (int g = 0; g < MAXG; g++) acc[g] = 0.f;
-#pragma unroll 4
-        for (int i = 0; i < np; i++) {
-            float v = h2f(sv[i * DH + d]);
-#pragma unroll
-            for (int g = 0; g < MAXG; g++) if (g < G) acc[g] += ss[g * CH + i] * v;
-        }
-#pragma unroll
-        for (int g = 0; g < MAXG; g++)
-            if (g < G) part_o[(pbase + (i64)g * n_split) * DH + d] = acc[g];
-    }
-    if (tid < G) { part_m[pbase + (i64)tid * n_split] = sml[tid]; part_l[pbase + (i64)tid * n_split] = sml[MAXG + tid]; }
+    return v[0];
 }
 
-// One kernel per head size, so each gets its own register count.
-#define ATTN_SPLIT(DH) extern "C" __global__ void attn_split_##DH(const float* q, const u16* kc, const u16* vc, \
-    const int* slots, const int* pos, int H, int Hkv, i64 layer_off, i64 slot_stride, int C, float scale, \
-    float* part_m, float* part_l, float* part_o) { \
-    attn_split_body<DH>(q, kc, vc, slots, pos, H, Hkv, layer_off, slot_stride, C, scale, part_m, part_l, part_o); }
-ATTN_SPLIT(64)
-ATTN_SPLIT(128)
-ATTN_SPLIT(256)
+// VPL consecutive f16 values (VPL = 2, 4 or 8) as VPL / 2 words.
+template <int VPL>
+__device__ __forceinline__ void ld_f16s(const u16* p, u32* w) {
+    if constexpr (VPL == 2) { w[0] = *(const u32*)p; }
+    else if constexpr (VPL == 4) { uint2 u = *(const uint2*)p; w[0] = u.x; w[1] = u.y; }
+    else { uint4 u = *(const uint4*)p; w[0] = u.x; w[1] = u.y; w[2] = u.z; w[3] = u.w; }
+}
+__device__ __forceinline__ float lo_f(u32 w) { return h2f((u16)(w & 0xffff)); }
+__device__ __forceinline__ float hi_f(u32 w) { return h2f((u16)(w >> 16)); }
+
+#define ATT_NW 4
+template <int DH, int MAXG>
+__device__ __forceinline__ void attn_dec_body(const float* __restrict__ q, const u16* __restrict__ kc,
+                                              const u16* __restrict__ vc, const int* __restrict__ slots,
+                                              const int* __restrict__ pos, int H, int Hkv,
+                                              i64 layer_off, i64 slot_stride, int C, float scale,
+                                              float* __restrict__ part_m, float* __restrict__ part_l,
+                                              float* __restrict__ part_o) {
+    constexpr int VPL = DH / WARP;            // dims per lane
+    constexpr int PW = WARP / MAXG;           // positions per warp step
+    constexpr int IT = 32 / (ATT_NW * PW);    // steps per 32-position chunk
+    __shared__ float ss[MAXG][32];            // a chunk's scores, then its probabilities
+    __shared__ float sM[MAXG], sL[MAXG], sF[MAXG];
+    __shared__ __align__(16) float red[ATT_NW][MAXG * DH];
+    int split = blockIdx.x, kv = blockIdx.y, t = blockIdx.z, NS = gridDim.x;
+    int G = H / Hkv, tid = threadIdx.x, lane = tid % WARP, w = tid / WARP;
+    int n_kv = pos[t] + 1;
+    int piece = attn_piece(n_kv, NS);
+    int b0 = split * piece, b1 = min(b0 + piece, n_kv);
+    if (b0 >= n_kv) return;                   // attn_merge reads only the pieces reached
+    i64 pbase = ((i64)t * H + kv * G) * NS + split;          // head g at pbase + g * NS
+    float qr[MAXG][VPL], acc[MAXG][VPL];
+#pragma unroll
+    for (int g = 0; g < MAXG; g++)
+#pragma unroll
+        for (int j = 0; j < VPL; j++) {
+            qr[g][j] = g < G ? q[((i64)t * H + kv * G + g) * DH + lane * VPL + j] * scale : 0.f;
+            acc[g][j] = 0.f;
+        }
+    if (tid < MAXG) { sM[tid] = -3.0e38f; sL[tid] = 0.f; }
+    i64 base = layer_off + (i64)slots[t] * slot_stride + (i64)kv * C * DH + lane * VPL;
+    const u16* kb = kc + base;
+    const u16* vb = vc + base;
+    for (int c0 = b0; c0 < b1; c0 += 32) {
+        u32 kw[IT][PW][VPL / 2], vw[IT][PW][VPL / 2];
+#pragma unroll
+        for (int it = 0; it < IT; it++)
+#pragma unroll
+            for (int p = 0; p < PW; p++) {
+                int pp = c0 + (it * ATT_NW + w) * PW + p;
+                if (pp < b1) {
+                    ld_f16s<VPL>(kb + (i64)pp * DH, kw[it][p]);
+                    ld_f16s<VPL>(vb + (i64)pp * DH, vw[it][p]);
+                } else {
+#pragma unroll
+                    for (int j = 0; j < VPL / 2; j++) { kw[it][p][j] = 0u; vw[it][p][j] = 0u; }
+                }
+            }
+#pragma unroll
+        for (int it = 0; it < IT; it++) {
+            float part[32];
+#pragma unroll
+            for (int p = 0; p < PW; p++)
+#pragma unroll
+                for (int g = 0; g < MAXG; g++) {
+                    float a = 0.f;
+#pragma unroll
+                    for (int j = 0; j < VPL / 2; j++)
+                        a += qr[g][2 * j] * lo_f(kw[it][p][j]) + qr[g][2 * j + 1] * hi_f(kw[it][p][j]);
+                    part[p * MAXG + g] = a;
+                }
+            float s = xreduce32(part);
+            int pl = (it * ATT_NW + w) * PW + lane / MAXG;
+            ss[lane % MAXG][pl] = c0 + pl < b1 ? s : -3.0e38f;
+        }
+        __syncthreads();
+        for (int g = w; g < MAXG; g += ATT_NW) {        // the chunk's softmax piece, one warp per head
+            float s = ss[g][lane];
+            float mo = sM[g];
+            float mn = fmaxf(mo, warp_max(s));
+            float e = c0 + lane < b1 ? __expf(s - mn) : 0.f;
+            float sum = warp_sum(e);
+            ss[g][lane] = e;
+            if (lane == 0) { float f = __expf(mo - mn); sF[g] = f; sL[g] = sL[g] * f + sum; sM[g] = mn; }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int g = 0; g < MAXG; g++) {
+            float f = sF[g];
+#pragma unroll
+            for (int j = 0; j < VPL; j++) acc[g][j] *= f;
+        }
+#pragma unroll
+        for (int it = 0; it < IT; it++)
+#pragma unroll
+            for (int p = 0; p < PW; p++) {
+                int pl = (it * ATT_NW + w) * PW + p;
+#pragma unroll
+                for (int g = 0; g < MAXG; g++) {
+                    float pr = ss[g][pl];
+#pragma unroll
+                    for (int j = 0; j < VPL / 2; j++) {
+                        acc[g][2 * j] += pr * lo_f(vw[it][p][j]);
+                        acc[g][2 * j + 1] += pr * hi_f(vw[it][p][j]);
+                    }
+                }
+            }
+        __syncthreads();                                 // ss and sF are the next chunk's
+    }
+#pragma unroll
+    for (int g = 0; g < MAXG; g++)
+#pragma unroll
+        for (int j = 0; j < VPL; j++) red[w][g * DH + lane * VPL + j] = acc[g][j];
+    __syncthreads();
+    for (int i = tid; i < G * DH; i += ATT_NW * WARP) {
+        int g = i / DH, d = i % DH;
+        part_o[(pbase + (i64)g * NS) * DH + d] = (red[0][i] + red[1][i]) + (red[2][i] + red[3][i]);
+    }
+    if (tid < G) { part_m[pbase + (i64)tid * NS] = sM[tid]; part_l[pbase + (i64)tid * NS] = sL[tid]; }
+}
+
+// One kernel per head size and bound on query heads per kv head (each its own registers).
+#define ATTN_DEC(DH, MAXG) extern "C" __global__ void attn_dec_##DH##_##MAXG( \
+    const float* q, const u16* kc, const u16* vc, const int* slots, const int* pos, int H, int Hkv, i64 layer_off, \
+    i64 slot_stride, int C, float scale, float* part_m, float* part_l, float* part_o) { \
+    attn_dec_body<DH, MAXG>(q, kc, vc, slots, pos, H, Hkv, layer_off, slot_stride, C, scale, part_m, part_l, part_o); }
+ATTN_DEC(64, 4)
+ATTN_DEC(64, 8)
+ATTN_DEC(64, 16)
+ATTN_DEC(128, 4)
+ATTN_DEC(128, 8)
+ATTN_DEC(128, 16)
+ATTN_DEC(256, 4)
+ATTN_DEC(256, 8)
 
 // grid (T, H), block Dh threads: out [T, H*Dh] float, and (oq != 0) its int8-per-32 form.
-// Only the splits row t reached are read (CH positions each).
+// Only the pieces row t reached are read (attn_piece positions each, of n_split).
 extern "C" __global__ void attn_merge(const float* __restrict__ part_m, const float* __restrict__ part_l,
-                                      const float* __restrict__ part_o, const int* __restrict__ pos, int CH,
+                                      const float* __restrict__ part_o, const int* __restrict__ pos,
                                       int n_split, int H, int Dh,
                                       float* __restrict__ out, i8* __restrict__ oq, float* __restrict__ od,
                                       float* __restrict__ os) {
     __shared__ float sh[32];
     extern __shared__ float f[];        // [n_used] weight of each split
     int t = blockIdx.x, h = blockIdx.y, i = threadIdx.x;
-    int n_used = min(n_split, pos[t] / CH + 1);
+    int n_kv = pos[t] + 1;
+    int piece = attn_piece(n_kv, n_split);
+    int n_used = (n_kv + piece - 1) / piece;
     i64 base = ((i64)t * H + h) * n_split;
     float M = -3.0e38f;
     for (int s = i; s < n_used; s += blockDim.x) M = fmaxf(M, part_m[base + s]);

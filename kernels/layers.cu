@@ -41,12 +41,21 @@ extern "C" __global__ void get_rows(const u8* __restrict__ W, int type, i64 row_
     }
 }
 
-// out [n_rows, K] f16 = W dequantized (every row; stacked experts are just more rows).
-// One thread per work item of IV values, kept in registers (IV is the type's constant) and
-// written as 16-byte stores; consecutive threads take consecutive items of a row.
+// out [n_rows, K] f16 = W dequantized (every row; stacked experts are just more rows), or,
+// with a table of expert addresses, the rows of the experts sel[0..n_rows / rpe) in that order
+// (rpe = rows per expert). One thread per work item of IV values, kept in registers (IV is
+// the type's constant) and written as 16-byte stores; consecutive threads take consecutive
+// items of a row.
+struct RowAt {
+    const u8* W; const u64* tab; const int* sel; i64 rpe, row_bytes;
+    __device__ __forceinline__ const u8* operator()(i64 r) const {
+        if (!tab) return W + r * row_bytes;
+        i64 e = r / rpe;
+        return (const u8*)tab[sel[e]] + (r - e * rpe) * row_bytes;
+    }
+};
 template <class T>
-__device__ __forceinline__ void deq_rows_f16(const u8* __restrict__ W, i64 row_bytes, i64 n_rows, int K,
-                                             u16* __restrict__ out) {
+__device__ __forceinline__ void deq_rows_f16(RowAt at, i64 n_rows, int K, u16* __restrict__ out) {
     const int IV = T::IV;
     i64 per_row = K / IV;
     i64 stride = (i64)gridDim.x * blockDim.x;
@@ -55,7 +64,7 @@ __device__ __forceinline__ void deq_rows_f16(const u8* __restrict__ W, i64 row_b
         int it = (int)(g - r * per_row);
         float v[IV];
         T w;
-        w.deq(W + r * row_bytes, it, v);
+        w.deq(at(r), it, v);
         uint4* o = (uint4*)(out + r * K + (i64)it * IV);
 #pragma unroll
         for (int c = 0; c < IV / 8; c++) {
@@ -69,19 +78,28 @@ __device__ __forceinline__ void deq_rows_f16(const u8* __restrict__ W, i64 row_b
     }
 }
 
-extern "C" __global__ void dequant_f16(const u8* __restrict__ W, int type, i64 row_bytes, i64 n_rows, int K,
-                                       u16* __restrict__ out) {
+__device__ __forceinline__ void dequant_any(RowAt at, int type, i64 n_rows, int K, u16* __restrict__ out) {
     switch (type) {
-        case T_Q4_K: deq_rows_f16<Q4K>(W, row_bytes, n_rows, K, out); return;
-        case T_Q5_K: deq_rows_f16<Q5K>(W, row_bytes, n_rows, K, out); return;
-        case T_Q6_K: deq_rows_f16<Q6K>(W, row_bytes, n_rows, K, out); return;
-        case T_Q8_0: deq_rows_f16<Q8_0>(W, row_bytes, n_rows, K, out); return;
-        case T_Q5_0: deq_rows_f16<Q5_0>(W, row_bytes, n_rows, K, out); return;
-        case T_Q4_0: deq_rows_f16<Q4_0>(W, row_bytes, n_rows, K, out); return;
+        case T_Q4_K: deq_rows_f16<Q4K>(at, n_rows, K, out); return;
+        case T_Q5_K: deq_rows_f16<Q5K>(at, n_rows, K, out); return;
+        case T_Q6_K: deq_rows_f16<Q6K>(at, n_rows, K, out); return;
+        case T_Q8_0: deq_rows_f16<Q8_0>(at, n_rows, K, out); return;
+        case T_Q5_0: deq_rows_f16<Q5_0>(at, n_rows, K, out); return;
+        case T_Q4_0: deq_rows_f16<Q4_0>(at, n_rows, K, out); return;
     }
     i64 stride = (i64)gridDim.x * blockDim.x;       // float formats
     for (i64 g = (i64)blockIdx.x * blockDim.x + threadIdx.x; g < n_rows * K; g += stride)
-        out[g] = f2h(float_at(type, W + (g / K) * row_bytes, (int)(g % K)));
+        out[g] = f2h(float_at(type, at(g / K), (int)(g % K)));
+}
+
+extern "C" __global__ void dequant_f16(const u8* __restrict__ W, int type, i64 row_bytes, i64 n_rows, int K,
+                                       u16* __restrict__ out) {
+    dequant_any(RowAt{W, nullptr, nullptr, 1, row_bytes}, type, n_rows, K, out);
+}
+// The chosen experts only: out [n_sel * rpe, K] f16, expert sel[j]'s rows at j * rpe.
+extern "C" __global__ void dequant_f16_sel(const u64* __restrict__ tab, const int* __restrict__ sel, int n_sel,
+                                           int type, i64 row_bytes, i64 rpe, int K, u16* __restrict__ out) {
+    dequant_any(RowAt{nullptr, tab, sel, rpe, row_bytes}, type, (i64)n_sel * rpe, K, out);
 }
 
 extern "C" __global__ void f32_to_f16(const float* __restrict__ x, i64 n, u16* __restrict__ y) {

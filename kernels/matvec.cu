@@ -81,16 +81,20 @@ __device__ __forceinline__ void rows_q(const u8* __restrict__ row, i64 row_bytes
     }
 }
 
+// x times nw (when set) elementwise: the fused RMSNorm's weight; its row scale comes after.
 template <class T, int MAXB, int R>
 __device__ __forceinline__ void rows_f(const u8* __restrict__ row, i64 row_bytes, int n_rows_left,
-                                       const float* __restrict__ x, int K, int B, float (*acc)[MAXB]) {
+                                       const float* __restrict__ x, const float* __restrict__ nw, int K, int B,
+                                       float (*acc)[MAXB]) {
     int lane = threadIdx.x % WARP;
     for (int i = lane * 4; i < K; i += WARP * 4) {      // K % 4 == 0: four values per lane per step
+        float4 n4 = nw ? *(const float4*)(nw + i) : make_float4(1.f, 1.f, 1.f, 1.f);
 #pragma unroll
         for (int r = 0; r < R; r++) {
             if (r >= n_rows_left) break;
             const u8* rr = row + r * row_bytes;
-            float w0 = T::get(rr, i), w1 = T::get(rr, i + 1), w2 = T::get(rr, i + 2), w3 = T::get(rr, i + 3);
+            float w0 = T::get(rr, i) * n4.x, w1 = T::get(rr, i + 1) * n4.y, w2 = T::get(rr, i + 2) * n4.z,
+                  w3 = T::get(rr, i + 3) * n4.w;
 #pragma unroll
             for (int b = 0; b < MAXB; b++)
                 if (b < B) {
@@ -103,7 +107,7 @@ __device__ __forceinline__ void rows_f(const u8* __restrict__ row, i64 row_bytes
 
 template <int MAXB, int R>
 __device__ __forceinline__ void row_dot(int type, const u8* row, i64 rb, int nr, int K, const i8* xq, const float* xd,
-                                        const float* xs, const float* xf, int B, float (*acc)[MAXB]) {
+                                        const float* xs, const float* xf, const float* nw, int B, float (*acc)[MAXB]) {
     switch (type) {
         case T_Q4_K: rows_q<Q4K, MAXB, R>(row, rb, nr, K / 64, xq, xd, xs, K, B, acc); break;
         case T_Q5_K: rows_q<Q5K, MAXB, R>(row, rb, nr, K / 64, xq, xd, xs, K, B, acc); break;
@@ -111,9 +115,9 @@ __device__ __forceinline__ void row_dot(int type, const u8* row, i64 rb, int nr,
         case T_Q8_0: rows_q<Q8_0, MAXB, R>(row, rb, nr, K / 32, xq, xd, xs, K, B, acc); break;
         case T_Q5_0: rows_q<Q5_0, MAXB, R>(row, rb, nr, K / 32, xq, xd, xs, K, B, acc); break;
         case T_Q4_0: rows_q<Q4_0, MAXB, R>(row, rb, nr, K / 32, xq, xd, xs, K, B, acc); break;
-        case T_F32: rows_f<F32W, MAXB, R>(row, rb, nr, xf, K, B, acc); break;
-        case T_F16: rows_f<F16W, MAXB, R>(row, rb, nr, xf, K, B, acc); break;
-        case T_BF16: rows_f<BF16W, MAXB, R>(row, rb, nr, xf, K, B, acc); break;
+        case T_F32: rows_f<F32W, MAXB, R>(row, rb, nr, xf, nw, K, B, acc); break;
+        case T_F16: rows_f<F16W, MAXB, R>(row, rb, nr, xf, nw, K, B, acc); break;
+        case T_BF16: rows_f<BF16W, MAXB, R>(row, rb, nr, xf, nw, K, B, acc); break;
     }
 }
 
@@ -128,42 +132,56 @@ struct MatDesc {
 #define MAT_PARAMS(i) const u8* w##i, i64 rb##i, int t##i, int n##i, float* o##i, const float* b##i, const float* r##i
 // Rows go to warps R at a time: rows [0, n0) are weight 0's, then weight 1's, then 2's; a
 // group of R rows never straddles two weights (each weight's rows start a new group).
-template <int MAXB, int R>
-__device__ __forceinline__ void mmv3_body(MAT_PARAMS(0), MAT_PARAMS(1), MAT_PARAMS(2), int n_mats, int K,
-                                          const i8* __restrict__ xq, const float* __restrict__ xd,
-                                          const float* __restrict__ xs, const float* __restrict__ xf, int B) {
-    MatDesc m0 = {w0, rb0, t0, n0, o0, b0, r0}, m1 = {w1, rb1, t1, n1, o1, b1, r1}, m2 = {w2, rb2, t2, n2, o2, b2, r2};
+// This warp's weight and rows (false: the warp has none).
+__device__ __forceinline__ bool pick_rows(const MatDesc& m0, const MatDesc& m1, const MatDesc& m2, int n_mats, int R,
+                                          MatDesc& m, int& row) {
     int group = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     int g0 = (m0.n_rows + R - 1) / R, g1 = (m1.n_rows + R - 1) / R, g2 = (m2.n_rows + R - 1) / R;
-    MatDesc m = m0;
+    m = m0;
     if (group >= g0) {
         group -= g0;
         m = m1;
-        if (n_mats < 2) return;
+        if (n_mats < 2) return false;
         if (group >= g1) {
             group -= g1;
             m = m2;
-            if (n_mats < 3 || group >= g2) return;
+            if (n_mats < 3 || group >= g2) return false;
         }
     }
-    int row = group * R;
+    row = group * R;
+    return true;
+}
+
+// nw, xscale (the fused RMSNorm, float weights only): x is the raw row, times nw elementwise,
+// the dot times xscale[b] at the end.
+template <int MAXB, int R>
+__device__ __forceinline__ void mmv3_body(MAT_PARAMS(0), MAT_PARAMS(1), MAT_PARAMS(2), int n_mats, int K,
+                                          const i8* __restrict__ xq, const float* __restrict__ xd,
+                                          const float* __restrict__ xs, const float* __restrict__ xf, int B,
+                                          const float* __restrict__ nw = nullptr,
+                                          const float* __restrict__ xscale = nullptr) {
+    MatDesc m0 = {w0, rb0, t0, n0, o0, b0, r0}, m1 = {w1, rb1, t1, n1, o1, b1, r1}, m2 = {w2, rb2, t2, n2, o2, b2, r2};
+    MatDesc m;
+    int row;
+    if (!pick_rows(m0, m1, m2, n_mats, R, m, row)) return;
     int nr = min(R, m.n_rows - row);
     float acc[R][MAXB];
 #pragma unroll
     for (int r = 0; r < R; r++)
 #pragma unroll
         for (int b = 0; b < MAXB; b++) acc[r][b] = 0.f;
-    row_dot<MAXB, R>(m.type, m.w + (i64)row * m.row_bytes, m.row_bytes, nr, K, xq, xd, xs, xf, B, acc);
+    row_dot<MAXB, R>(m.type, m.w + (i64)row * m.row_bytes, m.row_bytes, nr, K, xq, xd, xs, xf, nw, B, acc);
 #pragma unroll
     for (int r = 0; r < R; r++)
 #pragma unroll
         for (int b = 0; b < MAXB; b++) acc[r][b] = warp_sum(acc[r][b]);
+    bool fscale = xscale && (m.type == T_F32 || m.type == T_F16 || m.type == T_BF16);
     if (threadIdx.x % WARP == 0) {
 #pragma unroll
         for (int r = 0; r < R; r++) {
             if (r >= nr) break;
             for (int b = 0; b < B; b++) {
-                float v = acc[r][b];
+                float v = fscale ? acc[r][b] * xscale[b] : acc[r][b];
                 if (m.bias) v += m.bias[row + r];
                 if (m.res) v += m.res[(i64)b * m.n_rows + row + r];
                 m.out[(i64)b * m.n_rows + row + r] = v;
@@ -181,6 +199,112 @@ MMV3(1)
 MMV3(2)
 MMV3(4)
 MMV3(8)
+
+// The same mat-vec with the RMSNorm before it fused into its prologue. x is the raw residual
+// [B, K]; each block first prefetches its weight rows (so their loads overlap the norm), then
+// makes y = x * rsqrt(mean(x^2) + eps) * nw and its int8-per-32 form in shared memory, exactly
+// as rms_norm_q8 does; block 0 also writes y and its int8 form (y, yq, yd, ys) for the kernels
+// after. Float weights read x times nw and scale the dot by the row's rsqrt. Dynamic shared
+// memory: B*K int8 + 2*B*K/32 floats + MAXB floats. K % 32 == 0, K <= 8 * NORM_IT * blockDim.
+#define NORM_IT 4
+template <int MAXB>
+__device__ __forceinline__ void mmv3n_body(MAT_PARAMS(0), MAT_PARAMS(1), MAT_PARAMS(2), int n_mats, int K,
+                                           const float* __restrict__ x, const float* __restrict__ nw, float eps,
+                                           float* __restrict__ y, i8* __restrict__ yq, float* __restrict__ yd,
+                                           float* __restrict__ ys, int B) {
+    extern __shared__ __align__(16) u8 smem[];
+    __shared__ float red[32];
+    i8* sq = (i8*)smem;                                   // [B, K]
+    float* sd = (float*)(smem + (i64)B * K);              // [B, K/32]
+    float* ss = sd + B * (K / 32);                        // [B, K/32]
+    float* sc = ss + B * (K / 32);                        // [MAXB]
+    {
+        MatDesc m0 = {w0, rb0, t0, n0, o0, b0, r0}, m1 = {w1, rb1, t1, n1, o1, b1, r1}, m2 = {w2, rb2, t2, n2, o2, b2, r2};
+        MatDesc m;
+        int row;
+        if (pick_rows(m0, m1, m2, n_mats, 1, m, row)) {
+            const u8* p = m.w + (i64)row * m.row_bytes;
+            for (i64 o = (threadIdx.x % WARP) * 128; o < m.row_bytes; o += WARP * 128)
+                asm volatile("prefetch.global.L1 [%0];" :: "l"(p + o));
+        }
+    }
+    // thread i holds chunks i, i + blockDim, ... of 8 consecutive values: all of its x and nw
+    // loads go out at once; a q8 group of 32 is 4 neighbouring lanes (2 shuffles)
+    int lane = threadIdx.x % WARP;
+    bool out = blockIdx.x == 0 && y != nullptr;
+    int n_ch = K / 8, n_it = (n_ch + blockDim.x - 1) / blockDim.x;          // n_it <= NORM_IT
+    for (int b = 0; b < B; b++) {
+        const float* xr = x + (i64)b * K;
+        float v[NORM_IT][8];
+        float acc = 0.f;
+#pragma unroll
+        for (int j = 0; j < NORM_IT; j++) {
+            int c = threadIdx.x + j * blockDim.x;
+            if (j < n_it && c < n_ch) {
+                float4 a = *(const float4*)(xr + c * 8), e = *(const float4*)(xr + c * 8 + 4);
+                v[j][0] = a.x; v[j][1] = a.y; v[j][2] = a.z; v[j][3] = a.w;
+                v[j][4] = e.x; v[j][5] = e.y; v[j][6] = e.z; v[j][7] = e.w;
+            } else {
+#pragma unroll
+                for (int l = 0; l < 8; l++) v[j][l] = 0.f;
+            }
+#pragma unroll
+            for (int l = 0; l < 8; l++) acc += v[j][l] * v[j][l];
+        }
+        acc = block_sum(acc, red);
+        float scale = rsqrtf(acc / (float)K + eps);
+        if (threadIdx.x == 0) sc[b] = scale;
+#pragma unroll
+        for (int j = 0; j < NORM_IT; j++) {
+            if (j >= n_it) break;                           // uniform over the block
+            int c = threadIdx.x + j * blockDim.x;
+            bool on = c < n_ch;                             // the same for a group's 4 lanes
+            float o[8], amax = 0.f;
+            if (on) {
+                float4 a = *(const float4*)(nw + c * 8), e = *(const float4*)(nw + c * 8 + 4);
+                float wv[8] = {a.x, a.y, a.z, a.w, e.x, e.y, e.z, e.w};
+#pragma unroll
+                for (int l = 0; l < 8; l++) { o[l] = v[j][l] * scale * wv[l]; amax = fmaxf(amax, fabsf(o[l])); }
+            } else {
+#pragma unroll
+                for (int l = 0; l < 8; l++) o[l] = 0.f;
+            }
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+            float d = amax / 127.f;
+            int q[8], qs = 0;
+#pragma unroll
+            for (int l = 0; l < 8; l++) { q[l] = amax == 0.f ? 0 : __float2int_rn(o[l] / d); qs += q[l]; }
+            qs += __shfl_xor_sync(0xffffffffu, qs, 1);
+            qs += __shfl_xor_sync(0xffffffffu, qs, 2);
+            float sum = (float)qs * d;       // the values' sum as quantized (exact: small integers)
+            if (on) {
+                u32 lo = (u32)(q[0] & 0xff) | ((u32)(q[1] & 0xff) << 8) | ((u32)(q[2] & 0xff) << 16) | ((u32)(q[3] & 0xff) << 24);
+                u32 hi = (u32)(q[4] & 0xff) | ((u32)(q[5] & 0xff) << 8) | ((u32)(q[6] & 0xff) << 16) | ((u32)(q[7] & 0xff) << 24);
+                *(uint2*)(sq + (i64)b * K + c * 8) = make_uint2(lo, hi);
+                int g = c / 4;
+                if ((lane & 3) == 0) { sd[b * (K / 32) + g] = d; ss[b * (K / 32) + g] = sum; }
+                if (out) {
+                    *(float4*)(y + (i64)b * K + c * 8) = make_float4(o[0], o[1], o[2], o[3]);
+                    *(float4*)(y + (i64)b * K + c * 8 + 4) = make_float4(o[4], o[5], o[6], o[7]);
+                    *(uint2*)(yq + (i64)b * K + c * 8) = make_uint2(lo, hi);
+                    if ((lane & 3) == 0) { yd[(i64)b * (K / 32) + g] = d; ys[(i64)b * (K / 32) + g] = sum; }
+                }
+            }
+        }
+    }
+    __syncthreads();
+    mmv3_body<MAXB, 1>(w0, rb0, t0, n0, o0, b0, r0, w1, rb1, t1, n1, o1, b1, r1, w2, rb2, t2, n2, o2, b2, r2, n_mats, K,
+                       sq, sd, ss, x, B, nw, sc);
+}
+#define MMV3N(NB) extern "C" __global__ void mmv3n_b##NB(MAT_PARAMS(0), MAT_PARAMS(1), MAT_PARAMS(2), int n_mats, \
+    int K, const float* x, const float* nw, float eps, float* y, i8* yq, float* yd, float* ys, int B) { \
+    mmv3n_body<NB>(w0, rb0, t0, n0, o0, b0, r0, w1, rb1, t1, n1, o1, b1, r1, w2, rb2, t2, n2, o2, b2, r2, n_mats, K, \
+                   x, nw, eps, y, yq, yd, ys, B); }
+MMV3N(1)
+MMV3N(2)
+MMV3N(4)
+MMV3N(8)
 
 // Greedy pick: the first index of the largest logit per row (numpy's argmax tie rule).
 extern "C" __global__ void argmax_rows(const float* __restrict__ x, int n, int* __restrict__ out) {

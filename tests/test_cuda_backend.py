@@ -99,6 +99,32 @@ def test_three_weights_in_one_pass_with_biases(ops):
         assert rel(cupy.asnumpy(o), x @ r.T + b) < 1.5e-2
 
 
+@pytest.mark.parametrize("t", [1, 3, 8, 9])
+@pytest.mark.parametrize("mats", [(Q.Q4_K, Q.Q6_K, Q.Q8_0), (Q.F32,), (Q.Q4_K, Q.F16)], ids=["q3", "f32", "mixed"])
+def test_norm_fused_into_the_products(ops, t, mats):
+    """norm_matmuls (mmv3n: the RMSNorm in each block's prologue; 9 rows: the unfused path)
+    equals rms_norm then matmuls: the same int8 activation for quantized weights, the norm's
+    scale after the dot for float ones; h and its int8 form are left for the kernels after."""
+    import cupy
+    rng = np.random.default_rng(t)
+    k = 2048
+    ws = [ops.weight(int(qt), (k, n), random_tensor(qt, n, k, rng)) for qt, n in zip(mats, (256, 128, 64))]
+    g = rng.uniform(0.5, 1.5, k).astype(np.float32)
+    nw = ops.weight(int(Q.F32), (k,), g.view(np.uint8))
+    x = cupy.asarray(rng.standard_normal((t, k)).astype(np.float32) * 3)
+    h, outs = ops.norm_matmuls(x, nw, 1e-6, ws, [None] * len(ws))
+    h_ref = ops.rms_norm(x, nw, 1e-6)
+    # the sum of squares is added in another order (a last-bit difference in the row's scale)
+    np.testing.assert_allclose(cupy.asnumpy(h), cupy.asnumpy(h_ref), rtol=1e-6, atol=0)
+    for o, r in zip(outs, ops.matmuls(h_ref, ws, [None] * len(ws))):
+        assert rel(cupy.asnumpy(o), cupy.asnumpy(r)) < 1e-4
+    xq, xd, xs = (cupy.asnumpy(a) for a in ops.q8(h))     # the fused kernel's own int8 form of h
+    rq, rd, rs = (cupy.asnumpy(a) for a in ops.q8(cupy.array(h)))   # quantize_q8 of the same h
+    assert (xq != rq).mean() < 1e-3 and np.abs(xq.astype(int) - rq).max() <= 1
+    np.testing.assert_allclose(xd, rd, rtol=1e-6)
+    np.testing.assert_allclose(xs, rs, rtol=1e-5, atol=1e-6)
+
+
 def test_rms_norm_and_argmax(ops):
     import cupy
     rng = np.random.default_rng(4)
@@ -140,14 +166,27 @@ def test_moe_matches_numpy_backend(ops, t):
     assert rel(got - res, ref - res) < 3e-2, rel(got - res, ref - res)
 
 
-@pytest.mark.parametrize("t,pos0", [(1, 0), (3, 70), (8, 5), (40, 0), (33, 100)])
-def test_attention_matches_numpy_backend(ops, t, pos0):
+# (head size, query heads, kv heads): every attn_dec bucket of query heads per kv head (4, 8,
+# 16; 7 as Qwen2.5-0.5B's 14/2 runs in the 8 bucket) and each head size
+SHAPES = [(128, 8, 2), (64, 14, 2), (128, 32, 4), (128, 16, 1), (256, 8, 1)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"dh{s[0]}-h{s[1]}-kv{s[2]}")
+@pytest.mark.parametrize("t,pos0,n_ctx", [(1, 0, 256), (3, 70, 256), (8, 5, 256), (40, 0, 256), (33, 100, 256),
+                                          (1, 1000, 2048), (8, 3000, 4096)])
+def test_attention_matches_numpy_backend(ops, shape, t, pos0, n_ctx, monkeypatch):
+    """Short and long contexts: at depth 3000 with 8 rows each block walks several 32-position
+    chunks of its piece (the online softmax across chunks). The reference is the numpy
+    backend's F32 attention for every row count: its decode path mirrors llama.cpp's CPU,
+    whose V accumulator is F16, an error that grows with the depth (0.44 % at depth 1000)."""
     import cupy
+    from bloomery.engine import kv_cache
     from bloomery.engine.backend_numpy import NumpyOps
+    monkeypatch.setattr(kv_cache, "FA_TILE_Q", 1)
     from bloomery.engine.ops import AttnSpan
     cpu = NumpyOps()
     rng = np.random.default_rng(t + pos0)
-    n_head, n_kv, dh, n_ctx = 8, 2, 128, 256
+    dh, n_head, n_kv = shape
     qn = rng.uniform(0.5, 1.5, dh).astype(np.float32)
     kn = rng.uniform(0.5, 1.5, dh).astype(np.float32)
     c_cache, g_cache = cpu.kv_cache(1, 2, n_ctx, n_kv, dh), ops.kv_cache(1, 2, n_ctx, n_kv, dh)

@@ -19,8 +19,9 @@ def kernel_names() -> set[str]:
     for mod in MODULES:
         src = source(mod)
         names |= set(re.findall(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s+)?(\w+)\(', src))
-        for macro, prefix in (("MMV3", "mmv3_b"), ("ATTN_SPLIT", "attn_split_"), ("MOE_ROUTE_W", "moe_route_w")):
+        for macro, prefix in (("MMV3", "mmv3_b"), ("MMV3N", "mmv3n_b"), ("MOE_ROUTE_W", "moe_route_w")):
             names |= {prefix + n for n in re.findall(rf"^{macro}\((\d+)\)", src, re.M)}
+        names |= {f"attn_dec_{a}_{b}" for a, b in re.findall(r"^ATTN_DEC\((\d+), (\d+)\)", src, re.M)}
     return names
 
 
@@ -40,12 +41,12 @@ def test_every_launched_kernel_exists():
     called |= set(re.findall(r"\.k\.(\w+)\(", (ENGINE / "backend_cuda.py").read_text()))
     called -= {"compile_all", "view"}             # the loader's own method; cupy's ndarray.view
     assert called and called <= names, sorted(called - names)
-    # the families picked by name at run time: getattr(ops.k, f"attn_split_{dh}") and the like
+    # the families picked by name at run time: getattr(ops.k, f"mmv3_b{nb}") and the like
     for py in [*ENGINE.glob("cuda_*.py"), ENGINE / "backend_cuda.py"]:
         for template in re.findall(r'getattr\([\w.]*\bk, f"([\w{}.\[\]\s()<>=,]+)"\)', py.read_text()):
             pattern = re.sub(r"\{[^}]*\}", r"\\d+", template)
             assert any(re.fullmatch(pattern, n) for n in names), (py.name, template)
-    assert {"mmv3_b1", "mmv3_b2", "mmv3_b4", "mmv3_b8", "attn_split_64", "attn_split_128", "attn_split_256",
+    assert {"mmv3_b1", "mmv3_b2", "mmv3_b4", "mmv3_b8", "attn_dec_64_8", "attn_dec_128_8", "attn_dec_256_8", "mmv3n_b1", "mmv3n_b8",
             "moe_route_w4", "moe_route_w8", "moe_route_w16", "moe_route_w32"} <= names
 
 

@@ -128,6 +128,7 @@ def bloomery_bench(path: Path, profile: bool) -> dict:
             rows[f"tg{N_GEN}@d{d}"] = N_GEN / float(np.median(ts))
         if profile:
             rows["kernels_ms"] = kernel_profile(model, DEPTHS[0])
+            rows["prompt_kernels_ms"] = prompt_profile(model, ids[:PROMPTS[-1]])
     rows["card_bytes"] = mem.used
     rows["bytes_per_token"] = {d: decode_bytes(model, d) for d in DEPTHS}
     return rows
@@ -166,6 +167,32 @@ def kernel_profile(model, depth: int) -> dict:
         if t:
             out[ev.key[:60]] = round(t / 1e3 / n, 4)
     return dict(sorted(out.items(), key=lambda kv: -kv[1])[:25])
+
+
+def prompt_profile(model, ids) -> dict:
+    """Per-kernel GPU time (ms) of one prompt of len(ids), plus the wall time and the sum of
+    the kernels' times (their difference is time the card waits on the host)."""
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return {}
+    import cupy
+    torch.cuda.init()
+    cupy.cuda.Device().synchronize()
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        model.prefill(0, ids, 0)
+        cupy.cuda.Device().synchronize()
+    wall = time.perf_counter() - t
+    out, total = {}, 0.0
+    for ev in prof.key_averages():
+        t_us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t_us:
+            out[f"{ev.key[:50]} x{ev.count}"] = round(t_us / 1e3, 3)
+            total += t_us / 1e3
+    top = dict(sorted(out.items(), key=lambda kv: -kv[1])[:25])
+    return {"wall_ms": round(wall * 1e3, 1), "kernels_sum_ms": round(total, 1), **top}
 
 
 def main() -> None:

@@ -91,6 +91,7 @@ class CudaOps:
 
     def __init__(self):
         self.k = Kernels()
+        self.n_sm = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
         self._q8: OrderedDict[int, tuple] = OrderedDict()    # id(x) -> (x, xq, xd, xs)
         self._runners: dict[int, object] = {}
 
@@ -154,11 +155,31 @@ class CudaOps:
             outs += self._mmv(x, ws[i:i + 3], biases[i:i + 3], residuals[i:i + 3])
         return outs
 
-    def _mmv(self, x, ws, biases, residuals):
+    def norm_matmuls(self, x, norm: CudaWeight, eps: float, ws, biases):
+        """(RMSNorm(x) * norm, [its products with ws (+ biases)]): for decode-sized batches in
+        one launch (mmv3n: the norm in each block's prologue); else rms_norm, then matmuls."""
+        x = cupy.ascontiguousarray(x, dtype=cupy.float32)                         # [T, K]
         t, k = x.shape
-        xq = xd = xs = _NULL
-        if any(w.quantized for w in ws):
-            xq, xd, xs = self.q8(x)
+        smem = t * k + 8 * t * (k // 32) + 4 * MMV_ROWS
+        if t > MMV_ROWS or k % 32 or k > 8 * 4 * 256 or len(ws) > 3 or smem > 48 << 10:   # NORM_IT in matvec.cu
+            h = self.rms_norm(x, norm, eps)
+            return h, self.matmuls(h, ws, biases)
+        for w in ws:
+            if w.n_cols != k:
+                raise ValueError(f"matmul: input has {k} columns, the weight's rows are {w.n_cols} long")
+        y = cupy.empty((t, k), cupy.float32)
+        yq = cupy.empty((t, k), cupy.int8)
+        yd = cupy.empty((t, k // 32), cupy.float32)
+        ys = cupy.empty((t, k // 32), cupy.float32)
+        outs, params = self._mat_params(t, ws, biases, [None] * len(ws))
+        nb = next(b for b in (1, 2, 4, 8) if b >= t)
+        getattr(self.k, f"mmv3n_b{nb}")((_grid(sum(w.n_rows for w in ws), 8),), (256,), (
+            *params, _i32(len(ws)), _i32(k), x, norm.vec, np.float32(eps), y, yq, yd, ys, _i32(t)),
+            shared_mem=smem)
+        self.remember_q8(y, yq, yd, ys)
+        return y, outs
+
+    def _mat_params(self, t, ws, biases, residuals):
         outs, params = [], []
         for w, b, r in zip(ws, biases, residuals):
             o = cupy.empty((t, w.n_rows), cupy.float32)                           # [T, N]
@@ -168,6 +189,14 @@ class CudaOps:
                        cupy.ascontiguousarray(r, dtype=cupy.float32) if r is not None else _NULL]
         for _ in range(3 - len(ws)):
             params += [_NULL, np.int64(0), _i32(0), _i32(0), _NULL, _NULL, _NULL]
+        return outs, params
+
+    def _mmv(self, x, ws, biases, residuals):
+        t, k = x.shape
+        xq = xd = xs = _NULL
+        if any(w.quantized for w in ws):
+            xq, xd, xs = self.q8(x)
+        outs, params = self._mat_params(t, ws, biases, residuals)
         nb = next(b for b in (1, 2, 4, 8) if b >= t)
         rows_per_warp = 1                                                          # MMV_R in matvec.cu
         n_groups = sum(-(-w.n_rows // rows_per_warp) for w in ws)

@@ -198,6 +198,10 @@ class NumpyOps:
     def add(self, a, b) -> np.ndarray:
         return _f32(a) + (_vec(b) if isinstance(b, NumpyWeight) else _f32(b))
 
+    def norm_matmuls(self, x, norm, eps: float, ws, biases):
+        h = self.rms_norm(x, norm, eps)
+        return h, self.matmuls(h, ws, biases)
+
     def rms_norm(self, x, w, eps: float) -> np.ndarray:
         """ggml_compute_forward_rms_norm_f32 (+ the fused mul): squares in f32, summed in double."""
         x = _f32(x)                                                     # [..., D]

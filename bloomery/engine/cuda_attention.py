@@ -1,8 +1,9 @@
 """Attention for the cuda backend: the per-slot F16 KV cache and the two paths over it.
 
 Rows whose slots and positions are only known on the card (a captured decode step), and
-any batch of up to MMV_ROWS rows, take the split-context kernels (attn_split + attn_merge:
-each row attends to its own slot up to its own position). Longer prompt batches, whose
+any batch of up to MMV_ROWS rows, take the split-context kernels (attn_dec + attn_merge:
+each row attends to its own slot up to its own position, its keys cut into pieces that
+follow the depth, so the grid captured once serves every depth). Longer prompt batches, whose
 spans are known on the host, take two tensor-core GEMMs per span around a masked softmax.
 
 Legend: T = rows, H = query heads, Hkv = KV heads, G = H / Hkv, Dh = head size,
@@ -18,20 +19,25 @@ import numpy as np
 from bloomery.engine.cuda_gemm import gemm_nn, gemm_nt
 from bloomery.plan import CUDA_SCORE_BYTES
 
-SPLIT_V_BYTES = 32 << 10          # one split's V rows, staged in shared memory
-SMEM_MAX = 48 << 10
+DEC_MAXG = (4, 8, 16)               # query heads per kv head the attn_dec kernels are built for
+DEC_BLOCKS_PER_SM = 2               # attn_dec blocks aimed at per SM (the pieces follow the depth)
 
 
-def split_smem(g: int, dh: int, split: int) -> int:
-    return 4 * (g * dh + g * split + 32) + 2 * split * dh      # q, scores, softmax pieces, V rows
+def dec_kernel(g: int, dh: int) -> str:
+    """The attn_dec instance for g query heads per kv head of size dh."""
+    maxg = next((m for m in DEC_MAXG if m >= g), None)
+    if dh not in (64, 128, 256) or maxg is None or (dh == 256 and maxg > 8):
+        raise ValueError(f"head size {dh} with {g} query heads per KV head: the cuda attention takes head "
+                         f"sizes 64 and 128 with up to 16 query heads per KV head, 256 with up to 8")
+    return f"attn_dec_{dh}_{maxg}"
 
 
-def split_size(g: int, dh: int) -> int:
-    """Positions per attn_split block (one thread each): 128, halved until its shared memory fits."""
-    split = min(128, SPLIT_V_BYTES // (2 * dh))
-    while split > 32 and split_smem(g, dh, split) > SMEM_MAX:
-        split //= 2
-    return split
+def n_pieces(n_ctx_slot: int, n_kv_head: int, rows: int, n_sm: int) -> int:
+    """Pieces the keys of a row are cut into (the grid's x): about DEC_BLOCKS_PER_SM blocks per
+    SM over all rows and kv heads, never more than the context's 32-position chunks."""
+    return max(1, min(-(-n_ctx_slot // 32), DEC_BLOCKS_PER_SM * n_sm // max(1, n_kv_head * rows)))
+
+
 SCORE_BYTES = CUDA_SCORE_BYTES     # the prompt path's score matrix per chunk (counted by the plan)
 _NULL = np.uint64(0)
 
@@ -58,9 +64,9 @@ def self_attention(ops, cache: KVCacheF16, layer: int, rows, q, k, v, scale: flo
     n_kv_head = k.shape[1]
     if n_rot != dh:
         raise ValueError(f"the cuda backend rotates whole heads: rope dimension {n_rot} != head size {dh}")
-    if dh not in (64, 128, 256) or n_head % n_kv_head or n_head // n_kv_head > 16:
-        raise ValueError(f"head size {dh} / heads {n_head}/{n_kv_head}: the cuda attention takes head sizes "
-                         f"64, 128 or 256 and at most 16 query heads per KV head")
+    if n_head % n_kv_head:
+        raise ValueError(f"{n_head} query heads are not a multiple of {n_kv_head} KV heads")
+    dec_kernel(n_head // n_kv_head, dh)
     q_rot = cupy.empty((t, n_head, dh), cupy.float32)                     # [T, H, Dh]
     layer_off = np.int64(layer * cache.layer_stride)
     ops.k.rope_store((t, n_head + n_kv_head), (dh // 2,), (
@@ -76,25 +82,18 @@ def self_attention(ops, cache: KVCacheF16, layer: int, rows, q, k, v, scale: flo
 
 def _split_path(ops, cache, layer_off, rows, q_rot, n_kv_head: int, scale: float):
     t, n_head, dh = q_rot.shape
-    g = n_head // n_kv_head
-    split = split_size(g, dh)
-    n_split = -(-cache.n_ctx_slot // split)
+    n_split = n_pieces(cache.n_ctx_slot, n_kv_head, t, ops.n_sm)
     part_m = cupy.empty((t, n_head, n_split), cupy.float32)
     part_l = cupy.empty((t, n_head, n_split), cupy.float32)
     part_o = cupy.empty((t, n_head, n_split, dh), cupy.float32)
-    smem = split_smem(g, dh, split)
-    if smem > SMEM_MAX:
-        raise ValueError(f"attention with {g} query heads per KV head of size {dh} needs {smem} bytes of "
-                         f"shared memory, more than {SMEM_MAX}")
-    getattr(ops.k, f"attn_split_{dh}")((n_split, n_kv_head, t), (split,), (
-        q_rot, cache.k, cache.v, rows.slots, rows.positions, np.int32(n_head), np.int32(n_kv_head), layer_off, np.int64(cache.slot_stride), np.int32(cache.n_ctx_slot),
-        np.float32(scale), part_m, part_l, part_o), shared_mem=smem)
+    getattr(ops.k, dec_kernel(n_head // n_kv_head, dh))((n_split, n_kv_head, t), (128,), (
+        q_rot, cache.k, cache.v, rows.slots, rows.positions, np.int32(n_head), np.int32(n_kv_head), layer_off,
+        np.int64(cache.slot_stride), np.int32(cache.n_ctx_slot), np.float32(scale), part_m, part_l, part_o))
     out = cupy.empty((t, n_head * dh), cupy.float32)                      # [T, H*Dh]
     oq = cupy.empty((t, n_head * dh), cupy.int8)
     od = cupy.empty((t, n_head * dh // 32), cupy.float32)
     os_ = cupy.empty((t, n_head * dh // 32), cupy.float32)
-    ops.k.attn_merge((t, n_head), (dh,), (part_m, part_l, part_o, rows.positions, np.int32(split),
-                                          np.int32(n_split), np.int32(n_head), np.int32(dh), out, oq, od, os_),
+    ops.k.attn_merge((t, n_head), (dh,), (part_m, part_l, part_o, rows.positions, np.int32(n_split), np.int32(n_head), np.int32(dh), out, oq, od, os_),
                      shared_mem=4 * n_split)
     ops.remember_q8(out, oq, od, os_)
     return out
@@ -117,16 +116,17 @@ def _gemm_path(ops, cache, layer: int, spans, q_rot, n_kv_head: int, scale: floa
         for c0 in range(0, n_rows, chunk):
             cn = min(chunk, n_rows - c0)
             m = cn * g                                                    # rows per kv head
+            nk = sp.pos0 + c0 + cn                                        # keys this chunk's rows can see
             qc = cupy.ascontiguousarray(q16[:, c0:c0 + cn]).reshape(n_kv_head, m, dh)
-            s = cupy.empty((n_kv_head, m, n_kv), cupy.float32)            # [Hkv, m, n_kv]
-            gemm_nt(qc, k0, s, batch=n_kv_head, stride_x=m * dh, stride_w=c * dh, stride_out=m * n_kv,
-                    m=m, n=n_kv, k=dh, ldw=dh)
-            p = cupy.empty((n_kv_head, m, n_kv), cupy.float16)
-            ops.k.softmax_causal((n_kv_head * m,), (256,), (s, np.int32(n_kv), np.int32(sp.pos0 + c0),
+            s = cupy.empty((n_kv_head, m, nk), cupy.float32)              # [Hkv, m, nk]
+            gemm_nt(qc, k0, s, batch=n_kv_head, stride_x=m * dh, stride_w=c * dh, stride_out=m * nk,
+                    m=m, n=nk, k=dh, ldw=dh)
+            p = cupy.empty((n_kv_head, m, nk), cupy.float16)
+            ops.k.softmax_causal((n_kv_head * m,), (256,), (s, np.int32(nk), np.int32(sp.pos0 + c0),
                                                             np.int32(g), np.int32(m), p))
             o = cupy.empty((n_kv_head, m, dh), cupy.float32)              # [Hkv, m, Dh]
-            gemm_nn(p, v0, o, batch=n_kv_head, stride_p=m * n_kv, stride_v=c * dh, stride_out=m * dh,
-                    m=m, n=dh, k=n_kv, ldv=dh)
+            gemm_nn(p, v0, o, batch=n_kv_head, stride_p=m * nk, stride_v=c * dh, stride_out=m * dh,
+                    m=m, n=dh, k=nk, ldv=dh)
             rows = o.reshape(n_kv_head, cn, g, dh).transpose(1, 0, 2, 3).reshape(cn, n_head * dh)
             out[sp.row0 + c0:sp.row0 + c0 + cn] = rows
     return out

@@ -53,7 +53,8 @@ class Kernels:
             src = source(mod)
             names = re.findall(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s+)?(\w+)\(', src)
             names += [f"mmv3_b{n}" for n in re.findall(r"^MMV3\((\d+)\)", src, re.M)]
-            names += [f"attn_split_{n}" for n in re.findall(r"^ATTN_SPLIT\((\d+)\)", src, re.M)]
+            names += [f"mmv3n_b{n}" for n in re.findall(r"^MMV3N\((\d+)\)", src, re.M)]
+            names += [f"attn_dec_{a}_{b}" for a, b in re.findall(r"^ATTN_DEC\((\d+), (\d+)\)", src, re.M)]
             names += [f"moe_route_w{n}" for n in re.findall(r"^MOE_ROUTE_W\((\d+)\)", src, re.M)]
             for fn in names:
                 self._where[fn] = mod

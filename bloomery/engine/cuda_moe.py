@@ -2,9 +2,9 @@
 
 Decode-sized batches (<= MMV_ROWS tokens) run two kernels that read each chosen expert's
 blocks in place through the tensor's device table of expert addresses (moe_gate_up, then
-moe_down with the weighted sum and the residual). Prompt batches group rows by expert into
-a padded [E, cmax, D] layout and run three batched tensor-core GEMMs over the dequantized
-experts.
+moe_down with the weighted sum and the residual). Prompt batches sort their rows by expert
+into a padded buffer laid out by moe_buckets (experts of one padded size side by side) and
+run three strided-batched tensor-core GEMMs per size over the chosen experts, dequantized.
 
 Legend: T = tokens, A = experts per token, E = experts, F = expert FFN size, D = hidden.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
+from bloomery.engine import moe_buckets
 from bloomery.engine.cuda_gemm import gemm_nt
 
 _NULL = np.uint64(0)
@@ -69,33 +70,48 @@ def ffn(ops, x, ids, wts, gate, up, down, residual=None):
     return out
 
 
+def _dequant_sel(ops, w, sel):
+    """Experts sel (device int32) of a stacked expert tensor as f16 [len(sel) * N, K]."""
+    n_rows = int(sel.size) * w.n_rows
+    out = cupy.empty((n_rows, w.n_cols), cupy.float16)
+    n_items = n_rows * w.n_cols // 32                                     # an upper bound
+    ops.k.dequant_f16_sel((max(1, min(-(-n_items // 256), 16384)),), (256,), (
+        w.table, sel, np.int32(sel.size), np.int32(w.ggml_type), np.int64(w.row_bytes), np.int64(w.n_rows),
+        np.int32(w.n_cols), out))
+    return out
+
+
 def _grouped(ops, x, ids, wts, gate, up, down, residual):
     t, d = x.shape
     n_used, n_expert, f = ids.shape[1], gate.n_expert, gate.n_rows
     flat = cupy.ascontiguousarray(ids, dtype=cupy.int32).reshape(-1)     # [T*A]
     counts = cupy.bincount(flat, minlength=n_expert)                      # [E]
-    cmax = int(counts.max())                                              # one sync per layer
+    lay = moe_buckets.layout(cupy.asnumpy(counts))                        # one sync per layer
     order = cupy.argsort(flat).astype(cupy.int32)                         # pairs grouped by expert
     sorted_e = flat[order]
     offsets = cupy.cumsum(counts) - counts
     rank = cupy.arange(flat.size, dtype=cupy.int32) - offsets[sorted_e].astype(cupy.int32)
-    dst = (sorted_e * cmax + rank).astype(cupy.int32)                     # row in [E*cmax]
+    dst = (cupy.asarray(lay.base)[sorted_e] + rank).astype(cupy.int32)    # row in the padded buffer
     pos_of = cupy.empty_like(dst)
     pos_of[order] = dst
     src_tok = (order // n_used).astype(cupy.int32)
-    xp = cupy.zeros((n_expert * cmax, d), cupy.float16)                   # [E*cmax, D]
+    n = lay.n_rows
+    xp = cupy.empty((n, d), cupy.float16)            # [n, D]; padding rows are computed, never read
     ops.k.gather_rows((flat.size,), (256,), (x, src_tok, dst, np.int32(flat.size), np.int32(d), xp))
-    g = cupy.empty((n_expert, cmax, f), cupy.float32)                     # [E, cmax, F]
-    u = cupy.empty((n_expert, cmax, f), cupy.float32)
-    for w, out in ((gate, g), (up, u)):
-        gemm_nt(xp, ops.dequant_f16(w), out, batch=n_expert, stride_x=cmax * d, stride_w=f * d,
-                stride_out=cmax * f, m=cmax, n=f, k=d)
-    h = cupy.empty((n_expert, cmax, f), cupy.float16)
+    sels = [cupy.asarray(np.array(b.experts, np.int32)) for b in lay.buckets]
+    g = cupy.empty((n, f), cupy.float32)                                  # [n, F]
+    u = cupy.empty((n, f), cupy.float32)
+    for b, sel in zip(lay.buckets, sels):
+        for w, out in ((gate, g), (up, u)):
+            gemm_nt(xp[b.row0:], _dequant_sel(ops, w, sel), out[b.row0:], batch=len(b.experts),
+                    stride_x=b.rows * d, stride_w=f * d, stride_out=b.rows * f, m=b.rows, n=f, k=d)
+    h = cupy.empty((n, f), cupy.float16)
     ops.k.swiglu_f((4096,), (256,), (g, u, np.int64(g.size), _NULL, h))
     del g, u
-    y = cupy.empty((n_expert, cmax, d), cupy.float32)                     # [E, cmax, D]
-    gemm_nt(h, ops.dequant_f16(down), y, batch=n_expert, stride_x=cmax * f, stride_w=d * f,
-            stride_out=cmax * d, m=cmax, n=d, k=f)
+    y = cupy.empty((n, d), cupy.float32)                                  # [n, D]
+    for b, sel in zip(lay.buckets, sels):
+        gemm_nt(h[b.row0:], _dequant_sel(ops, down, sel), y[b.row0:], batch=len(b.experts),
+                stride_x=b.rows * f, stride_w=d * f, stride_out=b.rows * d, m=b.rows, n=d, k=f)
     out = cupy.empty((t, d), cupy.float32)
     res = cupy.ascontiguousarray(residual, dtype=cupy.float32) if residual is not None else _NULL
     ops.k.combine_rows((t,), (256,), (y, pos_of, cupy.ascontiguousarray(wts, dtype=cupy.float32),

@@ -61,6 +61,11 @@ class Ops(Protocol):
     def rms_norm(self, x: Array, w: Weight, eps: float) -> Array:
         """x [..., D] / rms(x) * w [D]."""
 
+    def norm_matmuls(self, x: Array, norm: Weight, eps: float, ws: Sequence[Weight],
+                     biases: Sequence[Weight | None]) -> tuple[Array, list[Array]]:
+        """(h, matmuls(h, ws, biases)) with h = rms_norm(x, norm, eps): one step, so a backend
+        may fuse the norm into the products."""
+
     def swiglu(self, gate: Array, up: Array) -> Array:
         """silu(gate) * up, same shape."""
 

@@ -95,31 +95,31 @@ class Qwen2(CausalLM):
         return self.ops.get_rows(self.tok_embd, ids)                       # [T, D]
 
     def qkv(self, il: int, x):
-        """Q, K and V projections in one pass over x: [T, H, Dh], [T, Hkv, Dh], [T, Hkv, Dh]."""
+        """RMSNorm of the residual x, then the Q, K and V projections, in one step (a backend may
+        fuse the norm in): [T, H, Dh], [T, Hkv, Dh], [T, Hkv, Dh]."""
         hp, ly = self.hp, self.layers[il]
-        q, k, v = self.ops.matmuls(x, [ly["wq"], ly["wk"], ly["wv"]],
-                                   [ly.get("bq"), ly.get("bk"), ly.get("bv")])   # [T, (H|Hkv)*Dh]
+        _, (q, k, v) = self.ops.norm_matmuls(x, ly["attn_norm"], hp.rms_eps, [ly["wq"], ly["wk"], ly["wv"]],
+                                             [ly.get("bq"), ly.get("bk"), ly.get("bv")])   # [T, (H|Hkv)*Dh]
         t = q.shape[0]
         return (q.reshape(t, hp.n_head, hp.head_dim), k.reshape(t, hp.n_head_kv, hp.head_dim),
                 v.reshape(t, hp.n_head_kv, hp.head_dim))
 
-    def attention(self, il: int, x, rows, residual):
+    def attention(self, il: int, x, rows):
+        """The attention half of a block over the residual x, the residual added: [T, D]."""
         hp, ly, ops = self.hp, self.layers[il], self.ops
         q, k, v = self.qkv(il, x)
         a = ops.self_attention(self.cache, il, rows, q, k, v, self.kq_scale, hp.n_rot, hp.freq_base)  # [T, H*Dh]
-        return ops.matmul(a, ly["wo"], residual)                           # [T, D]
+        return ops.matmul(a, ly["wo"], x)                                  # [T, D]
 
-    def ffn(self, il: int, x, residual):
+    def ffn(self, il: int, x):
+        """The FFN half over the residual x (its RMSNorm first), the residual added: [T, D]."""
         ly, ops = self.layers[il], self.ops
-        g, u = ops.matmuls(x, [ly["ffn_gate"], ly["ffn_up"]], [None, None])   # [T, F] each
-        return ops.matmul(ops.swiglu(g, u), ly["ffn_down"], residual)     # [T, D]
+        _, (g, u) = ops.norm_matmuls(x, ly["ffn_norm"], self.hp.rms_eps, [ly["ffn_gate"], ly["ffn_up"]],
+                                     [None, None])                        # [T, F] each
+        return ops.matmul(ops.swiglu(g, u), ly["ffn_down"], x)            # [T, D]
 
     def block(self, il: int, x, rows):
-        ly, ops, eps = self.layers[il], self.ops, self.hp.rms_eps
-        h = ops.rms_norm(x, ly["attn_norm"], eps)                          # [T, D]
-        x = self.attention(il, h, rows, x)                                 # [T, D] (+ residual)
-        h = ops.rms_norm(x, ly["ffn_norm"], eps)                           # [T, D]
-        return self.ffn(il, h, x)                                          # [T, D] (+ residual)
+        return self.ffn(il, self.attention(il, x, rows))                  # [T, D]
 
     def head(self, x):
         h = self.ops.rms_norm(x, self.output_norm, self.hp.rms_eps)        # [T, D]

@@ -19,9 +19,9 @@ class Qwen3(Qwen2):
     arch = "qwen3"
     layer_names = LAYER
 
-    def attention(self, il: int, x, rows, residual):
+    def attention(self, il: int, x, rows):
         hp, ly, ops = self.hp, self.layers[il], self.ops
         q, k, v = self.qkv(il, x)                                          # [T, H|Hkv, Dh]
         a = ops.self_attention(self.cache, il, rows, q, k, v, self.kq_scale, hp.n_rot, hp.freq_base,
                                q_norm=ly["q_norm"], k_norm=ly["k_norm"], eps=hp.rms_eps)   # [T, H*Dh]
-        return ops.matmul(a, ly["wo"], residual)                           # [T, D]
+        return ops.matmul(a, ly["wo"], x)                                  # [T, D] (+ residual)

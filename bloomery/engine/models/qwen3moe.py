@@ -47,9 +47,8 @@ class Qwen3Moe(Qwen3):
         super().__init__(gf, ops, n_slots, n_ctx_slot)
         self.moe = MoeParams.from_gguf(gf, self.arch)
 
-    def ffn(self, il: int, x, residual):
+    def ffn(self, il: int, x):
         ly, ops, moe = self.layers[il], self.ops, self.moe
-        logits = ops.matmul(x, ly["gate_inp"])                             # [T, E]
+        h, (logits,) = ops.norm_matmuls(x, ly["ffn_norm"], self.hp.rms_eps, [ly["gate_inp"]], [None])  # [T, D], [T, E]
         ids, w = ops.moe_route(logits, moe.n_expert_used, norm_weights=True)   # [T, A], [T, A]
-        return ops.moe_ffn(x, ids, w, ly["gate_exps"], ly["up_exps"], ly["down_exps"],
-                           residual)                                               # [T, D]
+        return ops.moe_ffn(h, ids, w, ly["gate_exps"], ly["up_exps"], ly["down_exps"], x)   # [T, D] (+ residual)

@@ -121,6 +121,20 @@ struct Q5K {
     }
 };
 
+// N words from 2-byte-aligned p as N + 1 aligned word loads (not 2N halfword loads), each
+// word the funnel shift of two neighbours. Reads up to 4 bytes past the N words: callers keep
+// that inside the block.
+template <int N>
+__device__ __forceinline__ void ld_words_b2(const u8* p, u32* out) {
+    const u32* a = (const u32*)((u64)p & ~(u64)3);
+    u32 sh = ((u32)(u64)p & 2u) * 8u;
+    u32 w[N + 1];
+#pragma unroll
+    for (int k = 0; k <= N; k++) w[k] = a[k];
+#pragma unroll
+    for (int k = 0; k < N; k++) out[k] = __funnelshift_r(w[k], w[k + 1], sh);
+}
+
 struct Q6K {
     enum { QK = 256, BYTES = 210, IV = 32 };
     int q[8]; float d; int sc_lo, sc_hi;
@@ -133,11 +147,12 @@ struct Q6K {
         sc_lo = (int)(i8)b[192 + 8 * h + 2 * j];
         sc_hi = (int)(i8)b[192 + 8 * h + 2 * j + 1];
         d = h2f(ld_h(b + 208));
+        u32 lw[8], hw[8];
+        ld_words_b2<8>(ql, lw);
+        ld_words_b2<8>(qh, hw);
 #pragma unroll
-        for (int k = 0; k < 8; k++) {
-            u32 l = (u32)ld_b2(ql + 4 * k), hb = (u32)ld_b2(qh + 4 * k);
-            q[k] = (int)(((l >> sl) & 0x0F0F0F0Fu) | (((hb >> sh) & 0x03030303u) << 4));
-        }
+        for (int k = 0; k < 8; k++)
+            q[k] = (int)(((lw[k] >> sl) & 0x0F0F0F0Fu) | (((hw[k] >> sh) & 0x03030303u) << 4));
     }
     __device__ __forceinline__ float dot(const i8* xq, const float* xd, const float* xs, int item) const {
         int v0 = item * IV, u[8];
@@ -242,10 +257,20 @@ struct Q5_0 {
     }
 };
 
-// Float formats: read as floats (the activation stays float for these).
+// Float formats: read as floats (the activation stays float for these). get4: values i..i+3
+// in one load (i % 4 == 0; rows of K % 4 == 0 values keep it aligned).
 struct F32W { enum { QK = 1, BYTES = 4 };
-    __device__ __forceinline__ static float get(const u8* row, int i) { return ((const float*)row)[i]; } };
+    __device__ __forceinline__ static float get(const u8* row, int i) { return ((const float*)row)[i]; }
+    __device__ __forceinline__ static float4 get4(const u8* row, int i) { return *(const float4*)(row + 4 * (i64)i); } };
 struct F16W { enum { QK = 1, BYTES = 2 };
-    __device__ __forceinline__ static float get(const u8* row, int i) { return h2f(((const u16*)row)[i]); } };
+    __device__ __forceinline__ static float get(const u8* row, int i) { return h2f(((const u16*)row)[i]); }
+    __device__ __forceinline__ static float4 get4(const u8* row, int i) {
+        uint2 u = *(const uint2*)(row + 2 * (i64)i);
+        return make_float4(h2f((u16)(u.x & 0xffff)), h2f((u16)(u.x >> 16)), h2f((u16)(u.y & 0xffff)), h2f((u16)(u.y >> 16)));
+    } };
 struct BF16W { enum { QK = 1, BYTES = 2 };
-    __device__ __forceinline__ static float get(const u8* row, int i) { return bf2f(((const u16*)row)[i]); } };
+    __device__ __forceinline__ static float get(const u8* row, int i) { return bf2f(((const u16*)row)[i]); }
+    __device__ __forceinline__ static float4 get4(const u8* row, int i) {
+        uint2 u = *(const uint2*)(row + 2 * (i64)i);
+        return make_float4(bf2f((u16)(u.x & 0xffff)), bf2f((u16)(u.x >> 16)), bf2f((u16)(u.y & 0xffff)), bf2f((u16)(u.y >> 16)));
+    } };

@@ -87,14 +87,15 @@ __device__ __forceinline__ void rows_f(const u8* __restrict__ row, i64 row_bytes
                                        const float* __restrict__ x, const float* __restrict__ nw, int K, int B,
                                        float (*acc)[MAXB]) {
     int lane = threadIdx.x % WARP;
+#pragma unroll 4
     for (int i = lane * 4; i < K; i += WARP * 4) {      // K % 4 == 0: four values per lane per step
         float4 n4 = nw ? *(const float4*)(nw + i) : make_float4(1.f, 1.f, 1.f, 1.f);
 #pragma unroll
         for (int r = 0; r < R; r++) {
             if (r >= n_rows_left) break;
             const u8* rr = row + r * row_bytes;
-            float w0 = T::get(rr, i) * n4.x, w1 = T::get(rr, i + 1) * n4.y, w2 = T::get(rr, i + 2) * n4.z,
-                  w3 = T::get(rr, i + 3) * n4.w;
+            float4 w4 = T::get4(rr, i);
+            float w0 = w4.x * n4.x, w1 = w4.y * n4.y, w2 = w4.z * n4.z, w3 = w4.w * n4.w;
 #pragma unroll
             for (int b = 0; b < MAXB; b++)
                 if (b < B) {

@@ -40,6 +40,11 @@ def reference(qt, data: np.ndarray, n_rows: int, n_cols: int) -> np.ndarray:
     return gguf.quants.dequantize(data.reshape(n_rows, -1), qt).astype(np.float64).reshape(n_rows, n_cols)
 
 
+# (head size, query heads, kv heads): every attn_dec bucket of query heads per kv head (4, 8,
+# 16; 7 as Qwen2.5-0.5B's 14/2 runs in the 8 bucket) and each head size
+SHAPES = [(128, 8, 2), (64, 14, 2), (128, 32, 4), (128, 16, 1), (256, 8, 1)]
+
+
 @pytest.fixture(scope="module")
 def ops(gpu):
     from bloomery.engine.backend_cuda import CudaOps
@@ -140,6 +145,41 @@ def test_rms_norm_and_argmax(ops):
                                                                       int(logits[2].argmax())]
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"dh{s[0]}-h{s[1]}-kv{s[2]}")
+def test_decode_rows_each_in_their_slot(ops, shape, monkeypatch):
+    """Decode rows, one per slot at its own depth (5 to 1500: from one piece to many chunks a
+    piece), three steps in a row, against the numpy backend's F32 attention."""
+    import cupy
+    from bloomery.engine import kv_cache
+    from bloomery.engine.backend_numpy import NumpyOps
+    from bloomery.engine.ops import AttnSpan
+    monkeypatch.setattr(kv_cache, "FA_TILE_Q", 1)
+    cpu = NumpyOps()
+    rng = np.random.default_rng(7)
+    dh, n_head, n_kv = shape
+    depths = [5, 700, 64, 1500]                        # one slot each
+    qn = rng.uniform(0.5, 1.5, dh).astype(np.float32)
+    kn = rng.uniform(0.5, 1.5, dh).astype(np.float32)
+    norms = lambda o: dict(q_norm=o.weight(0, (dh,), qn.view(np.uint8)),  # noqa: E731
+                           k_norm=o.weight(0, (dh,), kn.view(np.uint8)), eps=1e-6)
+    args = (0.088, dh, 1e6)
+    c_cache, g_cache = cpu.kv_cache(1, 4, 2048, n_kv, dh), ops.kv_cache(1, 4, 2048, n_kv, dh)
+    for slot, n in enumerate(depths):                   # histories, through the prompt paths
+        q, k, v = (rng.standard_normal((n, h, dh)).astype(np.float32) for h in (n_head, n_kv, n_kv))
+        spans, pos = [AttnSpan(slot, 0, 0, n)], np.arange(n, dtype=np.int32)
+        cpu.self_attention(c_cache, 0, cpu.rows(spans, pos), q, k, v, *args, **norms(cpu))
+        ops.self_attention(g_cache, 0, ops.rows(spans, pos), cupy.asarray(q), cupy.asarray(k), cupy.asarray(v),
+                           *args, **norms(ops))
+    for step in range(3):
+        q, k, v = (rng.standard_normal((4, h, dh)).astype(np.float32) for h in (n_head, n_kv, n_kv))
+        spans = [AttnSpan(slot, depths[slot] + step, slot, slot + 1) for slot in range(4)]
+        pos = np.array([d + step for d in depths], np.int32)
+        ref = cpu.self_attention(c_cache, 0, cpu.rows(spans, pos), q, k, v, *args, **norms(cpu))
+        got = cupy.asnumpy(ops.self_attention(g_cache, 0, ops.rows(spans, pos), cupy.asarray(q), cupy.asarray(k),
+                                              cupy.asarray(v), *args, **norms(ops)))
+        assert rel(got, ref) < 3e-3, (step, rel(got, ref))
+
+
 @pytest.mark.parametrize("t", [2, 40])
 def test_moe_matches_numpy_backend(ops, t):
     import cupy
@@ -164,11 +204,6 @@ def test_moe_matches_numpy_backend(ops, t):
     # both sides quantize the activation (int8 per 32 here, Q8_K per 256 on the CPU) before the
     # expert matrices and again before down: two roundings each, about 1 % apiece
     assert rel(got - res, ref - res) < 3e-2, rel(got - res, ref - res)
-
-
-# (head size, query heads, kv heads): every attn_dec bucket of query heads per kv head (4, 8,
-# 16; 7 as Qwen2.5-0.5B's 14/2 runs in the 8 bucket) and each head size
-SHAPES = [(128, 8, 2), (64, 14, 2), (128, 32, 4), (128, 16, 1), (256, 8, 1)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"dh{s[0]}-h{s[1]}-kv{s[2]}")

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 SEATS = ("qwen2", "qwen3", "qwen3moe")   # --model <seat>; the file's arch must match
 DEVICES = ("cpu", "cuda", "auto")
+# --reasoning's words, as llama.cpp's is_truthy / is_falsey / is_autoy read them
+REASONING_ON, REASONING_OFF = ("on", "enabled", "true", "1"), ("off", "disabled", "false", "0")
+REASONING_WORDS = (*REASONING_ON, *REASONING_OFF, "auto", "-1")
 # config keys that ask the start to do something rather than set it (7.1)
 ACTION_KEYS = {"plan", "levers", "help", "version", "list-devices", "records-schema", "recommend",
                "dry-run", "json", "config", "usage"}
@@ -130,7 +133,16 @@ TABLE: tuple[Flag, ...] = (
     _noop("--cache-reuse", (), "LLAMA_ARG_CACHE_REUSE", "int"),
     _noop("--cache-prompt", (), "LLAMA_ARG_CACHE_PROMPT", negs=("--no-cache-prompt",),
           why="requests choose cache_prompt"),
-    _noop("--reasoning", ("-rea",), "LLAMA_ARG_REASONING", "str", why="the template decides"),
+    Flag("--reasoning", ("-rea",), "LLAMA_ARG_REASONING", "choice", "auto",
+         "thinking in chat: on / off set the template's enable_thinking for every request that does not; "
+         "auto: the template's default", choices=REASONING_WORDS),
+    Flag("--reasoning-format", (), "LLAMA_ARG_THINK", "choice", "auto",
+         "default reasoning_format: none keeps the think span in content; auto / deepseek / deepseek-legacy "
+         "move it to reasoning_content", choices=("none", "auto", "deepseek", "deepseek-legacy")),
+    Flag("--reasoning-budget", (), "LLAMA_ARG_THINK_BUDGET", "int", -1,
+         "default think-span budget in generated ids (-1: unrestricted, 0: the span is closed at once)"),
+    Flag("--reasoning-budget-message", (), "LLAMA_ARG_THINK_BUDGET_MESSAGE", "str", None,
+         "text forced before the end-of-thinking tag when a budget runs out (default: none)"),
     _noop("--timeout", ("-to",), "LLAMA_ARG_TIMEOUT", "int"), _noop("--sleep-idle-seconds", (), None, "int"),
     Flag("--cors-origins", (), "LLAMA_ARG_CORS_ORIGINS", "str", "*",
          'origins answered with CORS headers: "*", "localhost", or a comma list of origins'), 

@@ -50,6 +50,10 @@ class Settings:
     warmup: bool = True                # --no-warmup: the first request prepares the weights
     metrics: bool = False              # --metrics: accepted; /metrics answers 501 saying it is not served
     verbose: bool = False              # -v: a request's verbose defaults to true (the __verbose debug field)
+    reasoning: str = "auto"            # --reasoning on|off|auto: the template's enable_thinking default
+    reasoning_format: str = "auto"     # --reasoning-format: a request's default reasoning_format
+    reasoning_budget: int = -1         # --reasoning-budget: a request's default think-span budget
+    reasoning_budget_message: str | None = None   # --reasoning-budget-message
     need_hook: str | None = None       # --need-hook PATH (None: $BLOOMERY_NEED_HOOK, else the broker's hook if any)
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)   # SamplingParams field -> flag value
     sources: dict[str, str] = field(default_factory=dict)             # field -> where its value came from
@@ -295,6 +299,8 @@ def _check(s: Settings, keys: list[str]) -> None:
         raise SettingsError(f"--parallel {s.parallel}: must be >= 1 (or auto)")
     if not 0 <= s.port <= 65535:
         raise SettingsError(f"--port {s.port}: must be in 0 .. 65535 (0 takes a free port)")
+    if s.reasoning_budget < -1:
+        raise SettingsError(f"--reasoning-budget {s.reasoning_budget}: must be >= -1 (-1: unrestricted)")
     if s.n_predict < -1:
         raise SettingsError(f"--n-predict {s.n_predict}: must be >= -1 (-1: until the context is full)")
     if s.ngl is not None and s.ngl not in ("all", "auto"):

@@ -218,6 +218,16 @@ def test_undefined_misuse():
         tmpl.render([{"role": "user", "content": "x"}])
 
 
+def test_string_plus_none_or_undefined_is_the_string():
+    """llama.cpp's runtime concatenates a string with none/undefined as the string alone (firefunction-v2's
+    template adds the `functions` it never receives); other operands still fail."""
+    tmpl = ChatTemplate("{% set s = 'Funcs:' + functions %}{{ s }}|{{ none + 'b' }}|{{ 'c' + messages[0].nope }}|"
+                        "{{ messages[0].content + none }}")
+    assert tmpl.render([{"role": "user", "content": "x"}], add_generation_prompt=False).text == "Funcs:|b|c|x"
+    with pytest.raises(TemplateError):
+        ChatTemplate("{{ 1 + nothing }}").render([{"role": "user", "content": "x"}])
+
+
 @pytest.mark.real_model
 def test_empty_messages_render_as_llama_server(model_template, tok):
     """llama-server answers messages: [] (reference err_empty_messages: 24 prompt tokens)."""

@@ -69,6 +69,22 @@ def test_wrapper_swaps_only_the_model_arguments():
     assert rewrite(["--port", "1", "--ctx-size", "8"], "/m.gguf") == ["--port", "1", "--ctx-size", "8"]  # router
 
 
+def test_wrapper_adds_no_warmup_only_when_run_asks(monkeypatch):
+    """run.py sets BLOOMERY_SUITE_NO_WARMUP for selection.NO_GENERATION files; the wrapper passes --no-warmup to
+    bloomery-serve then, never to llama-server."""
+    wrapper, selection = _load("wrapper"), _load("selection")
+    assert selection.NO_GENERATION <= set(selection.SERVED)
+    seen = []
+    monkeypatch.setattr(wrapper.os, "execv", lambda path, argv: seen.append(argv))
+    for target, flag in (("bloomery", "1"), ("bloomery", "0"), ("/bin/llama-server", "1")):
+        monkeypatch.setenv("BLOOMERY_SUITE_TARGET", target)
+        monkeypatch.setenv("BLOOMERY_SUITE_MODEL", "/m.gguf")
+        monkeypatch.setenv("BLOOMERY_SUITE_NO_WARMUP", flag)
+        monkeypatch.setattr(wrapper.sys, "argv", ["wrapper.py", "--port", "1", "-hf", "x"])
+        wrapper.main()
+    assert [a[-1] == "--no-warmup" for a in seen] == [True, False, False]
+
+
 def test_gap_counts_only_tests_that_pass_on_llama_server():
     gap = _load("gap")
     golden = {"tests": {"unit/test_basic.py::a": {"outcome": "passed"}, "unit/test_basic.py::b": {"outcome": "failed"},

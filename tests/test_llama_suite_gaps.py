@@ -131,3 +131,51 @@ def test_top_level_json_schema_constrains_the_chat_reply(server):
     both = requests.post(server.url + "/v1/chat/completions", timeout=120,
                          json={**body, "response_format": {"type": "json_object"}})
     assert both.status_code == 400 and "json_schema" in both.json()["error"]["message"]
+
+
+# --- test_template.py's gaps: --reasoning on/off/auto reaches the template; --reasoning-format / -budget flags ---
+
+QWEN3_LIKE = ("{%- for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endfor %}"
+              "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+              "{%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+              "{%- endif %}{%- endif %}")
+
+
+@pytest.mark.parametrize("word,tail", [("off", "<think>\n\n</think>\n\n"), ("false", "<think>\n\n</think>\n\n"),
+                                       ("on", "assistant\n"), ("auto", "assistant\n")])
+def test_reasoning_flag_sets_the_templates_enable_thinking(word, tail):
+    import asyncio
+    import json
+
+    from bloomery.chat_template import ChatTemplate
+    from bloomery.engine.types import ModelInfo
+    from bloomery.front import make_app
+    from bloomery.http.types import Request
+    from bloomery.settings import parse
+
+    s = parse(["-m", "/m.gguf", "--reasoning", word], env={})
+    info = ModelInfo(name="m", arch="qwen2", n_ctx=64, n_ctx_slot=64, n_slots=1, n_vocab=10, n_ctx_train=64,
+                     backend="numpy", model_path="/m.gguf")
+    app = make_app(s, _Tok(), ChatTemplate(QWEN3_LIKE), None, info)
+
+    def prompt(body):
+        req = Request("POST", "/apply-template", {}, {}, json.dumps(body).encode())
+        return json.loads(asyncio.run(app.dispatch(req)).body)["prompt"]
+    msgs = [{"role": "user", "content": "What is today?"}]
+    assert prompt({"messages": msgs}).endswith("<|im_start|>" + tail if tail == "assistant\n" else tail)
+    # a request's own switch wins over the server's default
+    on = prompt({"messages": msgs, "chat_template_kwargs": {"enable_thinking": True}})
+    assert on.endswith("<|im_start|>assistant\n")
+
+
+def test_reasoning_flags_parse_and_refuse_by_name():
+    from bloomery.settings import SettingsError, parse
+    s = parse(["-m", "/m.gguf", "--reasoning-format", "none", "--reasoning-budget", "0",
+               "--reasoning-budget-message", "Enough."], env={})
+    assert (s.reasoning, s.reasoning_format, s.reasoning_budget, s.reasoning_budget_message) == \
+        ("auto", "none", 0, "Enough.")
+    assert parse(["-m", "/m.gguf"], env={"LLAMA_ARG_THINK_BUDGET": "5"}).reasoning_budget == 5
+    for argv, word in ((["--reasoning", "maybe"], "--reasoning"), (["--reasoning-budget", "-2"], "--reasoning-budget"),
+                       (["--reasoning-format", "xml"], "--reasoning-format")):
+        with pytest.raises(SettingsError, match=word):
+            parse(["-m", "/m.gguf", *argv], env={})

@@ -1,7 +1,9 @@
 """Anthropic Messages: POST /v1/messages and POST /v1/messages/count_tokens.
 
 The body becomes llama-server's chat body (anthropic_convert) and runs as one
-generation. Answers and stream events are Anthropic's (message_start, ping,
+generation. A think span becomes a thinking block (first, with an empty signature, as
+llama-server: streamed as thinking_delta, then a signature_delta before its stop);
+thinking.budget_tokens is the span's budget; reasoning_loop ends as stop_reason "reasoning_loop". Answers and stream events are Anthropic's (message_start, ping,
 content_block_start / delta / stop, message_delta, message_stop); every error on
 these routes is Anthropic's own object {"type": "error", "error": {"type", "message"}}.
 usage.input_tokens counts the prompt ids not read from the cache, which are
@@ -15,10 +17,13 @@ from contextlib import aclosing
 from typing import TYPE_CHECKING
 
 from bloomery.api.anthropic_convert import to_chat_body
-from bloomery.api.input_tokens import prompt_ids_of
+from bloomery.api.chat import read_chat_reasoning, with_think_watch
+from bloomery.api.input_tokens import prompt_ids_of, rendered_of
 from bloomery.api.params import Fields, field_error, parse_gen_params
+from bloomery.api.reasoning import ThinkParser, prompt_opens_think
 from bloomery.api.responses import new_id
 from bloomery.api.responses_calls import ReplyCalls, tool_request
+from bloomery.api.toolcalls import framing_of
 from bloomery.http.types import ApiError, Request, Response, StreamResponse
 
 if TYPE_CHECKING:
@@ -65,6 +70,8 @@ def _read(app: "App", body: dict, *, count_only: bool = False):
 
 
 def _stop_reason(out, calls: list) -> tuple[str, str | None]:
+    if out.stop_type == "reasoning_loop":
+        return "reasoning_loop", None
     if calls:
         return "tool_use", None
     if out.stop_type == "word":
@@ -99,7 +106,10 @@ async def handle_messages(app: "App", req: Request) -> Response | StreamResponse
     chat = _read(app, body)
     treq = tool_request(app, chat, "/v1/messages")
     p = parse_gen_params(Fields(chat), **app.gen_defaults(), allow_n_probs=False)
-    ids = prompt_ids_of(app, chat)
+    rendered, ids = rendered_of(app, chat)
+    rs = read_chat_reasoning(app, Fields(chat))
+    p = with_think_watch(app, p, rs, rendered.text, framing_of(app.template.source))
+    think = ThinkParser(rs.extract, rs.extract and prompt_opens_think(rendered.text))
     gen = app.start(req.path, ids, p)
     mid = new_id("msg_")
     calls = ReplyCalls(app, treq)
@@ -112,15 +122,19 @@ async def handle_messages(app: "App", req: Request) -> Response | StreamResponse
     if not stream:
         async with aclosing(gen.pieces()) as pieces:
             async for piece in pieces:
-                calls.feed(piece.text)
+                calls.feed(think.feed(piece.text)[1])
         out = gen.outcome
+        calls.feed(think.finish()[1])
         calls.finish(cut=out.finish_reason == "length")
-        content = ([{"type": "text", "text": calls.content}] if calls.content or not calls.calls else []) + \
+        # as llama-server: the thinking block first (an empty signature: no cryptographic one here)
+        content = ([{"type": "thinking", "thinking": think.reasoning, "signature": ""}] if think.reasoning else []) + \
+            ([{"type": "text", "text": calls.content}] if calls.content or not calls.calls else []) + \
             [_tool_use(c) for c in calls.calls]
         reason, seq = _stop_reason(out, calls.calls)
         return Response.json(message(content, reason, seq, _usage(out)))
 
-    st = {"block": -1, "n_blocks": 0}     # the open text block's index (-1: none open), blocks sent
+    # the open text / thinking block's index (-1: none open), blocks sent so far
+    st = {"block": -1, "think": -1, "n_blocks": 0}
 
     async def events():
         try:
@@ -131,13 +145,16 @@ async def handle_messages(app: "App", req: Request) -> Response | StreamResponse
                         yield _event("message_start", {"message": message([], None, None, _usage(gen.outcome, 0))})
                         yield _event("ping", {})
                         first = False
-                    text, closed = calls.feed(piece.text)
-                    for b in _blocks(text, closed):
+                    for b in _piece_blocks(*think.feed(piece.text)):
                         yield b
             out = gen.outcome
             if first:
                 yield _event("message_start", {"message": message([], None, None, _usage(out, 0))})
                 yield _event("ping", {})
+            for b in _piece_blocks(*think.finish()):
+                yield b
+            for b in _close_thinking():
+                yield b
             text, closed = calls.finish(cut=out.finish_reason == "length")
             for b in _blocks(text, closed):
                 yield b
@@ -153,16 +170,37 @@ async def handle_messages(app: "App", req: Request) -> Response | StreamResponse
         except ApiError as e:
             yield _event("error", {"error": error_body(e.status, e.message)["error"]})
 
+    def _piece_blocks(reasoning: str, content: str) -> list:
+        out = []
+        if reasoning:
+            out += _delta("think", "thinking", reasoning)
+        if content:
+            out += _close_thinking()
+            out += _blocks(*calls.feed(content))
+        return out
+
+    def _delta(key: str, kind: str, piece: str) -> list:
+        """A delta of a thinking or text block (kind), the block opened first where st[key] has none."""
+        out = []
+        if st[key] < 0:
+            st[key] = st["n_blocks"]
+            st["n_blocks"] += 1
+            out.append(_event("content_block_start", {"index": st[key], "content_block": {"type": kind, kind: ""}}))
+        out.append(_event("content_block_delta", {"index": st[key], "delta": {"type": f"{kind}_delta", kind: piece}}))
+        return out
+
+    def _close_thinking() -> list:
+        """The thinking block ends with an (empty) signature_delta, as Anthropic's API requires."""
+        if st["think"] < 0:
+            return []
+        k, st["think"] = st["think"], -1
+        return [_event("content_block_delta", {"index": k, "delta": {"type": "signature_delta", "signature": ""}}),
+                _event("content_block_stop", {"index": k})]
+
     def _blocks(text: str, closed: list):
         out = []
         if text:
-            if st["block"] < 0:
-                st["block"] = st["n_blocks"]
-                st["n_blocks"] += 1
-                out.append(_event("content_block_start", {"index": st["block"],
-                                                          "content_block": {"type": "text", "text": ""}}))
-            out.append(_event("content_block_delta", {"index": st["block"],
-                                                      "delta": {"type": "text_delta", "text": text}}))
+            out += _delta("block", "text", text)
         for call in closed:          # a call is sent whole once it closed
             if st["block"] >= 0:
                 out.append(_event("content_block_stop", {"index": st["block"]}))

@@ -3,7 +3,8 @@
 system (a string or text blocks) -> a system message; content blocks: text ->
 text parts, thinking -> reasoning_content, tool_use -> the assistant's tool_calls,
 tool_result -> tool messages after the turn's own message; tools (input_schema)
--> function tools; tool_choice auto / any / tool / none; stop_sequences -> stop.
+-> function tools; tool_choice auto / any / tool / none; stop_sequences -> stop;
+thinking {"type": "enabled", "budget_tokens": N} -> the think span's budget (thinking_budget_tokens).
 Unlike llama-server (which defaults it to 4096), max_tokens is required, as Anthropic's API has it.
 Images are refused by name: this server reads no images.
 """
@@ -34,6 +35,9 @@ def _tool_result(block: dict, where: str) -> dict:
         text = ""
         for j, c in enumerate(content):
             kind = c.get("type") if isinstance(c, dict) else None
+            if kind in ("image", "document"):
+                raise field_error("messages", f"{where}.content[{j}]: {kind} input is not supported by this server "
+                                              f"(it reads text only: no vision model is loaded)")
             if kind != "text":
                 raise field_error("messages", f"{where}.content[{j}]: type {kind!r} is not supported in a tool_result "
                                               f"(only text)")
@@ -82,8 +86,8 @@ def messages_to_chat(messages: object) -> list[dict]:
             elif kind == "tool_result":
                 results.append(_tool_result(block, bwhere))
             elif kind in ("image", "document"):
-                raise field_error("messages", f"{bwhere}: {kind} blocks are not supported by this server "
-                                              f"(it reads text only)")
+                raise field_error("messages", f"{bwhere}: {kind} input is not supported by this server "
+                                              f"(it reads text only: no vision model is loaded)")
             else:
                 raise field_error("messages", f"{bwhere}: unknown content block type {kind!r}")
         if parts or calls or reasoning:
@@ -142,7 +146,16 @@ def to_chat_body(body: dict, *, need_max_tokens: bool = True) -> dict:
         chat["max_tokens"] = body["max_tokens"]
     if body.get("stop_sequences") is not None:
         chat["stop"] = body["stop_sequences"]
-    for key in ("temperature", "top_p", "top_k", "chat_template_kwargs"):
+    for key in ("temperature", "top_p", "top_k", "chat_template_kwargs", "reasoning_loop"):
         if key in body:
             chat[key] = body[key]
+    thinking = body.get("thinking")
+    if thinking is not None:
+        if not isinstance(thinking, dict):
+            raise field_error("thinking", "must be an object such as {\"type\": \"enabled\", \"budget_tokens\": N}")
+        if thinking.get("type") == "enabled":     # as llama-server: the think span's budget (default 10000)
+            budget = thinking.get("budget_tokens", 10000)
+            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+                raise field_error("thinking", f"budget_tokens must be an integer >= 0, got {budget!r}")
+            chat["thinking_budget_tokens"] = budget
     return chat

@@ -19,6 +19,7 @@ from bloomery.api.metrics import Metrics
 from bloomery.api.generate import Generation
 from bloomery.api.params import GenParams
 from bloomery.engine.types import ModelInfo, SamplingParams
+from bloomery.flags import REASONING_OFF, REASONING_ON
 from bloomery.http.types import ApiError, Request, Response, StreamResponse
 
 
@@ -98,7 +99,9 @@ class App:
                  sampling_defaults: SamplingParams | None = None, n_predict_default: int = -1,
                  alias: str | None = None, tags: str | None = None, endpoint_slots: bool = True,
                  metrics_requested: bool = False, verbose_default: bool = False,
-                 endpoint_props: bool = False, log: Callable[[str], None] = _stderr):
+                 endpoint_props: bool = False, reasoning: str = "auto", reasoning_format: str = "auto",
+                 reasoning_budget: int = -1, reasoning_budget_message: str | None = None,
+                 log: Callable[[str], None] = _stderr):
         self.tok = tokenizer
         self.template = template
         self.client = client
@@ -113,6 +116,12 @@ class App:
         self.metrics_requested = metrics_requested
         self.verbose_default = verbose_default        # -v: answers carry __verbose unless a request turns it off
         self.endpoint_props = endpoint_props          # --props: POST /props answers success (it changes nothing)
+        # --reasoning on/off: the template's enable_thinking unless a request sets it (auto: None, the template's)
+        self.enable_thinking_default = (True if reasoning in REASONING_ON else False if reasoning in REASONING_OFF
+                                        else None)
+        self.reasoning_format_default = reasoning_format     # --reasoning-format
+        self.reasoning_budget_default = reasoning_budget     # --reasoning-budget
+        self.reasoning_budget_message = reasoning_budget_message or ""
         self.metrics = Metrics()
         self.responses = responses.ResponseStore()    # /v1/responses kept for GET / previous_response_id
         self.log = log
@@ -166,7 +175,9 @@ class App:
         return gen
 
     def generation(self, req_id: str) -> Generation | None:
-        """A recent generation by its engine req_id (for /slots' params)."""
+        """A recent generation by its engine req_id (for /slots' params); a later leg's id ("<id>+<n>", after
+        forced reasoning-budget ids) names its generation too."""
+        req_id = req_id.split("+", 1)[0]
         gen = self.recent.get(req_id)
         if gen is None:
             gen = next((g for g in self.last_of_slot.values() if g.req_id == req_id), None)

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import time
 from contextlib import aclosing
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from bloomery.api import choices
 from bloomery.api.completion import llama_final
-from bloomery.api.params import Fields, field_error, parse_gen_params
-from bloomery.api.reasoning import prompt_opens_think, read_reasoning
+from bloomery.api.params import Fields, GenParams, field_error, parse_gen_params
+from bloomery.api.reasoning import prompt_opens_think, read_reasoning, think_spec
 from bloomery.api.toolcalls import CallError, framing_of, read_tool_request
 from bloomery.api.toolcalls.reply import Reply
 from bloomery.api.toolcalls.structured import apply_structured
@@ -62,7 +63,8 @@ def render_chat(app: "App", f: Fields):
     try:
         return app.template.render(messages, tools=tools[1] if tools else None,
                                    add_generation_prompt=True if add_gen is None else add_gen,
-                                   **template_args(kwargs[1] if kwargs else None, effort[1] if effort else None))
+                                   **template_args(kwargs[1] if kwargs else None, effort[1] if effort else None,
+                                                   default_enable_thinking=app.enable_thinking_default))
     except ApiError:
         raise
     except Exception as e:   # TemplateError names the message or tool at fault; a request made it fail
@@ -106,12 +108,11 @@ async def handle_chat(app: "App", req: Request) -> Response | StreamResponse:
     n = choices.read_n(f)
     rendered = render_chat(app, f)
     ids = app.encode_chat(rendered)
-    treq, rs = read_tool_request(f.body), read_reasoning(f)
+    treq, rs = read_tool_request(f.body), read_chat_reasoning(app, f)
     framing = framing_of(app.template.source)
     think_open = rs.extract and prompt_opens_think(rendered.text)
-    if think_open and rs.budget != -1:
-        raise field_error("reasoning_budget", f"a finite budget ({rs.budget}) is not served by this server yet")
     p = apply_structured(p, f.body, treq, framing, rs, think_open, f.raw("temperature") is not None)
+    p = with_think_watch(app, p, rs, rendered.text, framing)
     replies = [Reply(framing, treq, rs, think_open) for _ in range(n)]
     include_usage = False
     so = f.raw("stream_options")
@@ -175,6 +176,22 @@ async def handle_chat(app: "App", req: Request) -> Response | StreamResponse:
         except ApiError as e:
             yield sse(e.body())
     return StreamResponse(200, chunks(), app.sse_headers())
+
+
+def read_chat_reasoning(app: "App", f: Fields):
+    """The request's reasoning fields over the server's --reasoning-format / --reasoning-budget defaults."""
+    return read_reasoning(f, app.reasoning_format_default, app.reasoning_budget_default, app.reasoning_budget_message)
+
+
+def with_think_watch(app: "App", p: GenParams, rs, prompt: str, framing: str | None) -> GenParams:
+    """reasoning_budget / reasoning_loop: the think-span watch the generation runs (none when there is
+    nothing to watch). Under structured output the grammar owns the span, so a server default budget is
+    left out there (a request's own budget beside a schema was refused by apply_structured)."""
+    if p.sampling.grammar:
+        rs = replace(rs, budget=-1)
+    extra = ("<tool_call>",) if framing == "qwen3_coder" else ()   # a Qwen3-Coder call ends the span too
+    spec = think_spec(app.tok, rs, prompt, app.template.caps.thinking, extra)
+    return p if spec is None else replace(p, think=spec)
 
 
 def _finish_reply(reply: Reply, finish_reason: str) -> list[dict]:

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import time
 from contextlib import aclosing
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from bloomery.api import choices
 from bloomery.api.generate import Outcome
 from bloomery.api.params import Fields, GenParams, field_error, parse_gen_params
 from bloomery.api.prompts import read_prompts
+from bloomery.api.reasoning import read_reasoning, think_spec
 from bloomery.api.shapes import BUILD_INFO, SSE_DONE, completion_id, generation_settings, sse
 from bloomery.http.types import ApiError, Request, Response, StreamResponse
 
@@ -69,6 +71,14 @@ def llama_final(app: "App", out: Outcome, p: GenParams, prompt: object, *, strea
     return body
 
 
+def with_think(app: "App", p: GenParams, rs, prompt_text: str) -> GenParams:
+    """A raw prompt's think-span watch: the request's reasoning_budget counts from a <think> the prompt
+    leaves open (or the model writes); reasoning_loop watches the same span. The server's
+    --reasoning-budget is a chat default and is not applied here (as llama-server's /completion)."""
+    spec = think_spec(app.tok, rs, prompt_text, True)
+    return p if spec is None else replace(p, think=spec)
+
+
 async def handle_completion(app: "App", req: Request) -> Response | StreamResponse:
     f = Fields(req.json())
     raw = f.raw("prompt")
@@ -80,7 +90,8 @@ async def handle_completion(app: "App", req: Request) -> Response | StreamRespon
     prompt = raw[1]
     # the prompt echoed back: the string as sent, else the ids decoded (one per prompt)
     texts = [prompt if isinstance(prompt, str) else app.tok.decode(ids) for ids in all_ids]
-    gens = [app.start(req.path, ids, p) for ids in all_ids]
+    rs = read_reasoning(f)       # reasoning_budget / reasoning_loop over the raw prompt's <think> span
+    gens = [app.start(req.path, ids, with_think(app, p, rs, texts[i])) for i, ids in enumerate(all_ids)]
     several = len(gens) > 1
     if not p.stream:
         outs = await choices.run_all(gens)
@@ -129,6 +140,7 @@ async def handle_v1_completions(app: "App", req: Request) -> Response | StreamRe
     ids = prompt_ids(app, f)
     p = parse_gen_params(f, **app.gen_defaults(), allow_n_probs=False, n_max=choices.MAX_CHOICES)
     n = choices.read_n(f)
+    p = with_think(app, p, read_reasoning(f), app.tok.decode(ids))
     gens = [app.start(req.path, ids, choices.choice_params(p, i)) for i in range(n)]
     cid, created = completion_id(), int(time.time())
     head = {"created": created, "model": app.model_name, "system_fingerprint": BUILD_INFO,

@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from bloomery.api.params import GenParams
+from bloomery.api.reasoning import ThinkWatch
 from bloomery.api.stops import TextAssembler
 from bloomery.engine.types import EngineRequest, TokenOut
 from bloomery.http.types import ApiError
 
 # llama-server's stop_type -> the reason word of the request log line (serving guide 8.2)
 LOG_REASON = {"eos": "eos", "word": "stop", "limit": "length", "none": "stop", "cancel": "cancel", "error": "error",
-              "shutdown": "shutdown"}
+              "shutdown": "shutdown", "reasoning_loop": "reasoning_loop"}
 
 
 @dataclass
@@ -38,7 +39,8 @@ class Outcome:
     ids: list[int] = field(default_factory=list)       # every generated id, stop ids included
     probs: list[dict] = field(default_factory=list)    # completion_probabilities entries
     content: str = ""
-    stop_type: str = "none"                             # none, eos, limit, word (llama-server's words)
+    stop_type: str = "none"                             # none, eos, limit, word (llama-server's words),
+                                                        # reasoning_loop (the think span looped: reasoning_loop)
     stopping_word: str = ""
     prompt_ms: float = 0.0
     predicted_ms: float = 0.0
@@ -51,6 +53,8 @@ class Outcome:
 
     @property
     def finish_reason(self) -> str:
+        if self.stop_type == "reasoning_loop":
+            return "reasoning_loop"
         return "stop" if self.stop_type in ("eos", "word") else "length"
 
     @property
@@ -103,6 +107,10 @@ class Generation:
         return self._text.text
 
     async def pieces(self) -> AsyncIterator[Piece]:
+        """The generation's text as it becomes safe to send. It runs as one engine request, or, under a
+        reasoning_budget that runs out, as legs: the forced ids (message + end tag) are taken as generated
+        ids and the next leg goes on from prompt + every id so far (the slot's cache holds the prefix, so
+        only the forced ids are a prompt pass). The first leg's counts are the request's."""
         out = self.outcome
         p = self.params
         if not self.prompt_ids:   # llama-server answers an empty prompt with an empty result, no engine work
@@ -111,67 +119,104 @@ class Generation:
             return
         self.state = "queued"
         stop_ids = () if p.ignore_eos else tuple(sorted(self.tok.eog_ids))
-        req = EngineRequest(self.req_id, tuple(self.prompt_ids), p.n_predict, p.sampling, stop_ids, p.cache_prompt,
-                            id_task=self.task_id)
+        watch = ThinkWatch(p.think, self._piece_bytes) if p.think is not None else None
         t_first: float | None = None
         pending_ids: list[int] = []
         pending_probs: list[dict] = []
         finished = False
         reason = "cancel"
-        stream = self.client.generate(req)
+        n_legs = 0
+        stream = None
         try:
-            async for o in stream:
-                o: TokenOut
-                now = time.perf_counter()
-                if t_first is None:
-                    t_first = now
-                    self.state = "running"
-                    if self.metrics is not None:
-                        self.metrics.on_first(self)
-                    out.n_prompt = o.n_prompt or out.n_prompt
-                    out.n_cached, out.prompt_ms = o.n_cached, o.prompt_ms
-                if o.slot >= 0:
-                    out.slot = o.slot
-                if o.finish == "error":
-                    reason = "error"
-                    raise ApiError(500, f"generation failed: {o.error or 'unknown engine error'}", "server_error")
-                if o.finish == "shutdown":   # the server is stopping: a clean error answer, not a cut connection
-                    reason = "shutdown"
-                    raise ApiError(503, f"{o.error or 'the server is shutting down'}; this generation was ended "
-                                        f"after {out.n_gen} ids", "unavailable_error")
-                text = ""
-                if o.token is not None and not (p.n_predict >= 0 and out.n_gen >= p.n_predict):
-                    out.ids.append(o.token)
-                    pending_ids.append(o.token)
-                    if self.metrics is not None:
-                        self.metrics.on_token()
-                    if p.n_probs > 0 and o.logprob is not None:
-                        entry = prob_entry(self.tok, o.token, o.logprob, o.top)
-                        out.probs.append(entry)
-                        pending_probs.append(entry)
-                    out.predicted_ms = (now - t_first) * 1e3
-                    if o.finish == "stop" and o.token in stop_ids:
-                        out.stop_type = "eos"      # a stop id ends the text and is never rendered
-                    else:
-                        text = self._text.feed(self.tok.token_to_piece(o.token, special=False))
-                        if self._text.stopping_word:
-                            out.stop_type, out.stopping_word = "word", self._text.stopping_word
-                        elif o.finish == "stop":   # structured output is whole: its last id is text
-                            out.stop_type = "eos"
-                if out.stop_type == "none" and (o.finish == "length" or (p.n_predict >= 0 and out.n_gen >= p.n_predict)):
-                    out.stop_type = "limit"
-                if o.finish == "cancel" and out.stop_type == "none":
-                    reason, out.cancelled = "cancel", True
-                done = out.stop_type != "none" or o.finish is not None
-                if done:
-                    text += self._text.finish()
-                if text or (done and (pending_ids or text)):
-                    yield Piece(text, pending_ids, pending_probs)
-                    pending_ids, pending_probs = [], []
-                if done:
-                    finished = True
-                    reason = LOG_REASON["cancel" if out.cancelled else out.stop_type]
+            while True:
+                if watch is not None and watch.forced_next is not None:
+                    # the budget ran out (or was 0 on a prompt that opens the span): the forced ids
+                    text = ""
+                    while watch.forced_next is not None and out.stop_type == "none":
+                        if self._full():
+                            out.stop_type = "limit"
+                            break
+                        tid = watch.forced_next
+                        pending_ids.append(tid)
+                        text += self._take(tid, watch, forced=True)
+                    if out.stop_type == "none" and self._full():
+                        out.stop_type = "limit"
+                    if out.stop_type != "none":
+                        text += self._text.finish()
+                    if text or pending_ids:
+                        yield Piece(text, pending_ids, pending_probs)
+                        pending_ids, pending_probs = [], []
+                    if out.stop_type != "none":
+                        finished = True
+                        reason = LOG_REASON[out.stop_type]
+                        break
+                n_left = -1 if p.n_predict < 0 else p.n_predict - out.n_gen
+                req_id = self.req_id if n_legs == 0 else f"{self.req_id}+{n_legs}"
+                req = EngineRequest(req_id, tuple(self.prompt_ids) + tuple(out.ids), n_left, p.sampling, stop_ids,
+                                    p.cache_prompt or n_legs > 0, id_task=self.task_id)
+                n_legs += 1
+                stream = self.client.generate(req)
+                force = False
+                async for o in stream:
+                    o: TokenOut
+                    now = time.perf_counter()
+                    if t_first is None:
+                        t_first = now
+                        self.state = "running"
+                        if self.metrics is not None:
+                            self.metrics.on_first(self)
+                        out.n_prompt = len(self.prompt_ids) if o.n_prompt else out.n_prompt
+                        out.n_cached, out.prompt_ms = min(o.n_cached, len(self.prompt_ids)), o.prompt_ms
+                    elif o.prompt_ms and o.n_prompt:
+                        out.prompt_ms += o.prompt_ms       # a later leg's prompt pass (the forced ids)
+                    if o.slot >= 0:
+                        out.slot = o.slot
+                    if o.finish == "error":
+                        reason = "error"
+                        raise ApiError(500, f"generation failed: {o.error or 'unknown engine error'}", "server_error")
+                    if o.finish == "shutdown":   # the server is stopping: a clean error answer, not a cut connection
+                        reason = "shutdown"
+                        raise ApiError(503, f"{o.error or 'the server is shutting down'}; this generation was ended "
+                                            f"after {out.n_gen} ids", "unavailable_error")
+                    text = ""
+                    if o.token is not None and not (p.n_predict >= 0 and out.n_gen >= p.n_predict):
+                        pending_ids.append(o.token)
+                        if p.n_probs > 0 and o.logprob is not None:
+                            entry = prob_entry(self.tok, o.token, o.logprob, o.top)
+                            out.probs.append(entry)
+                            pending_probs.append(entry)
+                        out.predicted_ms = (now - t_first) * 1e3
+                        if o.finish == "stop" and o.token in stop_ids:
+                            out.ids.append(o.token)
+                            if self.metrics is not None:
+                                self.metrics.on_token()
+                            out.stop_type = "eos"      # a stop id ends the text and is never rendered
+                        else:
+                            text = self._take(o.token, watch)
+                            if out.stop_type == "none" and o.finish == "stop":   # structured output is whole
+                                out.stop_type = "eos"
+                    if out.stop_type == "none" and (o.finish == "length" or (p.n_predict >= 0 and out.n_gen >= p.n_predict)):
+                        out.stop_type = "limit"
+                    if o.finish == "cancel" and out.stop_type == "none":
+                        reason, out.cancelled = "cancel", True
+                    done = out.stop_type != "none" or o.finish is not None
+                    force = not done and watch is not None and watch.forced_next is not None
+                    if done:
+                        text += self._text.finish()
+                    if text or (done and (pending_ids or text)):
+                        yield Piece(text, pending_ids, pending_probs)
+                        pending_ids, pending_probs = [], []
+                    if done:
+                        finished = True
+                        reason = LOG_REASON["cancel" if out.cancelled else out.stop_type]
+                        break
+                    if force:
+                        break                   # the budget ran out: this leg ends here (it is cancelled)
+                if not force:
                     break
+                aclose = getattr(stream, "aclose", None)
+                if aclose is not None:
+                    await aclose()
         except ApiError:
             raise
         except Exception as e:   # the engine client failed (queue full, engine gone): the client sees why
@@ -189,6 +234,31 @@ class Generation:
             if self.metrics is not None:
                 self.metrics.on_end(self)
             self._log(reason)
+
+    def _full(self) -> bool:
+        """No id may follow: n_predict reached, or the slot's context is full."""
+        n_gen = self.outcome.n_gen
+        return (self.params.n_predict >= 0 and n_gen >= self.params.n_predict) or \
+            len(self.prompt_ids) + n_gen >= self.n_ctx_slot
+
+    def _piece_bytes(self, token: int) -> bytes:
+        return self.tok.token_to_piece(token, special=False)
+
+    def _take(self, token: int, watch: "ThinkWatch | None", forced: bool = False) -> str:
+        """One generated id that is text (not a stop id): counted, rendered, checked for stop strings,
+        and seen by the think-span watch; returns the text that became safe to send."""
+        out = self.outcome
+        out.ids.append(token)
+        if self.metrics is not None:
+            self.metrics.on_token()
+        text = self._text.feed(self._piece_bytes(token))
+        if self._text.stopping_word:
+            out.stop_type, out.stopping_word = "word", self._text.stopping_word
+        if watch is not None:
+            watch.accept(token, forced=forced)
+            if watch.looped and out.stop_type == "none":
+                out.stop_type = "reasoning_loop"    # the span repeats itself: it ends with the reasoning so far
+        return text
 
     def _log(self, reason: str) -> None:
         out = self.outcome

@@ -16,10 +16,17 @@ if TYPE_CHECKING:
     from bloomery.api.app import App
 
 
-def prompt_ids_of(app: "App", chat_body: dict) -> list[int]:
-    """The guarded prompt ids of an OpenAI chat body (messages, tools, chat_template_kwargs, reasoning_effort)."""
+def rendered_of(app: "App", chat_body: dict):
+    """(the rendered prompt, its guarded ids) of an OpenAI chat body (messages, tools, chat_template_kwargs,
+    reasoning_effort)."""
     from bloomery.api.chat import render_chat      # chat.py owns rendering; imported late (it imports us not)
-    return app.encode_chat(render_chat(app, Fields(chat_body)))
+    rendered = render_chat(app, Fields(chat_body))
+    return rendered, app.encode_chat(rendered)
+
+
+def prompt_ids_of(app: "App", chat_body: dict) -> list[int]:
+    """The guarded prompt ids of an OpenAI chat body."""
+    return rendered_of(app, chat_body)[1]
 
 
 def _answer(n: int) -> Response:

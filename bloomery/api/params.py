@@ -115,6 +115,7 @@ class GenParams:
     timings_per_token: bool = False
     samplers: tuple[str, ...] = DEFAULT_SAMPLERS
     extra: dict = field(default_factory=dict)   # echoed in generation_settings
+    think: object = None                        # api/reasoning.ThinkSpec: the span's budget / loop watch
 
 
 def refuse_unsupported(f: Fields) -> None:

@@ -16,12 +16,14 @@ import time
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
-from bloomery.api.input_tokens import prompt_ids_of
+from bloomery.api.chat import read_chat_reasoning, with_think_watch
+from bloomery.api.input_tokens import rendered_of
 from bloomery.api.params import Fields, field_error, parse_gen_params
 from bloomery.api.responses_calls import ReplyCalls, tool_request
 from bloomery.api.responses_convert import input_messages, to_chat_body
 from bloomery.api.responses_store import ResponseStore, Stored
 from bloomery.api.shapes import sse
+from bloomery.api.toolcalls import framing_of
 from bloomery.http.types import ApiError, Request, Response, StreamResponse
 
 if TYPE_CHECKING:
@@ -56,7 +58,10 @@ class Run:
             chat["tool_choice"] = _chat_tool_choice(chat["tool_choice"])
         self.treq = tool_request(app, chat, "/v1/responses")
         self.p = parse_gen_params(Fields(chat), **app.gen_defaults(), allow_n_probs=False)
-        ids = prompt_ids_of(app, chat)
+        rendered, ids = rendered_of(app, chat)
+        # reasoning_loop (and the server's --reasoning-budget) watch the think span as on chat
+        self.p = with_think_watch(app, self.p, read_chat_reasoning(app, Fields(chat)), rendered.text,
+                                  framing_of(app.template.source))
         prev = body.get("previous_response_id")
         self.conversation_in = (app.responses.conversation(prev) if prev else []) + input_messages(body)
         self.gen = app.start(path, ids, self.p)
@@ -103,6 +108,8 @@ class Run:
                  "total_tokens": out.n_prompt + out.n_gen}
         cut = out.finish_reason == "length"
         status, incomplete = ("incomplete", {"reason": "max_output_tokens"}) if cut else ("completed", None)
+        if out.stop_type == "reasoning_loop":     # the think span looped: ended with the reasoning so far
+            status, incomplete = "incomplete", {"reason": "reasoning_loop"}
         return self.response(status, self.output_items(), usage=usage, incomplete=incomplete)
 
     def conversation_out(self) -> list[dict]:

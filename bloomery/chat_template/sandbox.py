@@ -15,10 +15,17 @@ MAX_RANGE_ITEMS = 1_000_000                  # range() items per render, all loo
 
 
 class _Sandbox(ImmutableSandboxedEnvironment):
-    """llama.cpp's jinja settings; `*` and `**` checked so a template cannot build a huge value."""
-    intercepted_binops = frozenset(["*", "**"])
+    """llama.cpp's jinja settings; `*` and `**` checked so a template cannot build a huge value;
+    `+` of a string and none/undefined is the string, as llama.cpp's runtime concatenates them
+    (firefunction-v2's template adds `functions`, which llama.cpp leaves undefined)."""
+    intercepted_binops = frozenset(["*", "**", "+"])
 
     def call_binop(self, context, operator, left, right):
+        if operator == "+":
+            if isinstance(left, str) and _null(right):
+                return left
+            if isinstance(right, str) and _null(left):
+                return right
         if operator == "*":
             for seq, n in ((left, right), (right, left)):
                 if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_OUTPUT_CHARS:
@@ -27,6 +34,10 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         if operator == "**" and isinstance(right, int) and abs(right) > 1024:
             raise TemplateError(f"the chat template raises to the power {right}, past the bound 1024")
         return super().call_binop(context, operator, left, right)
+
+
+def _null(value) -> bool:
+    return value is None or isinstance(value, jinja2.Undefined)
 
 
 def _raise_exception(message="") -> None:

@@ -134,7 +134,9 @@ def run(server: str, tests: list[str], model: Path, log_path: Path | None, out: 
             t0 = time.monotonic()
             log.write(f"==== {server}: {sel}\n")
             log.flush()
-            subprocess.run(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
+            no_warmup = "1" if server == "bloomery" and sel in selection.NO_GENERATION else "0"
+            subprocess.run(cmd, cwd=work, env={**env, "BLOOMERY_SUITE_NO_WARMUP": no_warmup}, stdout=log,
+                           stderr=subprocess.STDOUT)
             file_s[sel] = round(time.monotonic() - t0, 1)
             if junit.exists():
                 result.update(outcomes(junit))

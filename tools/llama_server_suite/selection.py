@@ -68,6 +68,10 @@ REFUSED_TESTS: dict[str, str] = {
         "'type') is refused by name",
     "unit/test_chat_completion.py::test_chat_completions_multiple_choices": "id_slot (choosing a slot) is refused "
         "by name; n choices are served (tests/test_routes_openai.py::test_chat_n_choices_with_logprobs)",
+    **{f"unit/test_compat_anthropic.py::{t}": "images are refused by name with a 400 naming the block (this server "
+       "reads text only; a client error is never a 500 here); llama-server answers 500 'image input is not "
+       "supported' for a model without --mmproj" for t in (
+           "test_anthropic_tool_result_with_image", "test_anthropic_vision_format_accepted")},
     **{f"unit/test_kv_keep_only_active.py::{t}": "id_slot (choosing a slot) is refused by name, and the host-memory "
        "prompt cache behind idle-slot clearing (--cache-ram, --no-cache-idle-slots) is not in this build; the "
        "tests read llama-server's own log tags" for t in ("test_clear_and_restore", "test_disabled_with_flag")},
@@ -89,6 +93,19 @@ CI_TOO_SLOW: dict[str, str] = {
     "unit/test_ctx_shift.py::test_ctx_shift_disabled_stream":
         "6 s on llama-server; past the 120 s alarm on bloomery-serve (256 ids on numpy, 2 slots): not yet seen "
         "passing here, run it with BLOOMERY_SUITE_TEST_TIMEOUT_S=600",
+    **{f"unit/test_compat_anthropic.py::{t}": f"{ls} s on llama-server; {ours} s on bloomery-serve here (tools in the "
+       f"prompt, up to {n} ids on numpy); passed" for t, ls, ours, n in (
+           ("test_anthropic_tool_use_basic", 25, "32-75", 200), ("test_anthropic_tool_streaming", 3, "39-70", 200),
+           ("test_anthropic_streaming_content_block_indices", 3, "39-72", 400),
+           ("test_anthropic_tool_result_with_text", 5, "48-68", 100))},
+    **{f"unit/test_tool_call.py::test_completion_without_tool_call_fast[meta-llama-Llama-3.3-70B-Instruct-128-{c}-"
+       f"CompletionMode.STREAMED]": "4-6 s on llama-server; 96-108 s on bloomery-serve here (a 93-258 id prompt and "
+       "128 ids on numpy at 1.4-2.5 ids/s on the shared 2 cores); passed" for c in ("tools0-None", "tools1-None",
+                                                                                  "tools2-none")},
+    **{f"unit/test_tool_call.py::test_completion_without_tool_call_fast[meta-llama-Llama-3.3-70B-Instruct-128-{c}-"
+       f"CompletionMode.NORMAL]": "4-6 s on llama-server; on bloomery-serve here the test's own 60 s HTTP timeout "
+       "ends the non-streamed request (72 of 128 ids made at 1.4 ids/s on the shared 2 cores): not yet seen passing "
+       "here (an engine speed gap; its streamed twin passes)" for c in ("tools0-None", "tools1-None", "tools2-none")},
 }
 
 # Open gaps known and tracked in issue 4: they still run, are reported, and the CI test fails
@@ -98,6 +115,10 @@ KNOWN_OPEN_GAPS: dict[str, str] = {
         "temperature 0.8, seed 42: an end id is drawn after 46 ids where llama-server runs 64; the sampler "
         "reproduces llama.cpp's RNG, so the logits differ (the CPU numerics of issue 2)",
 }
+
+# Files whose tests never generate (they read /apply-template only): bloomery-serve runs them with
+# --no-warmup, so each of the file's server starts skips the ~9 s numpy warm-up that no request would use.
+NO_GENERATION: frozenset[str] = frozenset({"unit/test_template.py"})
 
 GOLDEN = Path(__file__).resolve().parents[2] / "tests/golden/llama_server_suite_baseline.json"
 

@@ -8,6 +8,8 @@ pid, so the tests' terminate() reaches it).
 
     BLOOMERY_SUITE_TARGET  "bloomery" (python -m bloomery.supervisor) or a llama-server binary path
     BLOOMERY_SUITE_MODEL   the GGUF file every model argument becomes
+    BLOOMERY_SUITE_NO_WARMUP  "1": bloomery-serve starts with --no-warmup (set by run.py for the files
+                           whose tests never generate: the ~9 s warm-up would be spent for nothing)
 """
 from __future__ import annotations
 
@@ -43,6 +45,8 @@ def main() -> None:
         sys.exit("llama_server_suite wrapper: set BLOOMERY_SUITE_TARGET and BLOOMERY_SUITE_MODEL")
     args = rewrite(sys.argv[1:], model)
     if target == "bloomery":
+        if os.environ.get("BLOOMERY_SUITE_NO_WARMUP") == "1":
+            args.append("--no-warmup")      # run.py: a file whose tests never generate (selection.NO_GENERATION)
         argv = [sys.executable, "-m", "bloomery.supervisor", *args]
     else:
         argv = [target, *args]

@@ -66,7 +66,7 @@ def apply_structured(p: GenParams, body: dict, treq: ToolRequest, framing: str |
     if treq.forced:
         if doc is not None:
             raise field_error("response_format", "a JSON response_format beside a forced tool_choice is not served")
-        if rs.budget != -1:
+        if rs.budget_set and rs.budget != -1:
             raise field_error("reasoning_budget", "a finite reasoning_budget beside a forced tool_choice is not served")
         try:
             forced = forced_call_nodes(framing, treq)
@@ -75,6 +75,9 @@ def apply_structured(p: GenParams, body: dict, treq: ToolRequest, framing: str |
     nodes = doc if doc is not None else forced
     if nodes is None:
         return p
+    if rs.budget_set and rs.budget != -1:
+        raise field_error("reasoning_budget", "a finite reasoning_budget beside structured output is not served "
+                                              "(the schema closes an open think span at once)")
     if p.ignore_eos:
         raise field_error("ignore_eos", "ignore_eos beside structured output is not served (the schema ends it)")
     if think_open:

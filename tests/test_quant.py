@@ -107,3 +107,107 @@ def test_q8_K_mat_4x8_rows_let_the_positive_max_win_a_tie():
     assert q_ref[0, [3, 9, 20]].tolist() == [-127, 127, 64] and d_ref[0, 0] > 0
     assert q_mat[0, [3, 9, 20]].tolist() == [127, -127, -64] and d_mat[0, 0] == -d_ref[0, 0]
     assert np.array_equal(q_mat[1], q_ref[1]) and d_mat[1, 0] == d_ref[1, 0]     # row 1: the ref rule
+
+
+# --- llama.cpp's float order ---------------------------------------------------------------
+
+def _rn32(v) -> np.float32:
+    """An exact rational rounded once to float32 (nearest, ties to even): a true fma's rounding."""
+    from fractions import Fraction
+    v = Fraction(v)
+    if v == 0:
+        return np.float32(0)
+    sign, a = (-1 if v < 0 else 1), abs(v)
+    e = a.numerator.bit_length() - a.denominator.bit_length() - 24
+    while a / Fraction(2) ** e >= 2 ** 24:
+        e += 1
+    while a / Fraction(2) ** e < 2 ** 23:
+        e -= 1
+    m = a / Fraction(2) ** e
+    q, r = divmod(m.numerator, m.denominator)
+    if 2 * r > m.denominator or (2 * r == m.denominator and q % 2):
+        q += 1
+    return np.float32(sign * q * 2.0 ** e)
+
+
+def _q8_0_family_reference(x: np.ndarray, qt, raw: np.ndarray, n_rows: int) -> np.ndarray:
+    """ggml_vec_dot_q{5,8}_0_q8_0 (AVX2/AVX-512) written out: per block d = d_w*d_a in f32, eight
+    integer lane sums of four products, acc_l = fma(d, lane_l, acc_l) rounded once, then
+    hsum_float_8; plain Python, from gguf's dequantizer for the integers."""
+    from fractions import Fraction
+    t, k = x.shape
+    ref = quant.dequantize(qt, raw, n_rows, k)                          # d_w * q, exact
+    p = quant.decode_planes(qt, raw, n_rows, k)
+    qa, da = quant.quantize_q8_0(x)
+    out = np.zeros((t, n_rows), np.float32)
+    for r in range(t):
+        for n in range(n_rows):
+            acc = [np.float32(0)] * 8
+            for b in range(k // 32):
+                dw = p.d[n, b]
+                d = np.float32(dw * da[r, b])
+                q = ref[n, 32 * b:32 * b + 32] / dw if dw else np.zeros(32)
+                for lane in range(8):
+                    s = sum(int(round(q[4 * lane + e])) * int(qa[r, 32 * b + 4 * lane + e]) for e in range(4))
+                    acc[lane] = _rn32(Fraction(float(d)) * s + Fraction(float(acc[lane])))
+            a = acc
+            out[r, n] = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
+    return out
+
+
+@pytest.mark.parametrize("qt", [QT.Q8_0, QT.Q5_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("saxpy", [True, False], ids=["saxpy", "float64"])
+def test_q8_0_family_llama_order_equals_the_written_out_kernel(qt, saxpy, monkeypatch):
+    if saxpy and not quant.USE_SAXPY:
+        pytest.skip("numpy's BLAS has no fused saxpy here: the float64 path is the one in use")
+    monkeypatch.setattr(quant, "USE_SAXPY", saxpy)
+    n_rows, n_cols = 12, 128
+    raw = random_blocks(qt, n_rows, n_cols, seed=5)
+    x = np.random.default_rng(6).standard_normal((3, n_cols)).astype(np.float32) * 3
+    p = quant.decode_planes(qt, raw, n_rows, n_cols)
+    want = _q8_0_family_reference(x, qt, raw, n_rows)
+    for t in (1, 3):                                                    # vec_dot, tinyBLAS: one order
+        got = quant.dot_llama(x[:t], p)
+        assert np.array_equal(got, want[:t]), f"{qt.name} T={t}: {int((got != want[:t]).sum())} differ"
+
+
+def test_scaled_plane_round_trips_and_both_orders_share_it():
+    """The Q5_0 llama-order kernel scales the plane by d_w in place; the other path (and
+    planes_to_float) scale it back, exactly, a zero-scale block included."""
+    raw = random_blocks(QT.Q5_0, 8, 256, seed=9)
+    raw.reshape(-1, 22)[3, 0:2] = 0                                     # one block with d = 0
+    p = quant.decode_planes(QT.Q5_0, raw, 8, 256)
+    q0 = p.q.copy()
+    x = np.random.default_rng(1).standard_normal((2, 256)).astype(np.float32)
+    a = quant.dot_planes(x, p)
+    b = quant.dot_llama(x, p)
+    assert p.scaled == (QT.Q5_0 in quant.AXPY_TYPES and quant.USE_SAXPY)
+    assert np.array_equal(quant.dot_planes(x, p), a) and not p.scaled
+    keep = np.ones(q0.shape, bool)
+    keep[3, 0] = False                                                  # block 3 of row 0: d = 0
+    assert np.array_equal(p.q[keep], q0[keep]) and not p.q[3, 0].any()
+    assert np.array_equal(quant.dot_llama(x, p), b)
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-4)             # two float orders, one sum
+
+
+def test_f32_weights_in_llama_order():
+    """dot_f32_llama: ggml_vec_dot_f32 (one row, or N % 4 != 0) and llamafile's tinyBLAS (T >= 2,
+    N % 4 == 0) written out in float64-emulated fmas: both equal the float64 product to ~1e-6
+    and differ from each other, as the two kernels do."""
+    from bloomery.engine.ops_math import reduce_add16
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((3, 200)).astype(np.float32)
+    w = rng.standard_normal((8, 200)).astype(np.float32)
+    exact = x.astype(np.float64) @ w.T.astype(np.float64)
+    one = np.concatenate([quant.dot_f32_llama(x[i:i + 1], w) for i in range(3)])   # vec_dot
+    many = quant.dot_f32_llama(x, w)                                               # tinyBLAS
+    np.testing.assert_allclose(one, exact, rtol=0, atol=2e-5)
+    np.testing.assert_allclose(many, exact, rtol=0, atol=2e-5)
+    assert not np.array_equal(one, many)
+    # tinyBLAS for row 0, output 0, by hand: 16 lanes, fma over 13 steps (the last one partial)
+    acc = np.zeros(16, np.float32)
+    xs, ws = np.zeros(208, np.float32), np.zeros(208, np.float32)
+    xs[:200], ws[:200] = x[0], w[0]
+    for c in range(0, 208, 16):
+        acc = (xs[c:c + 16].astype(np.float64) * ws[c:c + 16] + acc).astype(np.float32)
+    assert many[0, 0] == reduce_add16(acc)

@@ -175,7 +175,7 @@ def test_sigterm_mid_stream_ends_it_cleanly_and_refuses_new_requests(tiny_model)
     assert any("ending requests still generating" in line for line in s.lines)
 
 
-@pytest.mark.parametrize("value,shown", [(None, "value=off"), ("on", "value=on")])
+@pytest.mark.parametrize("value,shown", [(None, "value=on"), ("off", "value=off")])
 def test_kernel_order_lever_is_read_and_recorded(tiny_model, value, shown):
     env = {"BLOOMERY_KERNEL_ORDER": value} if value else {}
     s = Served("-m", str(tiny_model), "-c", "256", env=env)

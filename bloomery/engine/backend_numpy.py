@@ -21,6 +21,7 @@ from gguf import GGMLQuantizationType as QT
 from bloomery.engine import quant
 from bloomery.engine.kv_cache import KVCache
 from bloomery.engine.ops import AttnSpan, Rows
+from bloomery.engine.ops_math import expf_libm, v_expf, vec_soft_max
 
 
 class NumpyWeight:
@@ -111,40 +112,6 @@ def rope_table(positions: np.ndarray, n_rot: int, freq_base: float) -> tuple[np.
     return cos, sin
 
 
-def _exp(x: np.ndarray) -> np.ndarray:
-    """expf rounded once from float64 (ggml's SIMD expf is within an ulp of it)."""
-    return np.exp(x.astype(np.float64)).astype(np.float32)
-
-
-def _fma32(a, b, c) -> np.ndarray:
-    """float32 fma: the product is exact in float64, the sum rounds (twice in ~2^-29 of cases)."""
-    return (np.asarray(a, np.float64) * b + c).astype(np.float32)
-
-
-_F = np.float32
-
-
-def _H(hex_literal: str) -> np.float32:
-    return np.float32(float.fromhex(hex_literal))
-
-
-def _v_expf(x: np.ndarray) -> np.ndarray:
-    """ggml_v_expf for __m512 (vec.h, the AVX512F build): Cody-Waite split on 2^n, a degree-5
-    polynomial in f32 FMAs, scalef; |n| > 192 goes to 0 or inf."""
-    x = np.asarray(x, np.float32)
-    r = _H('0x1.8p23')
-    z = _fma32(x, _H('0x1.715476p+0'), r)
-    n = z - r                                                           # round(x/ln2) as f32
-    b = _fma32(-n, _H('0x1.7f7d1cp-20'), _fma32(-n, _H('0x1.62e4p-1'), x))
-    u = b * b
-    j = _fma32(_fma32(_fma32(_H('0x1.0e4020p-7'), b, _H('0x1.573e2ep-5')), u,
-                      _fma32(_H('0x1.555e66p-3'), b, _H('0x1.fffdb6p-2'))),
-               u, _fma32(_H('0x1.ffffecp-1'), b, _F(1.0)))
-    big = np.abs(n) > 192
-    res = np.ldexp(j, np.where(big, 0, n).astype(np.int32))             # _mm512_scalef_ps
-    return np.where(big, np.where(n <= 0, _F(0), _F(np.inf)), res).astype(np.float32)
-
-
 class NumpyOps:
     name = "numpy"
 
@@ -178,6 +145,13 @@ class NumpyOps:
     def argmax(self, logits) -> np.ndarray:
         return np.argmax(_f32(logits), axis=-1).astype(np.int32)
 
+    def _expert_matmul(self, x, w: NumpyWeight) -> np.ndarray:
+        """ggml_compute_forward_mul_mat_id for one expert's routed rows: as mul_mat, except that
+        a repacked Q4_K weight runs its gemv row by row (repack.cpp forward_mul_mat_id)."""
+        if quant.KERNEL_ORDER and QT(w.ggml_type) in quant.LLAMA_ORDER_TYPES:
+            return quant.dot_llama(_f32(x), w.planes(), per_row=True)
+        return self._matmul(x, w)
+
     def _matmul(self, x, w: NumpyWeight) -> np.ndarray:
         """ggml_compute_forward_mul_mat: src1 converted to the weight's vec_dot type first."""
         x = _f32(x)                                                     # [T, K]
@@ -185,6 +159,8 @@ class NumpyOps:
             raise ValueError(f"matmul: input has {x.shape[-1]} columns, the weight's rows are {w.n_cols} long")
         qt = QT(w.ggml_type)
         if qt == QT.F32:
+            if quant.KERNEL_ORDER:
+                return quant.dot_f32_llama(x, w.dense())                # [T, N] llama.cpp's float order
             return x @ w.dense().T                                      # [T, N]
         if qt == QT.F16:
             return x.astype(np.float16).astype(np.float32) @ w.dense().T   # [T, N] f16 x f16 in f32
@@ -212,12 +188,12 @@ class NumpyOps:
 
     def swiglu(self, gate, up) -> np.ndarray:
         """ggml_vec_swiglu_f32: x / (1 + e^-x) * g in f32, with ggml_v_expf on each row's
-        16-wide chunks and expf on the tail (as its AVX512 loop does)."""
+        16-wide chunks and the C library's expf on the tail (as its AVX512 loop does)."""
         g, up = _f32(gate), _f32(up)
         n_vec = g.shape[-1] - g.shape[-1] % 16
         e = np.empty_like(g)
-        e[..., :n_vec] = _v_expf(np.float32(0) - g[..., :n_vec])
-        e[..., n_vec:] = _exp(-g[..., n_vec:])
+        e[..., :n_vec] = v_expf(np.float32(0) - g[..., :n_vec])
+        e[..., n_vec:] = expf_libm(-g[..., n_vec:])
         return (g / (np.float32(1) + e)) * up
 
     def rope_neox(self, x, positions, n_rot: int, freq_base: float) -> np.ndarray:
@@ -261,10 +237,11 @@ class NumpyOps:
 
     # --- mixture of experts ---
     def moe_route(self, logits, n_used: int, norm_weights: bool):
-        """ggml_soft_max, ggml_argsort_top_k, then (qwen3moe) weights / clamp(sum, 2^-14)."""
+        """ggml_soft_max (ggml_vec_soft_max_f32, then a scale by 1/sum rounded to f32),
+        ggml_argsort_top_k, then (qwen3moe) weights / clamp(sum, 2^-14)."""
         z = _f32(logits)                                                # [T, E]
-        p = _exp(z - z.max(axis=-1, keepdims=True))
-        p = p * (1.0 / p.sum(axis=-1, keepdims=True, dtype=np.float64)).astype(np.float32)   # [T, E]
+        p, total = vec_soft_max(z, z.max(axis=-1))
+        p = p * (1.0 / total).astype(np.float32)[:, None]               # [T, E]
         ids = np.argsort(-p, axis=-1, kind="stable")[:, :n_used]        # [T, A]
         w = np.take_along_axis(p, ids, axis=-1)                         # [T, A]
         if norm_weights:
@@ -281,8 +258,8 @@ class NumpyOps:
         for e in np.unique(ids):
             tok, rank = np.nonzero(ids == e)                            # rows routed to e
             xe = x[tok]                                                 # [t_e, D]
-            h = self.swiglu(self.matmul(xe, gate_exps.expert(e)), self.matmul(xe, up_exps.expert(e)))
-            out[tok, rank] = self.matmul(h, down_exps.expert(e)) * weights[tok, rank][:, None]
+            h = self.swiglu(self._expert_matmul(xe, gate_exps.expert(e)), self._expert_matmul(xe, up_exps.expert(e)))
+            out[tok, rank] = self._expert_matmul(h, down_exps.expert(e)) * weights[tok, rank][:, None]
         acc = out[:, 0]
         for a in range(1, n_used):
             acc = acc + out[:, a]                                       # [T, D]

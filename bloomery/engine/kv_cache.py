@@ -8,9 +8,18 @@ query rows the ubatch holds:
   * fewer than GGML_FA_TILE_Q (64) rows -- every decode step, short prompts:
     Q is rounded to F16, scores are F16 x F16 dots summed in F32, and the
     online softmax keeps its V accumulator in F16 (rounded after every
-    rescale and every add). `_attend_f16` mirrors that step by step.
+    rescale and every add), with the C library's expf. `_attend_f16` mirrors
+    that step by step.
   * 64 rows or more -- prompts: the tiled path, all in F32 (K, V widened from
-    F16). `_attend_f32` computes the same softmax attention in F32.
+    F16), an online softmax over tiles of GGML_FA_TILE_KV (64) positions with
+    simd_gemm's FMA chains, ggml_v_expf for the weights and expf for the
+    rescale. `_attend_f32` mirrors that tile by tile.
+
+Both are bit for bit with llama.cpp's (tests/test_real_model_logits.py). Not
+mirrored: the split-KV decode path llama.cpp takes once its padded KV view
+reaches 512 cells (a context past 256 positions): it splits the positions
+across its threads and merges the partial softmaxes, in an order that
+depends on its thread count; there our last bits may differ.
 
 Legend: T = query rows, L = visible KV positions, H = query heads,
 Hkv = KV heads, G = H/Hkv, Dh = head size.
@@ -19,7 +28,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from bloomery.engine.ops_math import expf_libm, vec_soft_max
+
 FA_TILE_Q = 64   # ggml-cpu common.h GGML_FA_TILE_Q: the tiled F32 path from this many rows
+FA_TILE_KV = 64  # GGML_FA_TILE_KV: the tiled path's online softmax steps a tile of positions at a time
 
 
 class KVCacheError(ValueError):
@@ -73,29 +85,58 @@ def _causal(t: int, pos0: int, n_kv: int) -> np.ndarray:
     return np.arange(n_kv)[None, :] <= (pos0 + np.arange(t))[:, None]
 
 
-def _exp(x: np.ndarray) -> np.ndarray:
-    """expf, correctly rounded (through float64) as glibc's expf is."""
-    return np.exp(x.astype(np.float64)).astype(np.float32)
-
-
 def _fma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
     """f32 a*b + c with one rounding (the compiler contracts ggml's S*ms + vs to an FMA)."""
     return (a.astype(np.float64) * b + c).astype(np.float32)
 
 
 def _attend_f32(q, k, v, pos0: int, scale) -> np.ndarray:
-    """The tiled path: F32 Q, K and V widened from F16, F32 softmax."""
-    hkv = k.shape[1]
+    """ggml_compute_forward_flash_attn_ext_tiled, per query row (a row's result does not depend
+    on which rows share its tile): K and V widened from F16, Q in F32; for each tile of
+    FA_TILE_KV positions the row sees: scores by simd_gemm (one FMA chain over Dh from 0), times
+    the scale; the running max, and on a new max a rescale of the accumulator and the sum by the
+    C library's expf(M_old - M_new); the tile's weights and their sum by ggml_vec_soft_max_f32
+    (ggml_v_expf); the accumulator += weights @ V by simd_gemm (one FMA chain over the tile's
+    positions, from the accumulator); at the end a scale by 1/S."""
+    t = q.shape[0]
+    n_kv, hkv, dh = k.shape
     qg = _group(q.astype(np.float32), hkv)                              # [Hkv, G, T, Dh]
-    kf = k.astype(np.float32).transpose(1, 2, 0)                        # [Hkv, Dh, L]
-    vf = v.astype(np.float32).transpose(1, 0, 2)                        # [Hkv, L, Dh]
-    s = np.matmul(qg, kf[:, None]) * scale                              # [Hkv, G, T, L]
-    s = np.where(_causal(q.shape[0], pos0, k.shape[0]), s, -np.inf).astype(np.float32)
-    m = s.max(axis=-1, keepdims=True)                                   # [Hkv, G, T, 1]
-    p = _exp(s - m)                                                     # [Hkv, G, T, L]
-    denom = p.sum(axis=-1, keepdims=True, dtype=np.float64).astype(np.float32)
-    o = np.matmul(p, vf[:, None]) * (np.float32(1) / denom)             # [Hkv, G, T, Dh]
-    return _ungroup(o.astype(np.float32))
+    kt = k.astype(np.float32).transpose(1, 2, 0)[:, None]               # [Hkv, 1, Dh, L]
+    vf = v.astype(np.float32).transpose(1, 0, 2)[:, None]               # [Hkv, 1, L, Dh]
+    q64 = qg.astype(np.float64)
+    kq = np.zeros(qg.shape[:-1] + (n_kv,), np.float32)                  # [Hkv, G, T, L]
+    for d in range(dh):                                                 # simd_gemm: C += A[:, d] * B[d, :]
+        kq = (q64[..., d:d + 1] * kt[:, :, d][:, :, None, :] + kq).astype(np.float32)
+    kq = kq * scale
+    kq[..., ~_causal(t, pos0, n_kv)] = -np.inf                          # the mask's -inf (its 0s change nothing)
+    m_run = np.full(kq.shape[:-1], -np.inf, np.float32)                 # M [Hkv, G, T]
+    s_run = np.zeros(kq.shape[:-1], np.float32)                         # S
+    acc = np.zeros(qg.shape, np.float32)                                # VKQ32 [Hkv, G, T, Dh]
+    for c in range(0, n_kv, FA_TILE_KV):
+        tile = kq[..., c:c + FA_TILE_KV]                                # [Hkv, G, T, <=64]
+        if tile.shape[-1] < FA_TILE_KV:                                 # the last tile is padded with -inf
+            pad = np.full(tile.shape[:-1] + (FA_TILE_KV - tile.shape[-1],), -np.inf, np.float32)
+            tile = np.concatenate([tile, pad], axis=-1)
+        tile_max = tile.max(axis=-1)
+        live = tile_max != -np.inf                                      # rows with a visible position here
+        if not live.any():
+            continue
+        m_new = np.maximum(m_run, tile_max)
+        grow = live & (m_new > m_run)
+        if grow.any():
+            with np.errstate(invalid="ignore"):
+                ms = np.where(grow, expf_libm(m_run - m_new), np.float32(1))
+            acc = np.where(grow[..., None], acc * ms[..., None], acc)
+            s_run = np.where(grow, s_run * ms, s_run)
+        m_run = np.where(live, m_new, m_run)
+        w, tile_sum = vec_soft_max(np.where(live[..., None], tile, -np.inf),
+                                   np.where(live, m_new, np.float32(0)))   # padded tail: exp(-inf) = 0
+        s_run = np.where(live, (s_run.astype(np.float64) + tile_sum).astype(np.float32), s_run)
+        w64 = np.where(live[..., None], w, np.float32(0)).astype(np.float64)
+        for j in range(min(FA_TILE_KV, n_kv - c)):                       # simd_gemm: VKQ += KQ[:, j] * V[j, :]
+            acc = (w64[..., j:j + 1] * vf[:, :, c + j][:, :, None, :] + acc).astype(np.float32)
+    inv = np.where(s_run == 0, np.float32(0), np.float32(1) / np.where(s_run == 0, np.float32(1), s_run))
+    return _ungroup((acc * inv[..., None]).astype(np.float32))
 
 
 def _scores_f16(q16: np.ndarray, kf: np.ndarray) -> np.ndarray:
@@ -125,37 +166,51 @@ def _scores_f16(q16: np.ndarray, kf: np.ndarray) -> np.ndarray:
 
 
 def _attend_f16(q, k, v, pos0: int, scale) -> np.ndarray:
-    """The one-chunk path: F16 Q, online softmax with an F16 V accumulator."""
+    """The one-chunk path: F16 Q, online softmax with an F16 V accumulator, position by
+    position. M only grows, so its value before each position (and with it each step's
+    rescale ms = expf(M_old - s) on a new max, else weight vs = expf(s - M)) comes first for
+    all positions at once, with the C library's expf; the loop then carries VKQ16 and S."""
     t = q.shape[0]
     n_kv, hkv, dh = k.shape
     q16 = _group(q.astype(np.float16).astype(np.float32), hkv)         # [Hkv, G, T, Dh]
     kf = k.astype(np.float32).transpose(1, 0, 2)                        # [Hkv, L, Dh]
     vf = v.astype(np.float32).transpose(1, 0, 2)                        # [Hkv, L, Dh]
     s_all = _scores_f16(q16, kf) * scale                                # [Hkv, G, T, L] f32
+    visible = _causal(t, pos0, n_kv)                                    # [T, L]
+    s_vis = np.where(visible, s_all, -np.inf).astype(np.float32)       # masked positions are skipped
+    m_incl = np.maximum.accumulate(s_vis, axis=-1)
+    m_prev = np.concatenate([np.full(s_vis.shape[:-1] + (1,), -np.inf, np.float32), m_incl[..., :-1]], axis=-1)
+    new_max = (s_vis > m_prev) & visible
+    with np.errstate(invalid="ignore"):
+        ms_all = np.where(new_max, expf_libm(m_prev - s_vis), np.float32(1))   # expf(-inf) = 0 first
+        vs_all = np.where(new_max | ~visible, np.float32(1), expf_libm(s_vis - m_prev))
     g = q16.shape[1]
     acc = np.zeros((hkv, g, t, dh), np.float16)                         # VKQ16
-    m_run = np.full((hkv, g, t), -np.inf, np.float32)                   # M
     s_run = np.zeros((hkv, g, t), np.float32)                           # S
-    visible = _causal(t, pos0, n_kv)                                    # [T, L]
     n_always = pos0 + 1                                                 # positions every row sees
-    for ic in range(n_kv):
-        s = s_all[..., ic]                                              # [Hkv, G, T]
-        new_max = s > m_run
-        with np.errstate(invalid="ignore"):
-            ms = np.where(new_max, _exp(m_run - s), np.float32(1))
-            vs = np.where(new_max, np.float32(1), _exp(s - m_run))
-        scaled = np.where(new_max[..., None], (acc.astype(np.float32) * ms[..., None]).astype(np.float16), acc)
-        v_ic = vf[:, ic][:, None, None, :]                              # [Hkv, 1, 1, Dh]
-        # ggml_vec_mad_f16: one FMA in f32 (float64 holds the exact product), then f16
-        added = (scaled.astype(np.float64) + v_ic * vs[..., None].astype(np.float64)).astype(np.float32).astype(np.float16)
-        if ic < n_always:
-            acc, m_run = added, np.where(new_max, s, m_run)
-            s_run = _fma(s_run, ms, vs)
-        else:                                                           # masked rows keep their state
-            see = visible[:, ic][None, None, :]                         # [1, 1, T]
-            acc = np.where(see[..., None], added, acc)
-            m_run = np.where(see & new_max, s, m_run)
-            s_run = np.where(see, _fma(s_run, ms, vs), s_run)
-    inv = np.where(s_run == 0, np.float32(0), np.float32(1) / s_run)    # [Hkv, G, T]
+    grows = new_max.any(axis=(0, 1, 2)).tolist()                        # [L]
+    ms_l = np.ascontiguousarray(np.moveaxis(ms_all, -1, 0))             # [L, Hkv, G, T]
+    vs_l = np.ascontiguousarray(np.moveaxis(vs_all, -1, 0))
+    nm_l = np.moveaxis(new_max, -1, 0)[..., None]                       # [L, Hkv, G, T, 1]
+    step = max(1, (1 << 21) // max(1, acc.size))                        # positions per v*vs block
+    for c0 in range(0, n_kv, step):
+        c1 = min(n_kv, c0 + step)
+        # v * vs for these positions: the FMA's exact product (float64 holds it)
+        vv = vf[:, c0:c1].transpose(1, 0, 2)[:, :, None, None, :].astype(np.float64) * vs_l[c0:c1, ..., None]
+        for ic in range(c0, c1):
+            if grows[ic]:                                               # ggml_vec_scale_f16 where s is a new max
+                acc = np.where(nm_l[ic], (acc.astype(np.float32) * ms_l[ic][..., None]).astype(np.float16), acc)
+            a64 = acc.astype(np.float64)                                # ggml_vec_mad_f16: one FMA in f32, then f16
+            a64 += vv[ic - c0]
+            added = a64.astype(np.float32).astype(np.float16)
+            # S = S*ms + vs (contracted to an FMA); ms is 1 unless s is a new max
+            s_new = _fma(s_run, ms_l[ic], vs_l[ic]) if grows[ic] else s_run + vs_l[ic]
+            if ic < n_always:
+                acc, s_run = added, s_new
+            else:                                                       # masked rows keep their state
+                see = visible[:, ic][None, None, :]                     # [1, 1, T]
+                acc = np.where(see[..., None], added, acc)
+                s_run = np.where(see, s_new, s_run)
+    inv = np.where(s_run == 0, np.float32(0), np.float32(1) / np.where(s_run == 0, np.float32(1), s_run))
     o = acc.astype(np.float32) * inv[..., None]                         # [Hkv, G, T, Dh]
     return _ungroup(o)

@@ -79,6 +79,27 @@ class Planes:
     dmin: np.ndarray | None = None
     m: np.ndarray | None = None
     cache: dict = field(default_factory=dict, repr=False)   # lazily built kernel-order layouts
+    scaled: bool = False    # llama.cpp's order for Q5_0 / Q4_0 / Q4_K: q holds q times its scale, see _set_scaled
+
+
+def _set_scaled(p: Planes, scaled: bool) -> None:
+    """Switch a plane in place between the integer quants and the quants times their scale:
+    d_w * q for the Q8_0 family (exact in float32: 11 significant bits times 5), the sub-block
+    scale times q for Q4_K (<= 63 * 15). The llama-order kernels (_dot_q8_0_axpy,
+    _dot_q4_K_repacked) read the scaled plane, everything else the integers; q = (s*q) / s is
+    exact, and where a scale is 0 the quants contribute 0 either way, so they come back as 0."""
+    if p.scaled == scaled:
+        return
+    if QT(p.ggml_type) == QT.Q4_K:
+        f = p.sc.T.astype(np.float32)[:, :, None]                       # [S, N, 1]
+    else:
+        f = p.d.T[:, :, None]                                           # [B, N, 1]
+    if scaled:
+        np.multiply(p.q, f, out=p.q)
+    else:
+        np.divide(p.q, f, out=p.q, where=f != 0)
+        p.q[np.broadcast_to(f == 0, p.q.shape)] = 0
+    p.scaled = scaled
 
 
 def _f16(raw: np.ndarray, col: int) -> np.ndarray:
@@ -154,6 +175,7 @@ def decode_planes(ggml_type: int, raw: np.ndarray, n_rows: int, n_cols: int) -> 
 
 def planes_to_float(p: Planes) -> np.ndarray:
     """Rebuild float32 [N, K] from planes (checks decode_planes against `dequantize`)."""
+    _set_scaled(p, False)
     n_sub, n_rows, sub = p.q.shape
     q = p.q.transpose(1, 0, 2)                                          # [N, S, Q]
     qt = QT(p.ggml_type)
@@ -228,6 +250,7 @@ def dot_planes(x: np.ndarray, p: Planes) -> np.ndarray:
     integers, as llama.cpp's int32 accumulators), and the block scales last in
     float32 as llama.cpp does.
     """
+    _set_scaled(p, False)
     t = x.shape[0]
     n_sub, n_rows, sub = p.q.shape
     qt = QT(p.ggml_type)
@@ -296,38 +319,53 @@ def _combine(qt, p: Planes, isum, da, bsums, n0: int, n1: int) -> np.ndarray:
 #     acc = fma(float(isum), d_w*d_a, acc) with isum an exact integer sum per super-block (gemv:
 #     T%4 trailing columns) or per 64 elements (gemm: the first T - T%4, quantized by
 #     ggml_quantize_mat_q8_K_4x8), mins in a second accumulator the same way, out = acc - acc_min.
-# A float32 fma is emulated in float64: the product is exact there (< 53 bits), only the sum
-# rounds twice, which differs from one rounding in about 2^-29 of the inexact cases.
+#   ggml_mul_mat_id (MoE experts): as above per expert's rows, except that the repacked Q4_K
+#     runs its gemv row by row (dot_llama(per_row=True)).
+#   F32 weights: dot_f32_llama (ggml_vec_dot_f32 / llamafile's tinyBLAS<16, __m512>).
+# How, in numpy, with no Python per row: every integer lane sum comes from one BLAS product
+# (exact: every partial sum is an integer below 2^24), and the fma chain over blocks is one call
+# per block over all rows at once. For Q5_0 (and Q4_0) the plane holds d_w*q (_set_scaled), so
+# BLAS gives d_w*lane exactly and each chain step is one fused saxpy from numpy's OpenBLAS with
+# a = d_a (the same exact product as d_w*d_a times lane, rounded once); elsewhere a float32 fma
+# is emulated in float64: the product is exact there (< 53 bits), only the sum rounds twice,
+# which differs from one rounding in about 2^-29 of the inexact cases (_fma_chain). Large
+# products split their rows over N_THREADS threads.
 LLAMA_ORDER_TYPES = frozenset({QT.Q8_0, QT.Q5_0, QT.Q6_K, QT.Q4_K})
-# True (the lever BLOOMERY_KERNEL_ORDER=on): the four types above sum in llama.cpp's kernel
-# order, bit for bit, at about 2.5x the time of dot_planes on this machine. False (default):
-# every batch size takes dot_planes' one order (exact integer sums, float order our own), whose
-# final logits sit within ~0.5 of llama.cpp's; tests that compare batch shapes use it, since
-# llama.cpp's kernels, so ours, give a prompt's logits differently at T=1, T<8 and T>=8.
-KERNEL_ORDER = os.environ.get("BLOOMERY_KERNEL_ORDER", "off").lower() in ("on", "1", "true")
+# True (default; BLOOMERY_KERNEL_ORDER=off turns it off): the four types above, and F32
+# weights (dot_f32_llama), sum in llama.cpp's kernel order, bit for bit, so the numpy backend's
+# logits equal llama.cpp's CPU build's. False: every batch size takes dot_planes' one order
+# (exact integer sums, float order our own; final logits within ~0.5 of llama.cpp's); tests that
+# compare batch shapes use it, since llama.cpp's kernels, so ours, give a prompt's logits
+# differently at T=1, T<8 and T>=8.
+KERNEL_ORDER = os.environ.get("BLOOMERY_KERNEL_ORDER", "on").strip().lower() not in ("off", "0", "false", "no")
 
 
-def _find_blas_threads_local():
-    """numpy's OpenBLAS `openblas_set_num_threads_local` (None if numpy uses another BLAS)."""
+def _numpy_openblas():
+    """numpy's bundled OpenBLAS as a ctypes library (None if numpy uses another BLAS)."""
     import ctypes
     import glob
     libs = os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs")
-    for path in glob.glob(os.path.join(libs, "*openblas*")):
+    for path in sorted(glob.glob(os.path.join(libs, "*openblas*"))):
         try:
-            fn = ctypes.CDLL(path).openblas_set_num_threads_local
+            lib = ctypes.CDLL(path)
+            lib.openblas_set_num_threads_local
         except (OSError, AttributeError):
             continue
-        fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-        return fn
+        return lib
     return None
 
 
-_BLAS_THREADS_LOCAL = _find_blas_threads_local()
+_OPENBLAS = _numpy_openblas()
+_BLAS_THREADS_LOCAL = None
+if _OPENBLAS is not None:
+    import ctypes as _ct
+    _BLAS_THREADS_LOCAL = _OPENBLAS.openblas_set_num_threads_local
+    _BLAS_THREADS_LOCAL.argtypes, _BLAS_THREADS_LOCAL.restype = [_ct.c_int], _ct.c_int
 
 
 class _OneBlasThread:
-    """The lane kernels run hundreds of tiny GEMMs ([n, 32] @ [32, 8T]); OpenBLAS's thread
-    hand-off costs ~100x their work on a busy 2-core machine, so run them on this thread."""
+    """The lane kernels run hundreds of small GEMMs and AXPYs; OpenBLAS's thread hand-off
+    costs far more than their work on a busy 2-core machine, so run them on this thread."""
 
     def __enter__(self):
         self.prev = _BLAS_THREADS_LOCAL(1) if _BLAS_THREADS_LOCAL else None
@@ -337,11 +375,58 @@ class _OneBlasThread:
             _BLAS_THREADS_LOCAL(self.prev)
 
 
-def _fma_step(d, v, acc32: np.ndarray, tmp64: np.ndarray) -> None:
-    """acc32 = fma(d, v, acc32) in float32 with one product and (almost always) one rounding."""
-    np.multiply(d, v, out=tmp64, dtype=np.float64)
-    np.add(tmp64, acc32, out=tmp64)
-    np.copyto(acc32, tmp64, casting="same_kind")
+def _find_saxpy():
+    """OpenBLAS's contiguous saxpy, y = a*x + y, if it is a fused multiply-add here.
+
+    llama.cpp's Q8_0-family kernels do acc = fma(d, lane, acc) in float32. Where d*lane is a
+    float32 a times a float32 x exactly (see _dot_q8_0_lanes), one saxpy call is that step for
+    a whole row block. OpenBLAS's x86 kernels (Haswell, SkylakeX) use FMA instructions, but a
+    build may not, so the call is checked against a float64 fma on inputs where one rounding
+    and two differ; None (the float64 emulation is used) if it is absent or not fused."""
+    if _OPENBLAS is None:
+        return None
+    import ctypes
+    for name, int_t in (("scipy_cblas_saxpy64_", ctypes.c_int64), ("cblas_saxpy64_", ctypes.c_int64),
+                        ("cblas_saxpy", ctypes.c_int)):
+        fn = getattr(_OPENBLAS, name, None)
+        if fn is not None:
+            break
+    else:
+        return None
+    fn.argtypes = [int_t, ctypes.c_float, ctypes.c_void_p, int_t, ctypes.c_void_p, int_t]
+    fn.restype = None
+    rng = np.random.default_rng(12345)
+    with _OneBlasThread():
+        for n in (1, 7, 8, 15, 16, 17, 31, 64, 100, 1000, 4099):
+            x = rng.standard_normal(n).astype(np.float32)
+            y = rng.standard_normal(n).astype(np.float32)
+            a = np.float32(rng.standard_normal())
+            want = (np.float64(a) * x.astype(np.float64) + y).astype(np.float32)
+            fn(n, float(a), x.ctypes.data, 1, y.ctypes.data, 1)
+            if not np.array_equal(y, want):
+                return None
+    return fn
+
+
+_SAXPY = _find_saxpy()
+USE_SAXPY = _SAXPY is not None
+
+
+CHUNK_BYTES = 1 << 21    # a chunk's float64 product array: about the L2 cache, so each chain step reads it from there
+
+
+def _rows_per_chunk(bytes_per_row: int, n_rows: int, at_least: int = 64) -> int:
+    return max(1, min(n_rows, max(at_least, CHUNK_BYTES // max(1, bytes_per_row))))
+
+
+def _fma_chain(prod: np.ndarray, acc: np.ndarray) -> np.ndarray:
+    """acc = fma(d_s, v_s, acc) for s = 0, 1, .. from acc = 0, in float32; prod [S, ...] holds the
+    products d_s*v_s exactly in float64, so each step rounds the sum once (twice, to float64
+    first, in about 2^-29 of the inexact cases). One numpy call per step, over every row."""
+    np.copyto(acc, prod[0], casting="unsafe")
+    for s in range(1, prod.shape[0]):
+        np.add(prod[s], acc, out=acc, casting="unsafe")
+    return acc
 
 
 def _hsum8(a: np.ndarray) -> np.ndarray:
@@ -349,44 +434,172 @@ def _hsum8(a: np.ndarray) -> np.ndarray:
     return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
 
 
-def dot_llama(x: np.ndarray, p: Planes) -> np.ndarray:
-    """x [T, K] float32 @ planes [N, K]^T -> [T, N] in llama.cpp's CPU float order."""
+def dot_llama(x: np.ndarray, p: Planes, per_row: bool = False) -> np.ndarray:
+    """x [T, K] float32 @ planes [N, K]^T -> [T, N] in llama.cpp's CPU float order.
+
+    per_row: the product of ggml_mul_mat_id (an expert's rows): a repacked Q4_K weight runs its
+    gemv row by row there, whatever the batch; Q6_K takes the tiled path from 8 rows per expert
+    as in mul_mat, and the Q8_0 family has one order for any batch."""
     with _OneBlasThread():
-        return _dot_llama(x, p)
+        return _dot_llama(x, p, per_row)
 
 
-def _dot_llama(x: np.ndarray, p: Planes) -> np.ndarray:
+def _dot_llama(x: np.ndarray, p: Planes, per_row: bool = False) -> np.ndarray:
     qt = QT(p.ggml_type)
     if qt in (QT.Q8_0, QT.Q5_0):
-        return _dot_q8_0_lanes(x, p)
+        return _dot_q8_0_lanes(x, p)                                    # vec_dot and tinyBLAS: one order
     if qt == QT.Q6_K:
         return _dot_q6_K_tiled(x, p) if x.shape[0] >= TILED_MIN_T else _dot_q6_K_lanes(x, p)
     if qt == QT.Q4_K and p.q.shape[1] % 8 == 0:
-        return _dot_q4_K_repacked(x, p)
+        return _dot_q4_K_repacked(x, p, gemv_only=per_row)
     return dot_planes(x, p)                                             # no mirrored kernel: exact sums
 
 
+def _lane_diag(qa: np.ndarray, n_blocks: int) -> np.ndarray:
+    """Q8_0 activation [T, K] -> [B, 32, 8T] block-diagonal: column (lane, t) holds elements
+    4*lane .. 4*lane+3 of block b of row t, so [n, 32] @ it gives every lane's integer sum."""
+    t = qa.shape[0]
+    qa_b = qa.reshape(t, n_blocks, 8, 4).transpose(1, 2, 3, 0)          # [B, lane, 4, T]
+    a_bd = np.zeros((n_blocks, 8, 4, 8, t), np.float32)
+    for lane in range(8):
+        a_bd[:, lane, :, lane, :] = qa_b[:, lane]
+    return a_bd.reshape(n_blocks, 32, 8 * t)
+
+
+# Worker threads for the row chunks of the large products (numpy, BLAS and the saxpy calls all
+# release the GIL); BLOOMERY_NUMPY_THREADS=1 keeps everything on the calling thread.
+N_THREADS = max(1, int(os.environ.get("BLOOMERY_NUMPY_THREADS", "0") or 0) or min(2, os.cpu_count() or 1))
+PARALLEL_MIN_MACS = 1 << 22           # products smaller than this run on the calling thread
+_POOL = None
+
+
+def _one_blas_thread_call(fn, *args):
+    with _OneBlasThread():
+        return fn(*args)
+
+
+def _row_chunks(fn, n_rows: int, nc: int, macs: int) -> None:
+    """fn(n0, n1) for each chunk of nc rows, spread over N_THREADS threads when the product is big."""
+    global _POOL
+    if N_THREADS > 1 and macs >= PARALLEL_MIN_MACS:
+        nc = min(nc, -(-n_rows // N_THREADS))                          # at least one chunk per thread
+    starts = list(range(0, n_rows, nc))
+    if N_THREADS < 2 or len(starts) < 2 or macs < PARALLEL_MIN_MACS:
+        for n0 in starts:
+            fn(n0, min(n_rows, n0 + nc))
+        return
+    if _POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+        _POOL = ThreadPoolExecutor(N_THREADS, thread_name_prefix="bloomery-numpy")
+    per = -(-len(starts) // N_THREADS)                                 # contiguous runs of chunks per thread
+
+    def run(group):
+        for n0 in group:
+            fn(n0, min(n_rows, n0 + nc))
+    futures = [_POOL.submit(_one_blas_thread_call, run, starts[i:i + per]) for i in range(per, len(starts), per)]
+    run(starts[:per])                                                   # the first run on this thread
+    for f in futures:
+        f.result()
+
+
 def _dot_q8_0_lanes(x: np.ndarray, p: Planes) -> np.ndarray:
+    if USE_SAXPY and QT(p.ggml_type) in AXPY_TYPES:
+        return _dot_q8_0_axpy(x, p)
+    _set_scaled(p, False)
     t = x.shape[0]
     n_blocks, n_rows, _ = p.q.shape
     qa, da = quantize_q8_0(x)
-    qa_b = qa.reshape(t, n_blocks, 8, 4).transpose(1, 2, 3, 0)          # [B, lane, 4, T]
-    a_bd = np.zeros((n_blocks, 8, 4, 8, t), np.float32)                 # block-diagonal per lane
-    for lane in range(8):
-        a_bd[:, lane, :, lane, :] = qa_b[:, lane]
-    a_bd = a_bd.reshape(n_blocks, 32, 8 * t)                            # [B, 32, 8T]
+    a_bd = _lane_diag(qa, n_blocks)                                     # [B, 32, 8T]
+    da64 = da.T.astype(np.float64)[:, None, None, :]                   # [B, 1, 1, T]
     out = np.empty((t, n_rows), np.float32)
-    step = max(8, MAX_TMP_ELEMS // max(1, 8 * t))
-    for n0 in range(0, n_rows, step):
-        n1 = min(n_rows, n0 + step)
-        d = p.d[n0:n1].T[:, :, None] * da.T[:, None, :]                 # [B, n, T] f32 d_w*d_a
-        acc = np.zeros((n1 - n0, 8, t), np.float32)                     # [n, 8, T]
-        lanes = np.empty((n1 - n0, 8 * t), np.float32)
-        tmp = np.empty(acc.shape, np.float64)
-        for b in range(n_blocks):                                       # p.q[b, n0:n1] is contiguous: BLAS
-            np.dot(p.q[b, n0:n1], a_bd[b], out=lanes)                   # [n, 8T] exact ints
-            _fma_step(d[b][:, None, :], lanes.reshape(n1 - n0, 8, t), acc, tmp)
+
+    def chunk(n0: int, n1: int) -> None:
+        n = n1 - n0
+        lanes = np.matmul(p.q[:, n0:n1], a_bd)                          # [B, n, 8T] exact ints
+        d = np.multiply(p.d[n0:n1].T[:, :, None, None], da64)           # d_w*d_a: exact, as f32
+        prod = lanes.reshape(n_blocks, n, 8, t).astype(np.float64)
+        np.multiply(prod, d, out=prod)                                  # [B, n, 8, T] exact products
+        acc = _fma_chain(prod, np.empty((n, 8, t), np.float32))         # [n, 8, T]
         out[:, n0:n1] = _hsum8(acc.transpose(1, 0, 2)).T                # [T, n]
+    _row_chunks(chunk, n_rows, _rows_per_chunk(n_blocks * 8 * t * 8, n_rows), t * n_rows * n_blocks * 32)
+    return out
+
+
+# Types whose lane sums times the weight's f16 scale are exact in float32 (|q| <= 16:
+# |lane| <= 4*16*127 < 2^13, an f16 holds 11 significant bits), so fma(d_w*d_a, lane, acc)
+# is saxpy(d_a, d_w*lane, acc): the same exact product, rounded once.
+AXPY_TYPES = frozenset({QT.Q5_0, QT.Q4_0})
+AXPY_CHUNK_BYTES = 1 << 23   # the [B, 8T, n] lane array of one chunk
+
+
+def _dot_q8_0_axpy(x: np.ndarray, p: Planes) -> np.ndarray:
+    """One column: lanes [B, n, 8] from [n, 32] @ [32, 8] per block, contiguous per block.
+    More: [B, 8T, n] from [8T, 32] @ [32, n], contiguous per (block, column). Either way the
+    plane is d_w*q, so each BLAS sum is d_w*lane exactly, and each saxpy one fma step."""
+    _set_scaled(p, True)
+    t = x.shape[0]
+    n_blocks, n_rows, _ = p.q.shape
+    qa, da = quantize_q8_0(x)
+    a_bd = _lane_diag(qa, n_blocks)                                     # [B, 32, 8T], column (lane, t)
+    if t > 1:                                                           # rows (t, lane)
+        a_bd = np.ascontiguousarray(a_bd.reshape(n_blocks, 32, 8, t).transpose(0, 3, 2, 1)).reshape(n_blocks, 8 * t, 32)
+    da_list = da.tolist()                                               # [T][B] f16 values
+    out = np.empty((t, n_rows), np.float32)
+    saxpy = _SAXPY
+
+    def chunk(n0: int, n1: int) -> None:
+        n = n1 - n0
+        if t == 1:
+            y = np.matmul(p.q[:, n0:n1], a_bd)                          # [B, n, 8] d_w*lane
+            acc = np.zeros((n, 8), np.float32)
+        else:
+            y = np.matmul(a_bd, p.q[:, n0:n1].transpose(0, 2, 1))       # [B, 8T, n] d_w*lane
+            acc = np.zeros((t, 8, n), np.float32)
+        y_ptr, acc_ptr, step = y.ctypes.data, acc.ctypes.data, 8 * n
+        for b in range(n_blocks):
+            base = y_ptr + b * 4 * 8 * t * n
+            for r in range(t):
+                saxpy(step, da_list[r][b], base + r * 4 * step, 1, acc_ptr + r * 4 * step, 1)
+        out[:, n0:n1] = _hsum8(acc.T) if t == 1 else _hsum8(acc.transpose(1, 0, 2))
+    nc = n_rows if n_rows <= 1024 else max(256, AXPY_CHUNK_BYTES // (n_blocks * 8 * t * 4))
+    _row_chunks(chunk, n_rows, nc, t * n_rows * n_blocks * 32)
+    return out
+
+
+def dot_f32_llama(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x [T, K] float32 @ w [N, K]^T in llama.cpp's order for F32 weights (AVX-512 build).
+
+    T >= 2 with N % 4 == 0 goes to llamafile's tinyBLAS<16, __m512>: per output one 16-lane
+    accumulator, fma over the row in 16-wide steps (a partial last step reads zeros), then
+    _mm512_reduce_add_ps. Otherwise ggml_vec_dot_f32: four 16-lane accumulators over 64-wide
+    steps, (acc0 + acc2) + (acc1 + acc3), _mm512_reduce_add_ps, then the tail one fma at a time."""
+    from bloomery.engine.ops_math import reduce_add16
+    t, k = x.shape
+    n = w.shape[0]
+    out = np.empty((t, n), np.float32)
+    tiny = t >= 2 and n % 4 == 0
+    width = 16 if tiny else 64
+    x64 = x.astype(np.float64)
+    step = max(1, MAX_TMP_ELEMS // max(1, t * width))
+    for n0 in range(0, n, step):
+        n1 = min(n, n0 + step)
+        wc = w[n0:n1]
+        acc = np.zeros((t, n1 - n0, width), np.float32)
+        k_main = k if tiny else k - k % 64
+        for c in range(0, k_main, width):
+            xs, ws = x64[:, None, c:c + width], wc[None, :, c:c + width]
+            if xs.shape[-1] < width:                                    # tinyBLAS's partial load: zeros
+                xs = np.concatenate([xs, np.zeros(xs.shape[:-1] + (width - xs.shape[-1],))], axis=-1)
+                ws = np.concatenate([ws, np.zeros(ws.shape[:-1] + (width - ws.shape[-1],), np.float32)], axis=-1)
+            acc = (xs * ws + acc).astype(np.float32)
+        if tiny:
+            out[:, n0:n1] = reduce_add16(acc)
+            continue
+        a4 = acc.reshape(t, n1 - n0, 4, 16)
+        res = reduce_add16((a4[:, :, 0] + a4[:, :, 2]) + (a4[:, :, 1] + a4[:, :, 3]))
+        for i in range(k_main, k):                                      # sumf += x[i]*y[i], contracted
+            res = (x64[:, None, i] * wc[None, :, i] + res).astype(np.float32)
+        out[:, n0:n1] = res
     return out
 
 
@@ -399,6 +612,7 @@ def _dot_q6_K_tiled(x: np.ndarray, p: Planes) -> np.ndarray:
     n_super = p.d.shape[1]
     qa, da, _ = quantize_q8_K(x)
     qa_b = np.ascontiguousarray(qa.reshape(t, n_sub, sub).transpose(1, 0, 2))   # [S, T, 16]
+    da64 = da.T.astype(np.float64)[:, :, None]                          # [Bs, T, 1]
     out = np.empty((t, n_rows), np.float32)
     step = max(8, MAX_TMP_ELEMS // max(1, n_sub * t))
     for n0 in range(0, n_rows, step):
@@ -407,86 +621,94 @@ def _dot_q6_K_tiled(x: np.ndarray, p: Planes) -> np.ndarray:
         sc = p.sc[n0:n1].T.astype(np.float64)                           # [S, n]
         s1 = (isum * sc[:, None, :]).reshape(n_super, n_sub // n_super, t, n1 - n0).sum(axis=1)
         r = s1.astype(np.float32) * p.d[n0:n1].T[:, None, :]           # [Bs, T, n] f32(s1)*d_w, rounded
-        acc = np.zeros((t, n1 - n0), np.float32)
-        tmp = np.empty(acc.shape, np.float64)
-        for i in range(n_super):
-            _fma_step(r[i], da[:, i:i + 1], acc, tmp)                  # gcc contracts add(buf, mul(r, d_a))
-        out[:, n0:n1] = acc
+        prod = r.astype(np.float64) * da64                              # gcc contracts add(buf, mul(r, d_a))
+        out[:, n0:n1] = _fma_chain(prod, np.empty((t, n1 - n0), np.float32))
     return out
 
 
-def _q6_K_layout(p: Planes) -> np.ndarray:
-    """Scale-times-unsigned-quant weights [Bs, 2, 8, N, 16] in the AVX2 kernel's lane order."""
+def _q6_K_layout(p: Planes) -> tuple[np.ndarray, np.ndarray]:
+    """Scale-times-unsigned-quant weights [Bs, 2, 8, N, 16] in the AVX2 kernel's lane order
+    (lane l of half j holds elements 128j + 32k + 4l + e, k < 4, e < 4), and the scales of
+    sub-blocks 2l, 2l+1 as [Bs, 8, N, 2] for the lane's bsums term."""
     if "q6_lanes" not in p.cache:
         n_sub, n_rows, _ = p.q.shape
         n_super = n_sub // 16
         w = (p.q.transpose(1, 0, 2) + 32) * p.sc.astype(np.float32)[:, :, None]   # [N, S, 16] <= 8064
         w = w.reshape(n_rows, n_super, 2, 4, 8, 4)                      # [N, Bs, j, k, lane, e]
-        p.cache["q6_lanes"] = np.ascontiguousarray(
-            w.transpose(1, 2, 4, 0, 3, 5).reshape(n_super, 2, 8, n_rows, 16))
+        sc = p.sc.astype(np.float32).reshape(n_rows, n_super, 8, 2)     # [N, Bs, lane, 2]
+        p.cache["q6_lanes"] = (np.ascontiguousarray(w.transpose(1, 2, 4, 0, 3, 5).reshape(n_super, 2, 8, n_rows, 16)),
+                               np.ascontiguousarray(sc.transpose(1, 2, 0, 3)))
     return p.cache["q6_lanes"]
 
 
 def _dot_q6_K_lanes(x: np.ndarray, p: Planes) -> np.ndarray:
+    """ggml_vec_dot_q6_K_q8_K: per super-block, 8 int32 lanes: the two halves' sums of
+    unsigned quant * scale * a (each below 2^24, exact in float32), minus 32 * the scales
+    times the bsums of sub-blocks 2l, 2l+1; _mm256_cvtepi32_ps, then fma(d_a*d_w, lane, acc)."""
     t = x.shape[0]
     n_sub, n_rows, _ = p.q.shape
     n_super = n_sub // 16
-    w = _q6_K_layout(p)
+    w, sc = _q6_K_layout(p)                                             # [Bs, 2, 8, N, 16], [Bs, 8, N, 2]
     qa, da, bsums = quantize_q8_K(x)
     a = qa.reshape(t, n_super, 2, 4, 8, 4).transpose(1, 2, 4, 3, 5, 0).reshape(n_super, 2, 8, 16, t)
-    bs = bsums.reshape(t, n_super, 8, 2).astype(np.float64)            # [T, Bs, lane, 2]
-    sc = p.sc.reshape(n_rows, n_super, 8, 2).astype(np.float64)         # [N, Bs, lane, 2]
+    bs = np.ascontiguousarray(bsums.reshape(t, n_super, 8, 2).transpose(1, 2, 3, 0))   # [Bs, lane, 2, T]
     out = np.empty((t, n_rows), np.float32)
     step = max(8, MAX_TMP_ELEMS // max(1, n_super * 16 * t))
     for n0 in range(0, n_rows, step):
         n1 = min(n_rows, n0 + step)
         half = np.matmul(w[:, :, :, n0:n1], a)                          # [Bs, 2, 8, n, T] exact (< 2^24)
-        lanes = half[:, 0].astype(np.float64) + half[:, 1]              # [Bs, 8, n, T] exact ints
-        lanes -= 32 * np.einsum("nilp,tilp->ilnt", sc[n0:n1], bs)
-        lanes32 = lanes.astype(np.float32)                              # _mm256_cvtepi32_ps
-        d = da.T[:, None, :] * p.d[n0:n1].T[:, :, None]      # [Bs, n, T] f32
-        acc = np.zeros((8, n1 - n0, t), np.float32)
-        tmp = np.empty(acc.shape, np.float64)
-        for i in range(n_super):
-            _fma_step(d[i][None], lanes32[i], acc, tmp)
-        out[:, n0:n1] = _hsum8(acc).T
+        corr = np.matmul(sc[:, :, n0:n1], bs)                           # [Bs, 8, n, T] exact (< 2^20)
+        lanes = half[:, 0].astype(np.float64)
+        lanes += half[:, 1]
+        lanes -= 32 * corr                                              # exact ints
+        lanes = lanes.astype(np.float32).astype(np.float64)             # _mm256_cvtepi32_ps rounds past 2^24
+        d = da.T[:, None, :] * p.d[n0:n1].T[:, :, None]                 # [Bs, n, T] f32 d_a*d_w, rounded
+        lanes *= d[:, None].astype(np.float64)                          # exact products
+        out[:, n0:n1] = _hsum8(_fma_chain(lanes, np.empty(lanes.shape[1:], np.float32))).T
     return out
 
 
-def _dot_q4_K_repacked(x: np.ndarray, p: Planes) -> np.ndarray:
-    """gemm rows (the first T - T%4) fma once per 64 elements, gemv rows once per super-block."""
+def _dot_q4_K_repacked(x: np.ndarray, p: Planes, gemv_only: bool = False) -> np.ndarray:
+    """ggml_gemm/gemv_q4_K_8x8_q8_K: gemm rows (the first T - T%4) fma once per 64 elements,
+    gemv rows once per super-block; the mins' products in a second accumulator the same way.
+
+    The plane holds q * sub-block scale (_set_scaled), so one BLAS sum per 32 elements is that
+    sub-block's scaled integer sum (<= 32*945*127 < 2^24, exact) and two of them the 64's."""
+    _set_scaled(p, True)
     t = x.shape[0]
     n_sub, n_rows, sub = p.q.shape
     n_super = p.d.shape[1]
-    t_gemm = t - t % 4                                                  # forward_mul_mat_one_chunk's split
+    t_gemm = 0 if gemv_only else t - t % 4                              # forward_mul_mat_one_chunk's split
     qa, da, bsums = quantize_q8_K(x, positive_wins=np.arange(t) < t_gemm)
     qa_b = np.ascontiguousarray(qa.reshape(t, n_sub, sub).transpose(1, 0, 2))   # [S, T, Q]
-    bs32 = bsums.reshape(t, n_super, 4, 2, 2).sum(axis=4).astype(np.float64)    # [T, Bs, sb, 2]
+    bs32 = bsums.reshape(t, n_super * 4, 2, 2).sum(axis=3)             # [T, Bs*4, 2] sums per 32, exact
+    bs32 = np.ascontiguousarray(bs32.transpose(1, 0, 2))              # [Bs*4, T, 2]
+    if "q4_mins" not in p.cache:                                        # the 6-bit mins as [Bs*4, 2, N]
+        p.cache["q4_mins"] = np.ascontiguousarray(
+            p.m.astype(np.float32).reshape(n_rows, n_super * 4, 2).transpose(1, 2, 0))
+    mins = p.cache["q4_mins"]
     out = np.empty((t, n_rows), np.float32)
     step = max(8, MAX_TMP_ELEMS // max(1, n_sub * t))
     for n0 in range(0, n_rows, step):
         n1 = min(n_rows, n0 + step)
         n = n1 - n0
-        isum = _block_sums(p.q[:, n0:n1], qa_b)                         # [S, T, n] exact
-        sc = p.sc[n0:n1].T.astype(np.float64)                           # [S, n]
-        sumi = (isum * sc[:, None, :]).reshape(n_super, 4, 2, t, n).sum(axis=2)   # [Bs, sb, T, n] exact
-        m = p.m[n0:n1].reshape(n, n_super, 4, 2).astype(np.float64)
-        summ = np.einsum("nsbj,tsbj->sbtn", m, bs32)                    # [Bs, sb, T, n] exact
-        dd = da.T[:, :, None] * p.d[n0:n1].T[:, None, :]                # [Bs, T, n] f32 d_w*d_a
-        dm = da.T[:, :, None] * p.dmin[n0:n1].T[:, None, :]
+        isum = _block_sums(p.q[:, n0:n1], qa_b).reshape(n_super, 4, 2, t, n)   # scaled sums per 32
+        sumi = isum[:, :, 0] + isum[:, :, 1]                            # [Bs, sb, T, n] per 64, exact
+        summ = np.matmul(bs32, mins[:, :, n0:n1]).reshape(n_super, 4, t, n)    # sum of mins * bsums, exact
+        dd = (da.T[:, :, None] * p.d[n0:n1].T[:, None, :]).astype(np.float64)  # [Bs, T, n] f32 d_w*d_a
+        dm = (da.T[:, :, None] * p.dmin[n0:n1].T[:, None, :]).astype(np.float64)
         for rows, per_sb in ((slice(0, t_gemm), True), (slice(t_gemm, t), False)):
             if rows.start == rows.stop:
                 continue
             si, sm = sumi[:, :, rows], summ[:, :, rows]
-            if not per_sb:
-                si, sm = si.sum(axis=1, keepdims=True), sm.sum(axis=1, keepdims=True)
-            si32, sm32 = si.astype(np.float32), sm.astype(np.float32)   # _mm256_cvtepi32_ps
-            acc = np.zeros(si32.shape[2:], np.float32)                  # [rows, n]
-            acc_min = np.zeros_like(acc)
-            tmp = np.empty(acc.shape, np.float64)
-            for i in range(n_super):
-                for j in range(si32.shape[1]):
-                    _fma_step(si32[i, j], dd[i, rows], acc, tmp)
-                    _fma_step(sm32[i, j], dm[i, rows], acc_min, tmp)
+            if not per_sb:                                              # int32 sums per super-block, then
+                si = si.sum(axis=1, keepdims=True, dtype=np.float64).astype(np.float32)   # _mm256_cvtepi32_ps
+                sm = sm.sum(axis=1, keepdims=True, dtype=np.float64).astype(np.float32)
+            k = si.shape[1]                                             # fma steps per super-block
+            p_si = si.astype(np.float64) * dd[:, None, rows]            # [Bs, k, rows, n] exact products
+            p_sm = sm.astype(np.float64) * dm[:, None, rows]
+            shape = (n_super * k,) + p_si.shape[2:]
+            acc = _fma_chain(p_si.reshape(shape), np.empty(shape[1:], np.float32))
+            acc_min = _fma_chain(p_sm.reshape(shape), np.empty(shape[1:], np.float32))
             out[rows, n0:n1] = acc - acc_min
     return out

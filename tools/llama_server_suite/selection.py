@@ -110,11 +110,7 @@ CI_TOO_SLOW: dict[str, str] = {
 
 # Open gaps known and tracked in issue 4: they still run, are reported, and the CI test fails
 # if one of them starts passing (so this list only shrinks) or any other gap appears.
-KNOWN_OPEN_GAPS: dict[str, str] = {
-    "unit/test_ctx_shift.py::test_ctx_shift_disabled_short_prompt[64-64-False]":
-        "temperature 0.8, seed 42: an end id is drawn after 46 ids where llama-server runs 64; the sampler "
-        "reproduces llama.cpp's RNG, so the logits differ (the CPU numerics of issue 2)",
-}
+KNOWN_OPEN_GAPS: dict[str, str] = {}
 
 # Files whose tests never generate (they read /apply-template only): bloomery-serve runs them with
 # --no-warmup, so each of the file's server starts skips the ~9 s numpy warm-up that no request would use.

@@ -26,7 +26,10 @@ repacked q4_K gemv, six run llamafile's tinyBLAS and the q4_K gemm (4 rows) plus
 gemv (2 rows), thirteen also the tiled K-quant path for Q6_K (8+ columns); the
 test asks for them bit for bit.
 
-Usage: tools/ref/make_logit_goldens.py [--only real|synthetic|mm]
+For the 64+ token prompt long_class it keeps layer 0's attention inputs and output
+(attn_qwen25_long.npz): llama.cpp's tiled flash-attention path, asked bit for bit.
+
+Usage: tools/ref/make_logit_goldens.py [--only real|synthetic|mm|attn]
 """
 from __future__ import annotations
 
@@ -255,6 +258,29 @@ def dump_matmuls(model: Path, ids: list[int], out_name: str) -> None:
     print(f"{out_name}: {len(got) // 2} matmuls")
 
 
+# real model: one layer's attention inputs and output for a 64+ row prompt (llama.cpp's tiled
+# F32 flash-attention path, whose last KV tile is a partial one): roped Q and K, V, kqv_out
+ATTN_LAYER = 0
+ATTN_TENSORS = {"q": "Qcur-{L}.3", "k": "Kcur-{L}.3", "v": "Vcur-{L}.2", "kqv": "kqv_out-{L}.0"}
+
+
+def dump_attention(model: Path, text: str, out_name: str) -> None:
+    """llama.cpp's layer-ATTN_LAYER attention tensors for one prompt -> OUT_DIR/out_name.npz."""
+    exe = build_helper("bloomery-tensor-dump", DUMP_HELPER)
+    tok = ref_dirs()[1] / "llama-tokenize"
+    out = subprocess.run([str(tok), "-m", str(model), "-p", text, "--ids", "--log-disable"],
+                         check=True, capture_output=True, text=True).stdout
+    ids = json.loads(out.strip().splitlines()[-1])
+    got = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([str(exe), str(model), tmp, *map(str, ids)], check=True)
+        for key, stem in ATTN_TENSORS.items():
+            (path,) = Path(tmp).glob(stem.format(L=ATTN_LAYER) + ".*.f32")
+            got[key] = np.fromfile(path, np.float32).reshape(len(ids), -1)
+    np.savez_compressed(OUT_DIR / f"{out_name}.npz", prompt_ids=np.asarray(ids, np.int32), layer=ATTN_LAYER, **got)
+    print(f"{out_name}: layer {ATTN_LAYER} attention over {len(ids)} rows")
+
+
 def synthetic_files(dest: Path) -> dict[str, Path]:
     sys.path.insert(0, str(REPO / "tools"))
     sys.path.insert(0, str(REPO))
@@ -269,7 +295,7 @@ def synthetic_files(dest: Path) -> dict[str, Path]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=["real", "synthetic", "mm"])
+    ap.add_argument("--only", choices=["real", "synthetic", "mm", "attn"])
     ap.add_argument("--case", help="only the real-model case of this name")
     args = ap.parse_args()
     exe = build_helper()
@@ -286,6 +312,10 @@ def main() -> None:
         from fetch_model import fetch
         for name, ids in MM_PROMPTS.items():
             dump_matmuls(Path(fetch()), ids, f"mm_qwen25_{name}")
+    if args.only in (None, "attn"):
+        sys.path.insert(0, str(REPO / "tools"))
+        from fetch_model import fetch
+        dump_attention(Path(fetch()), REAL_PROMPTS["long_class"], "attn_qwen25_long")
     if args.only in (None, "synthetic"):
         with tempfile.TemporaryDirectory() as tmp:
             for arch, path in synthetic_files(Path(tmp)).items():

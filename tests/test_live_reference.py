@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from serve_proc import Served
-from test_acceptance_chat import NEAR_TIE, parting_step
+from test_acceptance_chat import parting_step
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools" / "ref"))
@@ -41,4 +41,5 @@ def test_template_tokens_and_greedy_ids_live(real_model_path):
             print(f"{case['name']}: {k} of {len(gold)} ids equal to live llama-server's")
             if k < len(gold):
                 top = mine["completion_probabilities"][k]["top_logprobs"]
-                assert top[1]["id"] == gold[k] and top[0]["logprob"] - top[1]["logprob"] < NEAR_TIE, case["name"]
+                pytest.fail(f"{case['name']}: parted at step {k}: ours {mine['tokens'][k]}, llama-server's "
+                            f"{gold[k]}; our top two {top}")

@@ -14,6 +14,8 @@ extern "C" __global__ void rope_store(const float* __restrict__ q, const float* 
                                       i64 layer_off, i64 slot_stride, int C,
                                       u16* __restrict__ kc, u16* __restrict__ vc, float* __restrict__ q_out) {
     __shared__ float sh[32];
+    pdl_wait();
+    pdl_next();
     int t = blockIdx.x, hh = blockIdx.y, i = threadIdx.x, half = Dh / 2;
     bool is_q = hh < H;
     int head = is_q ? hh : hh - H;
@@ -108,6 +110,19 @@ __device__ __forceinline__ void attn_dec_body(const float* __restrict__ q, const
     int n_kv = pos[t] + 1;
     int piece = attn_piece(n_kv, NS);
     int b0 = split * piece, b1 = min(b0 + piece, n_kv);
+    i64 base = layer_off + (i64)slots[t] * slot_stride + (i64)kv * C * DH;
+    {   // before the wait: the piece's K and V rows from earlier steps into L1 (this step's row,
+        // position n_kv - 1, is being written by rope_store; slots and positions are the step's
+        // inputs, copied in before the graph runs)
+        constexpr int LPP = DH * 2 / 128;         // 128-byte lines a position's row holds
+        int n_old = max(0, min(b1, n_kv - 1) - b0);
+        for (int i = tid; i < 2 * n_old * LPP; i += ATT_NW * WARP) {
+            int r = i >> 1, pp = b0 + r / LPP;
+            prefetch_l1(((i & 1) ? vc : kc) + base + (i64)pp * DH + (r % LPP) * 64);
+        }
+    }
+    pdl_wait();
+    pdl_next();
     if (b0 >= n_kv) return;                   // attn_merge reads only the pieces reached
     i64 pbase = ((i64)t * H + kv * G) * NS + split;          // head g at pbase + g * NS
     float qr[MAXG][VPL], acc[MAXG][VPL];
@@ -119,9 +134,8 @@ __device__ __forceinline__ void attn_dec_body(const float* __restrict__ q, const
             acc[g][j] = 0.f;
         }
     if (tid < MAXG) { sM[tid] = -3.0e38f; sL[tid] = 0.f; }
-    i64 base = layer_off + (i64)slots[t] * slot_stride + (i64)kv * C * DH + lane * VPL;
-    const u16* kb = kc + base;
-    const u16* vb = vc + base;
+    const u16* kb = kc + base + lane * VPL;
+    const u16* vb = vc + base + lane * VPL;
     for (int c0 = b0; c0 < b1; c0 += 32) {
         u32 kw[IT][PW][VPL / 2], vw[IT][PW][VPL / 2];
 #pragma unroll
@@ -223,6 +237,8 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part_m, const fl
                                       float* __restrict__ os) {
     __shared__ float sh[32];
     extern __shared__ float f[];        // [n_used] weight of each split
+    pdl_wait();
+    pdl_next();
     int t = blockIdx.x, h = blockIdx.y, i = threadIdx.x;
     int n_kv = pos[t] + 1;
     int piece = attn_piece(n_kv, n_split);
@@ -260,6 +276,8 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part_m, const fl
 extern "C" __global__ void softmax_causal(const float* __restrict__ s, int n_kv, int limit0, int G,
                                           int rows_per_head, u16* __restrict__ p) {
     __shared__ float sh[32];
+    pdl_wait();
+    pdl_next();
     int r = blockIdx.x;
     int limit = limit0 + (r % rows_per_head) / G;   // last visible key
     const float* sr = s + (i64)r * n_kv;

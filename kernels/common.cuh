@@ -72,4 +72,45 @@ __device__ __forceinline__ void warp_argmax(float& best, int& bi) {
         if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
     }
 }
+// Programmatic dependent launch (sm_90). A decode step's kernels are captured with the
+// launch attribute that lets each one start while the kernel before it drains (cuda_kernels.py,
+// cuda_graph.py): before pdl_wait() a kernel may read its weights and the step's inputs
+// (ids, slots, positions: copied in before the graph runs), never anything a kernel writes,
+// and it writes nothing. Every block calls pdl_wait() before any early
+// return, so a kernel's end implies the end of every kernel before it. pdl_next() lets the
+// next kernel's blocks start. Both are no-ops in a launch without the attribute.
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_next() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" :: "l"(p)); }
+
+// Asynchronous global -> shared copies (sm_80): 16 bytes each, no registers held while in flight.
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+__device__ __forceinline__ void cp_async16(void* dst_smem, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(smem_addr(dst_smem)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+// Bytes [src, src + n) copied into dst (shared, 16-aligned, STAGE_CAP(n) bytes) by n_thr threads
+// (this one is thread `me`), whole aligned 16-byte pieces; returns where src's first byte
+// lands, so the copy keeps src's alignment mod 16. The caller waits (cp_async_wait_all) and
+// syncs the threads that share it. May read up to 15 bytes before and after the range, inside
+// the aligned 16-byte pieces that hold it (never outside an allocation CuPy rounds to 512).
+#define STAGE_CAP(n) ((((n) + 15) & ~15) + 32)
+__device__ __forceinline__ const u8* stage_async(const u8* src, int n, u8* dst, int me, int n_thr) {
+    const u8* a = (const u8*)((u64)src & ~(u64)15);
+    int off = (int)(src - a), total = (off + n + 15) & ~15;
+    for (int i = me * 16; i < total; i += n_thr * 16) cp_async16(dst + i, a + i);
+    return dst + off;
+}
 __device__ __forceinline__ float silu(float x) { return x / (1.f + __expf(-x)); }

@@ -27,6 +27,8 @@ __device__ __forceinline__ bool is_float(int type) { return type == T_F32 || typ
 // out [n_ids, K] float = rows ids of W. grid (n_ids), block 128.
 extern "C" __global__ void get_rows(const u8* __restrict__ W, int type, i64 row_bytes, int K,
                                     const int* __restrict__ ids, float* __restrict__ out) {
+    pdl_wait();
+    pdl_next();
     const u8* row = W + (i64)ids[blockIdx.x] * row_bytes;
     float* o = out + (i64)blockIdx.x * K;
     if (is_float(type)) {
@@ -94,20 +96,28 @@ __device__ __forceinline__ void dequant_any(RowAt at, int type, i64 n_rows, int 
 
 extern "C" __global__ void dequant_f16(const u8* __restrict__ W, int type, i64 row_bytes, i64 n_rows, int K,
                                        u16* __restrict__ out) {
+    pdl_wait();
+    pdl_next();
     dequant_any(RowAt{W, nullptr, nullptr, 1, row_bytes}, type, n_rows, K, out);
 }
 // The chosen experts only: out [n_sel * rpe, K] f16, expert sel[j]'s rows at j * rpe.
 extern "C" __global__ void dequant_f16_sel(const u64* __restrict__ tab, const int* __restrict__ sel, int n_sel,
                                            int type, i64 row_bytes, i64 rpe, int K, u16* __restrict__ out) {
+    pdl_wait();
+    pdl_next();
     dequant_any(RowAt{nullptr, tab, sel, rpe, row_bytes}, type, (i64)n_sel * rpe, K, out);
 }
 
 extern "C" __global__ void f32_to_f16(const float* __restrict__ x, i64 n, u16* __restrict__ y) {
+    pdl_wait();
+    pdl_next();
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) y[i] = f2h(x[i]);
 }
 // act = silu(g) * u over [n] elements; g, u float (f32) -> out f16 (prompt path) or f32.
 extern "C" __global__ void swiglu_f(const float* __restrict__ g, const float* __restrict__ u, i64 n,
                                     float* __restrict__ out32, u16* __restrict__ out16) {
+    pdl_wait();
+    pdl_next();
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         float v = silu(g[i]) * u[i];
         if (out32) out32[i] = v;

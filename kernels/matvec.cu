@@ -10,6 +10,8 @@
 // then one block per row). Plain version: grid (rows*K/32/8), block 256.
 extern "C" __global__ void quantize_q8(const float* __restrict__ x, int K, int n_blocks,
                                        i8* __restrict__ xq, float* __restrict__ xd, float* __restrict__ xs) {
+    pdl_wait();
+    pdl_next();
     int blk = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     int lane = threadIdx.x % WARP;
     if (blk >= n_blocks) return;
@@ -28,6 +30,8 @@ extern "C" __global__ void rms_norm_q8(const float* __restrict__ x, const float*
                                        float* __restrict__ y, i8* __restrict__ yq, float* __restrict__ yd,
                                        float* __restrict__ ys) {
     __shared__ float sh[32];
+    pdl_wait();
+    pdl_next();
     const float* xr = x + (i64)blockIdx.x * K;
     float v[8];
     float ss = 0.f;
@@ -133,10 +137,9 @@ struct MatDesc {
 #define MAT_PARAMS(i) const u8* w##i, i64 rb##i, int t##i, int n##i, float* o##i, const float* b##i, const float* r##i
 // Rows go to warps R at a time: rows [0, n0) are weight 0's, then weight 1's, then 2's; a
 // group of R rows never straddles two weights (each weight's rows start a new group).
-// This warp's weight and rows (false: the warp has none).
+// The weight and rows of group `group` (false: there is no such group).
 __device__ __forceinline__ bool pick_rows(const MatDesc& m0, const MatDesc& m1, const MatDesc& m2, int n_mats, int R,
-                                          MatDesc& m, int& row) {
-    int group = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+                                          int group, MatDesc& m, int& row) {
     int g0 = (m0.n_rows + R - 1) / R, g1 = (m1.n_rows + R - 1) / R, g2 = (m2.n_rows + R - 1) / R;
     m = m0;
     if (group >= g0) {
@@ -152,6 +155,22 @@ __device__ __forceinline__ bool pick_rows(const MatDesc& m0, const MatDesc& m1, 
     row = group * R;
     return true;
 }
+// This warp's group in pass j of rpw: a block's warps take consecutive groups in each pass.
+__device__ __forceinline__ int warp_group(int j, int rpw) {
+    int nw = blockDim.x / WARP;
+    return (blockIdx.x * rpw + j) * nw + threadIdx.x / WARP;
+}
+// The warp's rows of passes 0..rpw-1 into L1 (weights only: safe before pdl_wait).
+__device__ __forceinline__ void prefetch_rows(const MatDesc& m0, const MatDesc& m1, const MatDesc& m2, int n_mats,
+                                              int rpw) {
+    for (int j = 0; j < rpw; j++) {
+        MatDesc m;
+        int row;
+        if (!pick_rows(m0, m1, m2, n_mats, 1, warp_group(j, rpw), m, row)) return;
+        const u8* p = m.w + (i64)row * m.row_bytes;
+        for (i64 o = (threadIdx.x % WARP) * 128; o < m.row_bytes; o += WARP * 128) prefetch_l1(p + o);
+    }
+}
 
 // nw, xscale (the fused RMSNorm, float weights only): x is the raw row, times nw elementwise,
 // the dot times xscale[b] at the end.
@@ -159,12 +178,12 @@ template <int MAXB, int R>
 __device__ __forceinline__ void mmv3_body(MAT_PARAMS(0), MAT_PARAMS(1), MAT_PARAMS(2), int n_mats, int K,
                                           const i8* __restrict__ xq, const float* __restrict__ xd,
                                           const float* __restrict__ xs, const float* __restrict__ xf, int B,
-                                          const float* __restrict__ nw = nullptr,
+                                          int group, const float* __restrict__ nw = nullptr,
                                           const float* __restrict__ xscale = nullptr) {
     MatDesc m0 = {w0, rb0, t0, n0, o0, b0, r0}, m1 = {w1, rb1, t1, n1, o1, b1, r1}, m2 = {w2, rb2, t2, n2, o2, b2, r2};
     MatDesc m;
     int row;
-    if (!pick_rows(m0, m1, m2, n_mats, R, m, row)) return;
+    if (!pick_rows(m0, m1, m2, n_mats, R, group, m, row)) return;
     int nr = min(R, m.n_rows - row);
     float acc[R][MAXB];
 #pragma unroll
@@ -191,28 +210,43 @@ __device__ __forceinline__ void mmv3_body(MAT_PARAMS(0), MAT_PARAMS(1), MAT_PARA
     }
 }
 
-#define MMV_R(NB) 1     // rows per warp (more measured slower on the H200: registers cut occupancy)
+// One row per warp (more rows per warp measured slower on the H200: registers cut occupancy).
+// The warp's row is prefetched into L1 before pdl_wait, so its loads overlap the kernel before.
+template <int MAXB>
+__device__ __forceinline__ void mmv3_entry(MAT_PARAMS(0), MAT_PARAMS(1), MAT_PARAMS(2), int n_mats, int K,
+                                           const i8* xq, const float* xd, const float* xs, const float* xf, int B) {
+    MatDesc m0 = {w0, rb0, t0, n0, o0, b0, r0}, m1 = {w1, rb1, t1, n1, o1, b1, r1}, m2 = {w2, rb2, t2, n2, o2, b2, r2};
+    prefetch_rows(m0, m1, m2, n_mats, 1);
+    pdl_wait();
+    pdl_next();
+    mmv3_body<MAXB, 1>(w0, rb0, t0, n0, o0, b0, r0, w1, rb1, t1, n1, o1, b1, r1, w2, rb2, t2, n2, o2, b2, r2, n_mats, K,
+                       xq, xd, xs, xf, B, warp_group(0, 1));
+}
 #define MMV3(NB) extern "C" __global__ void mmv3_b##NB(MAT_PARAMS(0), MAT_PARAMS(1), MAT_PARAMS(2), int n_mats, \
     int K, const i8* xq, const float* xd, const float* xs, const float* xf, int B) { \
-    mmv3_body<NB, MMV_R(NB)>(w0, rb0, t0, n0, o0, b0, r0, w1, rb1, t1, n1, o1, b1, r1, w2, rb2, t2, n2, o2, b2, r2, n_mats, K, \
-                  xq, xd, xs, xf, B); }
+    mmv3_entry<NB>(w0, rb0, t0, n0, o0, b0, r0, w1, rb1, t1, n1, o1, b1, r1, w2, rb2, t2, n2, o2, b2, r2, n_mats, K, \
+                   xq, xd, xs, xf, B); }
 MMV3(1)
 MMV3(2)
 MMV3(4)
 MMV3(8)
 
 // The same mat-vec with the RMSNorm before it fused into its prologue. x is the raw residual
-// [B, K]; each block first prefetches its weight rows (so their loads overlap the norm), then
-// makes y = x * rsqrt(mean(x^2) + eps) * nw and its int8-per-32 form in shared memory, exactly
-// as rms_norm_q8 does; block 0 also writes y and its int8 form (y, yq, yd, ys) for the kernels
-// after. Float weights read x times nw and scale the dot by the row's rsqrt. Dynamic shared
-// memory: B*K int8 + 2*B*K/32 floats + MAXB floats. K % 32 == 0, K <= 8 * NORM_IT * blockDim.
+// [B, K]; each block first prefetches its weight rows (so their loads overlap the kernel
+// before and the norm), then makes y = x * rsqrt(mean(x^2) + eps) * nw and its int8-per-32
+// form in shared memory, exactly as rms_norm_q8 does; block 0 also writes y and its int8 form
+// (y, yq, yd, ys) for the kernels after. Float weights read x times nw and scale the dot by
+// the row's rsqrt. Each warp takes rpw (1 or 2) rows one after another: the launch picks 2
+// where one row a warp would take more than one wave of blocks (Q/K/V of a 2048-wide model:
+// 640 blocks, 3 a SM at these registers), so the norm is made once per block, not per wave.
+// Dynamic shared memory: B*K int8 + 2*B*K/32 floats + MAXB floats. K % 32 == 0,
+// K <= 8 * NORM_IT * blockDim.
 #define NORM_IT 4
 template <int MAXB>
 __device__ __forceinline__ void mmv3n_body(MAT_PARAMS(0), MAT_PARAMS(1), MAT_PARAMS(2), int n_mats, int K,
                                            const float* __restrict__ x, const float* __restrict__ nw, float eps,
                                            float* __restrict__ y, i8* __restrict__ yq, float* __restrict__ yd,
-                                           float* __restrict__ ys, int B) {
+                                           float* __restrict__ ys, int B, int rpw) {
     extern __shared__ __align__(16) u8 smem[];
     __shared__ float red[32];
     i8* sq = (i8*)smem;                                   // [B, K]
@@ -221,14 +255,10 @@ __device__ __forceinline__ void mmv3n_body(MAT_PARAMS(0), MAT_PARAMS(1), MAT_PAR
     float* sc = ss + B * (K / 32);                        // [MAXB]
     {
         MatDesc m0 = {w0, rb0, t0, n0, o0, b0, r0}, m1 = {w1, rb1, t1, n1, o1, b1, r1}, m2 = {w2, rb2, t2, n2, o2, b2, r2};
-        MatDesc m;
-        int row;
-        if (pick_rows(m0, m1, m2, n_mats, 1, m, row)) {
-            const u8* p = m.w + (i64)row * m.row_bytes;
-            for (i64 o = (threadIdx.x % WARP) * 128; o < m.row_bytes; o += WARP * 128)
-                asm volatile("prefetch.global.L1 [%0];" :: "l"(p + o));
-        }
+        prefetch_rows(m0, m1, m2, n_mats, rpw);
     }
+    pdl_wait();
+    pdl_next();
     // thread i holds chunks i, i + blockDim, ... of 8 consecutive values: all of its x and nw
     // loads go out at once; a q8 group of 32 is 4 neighbouring lanes (2 shuffles)
     int lane = threadIdx.x % WARP;
@@ -295,28 +325,44 @@ __device__ __forceinline__ void mmv3n_body(MAT_PARAMS(0), MAT_PARAMS(1), MAT_PAR
         }
     }
     __syncthreads();
-    mmv3_body<MAXB, 1>(w0, rb0, t0, n0, o0, b0, r0, w1, rb1, t1, n1, o1, b1, r1, w2, rb2, t2, n2, o2, b2, r2, n_mats, K,
-                       sq, sd, ss, x, B, nw, sc);
+    mmv3_body<MAXB, 1>(w0, rb0, t0, n0, o0, b0, r0, w1, rb1, t1, n1, o1, b1, r1, w2, rb2, t2, n2, o2, b2, r2, n_mats,
+                       K, sq, sd, ss, x, B, warp_group(0, rpw), nw, sc);
+    if (rpw > 1)
+        mmv3_body<MAXB, 1>(w0, rb0, t0, n0, o0, b0, r0, w1, rb1, t1, n1, o1, b1, r1, w2, rb2, t2, n2, o2, b2, r2, n_mats,
+                           K, sq, sd, ss, x, B, warp_group(1, rpw), nw, sc);
 }
-#define MMV3N(NB) extern "C" __global__ void mmv3n_b##NB(MAT_PARAMS(0), MAT_PARAMS(1), MAT_PARAMS(2), int n_mats, \
-    int K, const float* x, const float* nw, float eps, float* y, i8* yq, float* yd, float* ys, int B) { \
+#define MMV3N(NB) extern "C" __global__ void __launch_bounds__(256, 3) mmv3n_b##NB(MAT_PARAMS(0), MAT_PARAMS(1), MAT_PARAMS(2), int n_mats, \
+    int K, const float* x, const float* nw, float eps, float* y, i8* yq, float* yd, float* ys, int B, int rpw) { \
     mmv3n_body<NB>(w0, rb0, t0, n0, o0, b0, r0, w1, rb1, t1, n1, o1, b1, r1, w2, rb2, t2, n2, o2, b2, r2, n_mats, K, \
-                   x, nw, eps, y, yq, yd, ys, B); }
+                   x, nw, eps, y, yq, yd, ys, B, rpw); }
 MMV3N(1)
 MMV3N(2)
 MMV3N(4)
 MMV3N(8)
 
-// Greedy pick: the first index of the largest logit per row (numpy's argmax tie rule).
-extern "C" __global__ void argmax_rows(const float* __restrict__ x, int n, int* __restrict__ out) {
+// Greedy pick: the first index of the largest logit per row (numpy's argmax tie rule), in two
+// passes: argmax_part, grid (NP, B), block 256: block p's best of row b's piece p (8 values a
+// thread, four loads in flight) into part_v/part_i [B, NP]; argmax_final, grid B, block 32:
+// the best of the NP pieces (a piece's pair is its first best, pieces in index order).
+#define AMX_PER 8
+extern "C" __global__ void argmax_part(const float* __restrict__ x, int n, float* __restrict__ part_v,
+                                       int* __restrict__ part_i) {
     __shared__ float sv[32];
     __shared__ int si[32];
-    const float* r = x + (i64)blockIdx.x * n;
+    pdl_wait();
+    pdl_next();
+    int b = blockIdx.y, np = gridDim.x;
+    const float* r = x + (i64)b * n;
+    int span = blockDim.x * AMX_PER, i0 = blockIdx.x * span;
     float best = -3.4e38f;
     int bi = 0x7fffffff;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        float v = r[i];
-        if (v > best) { best = v; bi = i; }
+#pragma unroll
+    for (int k = 0; k < AMX_PER; k++) {
+        int i = i0 + k * blockDim.x + threadIdx.x;     // ascending per thread: its first best is kept
+        if (i < n) {
+            float v = r[i];
+            if (v > best) { best = v; bi = i; }
+        }
     }
     warp_argmax(best, bi);
     int lane = threadIdx.x % WARP, w = threadIdx.x / WARP;
@@ -327,6 +373,21 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ x, int n, int* 
         best = lane < nw ? sv[lane] : -3.4e38f;
         bi = lane < nw ? si[lane] : 0x7fffffff;
         warp_argmax(best, bi);
-        if (lane == 0) out[blockIdx.x] = bi;
+        if (lane == 0) { part_v[(i64)b * np + blockIdx.x] = best; part_i[(i64)b * np + blockIdx.x] = bi; }
     }
+}
+extern "C" __global__ void argmax_final(const float* __restrict__ part_v, const int* __restrict__ part_i, int np,
+                                        int* __restrict__ out) {
+    pdl_wait();
+    pdl_next();
+    int b = blockIdx.x, lane = threadIdx.x;
+    float best = -3.4e38f;
+    int bi = 0x7fffffff;
+    for (int p = lane; p < np; p += WARP) {
+        float v = part_v[(i64)b * np + p];
+        int i = part_i[(i64)b * np + p];
+        if (v > best || (v == best && i < bi)) { best = v; bi = i; }
+    }
+    warp_argmax(best, bi);
+    if (lane == 0) out[b] = bi;
 }

@@ -9,6 +9,8 @@
 // chosen weights (divided by max(sum, 2^-14), as llama.cpp's qwen3moe graph). One block per token.
 extern "C" __global__ void moe_route(const float* __restrict__ logits, int E, int A, int norm,
                                      int* __restrict__ ids, float* __restrict__ wts) {
+    pdl_wait();
+    pdl_next();
     extern __shared__ float p[];          // [E]
     __shared__ float sh[32];
     __shared__ int shi[32];
@@ -54,6 +56,8 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, int E, in
 template <int VPL>
 __device__ __forceinline__ void route_warp(const float* __restrict__ logits, int E, int A, int norm,
                                            int* __restrict__ ids, float* __restrict__ wts) {
+    pdl_wait();
+    pdl_next();
     int t = blockIdx.x, lane = threadIdx.x % WARP;
     const float* z = logits + (i64)t * E;
     float p[VPL];
@@ -177,24 +181,16 @@ __device__ __forceinline__ void gate_up_any(int type, const u8* g0, const u8* u0
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(const u64* __restrict__ tab_g, const u64* __restrict__ tab_u,
-                                       int type_g, int type_u, i64 row_bytes_g, i64 row_bytes_u, int F, int K,
-                                       const i8* __restrict__ xq, const float* __restrict__ xd,
-                                       const float* __restrict__ xs, const int* __restrict__ ids, int A,
-                                       i8* __restrict__ aq, float* __restrict__ ad, float* __restrict__ as_) {
-    __shared__ float act[32];
-    int ba = blockIdx.y, b = ba / A;
-    int e = ids[ba];
-    const i8* x = xq + (i64)b * K;
-    const float* d = xd + (i64)b * (K / 32);
-    const float* s = xs + (i64)b * (K / 32);
+// The block's 32 rows of gate and up (g, u: the block's first row of each, in global or shared
+// memory): warp w takes rows 4w..4w+3, two at a time; act = silu(gate) * up, then its int8 form.
+__device__ __forceinline__ void gate_up_block(const u8* g, const u8* u, int type_g, int type_u, i64 row_bytes_g,
+                                              i64 row_bytes_u, int F, int K, const i8* x, const float* d,
+                                              const float* s, int ba, i8* __restrict__ aq, float* __restrict__ ad,
+                                              float* __restrict__ as_, float* act /* shared [32] */) {
     int w = threadIdx.x / WARP, lane = threadIdx.x % WARP;
-    const u8* gb = (const u8*)tab_g[e];
-    const u8* ub = (const u8*)tab_u[e];
     for (int r = w * 4; r < w * 4 + 4; r += 2) {
-        int row = blockIdx.x * 32 + r;
-        const u8* g0 = gb + (i64)row * row_bytes_g;
-        const u8* u0 = ub + (i64)row * row_bytes_u;
+        const u8* g0 = g + (i64)r * row_bytes_g;
+        const u8* u0 = u + (i64)r * row_bytes_u;
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
         if (type_g == type_u) {
             gate_up_any(type_g, g0, u0, g0 + row_bytes_g, u0 + row_bytes_u, K, x, d, s, acc);
@@ -221,17 +217,48 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(const u64* __re
     }
 }
 
+extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(const u64* __restrict__ tab_g, const u64* __restrict__ tab_u,
+                                       int type_g, int type_u, i64 row_bytes_g, i64 row_bytes_u, int F, int K,
+                                       const i8* __restrict__ xq, const float* __restrict__ xd,
+                                       const float* __restrict__ xs, const int* __restrict__ ids, int A,
+                                       i8* __restrict__ aq, float* __restrict__ ad, float* __restrict__ as_) {
+    __shared__ float act[32];
+    pdl_wait();
+    pdl_next();
+    int ba = blockIdx.y, b = ba / A;
+    int e = ids[ba];
+    const i8* x = xq + (i64)b * K;
+    const float* d = xd + (i64)b * (K / 32);
+    const float* s = xs + (i64)b * (K / 32);
+    i64 row0 = (i64)blockIdx.x * 32;
+    gate_up_block((const u8*)tab_g[e] + row0 * row_bytes_g, (const u8*)tab_u[e] + row0 * row_bytes_u, type_g, type_u,
+                  row_bytes_g, row_bytes_u, F, K, x, d, s, ba, aq, ad, as_, act);
+}
+
 // down for each token: out[b, row] = (res[b, row]) + sum_a w[b, a] * act[b, a] . Wd[ids[b, a]][row]
 // grid (D/DOWN_R, B), block 32*min(A, 8) threads: warp a takes expert slots a, a+8, ... for
 // DOWN_R consecutive rows (their loads together); the experts' parts are then added in rank
 // order through shared memory (the same order as the numpy backend).
 #define DOWN_R 8
+// The experts' parts of the block's DOWN_R rows added in rank order (as the numpy backend), plus
+// the residual.
+__device__ __forceinline__ void down_sum(const float (*part)[DOWN_R], int A, int b, int D, int row,
+                                         const float* __restrict__ res, float* __restrict__ out) {
+    if (threadIdx.x < DOWN_R) {
+        int r = threadIdx.x;
+        float total = part[0][r];
+        for (int a = 1; a < A; a++) total += part[a][r];
+        out[(i64)b * D + row + r] = (res ? res[(i64)b * D + row + r] : 0.f) + total;
+    }
+}
 extern "C" __global__ void __launch_bounds__(256) moe_down(const u64* __restrict__ tab_d, int type_d, i64 row_bytes_d, int D, int F,
                                     const i8* __restrict__ aq, const float* __restrict__ ad,
                                     const float* __restrict__ as_, const int* __restrict__ ids,
                                     const float* __restrict__ wts, int A, const float* __restrict__ res,
                                     float* __restrict__ out) {
     __shared__ float part[32][DOWN_R];     // [expert slot][row], A <= 32
+    pdl_wait();
+    pdl_next();
     int b = blockIdx.y, w = threadIdx.x / WARP, lane = threadIdx.x % WARP, nw = blockDim.x / WARP;
     int row = blockIdx.x * DOWN_R;
     for (int a = w; a < A; a += nw) {
@@ -249,18 +276,89 @@ extern "C" __global__ void __launch_bounds__(256) moe_down(const u64* __restrict
         }
     }
     __syncthreads();
-    if (threadIdx.x < DOWN_R) {
-        int r = threadIdx.x;
-        float total = part[0][r];
-        for (int a = 1; a < A; a++) total += part[a][r];
-        out[(i64)b * D + row + r] = (res ? res[(i64)b * D + row + r] : 0.f) + total;
+    down_sum(part, A, b, D, row, res, out);
+}
+
+// The same two steps with each block's bytes staged in shared memory first: every weight row
+// the block reads (contiguous in the expert's tensor) and the token's int8 activation go out
+// as 16-byte cp.async copies at once, so the block waits for memory once, holding no
+// registers for it, and then computes from shared memory. Each sum is formed in the same
+// order as moe_gate_up / moe_down, so the results are the same bits.
+// moe_gate_up_s: grid (F/32, B*A), block 256; dynamic shared memory
+//   STAGE_CAP(32 rbg) + STAGE_CAP(32 rbu) + STAGE_CAP(K) + 2 STAGE_CAP(K/8)   (cuda_moe.py)
+extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up_s(const u64* __restrict__ tab_g, const u64* __restrict__ tab_u,
+                                       int type_g, int type_u, i64 row_bytes_g, i64 row_bytes_u, int F, int K,
+                                       const i8* __restrict__ xq, const float* __restrict__ xd,
+                                       const float* __restrict__ xs, const int* __restrict__ ids, int A,
+                                       i8* __restrict__ aq, float* __restrict__ ad, float* __restrict__ as_) {
+    extern __shared__ __align__(16) u8 sm[];
+    __shared__ float act[32];
+    pdl_wait();
+    int ba = blockIdx.y, b = ba / A, tid = threadIdx.x, nt = blockDim.x;
+    int e = ids[ba];
+    int ng = 32 * (int)row_bytes_g, nu = 32 * (int)row_bytes_u, nf = K / 32 * 4;
+    i64 row0 = (i64)blockIdx.x * 32;
+    u8* p = sm;
+    const u8* gs = stage_async((const u8*)tab_g[e] + row0 * row_bytes_g, ng, p, tid, nt); p += STAGE_CAP(ng);
+    const u8* us = stage_async((const u8*)tab_u[e] + row0 * row_bytes_u, nu, p, tid, nt); p += STAGE_CAP(nu);
+    const i8* x = (const i8*)stage_async((const u8*)(xq + (i64)b * K), K, p, tid, nt); p += STAGE_CAP(K);
+    const float* d = (const float*)stage_async((const u8*)(xd + (i64)b * (K / 32)), nf, p, tid, nt); p += STAGE_CAP(nf);
+    const float* s = (const float*)stage_async((const u8*)(xs + (i64)b * (K / 32)), nf, p, tid, nt);
+    cp_async_wait_all();
+    __syncthreads();
+    pdl_next();
+    gate_up_block(gs, us, type_g, type_u, row_bytes_g, row_bytes_u, F, K, x, d, s, ba, aq, ad, as_, act);
+}
+
+// moe_down_s: grid (D/DOWN_R, B), block 32*min(A, 8); warp a stages its expert's DOWN_R rows and
+// activation into its own part of the dynamic shared memory,
+//   per warp STAGE_CAP(DOWN_R rbd) + STAGE_CAP(F) + 2 STAGE_CAP(F/8)   (cuda_moe.py),
+// then takes the rows two at a time from there.
+extern "C" __global__ void __launch_bounds__(256) moe_down_s(const u64* __restrict__ tab_d, int type_d, i64 row_bytes_d, int D, int F,
+                                    const i8* __restrict__ aq, const float* __restrict__ ad,
+                                    const float* __restrict__ as_, const int* __restrict__ ids,
+                                    const float* __restrict__ wts, int A, const float* __restrict__ res,
+                                    float* __restrict__ out) {
+    extern __shared__ __align__(16) u8 sm[];
+    __shared__ float part[32][DOWN_R];     // [expert slot][row], A <= 32
+    pdl_wait();
+    int b = blockIdx.y, w = threadIdx.x / WARP, lane = threadIdx.x % WARP, nw = blockDim.x / WARP;
+    int row = blockIdx.x * DOWN_R;
+    int nr = DOWN_R * (int)row_bytes_d, nf = F / 32 * 4;
+    u8* mine = sm + (i64)w * (STAGE_CAP(nr) + STAGE_CAP(F) + 2 * STAGE_CAP(nf));
+    for (int a = w; a < A; a += nw) {
+        i64 ba = (i64)b * A + a;
+        u8* p = mine;
+        const u8* ws = stage_async((const u8*)tab_d[ids[ba]] + (i64)row * row_bytes_d, nr, p, lane, WARP); p += STAGE_CAP(nr);
+        const i8* x = (const i8*)stage_async((const u8*)(aq + ba * F), F, p, lane, WARP); p += STAGE_CAP(F);
+        const float* d = (const float*)stage_async((const u8*)(ad + ba * (F / 32)), nf, p, lane, WARP); p += STAGE_CAP(nf);
+        const float* s = (const float*)stage_async((const u8*)(as_ + ba * (F / 32)), nf, p, lane, WARP);
+        float wt = wts[ba];
+        cp_async_wait_all();
+        __syncwarp();
+        if (a == w) pdl_next();
+        float acc[DOWN_R];
+#pragma unroll
+        for (int r = 0; r < DOWN_R; r++) acc[r] = 0.f;
+#pragma unroll
+        for (int r = 0; r < DOWN_R; r += 2) qdot_rows<2>(type_d, ws + (i64)r * row_bytes_d, row_bytes_d, F, x, d, s, wt, acc + r);
+#pragma unroll
+        for (int r = 0; r < DOWN_R; r++) {
+            float v = warp_sum(acc[r]);
+            if (lane == 0) part[a][r] = v;
+        }
+        __syncwarp();                      // the next pass stages into the same bytes
     }
+    __syncthreads();
+    down_sum(part, A, b, D, row, res, out);
 }
 
 // Prompt path: rows of x placed in expert order (out[dst[j]] = x[src[j]]), and the expert
 // outputs scattered back, weighted and summed per token in rank order.
 extern "C" __global__ void gather_rows(const float* __restrict__ x, const int* __restrict__ src,
                                        const int* __restrict__ dst, int n, int D, u16* __restrict__ out_f16) {
+    pdl_wait();
+    pdl_next();
     int j = blockIdx.x;
     if (j >= n) return;
     const float* r = x + (i64)src[j] * D;
@@ -271,6 +369,8 @@ extern "C" __global__ void gather_rows(const float* __restrict__ x, const int* _
 extern "C" __global__ void combine_rows(const float* __restrict__ y, const int* __restrict__ pos_of,
                                         const float* __restrict__ wts, int A, int D,
                                         const float* __restrict__ res, float* __restrict__ out) {
+    pdl_wait();
+    pdl_next();
     int t = blockIdx.x;
     for (int i = threadIdx.x; i < D; i += blockDim.x) {
         float acc = 0.f;

@@ -139,10 +139,37 @@ def test_rms_norm_and_argmax(ops):
     y = cupy.asnumpy(ops.rms_norm(cupy.asarray(x), w, 1e-6))
     ref = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6) * g
     assert rel(y, ref) < 1e-5
-    logits = rng.standard_normal((3, 151936)).astype(np.float32)
+    logits = rng.standard_normal((5, 151936)).astype(np.float32)
     logits[1, 77] = logits[1, 99] = 50.0                 # a tie: the first index wins
-    assert cupy.asnumpy(ops.argmax(cupy.asarray(logits))).tolist() == [int(logits[0].argmax()), 77,
-                                                                      int(logits[2].argmax())]
+    logits[2, 2047] = logits[2, 2048] = 50.0             # a tie across two of argmax_part's pieces
+    logits[3, 4100] = logits[3, 2050] = 50.0             # the later piece's index comes first in memory order
+    logits[4, -1] = 50.0                                 # in the last, partial piece
+    want = [int(logits[0].argmax()), 77, 2047, 2050, 151935]
+    assert want[0] == int(np.argmax(logits[0]))
+    assert cupy.asnumpy(ops.argmax(cupy.asarray(logits))).tolist() == want
+    assert cupy.asnumpy(ops.argmax(cupy.asarray(logits[:, :1000]))).tolist() == np.argmax(logits[:, :1000], -1).tolist()
+
+
+def test_norm_fused_two_rows_per_warp(ops, monkeypatch):
+    """mmv3n with each warp taking two rows in turn (what the launch picks when one row a warp
+    would need a second wave of blocks) gives the same bits as one row a warp."""
+    import cupy
+    rng = np.random.default_rng(12)
+    k = 2048
+    mats = ((Q.Q4_K, 4096), (Q.Q4_K, 512), (Q.Q6_K, 520))       # rows not a multiple of 16
+    ws = [ops.weight(int(qt), (k, n), random_tensor(qt, n, k, rng)) for qt, n in mats]
+    nw = ops.weight(int(Q.F32), (k,), rng.uniform(0.5, 1.5, k).astype(np.float32).view(np.uint8))
+    x = cupy.asarray(rng.standard_normal((1, k)).astype(np.float32))
+    picked = []
+    real = type(ops)._rows_per_warp
+    monkeypatch.setattr(type(ops), "_rows_per_warp", lambda self, *a: picked.append(real(self, *a)) or 1)
+    _, one = ops.norm_matmuls(x, nw, 1e-6, ws, [None] * 3)
+    monkeypatch.setattr(type(ops), "_rows_per_warp", lambda self, *a: 2)
+    _, two = ops.norm_matmuls(x, nw, 1e-6, ws, [None] * 3)
+    for a, b in zip(one, two):
+        np.testing.assert_array_equal(cupy.asnumpy(a), cupy.asnumpy(b))
+    # 641 blocks of 8 rows: more than one wave on any card of fewer than 214 SMs at 3 blocks each
+    assert picked and picked[0] >= 2, picked
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"dh{s[0]}-h{s[1]}-kv{s[2]}")
@@ -204,6 +231,31 @@ def test_moe_matches_numpy_backend(ops, t):
     # both sides quantize the activation (int8 per 32 here, Q8_K per 256 on the CPU) before the
     # expert matrices and again before down: two roundings each, about 1 % apiece
     assert rel(got - res, ref - res) < 3e-2, rel(got - res, ref - res)
+
+
+@pytest.mark.parametrize("t,n_used,types", [(1, 8, (Q.Q4_K, Q.Q4_K, Q.Q6_K)), (3, 8, (Q.Q4_K, Q.Q4_K, Q.Q6_K)),
+                                           (8, 10, (Q.Q4_K, Q.Q4_K, Q.Q6_K)), (2, 4, (Q.Q4_K, Q.Q5_K, Q.Q8_0))],
+                         ids=["t1", "t3", "t8-a10", "mixed"])
+def test_staged_expert_kernels_equal_direct(ops, t, n_used, types, monkeypatch):
+    """moe_gate_up_s / moe_down_s (the block's bytes staged in shared memory) give the same bits
+    as moe_gate_up / moe_down: 10 experts a token take moe_down_s's second pass per warp; gate
+    and up of different types take the one-row path."""
+    import cupy
+    rng = np.random.default_rng(20 + t)
+    d, f, n_expert = 2048, 768, 32
+    tg, tu, td = types
+    gate = ops.weight(int(tg), (d, f, n_expert), random_tensor(tg, n_expert * f, d, rng))
+    up = ops.weight(int(tu), (d, f, n_expert), random_tensor(tu, n_expert * f, d, rng))
+    down = ops.weight(int(td), (f, d, n_expert), random_tensor(td, n_expert * d, f, rng))
+    x = cupy.asarray((0.1 * rng.standard_normal((t, d))).astype(np.float32))
+    res = cupy.asarray(rng.standard_normal((t, d)).astype(np.float32))
+    ids, wts = ops.moe_route(cupy.asarray(rng.standard_normal((t, n_expert)).astype(np.float32)), n_used, True)
+    outs = {}
+    for mode in ("staged", "direct"):
+        monkeypatch.setenv("BLOOMERY_CUDA_MOE", mode)
+        outs[mode] = cupy.asnumpy(ops.moe_ffn(x, ids, wts, gate, up, down, residual=res))
+    assert np.isfinite(outs["staged"]).all()
+    np.testing.assert_array_equal(outs["staged"], outs["direct"])
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"dh{s[0]}-h{s[1]}-kv{s[2]}")

@@ -18,7 +18,7 @@ def kernel_names() -> set[str]:
     names: set[str] = set()
     for mod in MODULES:
         src = source(mod)
-        names |= set(re.findall(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s+)?(\w+)\(', src))
+        names |= set(re.findall(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s+)?(?!__launch_bounds__)(\w+)\(', src))
         for macro, prefix in (("MMV3", "mmv3_b"), ("MMV3N", "mmv3n_b"), ("MOE_ROUTE_W", "moe_route_w")):
             names |= {prefix + n for n in re.findall(rf"^{macro}\((\d+)\)", src, re.M)}
         names |= {f"attn_dec_{a}_{b}" for a, b in re.findall(r"^ATTN_DEC\((\d+), (\d+)\)", src, re.M)}
@@ -58,3 +58,46 @@ def test_module_compiles_for_sm90(mod, tmp_path):
     out = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-o", str(tmp_path / f"{mod}.cubin"), str(cu)],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+def _functions(src: str) -> dict[str, str]:
+    """Each function definition's body, by name: a name, its balanced parameter list, then a
+    brace (matched to its close)."""
+    src = re.sub(r"/\*.*?\*/|//[^\n]*", "", src, flags=re.S)        # comments hold parentheses too
+    out = {}
+    for m in re.finditer(r"\b(\w+)\s*\(", src):
+        depth, i = 1, m.end()
+        while depth and i < len(src):
+            depth += {"(": 1, ")": -1}.get(src[i], 0)
+            i += 1
+        rest = re.match(r"\s*(?:const\s*)?\{", src[i:])
+        if not rest:
+            continue
+        depth, k = 1, i + rest.end()
+        start = k
+        while depth and k < len(src):
+            depth += {"{": 1, "}": -1}.get(src[k], 0)
+            k += 1
+        out.setdefault(m.group(1), src[start:k])
+    return out
+
+
+def test_every_kernel_waits_for_the_one_before():
+    """The captured decode step launches every kernel with programmatic dependent launch, which
+    is only safe if each kernel reaches pdl_wait() (common.cuh) before reading what the kernel
+    before wrote: every __global__ function, and every kernel a macro makes, calls pdl_wait
+    itself or through the body function it hands off to."""
+    for mod in MODULES:
+        src = source(mod)
+        bodies = _functions(src)
+        waits = {name for name, body in bodies.items() if "pdl_wait();" in body}
+        waits |= {name for name, body in bodies.items() if any(re.search(rf"\b{w}\s*[<(]", body) for w in waits)}
+        kernels = re.findall(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s+)?(?!__launch_bounds__)(\w+)\(', src)
+        assert kernels, mod
+        for k in kernels:
+            if k in bodies:
+                assert k in waits, (mod, k)
+        for macro, body in re.findall(r"#define (\w+)\(\w+(?:, \w+)*\) extern \"C\" __global__[^{]*\{(.*?)\}",
+                                      src, re.S):
+            called = re.findall(r"(\w+)\s*<", body)
+            assert called and any(c in waits for c in called), (mod, macro, called)

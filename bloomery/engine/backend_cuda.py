@@ -94,6 +94,7 @@ class CudaOps:
         self.n_sm = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
         self._q8: OrderedDict[int, tuple] = OrderedDict()    # id(x) -> (x, xq, xd, xs)
         self._runners: dict[int, object] = {}
+        self._occupancy: dict[tuple, int] = {}
 
     def decode_runner(self, model):
         """The model's captured decode steps (cuda_graph.DecodeGraphs), made on first use."""
@@ -173,11 +174,23 @@ class CudaOps:
         ys = cupy.empty((t, k // 32), cupy.float32)
         outs, params = self._mat_params(t, ws, biases, [None] * len(ws))
         nb = next(b for b in (1, 2, 4, 8) if b >= t)
-        getattr(self.k, f"mmv3n_b{nb}")((_grid(sum(w.n_rows for w in ws), 8),), (256,), (
-            *params, _i32(len(ws)), _i32(k), x, norm.vec, np.float32(eps), y, yq, yd, ys, _i32(t)),
+        fn = getattr(self.k, f"mmv3n_b{nb}")
+        n_warps = sum(w.n_rows for w in ws)                 # a warp a row, 8 warps a block
+        rpw = min(2, self._rows_per_warp(fn, _grid(n_warps, 8), 256, smem))     # mmv3n takes 1 or 2
+        fn((_grid(n_warps, 8 * rpw),), (256,), (
+            *params, _i32(len(ws)), _i32(k), x, norm.vec, np.float32(eps), y, yq, yd, ys, _i32(t), _i32(rpw)),
             shared_mem=smem)
         self.remember_q8(y, yq, yd, ys)
         return y, outs
+
+    def _rows_per_warp(self, fn, n_blocks: int, threads: int, smem: int) -> int:
+        """Rows each warp of a one-row-per-warp kernel takes in turn so that its grid fits the
+        card at once (one wave), from the driver's count of blocks per SM."""
+        key = (id(fn), threads, smem)
+        per_sm = self._occupancy.get(key)
+        if per_sm is None:
+            per_sm = self._occupancy[key] = max(1, fn.occupancy(threads, smem))
+        return max(1, -(-n_blocks // (per_sm * self.n_sm)))
 
     def _mat_params(self, t, ws, biases, residuals):
         outs, params = [], []
@@ -264,8 +277,13 @@ class CudaOps:
 
     def argmax(self, logits):
         logits = cupy.ascontiguousarray(logits, dtype=cupy.float32)
-        out = cupy.empty(logits.shape[0], cupy.int32)
-        self.k.argmax_rows((logits.shape[0],), (1024,), (logits, _i32(logits.shape[1]), out))
+        b, n = logits.shape
+        n_part = _grid(n, 256 * 8)                                                # AMX_PER in matvec.cu
+        part_v = cupy.empty((b, n_part), cupy.float32)
+        part_i = cupy.empty((b, n_part), cupy.int32)
+        self.k.argmax_part((n_part, b), (256,), (logits, _i32(n), part_v, part_i))
+        out = cupy.empty(b, cupy.int32)
+        self.k.argmax_final((b,), (32,), (part_v, part_i, _i32(n_part), out))
         return out
 
     # --- attention and MoE (their own modules) ---

@@ -1,12 +1,17 @@
 """One CUDA graph per decode batch size: the whole step captured once, replayed per token.
 
-A step reads its ids, slots and positions from device buffers the graph owns, so a replay
-needs no host values and no Python per layer: copy B ids and positions in, launch, copy B
-ids (or B rows of logits) out. Each graph allocates from its own memory pool, which nothing
-else uses, so the buffers it captured stay its own.
+A step reads its ids, slots and positions from one device buffer the graph owns, so a replay
+needs no host values and no Python per layer: one copy of B ids, slots and positions in (from
+pinned memory), launch, copy B ids (or B rows of logits) out. Each graph allocates from its
+own memory pool, which nothing else uses, so the buffers it captured stay its own.
+
+The kernels are captured with programmatic dependent launch (cuda_kernels.Launcher), so each
+one's blocks start, and read their weights, while the kernel before it drains.
+BLOOMERY_CUDA_PDL=0 captures plain launches instead (the same kernels, serialized).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import cupy
@@ -17,14 +22,17 @@ from bloomery.engine.ops import Rows
 MAX_BATCH = 8
 
 
+def pdl_enabled() -> bool:
+    return os.environ.get("BLOOMERY_CUDA_PDL", "1") != "0"
+
+
 @dataclass
 class _Graph:
     graph: object
     stream: object
     pool: object
-    ids: object
-    slots: object
-    positions: object
+    io: object          # [3, B] int32 on the card: ids, slots, positions
+    host_io: object     # the same in pinned host memory
     logits: object
     picked: object
 
@@ -44,11 +52,13 @@ class DecodeGraphs:
         ops.k.compile_all()                         # no module loads inside a capture
         pool = cupy.cuda.MemoryPool()
         stream = cupy.cuda.Stream(non_blocking=True)
+        mem = cupy.cuda.alloc_pinned_memory(3 * b * 4)
+        host_io = np.frombuffer(mem, np.int32, 3 * b).reshape(3, b)
         with cupy.cuda.using_allocator(pool.malloc), stream:
-            ids = cupy.zeros(b, cupy.int32)
-            slots = cupy.zeros(b, cupy.int32)
-            positions = cupy.zeros(b, cupy.int32)
+            io = cupy.zeros((3, b), cupy.int32)
+            ids, slots, positions = io[0], io[1], io[2]
             stream.synchronize()
+            ops.k.pdl = pdl_enabled()
             stream.begin_capture(_capture_mode())
             try:
                 x = model.embed(ids)                                                # [B, D]
@@ -57,16 +67,16 @@ class DecodeGraphs:
                 picked = ops.argmax(logits)                                         # [B]
             finally:
                 graph = stream.end_capture()
-        return _Graph(graph, stream, pool, ids, slots, positions, logits, picked)
+                ops.k.pdl = False
+        return _Graph(graph, stream, pool, io, host_io, logits, picked)
 
     def run(self, slots, ids, positions, want_logits: bool) -> np.ndarray:
         b = len(slots)
         g = self._graphs.get(b)
         if g is None:
             g = self._graphs[b] = self._capture(b)
-        g.ids.set(np.ascontiguousarray(ids, np.int32), stream=g.stream)
-        g.slots.set(np.ascontiguousarray(slots, np.int32), stream=g.stream)
-        g.positions.set(np.ascontiguousarray(positions, np.int32), stream=g.stream)
+        g.host_io[0], g.host_io[1], g.host_io[2] = ids, slots, positions
+        g.io.set(g.host_io, stream=g.stream)
         g.graph.launch(g.stream)
         out = (g.logits if want_logits else g.picked).get(stream=g.stream)
         g.stream.synchronize()

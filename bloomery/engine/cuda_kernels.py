@@ -4,14 +4,24 @@ CuPy caches each compiled module on disk keyed by its source, options and the ca
 architecture; we point that cache at ~/.cache/bloomery/kernels (BLOOMERY_CACHE moves it)
 unless CUPY_CACHE_DIR is set. `#include "x.cuh"` lines are inlined here, so NVRTC needs no
 include path and the cache key covers the headers too.
+
+Every kernel is launched through one Launcher: CuPy's own launch, or, while `Kernels.pdl` is
+set (a decode step being captured, cuda_graph.py), the driver's cuLaunchKernelEx with the
+programmatic-stream-serialization attribute, so each kernel of the captured step starts while
+the one before drains (every kernel waits for it in pdl_wait(), common.cuh). CuPy cannot set
+launch attributes, so that launch goes through ctypes.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 from pathlib import Path
 
+import numpy as np
+
 MODULES = ("matvec", "moe", "attention", "layers")
+BIG_SMEM = frozenset({"moe_gate_up_s", "moe_down_s"})    # kernels whose shared memory may pass 48 KiB
 _INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.M)
 
 
@@ -38,10 +48,105 @@ def source(name: str, kdir: Path | None = None) -> str:
     return inline(f"{name}.cu")
 
 
+_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6       # CUlaunchAttributeID (cuda.h)
+_SMEM_DEFAULT = 48 << 10                           # dynamic shared memory without the opt-in
+
+
+class _LaunchAttr(ctypes.Structure):               # CUlaunchAttribute: id, pad to 8, a 64-byte union
+    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):             # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttr)), ("n_attrs", ctypes.c_uint)]
+
+
+_ARG_TYPES = {np.int32: ctypes.c_int32, np.int64: ctypes.c_int64, np.uint64: ctypes.c_uint64,
+              np.float32: ctypes.c_float, np.uint32: ctypes.c_uint32}
+
+
+def c_args(args) -> list:
+    """Kernel arguments as ctypes values, the way CuPy passes them: an array as its device
+    address, a numpy scalar as its own C type. Other Python values are refused by name."""
+    import cupy
+    out = []
+    for i, a in enumerate(args):
+        if isinstance(a, cupy.ndarray):
+            out.append(ctypes.c_uint64(a.data.ptr))
+        elif type(a) in _ARG_TYPES:
+            out.append(_ARG_TYPES[type(a)](a.item()))
+        else:
+            raise TypeError(f"kernel argument {i} is a {type(a).__name__}: pass a CuPy array or a numpy "
+                            f"int32/int64/uint32/uint64/float32")
+    return out
+
+
+def _dims(d) -> tuple:
+    d = (d,) if isinstance(d, int) else tuple(int(v) for v in d)
+    return d + (1,) * (3 - len(d))
+
+
+class _Driver:
+    """cuLaunchKernelEx from libcuda, loaded on first use."""
+    _lib = None
+
+    @classmethod
+    def launch_pdl(cls, func_ptr: int, grid, block, args, shared_mem: int, stream_ptr: int) -> None:
+        if cls._lib is None:
+            lib = ctypes.CDLL("libcuda.so.1")
+            lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
+                                             ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+            lib.cuLaunchKernelEx.restype = ctypes.c_int
+            lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+            cls._lib = lib
+        attr = _LaunchAttr(id=_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION)
+        attr.value[0] = 1
+        cfg = _LaunchConfig(grid=(ctypes.c_uint * 3)(*_dims(grid)), block=(ctypes.c_uint * 3)(*_dims(block)),
+                            shared=shared_mem, stream=stream_ptr, attrs=ctypes.pointer(attr), n_attrs=1)
+        vals = c_args(args)
+        params = (ctypes.c_void_p * max(1, len(vals)))(*[ctypes.addressof(v) for v in vals])
+        rc = cls._lib.cuLaunchKernelEx(ctypes.byref(cfg), func_ptr, params, None)
+        if rc:
+            msg = ctypes.c_char_p()
+            cls._lib.cuGetErrorString(rc, ctypes.byref(msg))
+            raise RuntimeError(f"cuLaunchKernelEx failed ({rc}): {(msg.value or b'').decode()}")
+
+
+class Launcher:
+    """One kernel: fn(grid, block, args, shared_mem=0) as CuPy's RawKernel call, through the
+    PDL launch while the owning Kernels has pdl set."""
+
+    def __init__(self, owner: "Kernels", fn, big_smem: bool = False):
+        self._owner, self.fn, self._smem_ok = owner, fn, _SMEM_DEFAULT
+        if big_smem:                              # opted in at load, never inside a graph capture
+            import cupy
+            optin = int(cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
+            self._smem_ok = optin - int(fn.shared_size_bytes)
+            fn.max_dynamic_shared_size_bytes = self._smem_ok
+
+    def __call__(self, grid, block, args, shared_mem: int = 0):
+        if shared_mem > self._smem_ok:            # the opt-in for more than 48 KiB, once per size
+            self.fn.max_dynamic_shared_size_bytes = shared_mem
+            self._smem_ok = shared_mem
+        if self._owner.pdl:
+            import cupy
+            _Driver.launch_pdl(self.fn.kernel.ptr, grid, block, args, shared_mem,
+                               cupy.cuda.get_current_stream().ptr)
+        else:
+            self.fn(grid, block, args, shared_mem=shared_mem)
+
+    def occupancy(self, block: int, shared_mem: int = 0) -> int:
+        """Blocks of `block` threads one SM holds at once (the driver's occupancy count)."""
+        from cupy.cuda import driver
+        return int(driver.occupancyMaxActiveBlocksPerMultiprocessor(self.fn.kernel.ptr, block, shared_mem))
+
+
 class Kernels:
-    """Functions by name across the modules; compiled on first use."""
+    """Functions by name across the modules; compiled on first use. `pdl`: launch with
+    programmatic dependent launch (set while a decode step is captured)."""
 
     def __init__(self):
+        self.pdl = False
         import cupy
         cache = Path(os.environ.get("BLOOMERY_CACHE", Path.home() / ".cache" / "bloomery")) / "kernels"
         os.environ.setdefault("CUPY_CACHE_DIR", str(cache))
@@ -51,7 +156,7 @@ class Kernels:
         self._where = {}
         for mod in MODULES:
             src = source(mod)
-            names = re.findall(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s+)?(\w+)\(', src)
+            names = re.findall(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s+)?(?!__launch_bounds__)(\w+)\(', src)
             names += [f"mmv3_b{n}" for n in re.findall(r"^MMV3\((\d+)\)", src, re.M)]
             names += [f"mmv3n_b{n}" for n in re.findall(r"^MMV3N\((\d+)\)", src, re.M)]
             names += [f"attn_dec_{a}_{b}" for a, b in re.findall(r"^ATTN_DEC\((\d+), (\d+)\)", src, re.M)]
@@ -72,5 +177,5 @@ class Kernels:
                 raise AttributeError(f"no kernel {fn!r} in kernels/ ({', '.join(MODULES)})")
             if mod not in self._mods:
                 self._mods[mod] = self._cupy.RawModule(code=source(mod), options=("--std=c++17",))
-            self._fns[fn] = self._mods[mod].get_function(fn)
+            self._fns[fn] = Launcher(self, self._mods[mod].get_function(fn), big_smem=fn in BIG_SMEM)
         return self._fns[fn]

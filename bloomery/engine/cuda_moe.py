@@ -10,6 +10,8 @@ Legend: T = tokens, A = experts per token, E = experts, F = expert FFN size, D =
 """
 from __future__ import annotations
 
+import os
+
 import cupy
 import numpy as np
 
@@ -18,6 +20,26 @@ from bloomery.engine.cuda_gemm import gemm_nt
 
 _NULL = np.uint64(0)
 DOWN_R = 8                          # rows per block in moe_down (DOWN_R in moe.cu)
+SMEM_MAX = 227 << 10                # shared memory one block may opt in to (sm_90)
+
+
+def staged() -> bool:
+    """The decode expert kernels that stage their bytes in shared memory (moe_gate_up_s,
+    moe_down_s); BLOOMERY_CUDA_MOE=direct takes the ones that load into registers."""
+    return os.environ.get("BLOOMERY_CUDA_MOE", "staged") != "direct"
+
+
+def stage_cap(n: int) -> int:
+    """STAGE_CAP(n) in common.cuh: shared bytes that hold n bytes staged with their alignment."""
+    return ((n + 15) & ~15) + 32
+
+
+def gate_up_smem(gate, up, d: int) -> int:
+    return stage_cap(32 * gate.row_bytes) + stage_cap(32 * up.row_bytes) + stage_cap(d) + 2 * stage_cap(d // 8)
+
+
+def down_smem(down, f: int, n_warps: int) -> int:
+    return n_warps * (stage_cap(DOWN_R * down.row_bytes) + stage_cap(f) + 2 * stage_cap(f // 8))
 
 
 def route(ops, logits, n_used: int, norm: bool):
@@ -59,14 +81,23 @@ def ffn(ops, x, ids, wts, gate, up, down, residual=None):
     as_ = cupy.empty((t * n_used, f // 32), cupy.float32)
     ids = cupy.ascontiguousarray(ids, dtype=cupy.int32)
     wts = cupy.ascontiguousarray(wts, dtype=cupy.float32)
-    ops.k.moe_gate_up((f // 32, t * n_used), (256,), (
-        gate.table, up.table, np.int32(gate.ggml_type), np.int32(up.ggml_type), np.int64(gate.row_bytes),
-        np.int64(up.row_bytes), np.int32(f), np.int32(d), xq, xd, xs, ids, np.int32(n_used), aq, ad, as_))
+    n_warps = min(n_used, 8)
+    smem_gu, smem_d = gate_up_smem(gate, up, d), down_smem(down, f, n_warps)
+    stage = staged() and max(smem_gu, smem_d) <= SMEM_MAX
+    gate_up_args = (gate.table, up.table, np.int32(gate.ggml_type), np.int32(up.ggml_type), np.int64(gate.row_bytes),
+                    np.int64(up.row_bytes), np.int32(f), np.int32(d), xq, xd, xs, ids, np.int32(n_used), aq, ad, as_)
+    if stage:
+        ops.k.moe_gate_up_s((f // 32, t * n_used), (256,), gate_up_args, shared_mem=smem_gu)
+    else:
+        ops.k.moe_gate_up((f // 32, t * n_used), (256,), gate_up_args)
     out = cupy.empty((t, d), cupy.float32)                                # [T, D]
     res = cupy.ascontiguousarray(residual, dtype=cupy.float32) if residual is not None else _NULL
-    ops.k.moe_down((d // DOWN_R, t), (32 * min(n_used, 8),), (
-        down.table, np.int32(down.ggml_type), np.int64(down.row_bytes), np.int32(d), np.int32(f),
-        aq, ad, as_, ids, wts, np.int32(n_used), res, out))
+    down_args = (down.table, np.int32(down.ggml_type), np.int64(down.row_bytes), np.int32(d), np.int32(f),
+                 aq, ad, as_, ids, wts, np.int32(n_used), res, out)
+    if stage:
+        ops.k.moe_down_s((d // DOWN_R, t), (32 * n_warps,), down_args, shared_mem=smem_d)
+    else:
+        ops.k.moe_down((d // DOWN_R, t), (32 * n_warps,), down_args)
     return out
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -96,7 +97,46 @@ def llama_bench(exe: str, path: Path) -> dict:
     return rows
 
 
-def bloomery_bench(path: Path, profile: bool) -> dict:
+def decode_rate(model, tok: int, depth: int, n: int = N_GEN) -> float:
+    """Greedy decode tok/s: median of 3 runs of n steps from depth (the step captured first)."""
+    model.decode_greedy([0], [tok], [depth])
+    ts = []
+    for _ in range(3):
+        t0, cur = time.perf_counter(), tok
+        for i in range(n):
+            cur = int(model.decode_greedy([0], [cur], [depth + i])[0])
+        ts.append(time.perf_counter() - t0)
+    return n / float(np.median(ts))
+
+
+# the decode step's switches (BLOOMERY_CUDA_PDL, BLOOMERY_CUDA_MOE), each captured afresh
+VARIANTS = [{"BLOOMERY_CUDA_PDL": pdl, "BLOOMERY_CUDA_MOE": moe} for pdl in ("1", "0") for moe in ("staged", "direct")]
+
+
+def variant_rates(model, ids, depth: int) -> dict:
+    """Decode tok/s at depth for each switch setting, the step recaptured for each."""
+    saved = {k: os.environ.get(k) for k in VARIANTS[0]}
+    out = {}
+    try:
+        for v in VARIANTS:
+            os.environ.update(v)
+            model.ops._runners.clear()
+            name = ",".join(f"{k.split('_')[-1].lower()}={x}" for k, x in v.items())
+            try:
+                out[name] = decode_rate(model, int(ids[depth - 1]), depth)
+            except Exception as e:
+                print(f"variant {name} failed: {type(e).__name__}: {e}", flush=True)
+    finally:
+        for k, x in saved.items():
+            if x is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = x
+        model.ops._runners.clear()
+    return out
+
+
+def bloomery_bench(path: Path, profile: bool, variants: bool = False) -> dict:
     import cupy
     from bloomery.engine.loader import load_model
     rows = {}
@@ -117,17 +157,26 @@ def bloomery_bench(path: Path, profile: bool) -> dict:
             rows[f"pp{p}"] = p / float(np.median(ts))
         for d in DEPTHS:
             model.prefill(0, ids[:d], 0)
-            model.decode_greedy([0], [int(ids[d - 1])], [d])   # capture the step once
-            ts = []
-            for _ in range(3):
-                tok = int(ids[d - 1])
-                t = time.perf_counter()
-                for i in range(N_GEN):
-                    tok = int(model.decode_greedy([0], [tok], [d + i])[0])
-                ts.append(time.perf_counter() - t)
-            rows[f"tg{N_GEN}@d{d}"] = N_GEN / float(np.median(ts))
+            try:
+                rows[f"tg{N_GEN}@d{d}"] = decode_rate(model, int(ids[d - 1]), d)
+            except Exception as e:          # the capture with programmatic launch refused: say so, go on without
+                if os.environ.get("BLOOMERY_CUDA_PDL") == "0":
+                    raise
+                rows["pdl_error"] = f"{type(e).__name__}: {e}"
+                print("decode with programmatic dependent launch failed:", rows["pdl_error"], flush=True)
+                os.environ["BLOOMERY_CUDA_PDL"] = "0"
+                model.ops._runners.clear()
+                rows[f"tg{N_GEN}@d{d}"] = decode_rate(model, int(ids[d - 1]), d)
+        if variants:
+            model.prefill(0, ids[:DEPTHS[0]], 0)
+            rows["variants"] = variant_rates(model, ids, DEPTHS[0])
         if profile:
+            model.prefill(0, ids[:DEPTHS[0]], 0)
             rows["kernels_ms"] = kernel_profile(model, DEPTHS[0])
+            try:
+                rows["step_kernels"] = step_profile(model, DEPTHS[0])
+            except Exception as e:              # the profiler's event fields differ across torch versions
+                print(f"step profile: {type(e).__name__}: {e}", flush=True)
             rows["prompt_kernels_ms"] = prompt_profile(model, ids[:PROMPTS[-1]])
     rows["card_bytes"] = mem.used
     rows["bytes_per_token"] = {d: decode_bytes(model, d) for d in DEPTHS}
@@ -169,6 +218,43 @@ def kernel_profile(model, depth: int) -> dict:
     return dict(sorted(out.items(), key=lambda kv: -kv[1])[:25])
 
 
+def step_profile(model, depth: int) -> list:
+    """One captured decode step's kernels in order, each position of a layer averaged over the
+    middle layers: [name, us running, us from the previous kernel's end to its start] (a
+    negative gap: it started before the one before ended, as programmatic launch allows)."""
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return []
+    torch.cuda.init()
+    n = 5
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(n):
+            model.decode_greedy([0], [1], [depth + i])
+    evs = sorted(((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                  if getattr(e.device_type, "name", "") == "CUDA" and not e.name.startswith("Memcpy")),
+                 key=lambda e: e[1])
+    starts = [i for i, e in enumerate(evs) if e[0] == "get_rows"]
+    if len(starts) < 3:
+        return []
+    step = evs[starts[1]:starts[2]]                       # a middle step, from its embedding lookup
+    n_layer = model.n_layer
+    per = (len(step) - 1) // n_layer                      # kernels a layer (the head has fewer)
+    rows = []
+    for j in range(per):
+        durs, gaps = [], []
+        for il in range(2, n_layer - 2):
+            k = 1 + il * per + j
+            durs.append(step[k][2] - step[k][1])
+            gaps.append(step[k][1] - step[k - 1][2])
+        rows.append([step[1 + 2 * per + j][0][:40], round(float(np.mean(durs)), 2), round(float(np.mean(gaps)), 2)])
+    for k in range(1 + n_layer * per, len(step)):
+        rows.append([step[k][0][:40], round(step[k][2] - step[k][1], 2), round(step[k][1] - step[k - 1][2], 2)])
+    rows.append(["step", round(step[-1][2] - step[0][1], 1), 0.0])
+    return rows
+
+
 def prompt_profile(model, ids) -> dict:
     """Per-kernel GPU time (ms) of one prompt of len(ids), plus the wall time and the sum of
     the kernels' times (their difference is time the card waits on the host)."""
@@ -202,6 +288,7 @@ def main() -> None:
     ap.add_argument("--tokenizer-from", default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--variants", action="store_true", help="decode at depth 512 for each decode-step switch")
     ap.add_argument("--layers", type=int, default=SHAPE["n_layer"], help="fewer layers for a quick run")
     args = ap.parse_args()
     from make_synthetic import write_synthetic
@@ -213,11 +300,15 @@ def main() -> None:
         write_synthetic(path, "qwen3moe", tokenizer_from=args.tokenizer_from, **{**SHAPE, "n_layer": args.layers})
         print(f"wrote {path} ({path.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t:.0f} s", flush=True)
     result = {"file": str(path), "file_bytes": path.stat().st_size, "copy_bytes_s": copy_bandwidth()}
-    result["bloomery"] = bloomery_bench(path, args.profile)
+    result["bloomery"] = bloomery_bench(path, args.profile, args.variants)
     print("bloomery:", json.dumps(result["bloomery"]), flush=True)
     if args.llama_bench:
-        result["llama.cpp"] = llama_bench(args.llama_bench, path)
-        print("llama.cpp:", json.dumps(result["llama.cpp"]), flush=True)
+        try:
+            result["llama.cpp"] = llama_bench(args.llama_bench, path)
+            print("llama.cpp:", json.dumps(result["llama.cpp"]), flush=True)
+        except (SystemExit, OSError, subprocess.SubprocessError) as e:   # keep bloomery's numbers
+            result["llama.cpp_error"] = str(e)
+            print("llama-bench:", e, flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     print_table(result)
@@ -233,6 +324,12 @@ def print_table(r: dict) -> None:
         print(f"{k:<14}{(f'{lv:.1f}' if lv else '-'):>12}{(f'{bv:.1f}' if bv else '-'):>12}{ratio:>8}")
     cb = lc.get("card_bytes")
     print(f"{'card GiB':<14}{(f'{cb / 2**30:.2f}' if cb else '-'):>12}{b['card_bytes'] / 2**30:>12.2f}")
+    for name, rate in b.get("variants", {}).items():
+        print(f"decode d{DEPTHS[0]} {name}: {rate:.1f} tok/s")
+    if b.get("step_kernels"):
+        print("a decode step, a layer's kernels (us running, us since the previous ended):")
+        for name, dur, gap in b["step_kernels"]:
+            print(f"  {name:<40}{dur:>9.2f}{gap:>9.2f}")
     bw = r["copy_bytes_s"]
     for d in DEPTHS:
         per_tok = b["bytes_per_token"][d]

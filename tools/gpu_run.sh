@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# On a GPU machine with no network (the device): install the carried wheels, then run the
+# steps named, in order, each under its own time limit, results under $OUT (or ./gpu-out).
+#
+#   tools/gpu_run.sh [tests] [bench] [variants] [profile] [llama]
+#
+#   tests     the GPU tests (tests/test_cuda_*.py, or the pytest arguments in $TESTS), tests.log
+#   bench     tools/bench_cuda.py on the Qwen3-30B-A3B-shaped file (written once into
+#             $BENCH_WORK, in the background while the tests run), bench.json
+#   variants  with bench: decode at depth 512 for each decode-step switch
+#   profile   with bench: per-kernel times of the captured step and of a prompt
+#   llama     with bench: llama.cpp's llama-bench on the same file, same run
+#
+# Carried beside the tree in $BLOOMERY_DEVICE_DIR (default .device, git-ignored):
+#   whl/*.whl            pyzmq, structlog, gguf (the device image lacks them)
+#   tokenizer.gguf       tools/make_synthetic.py --tokenizer-only -o .device/tokenizer.gguf
+#   (any of these may be carried as NAME.xz: it is unpacked first)
+#   llama/llama-bench    llama.cpp's CUDA llama-bench (tools/ref/build-llama.sh --cuda-static),
+#                        linked against libcublas.so.13, which the device has in its CUDA wheels
+set -uo pipefail
+cd "$(dirname "$0")/.."
+dev=${BLOOMERY_DEVICE_DIR:-.device}
+out=${OUT:-gpu-out}
+work=${BENCH_WORK:-/tmp/bench}
+mkdir -p "$out" "$work"
+steps=" $* "
+has() { case "$steps" in *" $1 "*) return 0;; esac; return 1; }
+
+for z in "$dev"/*.xz "$dev"/*/*.xz; do      # carried compressed to fit the 64 MiB the tree may take
+  [ -f "$z" ] && [ ! -e "${z%.xz}" ] && xz -dc "$z" > "${z%.xz}"
+done
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  "$dev"/whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 BLOOMERY_TOKENIZER_GGUF=$PWD/$dev/tokenizer.gguf
+nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm,clocks.max.sm --format=csv,noheader
+
+big=$work/qwen3moe-30b-a3b-shape-q4_k_m-L48.gguf
+if has bench && [ ! -s "$big" ]; then        # the same file bench_cuda.py would write, started early
+  (python3 - "$work" "$BLOOMERY_TOKENIZER_GGUF" > "$out/write.log" 2>&1 <<'EOF'
+import sys, time
+from pathlib import Path
+sys.path.insert(0, "tools")
+import bench_cuda, make_synthetic
+work, tok = Path(sys.argv[1]), sys.argv[2]
+t = time.perf_counter()
+part = work / "big.part"
+make_synthetic.write_synthetic(part, "qwen3moe", tokenizer_from=tok, **bench_cuda.SHAPE)
+part.rename(work / "qwen3moe-30b-a3b-shape-q4_k_m-L48.gguf")
+print(f"wrote the bench file in {time.perf_counter() - t:.0f} s")
+EOF
+  ) &
+  writer=$!
+fi
+
+if has tests; then
+  t0=$SECONDS
+  # TESTS: other pytest arguments (default: every GPU test file)
+  timeout "${TESTS_S:-330}" python3 -m pytest -q -rs -p no:cacheprovider \
+    ${TESTS:-tests/test_cuda_backend.py tests/test_cuda_models.py tests/test_cuda_sources.py} 2>&1 \
+    | tee "$out/tests.log" | tail -n 25
+  echo "tests: $((SECONDS - t0)) s"
+fi
+
+if has bench; then
+  [ -n "${writer:-}" ] && { wait "$writer"; cat "$out/write.log"; }
+  args=(--work "$work" --tokenizer-from "$BLOOMERY_TOKENIZER_GGUF" --out "$out/bench.json")
+  has variants && args+=(--variants)
+  has profile && args+=(--profile)
+  if has llama; then
+    for lib in libcublas.so.13 libcublasLt.so.13 libcudart.so.13; do
+      at=$(find / -name "$lib" -not -path '/proc/*' 2>/dev/null | head -n 1)
+      [ -n "$at" ] && export LD_LIBRARY_PATH=$(dirname "$at")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    done
+    chmod +x "$dev/llama/llama-bench"
+    ldd "$dev/llama/llama-bench" | grep 'not found'
+    args+=(--llama-bench "$dev/llama/llama-bench")
+  fi
+  t0=$SECONDS
+  timeout "${BENCH_S:-420}" python3 tools/bench_cuda.py "${args[@]}" 2>&1 | tee "$out/bench.log" | tail -n 70
+  echo "bench: $((SECONDS - t0)) s"
+fi

@@ -215,3 +215,63 @@ def test_f32_weights_in_llama_order():
     for c in range(0, 208, 16):
         acc = (xs[c:c + 16].astype(np.float64) * ws[c:c + 16] + acc).astype(np.float32)
     assert many[0, 0] == reduce_add16(acc)
+
+
+def _fake_saxpy(fused_below: int | None):
+    """A saxpy through ctypes, y += a*x: fused (one rounding, as the check computes it) on whole
+    multiples of fused_below floats (every element when 1, none when None), a float32 multiply
+    then add on the rest."""
+    import ctypes
+
+    @ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                      ctypes.c_int64)
+    def saxpy(n, a, xp, incx, yp, incy):
+        x = np.ctypeslib.as_array(ctypes.cast(xp, ctypes.POINTER(ctypes.c_float)), shape=(n,))
+        y = np.ctypeslib.as_array(ctypes.cast(yp, ctypes.POINTER(ctypes.c_float)), shape=(n,))
+        main = 0 if fused_below is None else n - n % fused_below
+        y[:main] = (np.float64(a) * x[:main].astype(np.float64) + y[:main]).astype(np.float32)
+        y[main:] = np.float32(a) * x[main:] + y[main:]
+    return saxpy
+
+
+def test_saxpy_fused_grain():
+    """A BLAS whose saxpy fuses only whole 32-float steps (seen: OpenBLAS's Zen kernel here)
+    is still used, for lengths that are whole steps; one that never fuses is not."""
+    assert quant.fused_grain(_fake_saxpy(1)) == 1
+    assert quant.fused_grain(_fake_saxpy(32)) == 32
+    assert quant.fused_grain(_fake_saxpy(None)) is None
+
+
+def test_row_chunks_keep_the_saxpy_multiple(monkeypatch):
+    monkeypatch.setattr(quant, "N_THREADS", 2)
+    for n_rows, nc in ((4864, 1000), (2052, 999), (8, 8), (12, 5)):
+        seen = []
+        quant._row_chunks(lambda a, b: seen.append((a, b)), n_rows, nc, 1 << 30, multiple=4)
+        seen.sort()
+        assert seen[0][0] == 0 and seen[-1][1] == n_rows and all(b == c for (_, b), (c, _) in zip(seen, seen[1:]))
+        assert all((b - a) % 4 == 0 for a, b in seen), (n_rows, nc, seen)
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_q5_0_saxpy_path_in_whole_steps_equals_the_emulation(monkeypatch, t):
+    """With a saxpy fused only on whole 32-float steps the Q5_0 llama-order product takes the
+    saxpy path in chunks of whole steps, and gives the float64 emulation's bits exactly; rows
+    that cannot be cut so (not a multiple of 4) take the emulation."""
+    saxpy = _fake_saxpy(32)
+    monkeypatch.setattr(quant, "_SAXPY", saxpy)
+    monkeypatch.setattr(quant, "SAXPY_GRAIN", 32)
+    n_rows, n_cols = 2052, 256                                          # > 1024 rows: several chunks
+    raw = random_blocks(QT.Q5_0, n_rows, n_cols, seed=3)
+    x = np.random.default_rng(4).standard_normal((t, n_cols)).astype(np.float32)
+    p = quant.decode_planes(QT.Q5_0, raw, n_rows, n_cols)
+    monkeypatch.setattr(quant, "USE_SAXPY", True)
+    got = quant.dot_llama(x, p)
+    assert p.scaled
+    monkeypatch.setattr(quant, "USE_SAXPY", False)
+    want = quant.dot_llama(x, p)
+    assert not p.scaled
+    np.testing.assert_array_equal(got, want)
+    monkeypatch.setattr(quant, "USE_SAXPY", True)
+    odd = quant.decode_planes(QT.Q5_0, random_blocks(QT.Q5_0, 6, n_cols, seed=5), 6, n_cols)
+    quant.dot_llama(x, odd)
+    assert not odd.scaled

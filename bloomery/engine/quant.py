@@ -395,20 +395,35 @@ def _find_saxpy():
         return None
     fn.argtypes = [int_t, ctypes.c_float, ctypes.c_void_p, int_t, ctypes.c_void_p, int_t]
     fn.restype = None
+    grain = fused_grain(fn)
+    return None if grain is None else (fn, grain)
+
+
+def fused_grain(fn) -> int | None:
+    """1 if saxpy fn(n, a, x, 1, y, 1) is one fused multiply-add per element for every length
+    tried, 32 if only for whole multiples of 32 (some builds fuse whole 32-float steps and
+    finish a tail with a multiply and an add: OpenBLAS's Zen kernel on an AMD EPYC here), None
+    if neither."""
     rng = np.random.default_rng(12345)
-    with _OneBlasThread():
-        for n in (1, 7, 8, 15, 16, 17, 31, 64, 100, 1000, 4099):
-            x = rng.standard_normal(n).astype(np.float32)
-            y = rng.standard_normal(n).astype(np.float32)
-            a = np.float32(rng.standard_normal())
-            want = (np.float64(a) * x.astype(np.float64) + y).astype(np.float32)
-            fn(n, float(a), x.ctypes.data, 1, y.ctypes.data, 1)
-            if not np.array_equal(y, want):
-                return None
-    return fn
+
+    def fused(lengths) -> bool:
+        with _OneBlasThread():
+            for n in lengths:
+                x = rng.standard_normal(n).astype(np.float32)
+                y = rng.standard_normal(n).astype(np.float32)
+                a = np.float32(rng.standard_normal())
+                want = (np.float64(a) * x.astype(np.float64) + y).astype(np.float32)
+                fn(n, float(a), x.ctypes.data, 1, y.ctypes.data, 1)
+                if not np.array_equal(y, want):
+                    return False
+        return True
+    for grain in (1, 32):
+        if fused([grain * m for m in (1, 2, 3, 7, 16, 31, 128, 1000)] + ([7, 15, 17, 100, 4099] if grain == 1 else [])):
+            return grain
+    return None
 
 
-_SAXPY = _find_saxpy()
+_SAXPY, SAXPY_GRAIN = _find_saxpy() or (None, 0)    # the saxpy, and the lengths (multiples) it fuses
 USE_SAXPY = _SAXPY is not None
 
 
@@ -478,11 +493,13 @@ def _one_blas_thread_call(fn, *args):
         return fn(*args)
 
 
-def _row_chunks(fn, n_rows: int, nc: int, macs: int) -> None:
-    """fn(n0, n1) for each chunk of nc rows, spread over N_THREADS threads when the product is big."""
+def _row_chunks(fn, n_rows: int, nc: int, macs: int, multiple: int = 1) -> None:
+    """fn(n0, n1) for each chunk of nc rows, spread over N_THREADS threads when the product is
+    big; every chunk but the last a whole number of `multiple` rows."""
     global _POOL
     if N_THREADS > 1 and macs >= PARALLEL_MIN_MACS:
         nc = min(nc, -(-n_rows // N_THREADS))                          # at least one chunk per thread
+    nc = max(multiple, nc - nc % multiple)
     starts = list(range(0, n_rows, nc))
     if N_THREADS < 2 or len(starts) < 2 or macs < PARALLEL_MIN_MACS:
         for n0 in starts:
@@ -502,8 +519,15 @@ def _row_chunks(fn, n_rows: int, nc: int, macs: int) -> None:
         f.result()
 
 
+def _saxpy_rows(n_rows: int) -> int:
+    """Rows a saxpy chunk of _dot_q8_0_axpy must be a multiple of (its length is 8 per row)
+    for the saxpy to fuse every step; 0: n_rows cannot be cut so."""
+    per = max(1, SAXPY_GRAIN // 8)
+    return per if n_rows % per == 0 else 0
+
+
 def _dot_q8_0_lanes(x: np.ndarray, p: Planes) -> np.ndarray:
-    if USE_SAXPY and QT(p.ggml_type) in AXPY_TYPES:
+    if USE_SAXPY and QT(p.ggml_type) in AXPY_TYPES and _saxpy_rows(p.q.shape[1]):
         return _dot_q8_0_axpy(x, p)
     _set_scaled(p, False)
     t = x.shape[0]
@@ -562,7 +586,7 @@ def _dot_q8_0_axpy(x: np.ndarray, p: Planes) -> np.ndarray:
                 saxpy(step, da_list[r][b], base + r * 4 * step, 1, acc_ptr + r * 4 * step, 1)
         out[:, n0:n1] = _hsum8(acc.T) if t == 1 else _hsum8(acc.transpose(1, 0, 2))
     nc = n_rows if n_rows <= 1024 else max(256, AXPY_CHUNK_BYTES // (n_blocks * 8 * t * 4))
-    _row_chunks(chunk, n_rows, nc, t * n_rows * n_blocks * 32)
+    _row_chunks(chunk, n_rows, nc, t * n_rows * n_blocks * 32, multiple=_saxpy_rows(n_rows))
     return out
 
 

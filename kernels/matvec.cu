@@ -391,3 +391,72 @@ extern "C" __global__ void argmax_final(const float* __restrict__ part_v, const 
     warp_argmax(best, bi);
     if (lane == 0) out[b] = bi;
 }
+
+// The K largest logits of each row (K <= TOPK_MAX), in the sampler chain's order: descending,
+// ties to the lower index (sampler._sorted_top), for a sampled pick whose chain after top_k
+// runs on the host over K candidates instead of the whole row. A (value, index) pair is one
+// 64-bit key, the float's bits made order-preserving above the index's complement, so one
+// descending sort gives that order. Two passes: topk_part, grid (NP, B), block 512: block p
+// sorts row b's TOPK_SPAN values p*SPAN.. (bitonic, in shared memory) and keeps its first K
+// keys in part [B, NP, K], counting NaNs into nan[b] (zeroed by the caller); topk_final, grid B,
+// block 1024: sorts the NP*K <= TOPK_SPAN keys and writes the first K as ids and values.
+#define TOPK_SPAN 4096
+#define TOPK_MAX 64
+__device__ __forceinline__ u64 topk_key(float v, int i) {
+    u32 u = __float_as_uint(v);
+    u32 o = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    return ((u64)o << 32) | (u64)(0xFFFFFFFFu - (u32)i);
+}
+// Sort s[0..TOPK_SPAN) descending with blockDim.x threads (a power of two).
+__device__ __forceinline__ void bitonic_desc(u64* s) {
+    for (int k = 2; k <= TOPK_SPAN; k <<= 1)
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            for (int i = threadIdx.x; i < TOPK_SPAN; i += blockDim.x) {
+                int l = i ^ j;
+                if (l > i) {
+                    u64 a = s[i], b = s[l];
+                    bool desc = (i & k) == 0;
+                    if (desc ? a < b : a > b) { s[i] = b; s[l] = a; }
+                }
+            }
+            __syncthreads();
+        }
+}
+extern "C" __global__ void __launch_bounds__(512) topk_part(const float* __restrict__ x, int n, int K,
+                                                            u64* __restrict__ part, int* __restrict__ nan) {
+    __shared__ u64 s[TOPK_SPAN];
+    pdl_wait();
+    pdl_next();
+    int b = blockIdx.y, np = gridDim.x, i0 = blockIdx.x * TOPK_SPAN;
+    const float* r = x + (i64)b * n;
+    int n_nan = 0;
+    for (int i = threadIdx.x; i < TOPK_SPAN; i += blockDim.x) {
+        int at = i0 + i;
+        float v = at < n ? r[at] : 0.f;
+        bool bad = at < n && v != v;
+        n_nan += bad;
+        s[i] = at < n && !bad ? topk_key(v, at) : 0ull;       // past the row, NaN: below every value
+    }
+    if (n_nan) atomicAdd(nan + b, n_nan);
+    __syncthreads();
+    bitonic_desc(s);
+    for (int k = threadIdx.x; k < K; k += blockDim.x) part[((i64)b * np + blockIdx.x) * K + k] = s[k];
+}
+extern "C" __global__ void __launch_bounds__(1024) topk_final(const u64* __restrict__ part, int np, int K,
+                                                              const float* __restrict__ x, int n,
+                                                              int* __restrict__ ids, float* __restrict__ vals) {
+    __shared__ u64 s[TOPK_SPAN];
+    pdl_wait();
+    pdl_next();
+    int b = blockIdx.x, m = np * K;
+    for (int i = threadIdx.x; i < TOPK_SPAN; i += blockDim.x) s[i] = i < m ? part[(i64)b * m + i] : 0ull;
+    __syncthreads();
+    bitonic_desc(s);
+    for (int k = threadIdx.x; k < K; k += blockDim.x) {
+        u64 key = s[k];
+        int i = (int)(0xFFFFFFFFu - (u32)(key & 0xFFFFFFFFull));
+        bool real = key != 0ull;                               // fewer than K values in the row
+        ids[(i64)b * K + k] = real ? i : -1;
+        vals[(i64)b * K + k] = real ? x[(i64)b * n + i] : -3.4e38f;
+    }
+}

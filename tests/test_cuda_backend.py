@@ -150,6 +150,30 @@ def test_rms_norm_and_argmax(ops):
     assert cupy.asnumpy(ops.argmax(cupy.asarray(logits[:, :1000]))).tolist() == np.argmax(logits[:, :1000], -1).tolist()
 
 
+@pytest.mark.parametrize("n,k", [(151936, 40), (151936, 64), (1000, 64), (4096, 1), (4097, 7)])
+def test_topk_in_the_chain_order(ops, n, k):
+    """ops.topk hands over each row's k largest logits in the sampler chain's order (descending,
+    ties to the lower id: sampler._sorted_top), ties straddling topk_part's 4096-value pieces,
+    and counts a row's NaNs."""
+    import cupy
+    from bloomery.engine.sampler import _sorted_top
+    rng = np.random.default_rng(n + k)
+    x = (rng.standard_normal((3, n)) * 3).astype(np.float32)
+    top = x.max()
+    x[0, rng.integers(0, n, 12)] = top + 1                   # a run of equal maxima, any piece
+    x[1, [n - 1, 0, n // 2]] = top + 2                       # ties in the first, a middle, the last piece
+    x[2, 5] = np.nan
+    ids, vals, nan = (cupy.asnumpy(a) for a in ops.topk(cupy.asarray(x), k))
+    for r in range(2):
+        want = _sorted_top(x[r], k)
+        np.testing.assert_array_equal(ids[r], want)
+        np.testing.assert_array_equal(vals[r], x[r, want])
+    assert nan.tolist() == [0, 0, 1]
+    clean = np.where(np.isnan(x[2]), -np.inf, x[2])
+    np.testing.assert_array_equal(ids[2], _sorted_top(clean, k))
+    assert k <= ops.topk_max(n)
+
+
 def test_norm_fused_two_rows_per_warp(ops, monkeypatch):
     """mmv3n with each warp taking two rows in turn (what the launch picks when one row a warp
     would need a second wave of blocks) gives the same bits as one row a warp."""

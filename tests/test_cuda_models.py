@@ -130,6 +130,23 @@ def test_captured_step_equals_eager_step(files, pdl, monkeypatch):
         np.testing.assert_array_equal(picked, np.argmax(eager, axis=-1))
 
 
+def test_captured_step_hands_over_the_top_k(files):
+    """decode_topk (the captured step, then the top-k on the card) hands over the same ids and
+    values, in the sampler chain's order, as the whole rows decode() returns."""
+    from bloomery.engine.sampler import _sorted_top
+    model = _load(files["qwen3moe"], "cuda")
+    model.prefill(0, np.asarray(PROMPTS[0], np.int32), 0)
+    model.prefill(1, np.asarray(PROMPTS[1], np.int32), 0)
+    slots, ids, pos = [1, 0], [9, 11], [len(PROMPTS[1]), len(PROMPTS[0])]
+    rows = model.decode(slots, ids, pos)
+    c_ids, c_vals, n_nan = model.decode_topk(slots, ids, pos, 40)
+    for b in range(2):
+        want = _sorted_top(rows[b], 40)
+        np.testing.assert_array_equal(c_ids[b], want)
+        np.testing.assert_array_equal(c_vals[b], rows[b, want])
+    assert n_nan.tolist() == [0, 0]
+
+
 def _stream_chat(url: str) -> str:
     """POST a streamed chat completion with plain urllib and join the SSE deltas' content."""
     import json

@@ -379,6 +379,57 @@ def test_plain_greedy_batches_take_only_ids_from_the_model():
     assert all(o.top for o in outs["p"]) and not any(o.top for o in outs["g2"])
 
 
+class HandsOverTopK(StandInModel):
+    """A model with decode_topk (a backend that keeps the logits on its card and hands over a
+    row's k largest): the engine must use it for sampled batches whose chain needs no more."""
+    topk_max = 16
+
+    def decode_topk(self, slots, ids, positions, k):
+        from bloomery.engine.sampler import _sorted_top
+        self.calls.append(("decode_topk", tuple(slots), k))
+        rows = StandInModel.decode(self, slots, ids, positions)
+        self.calls.pop()
+        order = np.stack([_sorted_top(r, k) for r in rows])
+        vals = np.take_along_axis(rows, order, 1)
+        return order.astype(np.int32), vals.astype(np.float32), np.zeros(len(slots), np.int32)
+
+
+@pytest.mark.parametrize("params", [dict(top_k=8, top_p=0.9, min_p=0.05), dict(top_k=16, top_p=1.0, min_p=0.0),
+                                    dict(top_k=3, top_p=0.5, min_p=0.2, temperature=1.5)])
+def test_sampled_batches_take_only_the_top_k_from_the_model(params):
+    """Seeded sampled requests draw the same ids from the top_k the model hands over as from the
+    whole rows; a request the top_k cannot serve (penalties, more than the model's topk_max)
+    makes its batch decode whole rows."""
+    sampling = SamplingParams(**{"temperature": 0.8, **params, "seed": 7})
+    runs = {}
+    for cls in (StandInModel, HandsOverTopK):
+        model = cls(2, 64)
+        engine = Engine(model, 2, 64)
+        engine.add(greq("a", [1, 2, 3], n_predict=12, sampling=sampling))
+        engine.add(greq("b", [4, 5], n_predict=12, sampling=SamplingParams(**{**sampling.__dict__, "seed": 9})))
+        runs[cls] = ({r: [o.token for o in v] for r, v in drain(engine).items()}, model.calls)
+    assert runs[HandsOverTopK][0] == runs[StandInModel][0]
+    kinds = {c[0] for c in runs[HandsOverTopK][1]}
+    assert kinds == {"prefill", "decode_topk"}, kinds
+    for extra in (dict(repeat_penalty=1.1), dict(top_k=17), dict(top_k=0)):
+        model = HandsOverTopK(1, 64)
+        engine = Engine(model, 1, 64)
+        engine.add(greq("c", [1, 2, 3], n_predict=4, sampling=SamplingParams(**{**sampling.__dict__, **extra})))
+        drain(engine)
+        assert {c[0] for c in model.calls} == {"prefill", "decode"}, extra
+
+
+def test_a_nan_in_the_top_k_path_fails_that_request_by_name():
+    class NaNs(HandsOverTopK):
+        def decode_topk(self, slots, ids, positions, k):
+            i, v, _ = super().decode_topk(slots, ids, positions, k)
+            return i, v, np.full(len(slots), 3, np.int32)
+    engine = Engine(NaNs(1, 64), 1, 64)
+    engine.add(greq("x", [1, 2], n_predict=4, sampling=SamplingParams(temperature=0.8, top_k=5, seed=1)))
+    outs = drain(engine)
+    assert outs["x"][-1].finish == "error" and "NaN" in outs["x"][-1].error
+
+
 def test_a_greedy_pick_outside_the_vocabulary_fails_that_request_by_name():
     class Broken(PicksOnDevice):
         def decode_greedy(self, slots, ids, positions):

@@ -235,3 +235,37 @@ def test_seeded_picks_equal_llama_cpp(case):
         s.accept(token)
         picks.append(token)
     assert picks == case["picks"]
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p,temp", [(40, 0.95, 0.05, 0.8), (1, 1.0, 0.0, 0.7), (64, 0.5, 0.0, 1.3),
+                                                    (10, 1.0, 0.3, 0.5), (5, 0.99, 0.0, 2.0)])
+def test_the_top_k_candidates_draw_what_the_whole_row_draws(top_k, top_p, min_p, temp):
+    """A chain that needs only its top_k (no bias, penalties, mask, probabilities) picks the same
+    ids from the row's top_k largest logits, in the chain's order, as from the whole row; step
+    after step, so the random stream advances alike."""
+    from bloomery.engine.sampler import _sorted_top
+    rng = np.random.default_rng(top_k)
+    params = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=1234,
+                            repeat_penalty=1.0)
+    whole, cand = Sampler(params, 1000, 4096), Sampler(params, 1000, 4096)
+    assert cand.candidates_k == top_k
+    for step in range(30):
+        row = rng.standard_normal(1000).astype(np.float32) * 3
+        row[rng.integers(0, 1000, 20)] = row.max()              # ties at the top: lower ids first
+        order = _sorted_top(row, top_k)
+        a = whole.sample(row).token
+        b = cand.sample_candidates(order.astype(np.int32), row[order]).token
+        assert a == b, step
+    with pytest.raises(SamplerError, match="NaN"):
+        cand.sample_candidates(order.astype(np.int32), row[order], n_nan=2)
+    with pytest.raises(SamplerError, match="largest logits"):
+        cand.sample_candidates(order[:-1].astype(np.int32), row[order[:-1]])
+
+
+def test_which_chains_the_top_k_can_serve():
+    base = dict(temperature=0.8, top_k=40, repeat_penalty=1.0)
+    assert Sampler(SamplingParams(**base), 100, 64).candidates_k == 40
+    assert Sampler(SamplingParams(**{**base, "top_k": 500}), 100, 64).candidates_k == 100   # the vocab
+    for extra in (dict(temperature=0.0), dict(top_k=0), dict(repeat_penalty=1.1), dict(presence_penalty=0.5),
+                  dict(n_probs=3), dict(logit_bias=((5, 1.0),))):
+        assert Sampler(SamplingParams(**{**base, **extra}), 100, 64).candidates_k == 0, extra

@@ -109,6 +109,30 @@ def decode_rate(model, tok: int, depth: int, n: int = N_GEN) -> float:
     return n / float(np.median(ts))
 
 
+def sampled_rate(model, tok: int, depth: int, top_k: bool, n: int = N_GEN) -> float:
+    """Sampled decode tok/s (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05: llama-server's
+    defaults, seed 1): the top_k handed over by the card (decode_topk), or whole rows (decode)."""
+    from bloomery.engine.sampler import Sampler
+    from bloomery.engine.types import SamplingParams
+    sampler = Sampler(SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=1,
+                                     repeat_penalty=1.0), model.n_vocab, depth + n + 8)
+    k = sampler.candidates_k
+
+    def step(cur: int, i: int) -> int:
+        if top_k:
+            ids, vals, nan = model.decode_topk([0], [cur], [depth + i], k)
+            return sampler.sample_candidates(ids[0], vals[0], int(nan[0])).token
+        return sampler.sample(model.decode([0], [cur], [depth + i])[0]).token
+    step(tok, 0)
+    ts = []
+    for _ in range(3):
+        t0, cur = time.perf_counter(), tok
+        for i in range(n):
+            cur = step(cur, i)
+        ts.append(time.perf_counter() - t0)
+    return n / float(np.median(ts))
+
+
 # the decode step's switches (BLOOMERY_CUDA_PDL, BLOOMERY_CUDA_MOE), each captured afresh
 VARIANTS = [{"BLOOMERY_CUDA_PDL": pdl, "BLOOMERY_CUDA_MOE": moe} for pdl in ("1", "0") for moe in ("staged", "direct")]
 
@@ -167,6 +191,10 @@ def bloomery_bench(path: Path, profile: bool, variants: bool = False) -> dict:
                 os.environ["BLOOMERY_CUDA_PDL"] = "0"
                 model.ops._runners.clear()
                 rows[f"tg{N_GEN}@d{d}"] = decode_rate(model, int(ids[d - 1]), d)
+        model.prefill(0, ids[:DEPTHS[0]], 0)
+        for mode in ("topk", "logits"):
+            rows[f"tg{N_GEN}@d{DEPTHS[0]} sampled {mode}"] = sampled_rate(model, int(ids[DEPTHS[0] - 1]), DEPTHS[0],
+                                                                        mode == "topk")
         if variants:
             model.prefill(0, ids[:DEPTHS[0]], 0)
             rows["variants"] = variant_rates(model, ids, DEPTHS[0])
@@ -324,6 +352,10 @@ def print_table(r: dict) -> None:
         print(f"{k:<14}{(f'{lv:.1f}' if lv else '-'):>12}{(f'{bv:.1f}' if bv else '-'):>12}{ratio:>8}")
     cb = lc.get("card_bytes")
     print(f"{'card GiB':<14}{(f'{cb / 2**30:.2f}' if cb else '-'):>12}{b['card_bytes'] / 2**30:>12.2f}")
+    for mode in ("topk", "logits"):
+        rate = b.get(f"tg{N_GEN}@d{DEPTHS[0]} sampled {mode}")
+        if rate:
+            print(f"decode d{DEPTHS[0]} sampled (llama-server's defaults), {mode} to the host: {rate:.1f} tok/s")
     for name, rate in b.get("variants", {}).items():
         print(f"decode d{DEPTHS[0]} {name}: {rate:.1f} tok/s")
     if b.get("step_kernels"):

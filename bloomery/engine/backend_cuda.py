@@ -23,6 +23,7 @@ from bloomery.engine.ops import Rows
 from bloomery.plan import CUDA_UBATCH
 
 MMV_ROWS = 8                       # rows the mat-vec kernels take at once (MAXB in matvec.cu)
+TOPK_MAX, TOPK_SPAN = 64, 4096     # topk's largest k, and the values one block sorts (matvec.cu)
 F32, F16, BF16 = 0, 1, 30
 BLOCKS = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 6: (32, 22), 8: (32, 34),
           12: (256, 144), 13: (256, 176), 14: (256, 210)}    # ggml type -> (values, bytes) per block
@@ -285,6 +286,26 @@ class CudaOps:
         out = cupy.empty(b, cupy.int32)
         self.k.argmax_final((b,), (32,), (part_v, part_i, _i32(n_part), out))
         return out
+
+    def topk_max(self, n_vocab: int) -> int:
+        """The largest k topk takes for rows of n_vocab logits (TOPK_MAX, TOPK_SPAN in matvec.cu)."""
+        return min(TOPK_MAX, TOPK_SPAN // _grid(n_vocab, TOPK_SPAN))
+
+    def topk(self, logits, k: int):
+        """The k largest logits of each row [B, V] in the sampler chain's order (descending, ties to
+        the lower id): (ids [B, k] int32, values [B, k] f32, NaN count [B] int32)."""
+        logits = cupy.ascontiguousarray(logits, dtype=cupy.float32)
+        b, n = logits.shape
+        if not 1 <= k <= self.topk_max(n):
+            raise ValueError(f"topk takes 1..{self.topk_max(n)} of {n} logits, not {k}")
+        n_part = _grid(n, TOPK_SPAN)
+        part = cupy.empty((b, n_part, k), cupy.uint64)
+        nan = cupy.zeros(b, cupy.int32)
+        self.k.topk_part((n_part, b), (512,), (logits, _i32(n), _i32(k), part, nan))
+        ids = cupy.empty((b, k), cupy.int32)
+        vals = cupy.empty((b, k), cupy.float32)
+        self.k.topk_final((b,), (1024,), (part, _i32(n_part), _i32(k), logits, _i32(n), ids, vals))
+        return ids, vals, nan
 
     # --- attention and MoE (their own modules) ---
     def kv_cache(self, n_layer, n_slots, n_ctx_slot, n_head_kv, head_dim):

@@ -139,46 +139,53 @@ class Engine:
     def _decode(self, slots: list[Slot]) -> list[TokenOut]:
         ids = np.array([s.next_id for s in slots], dtype=np.int32)               # [B]
         positions = np.array([s.n_past for s in slots], dtype=np.int32)          # [B]
-        # every slot greedy on raw logits: the model picks (on its device) and only ids come back
-        picks = None
-        greedy = getattr(self.model, "decode_greedy", None)
-        if greedy is not None and all(s.state.sampler.plain_greedy for s in slots):
-            try:
-                picks = np.asarray(greedy([s.id for s in slots], ids, positions)).reshape(-1)   # [B]
-                if picks.shape != (len(slots),):
-                    raise ValueError(f"model.decode_greedy returned shape {picks.shape}, expected ({len(slots)},)")
-            except Exception as e:
-                if len(slots) == 1:
-                    return [self._fail(slots[0], e)]
-                return [out for s in slots for out in self._decode([s])]
-            with self._lock:
-                for slot in slots:
-                    self.scheduler.fed(slot)
-            return [self._sample(slot, None, first=False, token=int(picks[b])) for b, slot in enumerate(slots)]
         try:
-            logits = self.model.decode([s.id for s in slots], ids, positions)    # [B, V]
-            if np.shape(logits) != (len(slots), self.n_vocab):
-                raise ValueError(f"model.decode returned shape {np.shape(logits)}, "
-                                 f"expected ({len(slots)}, {self.n_vocab})")
+            picks = self._model_step(slots, ids, positions)
         except Exception as e:
             if len(slots) == 1:
                 return [self._fail(slots[0], e)]
             # the batch failed: run each slot alone so only the faulty request fails
             return [out for s in slots for out in self._decode([s])]
-        outs = []
         with self._lock:
             for slot in slots:
                 self.scheduler.fed(slot)
-        for b, slot in enumerate(slots):
-            outs.append(self._sample(slot, logits[b], first=False))
-        return outs
+        return [self._sample(slot, first=False, **pick) for slot, pick in zip(slots, picks)]
 
-    def _sample(self, slot: Slot, logits: np.ndarray | None, first: bool, token: int | None = None) -> TokenOut:
-        """Pick from logits (the sampler chain), or take the id the model picked (plain greedy)."""
+    def _model_step(self, slots: list[Slot], ids: np.ndarray, positions: np.ndarray) -> list[dict]:
+        """One batched step through the narrowest model call the slots' samplers allow, as each
+        slot's _sample arguments: the model's own greedy ids (every slot plain greedy), each row's
+        top_k candidates (every slot's chain needs no more), or whole rows of logits."""
+        b_ids, n = [s.id for s in slots], len(slots)
+        greedy = getattr(self.model, "decode_greedy", None)
+        if greedy is not None and all(s.state.sampler.plain_greedy for s in slots):
+            picks = np.asarray(greedy(b_ids, ids, positions)).reshape(-1)       # [B]
+            if picks.shape != (n,):
+                raise ValueError(f"model.decode_greedy returned shape {picks.shape}, expected ({n},)")
+            return [dict(token=int(t)) for t in picks]
+        ks = [s.state.sampler.candidates_k for s in slots]
+        topk = getattr(self.model, "decode_topk", None)
+        if topk is not None and all(0 < k <= getattr(self.model, "topk_max", 0) for k in ks):
+            k = max(ks)
+            c_ids, c_vals, n_nan = (np.asarray(a) for a in topk(b_ids, ids, positions, k))   # [B, k] x2, [B]
+            if c_ids.shape != (n, k) or c_vals.shape != c_ids.shape or n_nan.shape != (n,):
+                raise ValueError(f"model.decode_topk returned shapes {c_ids.shape}, {c_vals.shape}, {n_nan.shape}, "
+                                 f"expected ({n}, {k}) twice and ({n},)")
+            return [dict(candidates=(c_ids[b, :kb], c_vals[b, :kb], int(n_nan[b]))) for b, kb in enumerate(ks)]
+        logits = self.model.decode(b_ids, ids, positions)                      # [B, V]
+        if np.shape(logits) != (n, self.n_vocab):
+            raise ValueError(f"model.decode returned shape {np.shape(logits)}, expected ({n}, {self.n_vocab})")
+        return [dict(logits=logits[b]) for b in range(n)]
+
+    def _sample(self, slot: Slot, logits: np.ndarray | None = None, first: bool = False, token: int | None = None,
+                candidates: tuple | None = None) -> TokenOut:
+        """Pick from logits (the sampler chain), from the row's top_k candidates (ids, values, NaN
+        count), or take the id the model picked (plain greedy)."""
         req, st = slot.req, slot.state
         n_prompt = len(req.prompt_ids)
         try:
-            if token is None:
+            if candidates is not None:
+                s = st.sampler.sample_candidates(*candidates)
+            elif token is None:
                 s = st.sampler.sample(logits)
             elif 0 <= token < self.n_vocab:
                 s = Sample(token)

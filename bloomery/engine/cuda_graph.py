@@ -70,7 +70,7 @@ class DecodeGraphs:
                 ops.k.pdl = False
         return _Graph(graph, stream, pool, io, host_io, logits, picked)
 
-    def run(self, slots, ids, positions, want_logits: bool) -> np.ndarray:
+    def _launch(self, slots, ids, positions) -> _Graph:
         b = len(slots)
         g = self._graphs.get(b)
         if g is None:
@@ -78,6 +78,20 @@ class DecodeGraphs:
         g.host_io[0], g.host_io[1], g.host_io[2] = ids, slots, positions
         g.io.set(g.host_io, stream=g.stream)
         g.graph.launch(g.stream)
+        return g
+
+    def run_topk(self, slots, ids, positions, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The step, then the k largest logits of each row on the card (ops.topk, after the graph
+        on its stream): only k ids and values a row come back."""
+        g = self._launch(slots, ids, positions)
+        with g.stream:
+            got = self.model.ops.topk(g.logits, k)
+            out = tuple(a.get(stream=g.stream) for a in got)
+        g.stream.synchronize()
+        return out
+
+    def run(self, slots, ids, positions, want_logits: bool) -> np.ndarray:
+        g = self._launch(slots, ids, positions)
         out = (g.logits if want_logits else g.picked).get(stream=g.stream)
         g.stream.synchronize()
         return out

@@ -148,6 +148,26 @@ class CausalLM:
         On a backend with captured steps only the ids leave the card."""
         return self._step(slots, ids, positions, want_logits=False)
 
+    @property
+    def topk_max(self) -> int:
+        """The largest k decode_topk takes (0: this backend hands over whole rows of logits)."""
+        f = getattr(self.ops, "topk_max", None)
+        return f(self.n_vocab) if f is not None else 0
+
+    def decode_topk(self, slots: Sequence[int], ids, positions, k: int):
+        """One token per slot; of each slot's logits only the k largest leave the device, in the
+        sampler chain's order (descending, ties to the lower id): (ids [B, k] int32, values
+        [B, k] float32, NaN count [B]). For a sampled pick whose chain after top_k needs no more."""
+        if not 1 <= k <= self.topk_max:
+            raise ModelError(f"decode_topk takes k in 1..{self.topk_max} on the {self.ops.name} backend, not {k}")
+        slots, ids, positions = self._decode_args(slots, ids, positions)
+        runner = self._graphs(len(slots))
+        if runner is not None:
+            return runner.run_topk(slots, ids, positions, k)
+        spans = [AttnSpan(s, int(p), b, b + 1) for b, (s, p) in enumerate(zip(slots, positions))]
+        got = self.ops.topk(self.head(self._run(ids, positions, spans)), k)
+        return tuple(self.ops.to_host(a) for a in got)
+
     def _step(self, slots, ids, positions, want_logits: bool) -> np.ndarray:
         slots, ids, positions = self._decode_args(slots, ids, positions)
         runner = self._graphs(len(slots))

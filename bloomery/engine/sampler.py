@@ -180,6 +180,31 @@ class Sampler:
                 and self.params.n_probs <= 0)
 
     @property
+    def candidates_k(self) -> int:
+        """top_k, when everything after the chain's top_k stage can run on the top_k largest
+        logits alone (sampled, top_k set, no bias, penalties, schema mask or probabilities asked):
+        the model may then hand over only those (sample_candidates); 0 otherwise."""
+        prm = self.params
+        if (self.greedy or prm.top_k <= 0 or self._bias_ids is not None or self.penalties_on
+                or self.matcher is not None or prm.n_probs > 0):
+            return 0
+        return min(prm.top_k, self.n_vocab)
+
+    def sample_candidates(self, ids: np.ndarray, values: np.ndarray, n_nan: int = 0) -> Sample:
+        """The pick from a row's candidates_k largest logits, in the chain's order (descending,
+        ties to the lower id): the same id sample() takes from the whole row."""
+        k = self.candidates_k
+        if not k:
+            raise SamplerError("this request's sampler needs the whole row of logits")
+        if n_nan:
+            raise SamplerError(f"model produced NaN logits ({int(n_nan)} of {self.n_vocab})")
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        values = np.asarray(values, dtype=np.float32).reshape(-1)
+        if ids.shape != (k,) or values.shape != (k,) or ids.min() < 0 or ids.max() >= self.n_vocab:
+            raise SamplerError(f"expected the {k} largest logits as ids in 0..{self.n_vocab - 1}, got {ids.shape[0]}")
+        return Sample(self._after_top_k(ids, values.copy(), True))
+
+    @property
     def grammar_done(self) -> bool:
         """The structured output is whole and nothing may follow: the request ends with "stop"."""
         return self.matcher is not None and self.matcher.done
@@ -223,6 +248,11 @@ class Sampler:
         if prm.top_k > 0:
             order = _sorted_top(logits, min(prm.top_k, logits.shape[0]))
             ids, logits, is_sorted = ids[order], logits[order], True
+        return self._after_top_k(ids, logits, is_sorted)
+
+    def _after_top_k(self, ids: np.ndarray, logits: np.ndarray, is_sorted: bool) -> int:
+        """top_p -> min_p -> temperature -> dist over the candidates left after top_k."""
+        prm = self.params
         if np.float32(prm.top_p) < 1.0:
             ids, logits = self._top_p(ids, logits, is_sorted)
             is_sorted = True

@@ -35,6 +35,17 @@ SHAPES = {
 }
 PROMPTS = [[151644, 872, 198, 7985, 264, 13027, 729, 13, 151645, 198, 151644, 77091, 198],
            [750, 75698, 1445, 982, 262, 4210], list(range(1000, 1040))]
+# The real file: text a user would send (a chat turn, code, a question), not the ids 1000..1039 above, which on a
+# trained model have a near tie at the second step (top two 0.017 apart, measured on the card 2026-12-01).
+REAL_PROMPTS = [PROMPTS[0], PROMPTS[1],   # "<|im_start|>user\nWhat does a hash map do, in two sentences?..."
+                [151644, 872, 198, 3838, 1558, 264, 5175, 2415, 653, 11, 304, 1378, 22870, 30, 151645, 198,
+                 151644, 77091, 198]]
+# Both backends round activations to int8 before each quantized mat-vec, but in different blocks (numpy as
+# llama.cpp's CPU build: q8_K rows of 256 for the K-quants, q8_0 of 32; cuda: q8_1 of 32), and the cuda prompt
+# path multiplies fp16-dequantized weights in cuBLAS. Over the real file's 24 layers that measured 0.31-0.51 max
+# abs on the 151,936 logits (rms 0.07-0.11 against a logit std of 2.0-2.9; top-10 within 0.10-0.25) on the H200.
+REAL_LOGIT_BAND = 0.8
+REAL_NEAR_TIE = 0.3   # just above the largest top-10 difference measured (0.25)
 
 
 @pytest.fixture(scope="module")
@@ -70,11 +81,13 @@ def _forced(model, prompt, ids):
     return picks
 
 
-def _compare(path, report):
+def _compare(path, report, prompts=PROMPTS, band=None, strict=False):
+    """strict: the free-running greedy ids must be equal for all N_GREEDY steps (the real file); otherwise a
+    teacher-forced pick may differ only where the numpy backend's top two are a near tie (random weights)."""
     cpu, gpu_m = _load(path, "numpy"), _load(path, "cuda")
-    band = LOGIT_BAND[cpu.arch]
+    band = band or LOGIT_BAND[cpu.arch]
     near_tie = 2 * band
-    for i, prompt in enumerate(PROMPTS):
+    for i, prompt in enumerate(prompts):
         lc = cpu.prefill(0, np.asarray(prompt, np.int32), 0)
         lg = gpu_m.prefill(0, np.asarray(prompt, np.int32), 0)
         diff = float(np.abs(lc - lg).max())
@@ -83,6 +96,11 @@ def _compare(path, report):
         picks = _forced(gpu_m, prompt, ref_ids)
         free = _greedy(gpu_m, prompt, N_GREEDY)[0]
         n_free = next((j for j, (a, b) in enumerate(zip(ref_ids, free)) if a != b), N_GREEDY)
+        if strict and n_free < N_GREEDY:   # the two runs may part only at a near tie of the numpy backend's top two
+            top = np.sort(ref_steps[n_free])[-2:]
+            assert float(top[1] - top[0]) < REAL_NEAR_TIE, (path.name, i, n_free, float(top[1] - top[0]))
+            report.append(f"{path.name} prompt {i}: free-running greedy parts at step {n_free}, top two "
+                          f"{float(top[1] - top[0]):.3f} apart")
         ties = []
         for j, (a, b) in enumerate(zip(ref_ids, picks)):
             if a != b:
@@ -106,7 +124,7 @@ def test_synthetic_cuda_equals_numpy(files, arch, capsys):
 @pytest.mark.real_model
 def test_real_model_cuda_equals_numpy(gpu, real_model_path, capsys):
     report: list[str] = []
-    _compare(real_model_path, report)
+    _compare(real_model_path, report, prompts=REAL_PROMPTS, band=REAL_LOGIT_BAND, strict=True)
     with capsys.disabled():
         print("\n" + "\n".join(report))
 

@@ -55,6 +55,9 @@ class TensorInfo:
     path: str                 # the shard that holds it
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Cursor:
     """Reads little-endian fields from a buffer, refusing any read past `end`."""
 
@@ -92,6 +95,28 @@ class _Cursor:
         # surrogateescape keeps bytes that are not UTF-8 (llama.cpp does not check them)
         return raw.decode("utf-8", errors="surrogateescape")
 
+    def strings(self, n: int, key: str) -> list[str]:
+        """n strings (an array's elements), read as string() would, with the same refusals; one
+        loop with no per-element message, since vocabularies hold 150k+ of them."""
+        buf, pos, end = self.buf, self.pos, self.end
+        length = _U64.unpack_from
+        out = [""] * n
+        try:
+            for i in range(n):
+                if end - pos < 8:
+                    self.pos = pos
+                    self.need(8, f"element {i} of {key!r} length")
+                (ln,) = length(buf, pos)
+                pos += 8
+                if ln > end - pos:
+                    self.pos = pos
+                    self.need(ln, f"element {i} of {key!r} ({ln} bytes)")
+                out[i] = str(buf[pos:pos + ln], "utf-8", "surrogateescape")
+                pos += ln
+        finally:
+            self.pos = pos
+        return out
+
     def array(self, n: int, code: str, size: int) -> list:
         arr = np.frombuffer(self.buf, dtype=code, count=n, offset=self.pos)
         self.pos += n * size
@@ -120,7 +145,7 @@ def _read_value(cur: _Cursor, key: str, vtype: int):
             raise cur.fail(f"key {key!r} claims {n} array elements of type {GGUFValueType(sub).name}, "
                            f"but only {cur.left()} bytes are left (at most {cur.left() // min_size})")
         if sub == GGUFValueType.STRING:
-            return [cur.string(f"element {i} of {key!r}") for i in range(n)], (vtype, sub)
+            return cur.strings(n, key), (vtype, sub)
         code, size = _SCALAR[sub]
         vals = cur.array(n, code, size)
         if sub == GGUFValueType.BOOL:

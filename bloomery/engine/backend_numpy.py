@@ -22,6 +22,7 @@ from bloomery.engine import quant
 from bloomery.engine.kv_cache import KVCache
 from bloomery.engine.ops import AttnSpan, Rows
 from bloomery.engine.ops_math import expf_libm, v_expf, vec_soft_max
+from bloomery.engine.sampler import _sorted_top
 
 
 class NumpyWeight:
@@ -144,6 +145,53 @@ class NumpyOps:
 
     def argmax(self, logits) -> np.ndarray:
         return np.argmax(_f32(logits), axis=-1).astype(np.int32)
+
+    # --- the head's largest logits only (greedy and top-k picks) ---
+    TOPK_MAX = 64
+
+    def topk_max(self, n_vocab: int) -> int:
+        return min(self.TOPK_MAX, n_vocab)
+
+    def topk(self, logits, k: int):
+        """The k largest of each row [B, V] in the sampler chain's order (descending, ties to the
+        lower id): (ids [B, k] int32, values [B, k] f32, NaN count [B] int32), as CudaOps.topk."""
+        logits = _f32(logits)
+        b, n = logits.shape
+        if not 1 <= k <= self.topk_max(n):
+            raise ValueError(f"topk takes 1..{self.topk_max(n)} of {n} logits, not {k}")
+        n_nan = np.isnan(logits).sum(axis=1).astype(np.int32)
+        ids = np.empty((b, k), np.int32)
+        for r in range(b):
+            row = np.where(np.isnan(logits[r]), -np.inf, logits[r])
+            ids[r] = _sorted_top(row, k)
+        return ids, np.take_along_axis(logits, ids, axis=1), n_nan
+
+    def matmul_topk(self, x, w: NumpyWeight, k: int):
+        """topk(matmul(x, w), k), computing the exact sums only of the rows that can be among the k
+        largest where the weight's type allows (quant.top_llama); the full product elsewhere."""
+        x = _f32(x)
+        tops = quant.top_llama(x, w.planes(), k) if self._top_exact(w) else [None] * x.shape[0]
+        ids, vals = np.empty((x.shape[0], k), np.int32), np.empty((x.shape[0], k), np.float32)
+        n_nan = np.zeros(x.shape[0], np.int32)
+        for r, top in enumerate(tops):
+            if top is None:
+                i, v, nn = self.topk(self._matmul(x[r:r + 1], w), k)
+                ids[r], vals[r], n_nan[r] = i[0], v[0], nn[0]
+            else:
+                ids[r], vals[r] = top
+        return ids, vals, n_nan
+
+    def matmul_argmax(self, x, w: NumpyWeight) -> np.ndarray:
+        """argmax(matmul(x, w)): the first largest of each row, as argmax() of the full product."""
+        x = _f32(x)
+        tops = quant.top_llama(x, w.planes(), 1) if self._top_exact(w) else [None] * x.shape[0]
+        return np.array([top[0][0] if top is not None else int(self.argmax(self._matmul(x[r:r + 1], w))[0])
+                         for r, top in enumerate(tops)], np.int32)
+
+    @staticmethod
+    def _top_exact(w: NumpyWeight) -> bool:
+        """top_llama reproduces _matmul's values: the llama-order kernel of a type it covers."""
+        return quant.KERNEL_ORDER and QT(w.ggml_type) in quant.TOP_TYPES
 
     def _expert_matmul(self, x, w: NumpyWeight) -> np.ndarray:
         """ggml_compute_forward_mul_mat_id for one expert's routed rows: as mul_mat, except that

@@ -59,6 +59,12 @@ class CausalLM:
     def head(self, x):                                      # [T, D] -> [T, V]
         raise NotImplementedError
 
+    def head_topk(self, x, k: int):                         # [T, D] -> ids, values [T, k], NaN count [T]
+        return self.ops.topk(self.head(x), k)
+
+    def head_argmax(self, x):                               # [T, D] -> [T]
+        return self.ops.argmax(self.head(x))
+
     # --- helpers for architecture files ---
     def tensor(self, name: str, required: bool = True):
         """A weight handle for GGUF tensor `name` (None if optional and absent)."""
@@ -165,7 +171,7 @@ class CausalLM:
         if runner is not None:
             return runner.run_topk(slots, ids, positions, k)
         spans = [AttnSpan(s, int(p), b, b + 1) for b, (s, p) in enumerate(zip(slots, positions))]
-        got = self.ops.topk(self.head(self._run(ids, positions, spans)), k)
+        got = self.head_topk(self._run(ids, positions, spans), k)
         return tuple(self.ops.to_host(a) for a in got)
 
     def _step(self, slots, ids, positions, want_logits: bool) -> np.ndarray:
@@ -174,8 +180,8 @@ class CausalLM:
         if runner is not None:
             return runner.run(slots, ids, positions, want_logits=want_logits)
         spans = [AttnSpan(s, int(p), b, b + 1) for b, (s, p) in enumerate(zip(slots, positions))]
-        logits = self.head(self._run(ids, positions, spans))             # [B, V]
-        return self.ops.to_host(logits if want_logits else self.ops.argmax(logits))
+        x = self._run(ids, positions, spans)
+        return self.ops.to_host(self.head(x) if want_logits else self.head_argmax(x))   # [B, V] or [B]
 
 
 def make_ops(backend: str) -> Ops:

@@ -129,12 +129,15 @@ def _int_plane(ggml_type: int, blocks: np.ndarray) -> tuple[np.ndarray, dict]:
         q = np.concatenate([qs & 0xF, qs >> 4], axis=1).astype(np.int8) - 8
         return q, {"d": _f16(blocks, 0)}
     if qt == QT.Q5_0:
-        qh = blocks[:, 2:6].copy().view("<u4")[:, 0]                   # [R]
-        hbits = ((qh[:, None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [R, 32]
+        hb = np.unpackbits(blocks[:, 2:6], axis=1, bitorder="little")  # [R, 32]: bit j of the LE u32 qh
         qs = blocks[:, 6:22]
-        lo = np.concatenate([qs & 0xF, qs >> 4], axis=1)               # [R, 32]
-        q = (lo | (hbits << 4)).astype(np.int8) - 16
-        return q, {"d": _f16(blocks, 0)}
+        q = np.empty((blocks.shape[0], 32), np.uint8)
+        np.bitwise_and(qs, 0xF, out=q[:, :16])
+        np.right_shift(qs, 4, out=q[:, 16:])
+        np.left_shift(hb, 4, out=hb)
+        q |= hb
+        q -= 16                                                        # 0..31 - 16, wrapping: int8 below
+        return q.view(np.int8), {"d": _f16(blocks, 0)}
     if qt in (QT.Q4_K, QT.Q5_K):
         sc, mn = _k_scales(blocks[:, 4:16])
         qs = blocks[:, 16:144] if qt == QT.Q4_K else blocks[:, 48:176]
@@ -157,20 +160,34 @@ def _int_plane(ggml_type: int, blocks: np.ndarray) -> tuple[np.ndarray, dict]:
     raise QuantError(f"no exact integer path for {qt.name}")
 
 
+DECODE_CHUNK_BYTES = 1 << 20   # stored bytes a decode chunk reads: its int8 temporaries stay in the L2 cache
+
+
 def decode_planes(ggml_type: int, raw: np.ndarray, n_rows: int, n_cols: int) -> Planes:
-    """Split a stored [N, K] quantized matrix into integer planes and scales."""
+    """Split a stored [N, K] quantized matrix into integer planes and scales.
+
+    Row chunk by row chunk (spread over the worker threads): the chunk's integers in int8, then
+    one transposing int8 -> float32 copy into its rows of the block-major plane."""
     block_elems, block_bytes = _check(ggml_type, raw, n_rows, n_cols)
     n_blocks = n_cols // block_elems
-    blocks = np.asarray(raw).reshape(n_rows * n_blocks, block_bytes)
-    ints, f = _int_plane(ggml_type, blocks)                            # [N*B, E]
+    rows = np.asarray(raw).reshape(n_rows, n_blocks * block_bytes)
     sub = 16 if QT(ggml_type) == QT.Q6_K else 32                       # integer-sum granularity
     n_sub = n_cols // sub
-    q = ints.reshape(n_rows, n_sub, sub).transpose(1, 0, 2).astype(np.float32)   # [S, N, Q]
+    q = np.empty((n_sub, n_rows, sub), np.float32)                     # [S, N, Q]
+    fields: dict[int, dict] = {}
+
+    def chunk(n0: int, n1: int) -> None:
+        ints, f = _int_plane(ggml_type, rows[n0:n1].reshape((n1 - n0) * n_blocks, block_bytes))
+        q[:, n0:n1, :] = ints.reshape(n1 - n0, n_sub, sub).transpose(1, 0, 2)
+        fields[n0] = f
+    nc = max(1, DECODE_CHUNK_BYTES // rows.shape[1])
+    _row_chunks(chunk, n_rows, nc, n_rows * n_cols * 32)               # parallel past PARALLEL_MIN_MACS / 32
+    f = {k: np.concatenate([fields[n0][k] for n0 in sorted(fields)]) for k in fields[0]}
     d = f["d"].reshape(n_rows, n_blocks)
     sc = f["sc"].reshape(n_rows, -1) if "sc" in f else None
     dmin = f["dmin"].reshape(n_rows, n_blocks) if "dmin" in f else None
     m = f["m"].reshape(n_rows, -1) if "m" in f else None
-    return Planes(ggml_type, np.ascontiguousarray(q), d, sc, dmin, m)
+    return Planes(ggml_type, q, d, sc, dmin, m)
 
 
 def planes_to_float(p: Planes) -> np.ndarray:
@@ -735,4 +752,75 @@ def _dot_q4_K_repacked(x: np.ndarray, p: Planes, gemv_only: bool = False) -> np.
             acc = _fma_chain(p_si.reshape(shape), np.empty(shape[1:], np.float32))
             acc_min = _fma_chain(p_sm.reshape(shape), np.empty(shape[1:], np.float32))
             out[rows, n0:n1] = acc - acc_min
+    return out
+
+
+# --- the largest few of a Q8_0 head, without every row's llama-order sum -------------------
+# A greedy or top-k pick needs the exact (llama-order) logits only of the rows that can be among
+# the k largest. Every row's sum in float64 from the same exact block sums and the same float32
+# scales d_w*d_a differs from the llama-order float32 result only by that order's roundings: at
+# most 2^-24 per fma step and per hsum level, each on at most sum_b |d_w*d_a| * sum_l |lane_l|
+# <= sum_b |d_w*d_a| * |q_b|_2 * |a_b|_2 (Cauchy-Schwarz), hence the bound below with B + 5
+# steps for B blocks, three hsum levels, the float64 sum's own rounding and slack. A row whose
+# estimate plus bound is below the k-th largest estimate minus its bound cannot be among the k
+# largest, nor tie with them; the rest get the llama-order sum (dot_llama on those rows alone:
+# each row's sum there is computed from that row only, so it is the full product's, bit for bit).
+TOP_TYPES = frozenset({QT.Q8_0})
+
+
+def _q8_0_estimate(x: np.ndarray, p: Planes) -> tuple[np.ndarray, np.ndarray]:
+    """Every row's sum in float64 for each column of x [T, K] (est [T, N]), and the bound on its
+    distance from the llama-order float32 sum (bound [T, N]); one pass over the plane for all T."""
+    _set_scaled(p, False)
+    t = x.shape[0]
+    n_blocks, n_rows, _ = p.q.shape
+    qa, da = quantize_q8_0(x)
+    qa_b = np.ascontiguousarray(qa.reshape(t, n_blocks, 32).transpose(1, 2, 0))   # [B, 32, T]
+    if "q_norms" not in p.cache:                                        # |q_b|_2 per row and block, [N, B]
+        p.cache["q_norms"] = np.sqrt(np.square(p.q).sum(axis=2, dtype=np.float64)).T.copy()
+    q_norms = p.cache["q_norms"]
+    a_norms = np.sqrt(np.square(qa.reshape(t, n_blocks, 32), dtype=np.float64).sum(axis=2))   # [T, B]
+    est, bound = np.empty((t, n_rows)), np.empty((t, n_rows))
+
+    def chunk(n0: int, n1: int) -> None:
+        isum = np.matmul(p.q[:, n0:n1], qa_b).astype(np.float64)       # [B, n, T] exact block sums
+        for r in range(t):
+            sc = (p.d[n0:n1] * da[r][None, :]).astype(np.float64)       # [n, B] f32 d_w*d_a, as the kernel
+            est[r, n0:n1] = np.einsum("nb,bn->n", sc, isum[:, :, r])
+            bound[r, n0:n1] = (np.abs(sc) * q_norms[n0:n1]) @ a_norms[r]
+    _row_chunks(chunk, n_rows, 8192, t * n_rows * n_blocks * 32)
+    bound *= 2.0 ** -24 * (n_blocks + 5)
+    return est, bound
+
+
+def _rows_of(p: Planes, rows: np.ndarray) -> Planes:
+    return Planes(p.ggml_type, p.q[:, rows], p.d[rows], scaled=p.scaled)
+
+
+def top_llama(x: np.ndarray, p: Planes, k: int) -> list[tuple[np.ndarray, np.ndarray] | None]:
+    """The k largest of each row of dot_llama(x, p) for x [T, K]: per row (ids, values), descending,
+    ties to the lower id, each value bit-equal to the full product's; None for a row where this
+    cannot be told so (a non-finite input or sum), and for every row of a type not in TOP_TYPES:
+    the caller takes the full product there."""
+    t = x.shape[0]
+    if QT(p.ggml_type) not in TOP_TYPES:
+        return [None] * t
+    n_rows = p.q.shape[1]
+    k = min(k, n_rows)
+    est, bound = _q8_0_estimate(x, p)
+    out: list[tuple[np.ndarray, np.ndarray] | None] = []
+    for r in range(t):
+        if not (np.isfinite(x[r]).all() and np.isfinite(est[r]).all()):
+            out.append(None)
+            continue
+        low = est[r] - bound[r]
+        kth = np.partition(low, n_rows - k)[n_rows - k]                 # the k-th largest lower end
+        cand = np.flatnonzero(est[r] + bound[r] >= kth)                 # ascending ids
+        with _OneBlasThread():
+            vals = _dot_llama(x[r:r + 1], _rows_of(p, cand))[0]         # [C] llama order
+        if not np.isfinite(vals).all():
+            out.append(None)
+            continue
+        order = np.argsort(-vals, kind="stable")[:k]                    # ties keep the lower id
+        out.append((cand[order].astype(np.int32), vals[order]))
     return out

@@ -124,3 +124,17 @@ class Qwen2(CausalLM):
     def head(self, x):
         h = self.ops.rms_norm(x, self.output_norm, self.hp.rms_eps)        # [T, D]
         return self.ops.matmul(h, self.output)                             # [T, V]
+
+    def head_topk(self, x, k: int):
+        """ops.topk(head(x), k), through the backend's matmul_topk where it has one."""
+        top = getattr(self.ops, "matmul_topk", None)
+        if top is None:
+            return self.ops.topk(self.head(x), k)
+        return top(self.ops.rms_norm(x, self.output_norm, self.hp.rms_eps), self.output, k)
+
+    def head_argmax(self, x):
+        """ops.argmax(head(x)), through the backend's matmul_argmax where it has one."""
+        pick = getattr(self.ops, "matmul_argmax", None)
+        if pick is None:
+            return self.ops.argmax(self.head(x))
+        return pick(self.ops.rms_norm(x, self.output_norm, self.hp.rms_eps), self.output)

@@ -101,20 +101,18 @@ class _Cursor:
         buf, pos, end = self.buf, self.pos, self.end
         length = _U64.unpack_from
         out = [""] * n
-        try:
-            for i in range(n):
-                if end - pos < 8:
-                    self.pos = pos
-                    self.need(8, f"element {i} of {key!r} length")
-                (ln,) = length(buf, pos)
-                pos += 8
-                if ln > end - pos:
-                    self.pos = pos
-                    self.need(ln, f"element {i} of {key!r} ({ln} bytes)")
-                out[i] = str(buf[pos:pos + ln], "utf-8", "surrogateescape")
-                pos += ln
-        finally:
-            self.pos = pos
+        for i in range(n):
+            if end - pos < 8:
+                self.pos = pos
+                self.need(8, f"element {i} of {key!r} length")
+            (ln,) = length(buf, pos)
+            pos += 8
+            if ln > end - pos:
+                self.pos = pos
+                self.need(ln, f"element {i} of {key!r} ({ln} bytes)")
+            out[i] = str(buf[pos:pos + ln], "utf-8", "surrogateescape")
+            pos += ln
+        self.pos = pos
         return out
 
     def array(self, n: int, code: str, size: int) -> list:

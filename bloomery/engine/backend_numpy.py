@@ -168,25 +168,30 @@ class NumpyOps:
 
     def matmul_topk(self, x, w: NumpyWeight, k: int):
         """topk(matmul(x, w), k), computing the exact sums only of the rows that can be among the k
-        largest where the weight's type allows (quant.top_llama); the full product elsewhere."""
+        largest where the weight's type allows (quant.top_llama); else the whole batch's product,
+        whose float order may depend on the batch size (Q6_K's tiled path from 8 rows)."""
         x = _f32(x)
-        tops = quant.top_llama(x, w.planes(), k) if self._top_exact(w) else [None] * x.shape[0]
-        ids, vals = np.empty((x.shape[0], k), np.int32), np.empty((x.shape[0], k), np.float32)
-        n_nan = np.zeros(x.shape[0], np.int32)
-        for r, top in enumerate(tops):
-            if top is None:
-                i, v, nn = self.topk(self._matmul(x[r:r + 1], w), k)
-                ids[r], vals[r], n_nan[r] = i[0], v[0], nn[0]
-            else:
-                ids[r], vals[r] = top
-        return ids, vals, n_nan
+        tops = self._tops(x, w, k)
+        if tops is None:
+            return self.topk(self._matmul(x, w), k)
+        ids = np.stack([i for i, _ in tops]).astype(np.int32)
+        vals = np.stack([v for _, v in tops]).astype(np.float32)
+        return ids, vals, np.zeros(x.shape[0], np.int32)
 
     def matmul_argmax(self, x, w: NumpyWeight) -> np.ndarray:
         """argmax(matmul(x, w)): the first largest of each row, as argmax() of the full product."""
         x = _f32(x)
-        tops = quant.top_llama(x, w.planes(), 1) if self._top_exact(w) else [None] * x.shape[0]
-        return np.array([top[0][0] if top is not None else int(self.argmax(self._matmul(x[r:r + 1], w))[0])
-                         for r, top in enumerate(tops)], np.int32)
+        tops = self._tops(x, w, 1)
+        if tops is None:
+            return self.argmax(self._matmul(x, w))
+        return np.array([i[0] for i, _ in tops], np.int32)
+
+    def _tops(self, x, w: NumpyWeight, k: int):
+        """quant.top_llama's answer for every row, or None where any row needs the full product."""
+        if not self._top_exact(w):
+            return None
+        tops = quant.top_llama(x, w.planes(), k)
+        return None if any(t is None for t in tops) else tops
 
     @staticmethod
     def _top_exact(w: NumpyWeight) -> bool:

@@ -122,19 +122,17 @@ class Qwen2(CausalLM):
         return self.ffn(il, self.attention(il, x, rows))                  # [T, D]
 
     def head(self, x):
-        h = self.ops.rms_norm(x, self.output_norm, self.hp.rms_eps)        # [T, D]
-        return self.ops.matmul(h, self.output)                             # [T, V]
+        return self.ops.matmul(self._final_norm(x), self.output)         # [T, V]
+
+    def _final_norm(self, x):
+        return self.ops.rms_norm(x, self.output_norm, self.hp.rms_eps)     # [T, D]
 
     def head_topk(self, x, k: int):
         """ops.topk(head(x), k), through the backend's matmul_topk where it has one."""
         top = getattr(self.ops, "matmul_topk", None)
-        if top is None:
-            return self.ops.topk(self.head(x), k)
-        return top(self.ops.rms_norm(x, self.output_norm, self.hp.rms_eps), self.output, k)
+        return self.ops.topk(self.head(x), k) if top is None else top(self._final_norm(x), self.output, k)
 
     def head_argmax(self, x):
         """ops.argmax(head(x)), through the backend's matmul_argmax where it has one."""
         pick = getattr(self.ops, "matmul_argmax", None)
-        if pick is None:
-            return self.ops.argmax(self.head(x))
-        return pick(self.ops.rms_norm(x, self.output_norm, self.hp.rms_eps), self.output)
+        return self.ops.argmax(self.head(x)) if pick is None else pick(self._final_norm(x), self.output)

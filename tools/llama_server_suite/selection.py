@@ -98,6 +98,12 @@ CI_TOO_SLOW: dict[str, str] = {
            ("test_anthropic_tool_use_basic", 25, "32-75", 200), ("test_anthropic_tool_streaming", 3, "39-70", 200),
            ("test_anthropic_streaming_content_block_indices", 3, "39-72", 400),
            ("test_anthropic_tool_result_with_text", 5, "48-68", 100))},
+    **{f"unit/test_compat_anthropic.py::{t}": f"{ours} s on bloomery-serve here (2026-12-01, tools in the prompt); "
+       "passed; tool_result blocks are also covered by tests/test_anthropic.py::test_tool_result_input_and_tools"
+       for t, ours in (("test_anthropic_tool_result", "43-47"), ("test_anthropic_tool_result_error", "45-49"))},
+    "unit/test_security.py::test_correct_api_key_anthropic_header": "37-46 s on bloomery-serve here (2026-12-01); "
+        "passed; the X-Api-Key header is also covered by tests/test_security.py::test_every_key_source_admits "
+        "(on /tokenize, with no generation)",
     **{f"unit/test_tool_call.py::test_completion_without_tool_call_fast[meta-llama-Llama-3.3-70B-Instruct-128-{c}-"
        f"CompletionMode.STREAMED]": "4-6 s on llama-server; 96-108 s on bloomery-serve here (a 93-258 id prompt and "
        "128 ids on numpy at 1.4-2.5 ids/s on the shared 2 cores); passed" for c in ("tools0-None", "tools1-None",

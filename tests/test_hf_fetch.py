@@ -195,3 +195,37 @@ def test_two_starts_at_once_download_the_file_once(hub, env):
         t.join(30)
     assert len(results) == 2 and all(read(r.paths[0]) == Q8 for r in results)
     assert len(hub.resolves()) == 1 and "waiting for another process's download of this file" in notes
+
+
+def test_two_links_of_one_file_at_once_both_land(tmp_path, monkeypatch):
+    """Both callers are inside link() together (each has made its temp link before either
+    renames): each must rename its own, and the snapshot path must name the blob."""
+    import threading
+    from bloomery.hf.cache import RepoCache
+    from bloomery.hf.select import RepoFile
+    cache = RepoCache(tmp_path, "org/m")
+    f = RepoFile("m-Q8_0.gguf", 4, "ab" * 32)
+    cache.blob_path(f).parent.mkdir(parents=True)
+    cache.blob_path(f).write_bytes(b"GGUF")
+    both_made = threading.Barrier(2, timeout=10)
+    real_symlink = os.symlink
+
+    def symlink_then_wait(src, dst, *a, **kw):
+        real_symlink(src, dst, *a, **kw)
+        both_made.wait()
+    monkeypatch.setattr(os, "symlink", symlink_then_wait)
+    out, errors = [], []
+
+    def run():
+        try:
+            out.append(cache.link("c" * 40, f))
+        except Exception as e:          # noqa: BLE001 - the test reports what a caller saw
+            errors.append(e)
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert errors == [] and len(out) == 2
+    assert read(str(out[0])) == b"GGUF" and out[0] == out[1]
+    assert [p.name for p in out[0].parent.iterdir()] == ["m-Q8_0.gguf"]   # no temp link left

@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import tempfile
+import threading
 from pathlib import Path
 from urllib.parse import quote
 
@@ -109,9 +111,14 @@ class RepoCache:
         target = os.path.relpath(self.blob_path(f), dest.parent)
         if dest.is_symlink() and os.readlink(dest) == target:
             return dest
-        tmp = dest.with_name(f".tmp-{os.getpid()}-{dest.name}")
-        if tmp.is_symlink() or tmp.exists():
-            tmp.unlink()
+        # A name no other caller can hold: two fetches of one file in one process (threads) or in
+        # two processes each make their own link and rename it over dest; the last rename wins and
+        # both point at the same blob.
+        tmp = dest.with_name(f".tmp-{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}-{dest.name}")
         os.symlink(target, tmp)
-        os.replace(tmp, dest)
+        try:
+            os.replace(tmp, dest)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
         return dest

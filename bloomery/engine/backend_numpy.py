@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from bloomery.engine import quant
+from bloomery.engine import cpu_kernels, quant
 from bloomery.engine.kv_cache import KVCache
 from bloomery.engine.ops import AttnSpan, Rows
 from bloomery.engine.ops_math import expf_libm, v_expf, vec_soft_max
@@ -34,6 +34,7 @@ class NumpyWeight:
         self.data = data
         self.cache_planes = cache_planes
         self._planes: quant.Planes | None = None
+        self._int_rows: quant.IntRows | None = None
         self._dense: np.ndarray | None = None
         self._experts: list[NumpyWeight] | None = None
 
@@ -54,22 +55,30 @@ class NumpyWeight:
                                          self.cache_planes) for i in range(n_exp)]
         return self._experts[e]
 
-    def dense(self) -> np.ndarray:
-        """Float32 [N, K] (F32 / F16 weights, and types with no exact integer path)."""
-        if self._dense is not None:
-            return self._dense
-        out = quant.dequantize(self.ggml_type, self.data, self.n_rows, self.n_cols)
-        if self.cache_planes:
-            self._dense = out
+    def _form(self, attr: str, make):
+        """A decoded form, made on first use and kept when cache_planes."""
+        out = getattr(self, attr)
+        if out is None:
+            out = make(self.ggml_type, self.data, self.n_rows, self.n_cols)
+            if self.cache_planes:
+                setattr(self, attr, out)
         return out
 
+    def dense(self) -> np.ndarray:
+        """Float32 [N, K] (F32 / F16 weights, and types with no exact integer path)."""
+        return self._form("_dense", quant.dequantize)
+
+    def int_rows(self) -> quant.IntRows:
+        """The quants as small integers in rows, and their scales (the compiled kernels' input)."""
+        return self._form("_int_rows", quant.int_rows)
+
     def planes(self) -> quant.Planes:
-        if self._planes is not None:
-            return self._planes
-        p = quant.decode_planes(self.ggml_type, self.data, self.n_rows, self.n_cols)
-        if self.cache_planes:
-            self._planes = p
-        return p
+        return self._form("_planes", quant.decode_planes)
+
+
+def _compiled(w: NumpyWeight) -> bool:
+    """The compiled kernels compute this weight's llama-order product."""
+    return quant.KERNEL_ORDER and quant.c_takes(w.ggml_type, w.n_rows) and cpu_kernels.lib() is not None
 
 
 def _f32(x) -> np.ndarray:
@@ -195,12 +204,15 @@ class NumpyOps:
 
     @staticmethod
     def _top_exact(w: NumpyWeight) -> bool:
-        """top_llama reproduces _matmul's values: the llama-order kernel of a type it covers."""
-        return quant.KERNEL_ORDER and QT(w.ggml_type) in quant.TOP_TYPES
+        """top_llama reproduces _matmul's values: the llama-order kernel of a type it covers
+        (where the C kernel takes the type, its whole product is quicker than the estimate)."""
+        return quant.KERNEL_ORDER and QT(w.ggml_type) in quant.TOP_TYPES and not _compiled(w)
 
     def _expert_matmul(self, x, w: NumpyWeight) -> np.ndarray:
         """ggml_compute_forward_mul_mat_id for one expert's routed rows: as mul_mat, except that
         a repacked Q4_K weight runs its gemv row by row (repack.cpp forward_mul_mat_id)."""
+        if _compiled(w):
+            return quant.dot_c(_f32(x), w.int_rows(), per_row=True)
         if quant.KERNEL_ORDER and QT(w.ggml_type) in quant.LLAMA_ORDER_TYPES:
             return quant.dot_llama(_f32(x), w.planes(), per_row=True)
         return self._matmul(x, w)
@@ -217,6 +229,8 @@ class NumpyOps:
             return x @ w.dense().T                                      # [T, N]
         if qt == QT.F16:
             return x.astype(np.float16).astype(np.float32) @ w.dense().T   # [T, N] f16 x f16 in f32
+        if _compiled(w):
+            return quant.dot_c(x, w.int_rows())                         # [T, N] the same order, compiled
         if qt in quant.LLAMA_ORDER_TYPES and quant.KERNEL_ORDER:
             return quant.dot_llama(x, w.planes())                       # [T, N] llama.cpp's float order
         if qt in quant.EXACT_TYPES:
@@ -243,6 +257,15 @@ class NumpyOps:
         """ggml_vec_swiglu_f32: x / (1 + e^-x) * g in f32, with ggml_v_expf on each row's
         16-wide chunks and the C library's expf on the tail (as its AVX512 loop does)."""
         g, up = _f32(gate), _f32(up)
+        lib = cpu_kernels.lib()
+        if lib is not None and g.shape == up.shape:
+            g, up = np.ascontiguousarray(g), np.ascontiguousarray(up)
+            out = np.empty_like(g)
+            n = g.shape[-1]
+            rows = g.size // max(1, n)
+            quant._row_chunks(lambda r0, r1: lib.swiglu(g.ctypes.data, up.ctypes.data, out.ctypes.data, n, r0, r1),
+                              rows, rows, g.size * 16)
+            return out
         n_vec = g.shape[-1] - g.shape[-1] % 16
         e = np.empty_like(g)
         e[..., :n_vec] = v_expf(np.float32(0) - g[..., :n_vec])

@@ -63,9 +63,40 @@ class KVCache:
         n_kv = pos0 + t
         k = self.k[layer, slot, :n_kv]                                  # [L, Hkv, Dh] f16
         v = self.v[layer, slot, :n_kv]                                  # [L, Hkv, Dh] f16
+        if _c_attention(q.shape[-1]):
+            return _attend_c(q, k, v, pos0, np.float32(scale), tiled=t >= FA_TILE_Q)
         if t >= FA_TILE_Q:
             return _attend_f32(q, k, v, pos0, np.float32(scale))
         return _attend_f16(q, k, v, pos0, np.float32(scale))
+
+
+def _c_attention(head_dim: int) -> bool:
+    """kernels/cpu_lanes.c's attn_f16 / attn_f32 take this (their head-size bound is 1024)."""
+    from bloomery.engine import cpu_kernels
+    return head_dim <= 1024 and cpu_kernels.lib() is not None
+
+
+def _attend_c(q, k, v, pos0: int, scale, tiled: bool) -> np.ndarray:
+    """Both paths through the compiled kernels, query rows (t, head) split over the worker threads."""
+    from bloomery.engine import cpu_kernels, quant
+    lib = cpu_kernels.lib()
+    t, h, dh = q.shape
+    n_kv, hkv, _ = k.shape
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
+    out = np.empty((t, h, dh), np.float32)
+    n_rows = t * h
+    if tiled:
+        def run(r0: int, r1: int) -> None:
+            kq = np.empty(n_kv, np.float32)                             # the row's scores
+            lib.attn_f32(q.ctypes.data, k.ctypes.data, v.ctypes.data, h, hkv, dh, pos0, n_kv, float(scale),
+                         out.ctypes.data, r0, r1, kq.ctypes.data)
+    else:
+        def run(r0: int, r1: int) -> None:
+            lib.attn_f16(q.ctypes.data, k.ctypes.data, v.ctypes.data, h, hkv, dh, pos0, float(scale),
+                         out.ctypes.data, r0, r1)
+    quant._row_chunks(run, n_rows, n_rows, n_rows * n_kv * dh * 2)
+    return out
 
 
 def _group(q: np.ndarray, n_head_kv: int) -> np.ndarray:

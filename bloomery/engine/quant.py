@@ -62,7 +62,18 @@ def dequantize(ggml_type: int, raw: np.ndarray, n_rows: int, n_cols: int) -> np.
 
 
 @dataclass
-class Planes:
+class _Split:
+    """A quantized weight's integers and scales; the layout of q is the subclass's."""
+    ggml_type: int
+    q: np.ndarray
+    d: np.ndarray
+    sc: np.ndarray | None = None
+    dmin: np.ndarray | None = None
+    m: np.ndarray | None = None
+
+
+@dataclass
+class Planes(_Split):
     """A weight split for exact integer dot products.
 
     q:      [B, N, Q] float32 small integers (exact in float32), block-major so
@@ -72,12 +83,6 @@ class Planes:
     dmin:   [N, Bs] float32 (Q4_K / Q5_K) min scale, None otherwise
     m:      [N, S] int sub-block mins (Q4_K / Q5_K), None otherwise
     """
-    ggml_type: int
-    q: np.ndarray
-    d: np.ndarray
-    sc: np.ndarray | None = None
-    dmin: np.ndarray | None = None
-    m: np.ndarray | None = None
     cache: dict = field(default_factory=dict, repr=False)   # lazily built kernel-order layouts
     scaled: bool = False    # llama.cpp's order for Q5_0 / Q4_0 / Q4_K: q holds q times its scale, see _set_scaled
 
@@ -604,6 +609,97 @@ def _dot_q8_0_axpy(x: np.ndarray, p: Planes) -> np.ndarray:
         out[:, n0:n1] = _hsum8(acc.T) if t == 1 else _hsum8(acc.transpose(1, 0, 2))
     nc = n_rows if n_rows <= 1024 else max(256, AXPY_CHUNK_BYTES // (n_blocks * 8 * t * 4))
     _row_chunks(chunk, n_rows, nc, t * n_rows * n_blocks * 32, multiple=_saxpy_rows(n_rows))
+    return out
+
+
+# --- the compiled kernels (kernels/cpu_lanes.c) --------------------------------------------
+# The same float order as the numpy kernels above (_dot_q8_0_lanes / _axpy for Q8_0 and Q5_0,
+# _dot_q6_K_tiled / _lanes, _dot_q4_K_repacked), from the quants as small integers in rows (a
+# quarter of the float plane's bytes) with no block-diagonal product: a tenth of the time or
+# less. cpu_kernels.lib() is None where they cannot be built.
+C_TYPES = frozenset({QT.Q8_0, QT.Q5_0, QT.Q6_K, QT.Q4_K})
+
+
+@dataclass
+class IntRows(_Split):
+    """A weight for the compiled kernels: q [N, K] int8 (uint8 for Q4_K, and Q6_K's unsigned
+    0..63), d [N, blocks] f32, and for K-quants sc [N, S] and (Q4_K) dmin [N, Bs], m [N, S]."""
+
+
+def int_rows(ggml_type: int, raw: np.ndarray, n_rows: int, n_cols: int) -> IntRows:
+    """A stored [N, K] matrix of a C_TYPES type as IntRows, row chunks over the worker threads."""
+    block_elems, block_bytes = _check(ggml_type, raw, n_rows, n_cols)
+    qt = QT(ggml_type)
+    n_blocks = n_cols // block_elems
+    rows = np.asarray(raw).reshape(n_rows, n_blocks * block_bytes)
+    q = np.empty((n_rows, n_cols), np.uint8 if qt in (QT.Q4_K, QT.Q6_K) else np.int8)
+    out: dict[str, np.ndarray] = {"d": np.empty((n_rows, n_blocks), np.float32)}
+    if qt == QT.Q6_K:
+        out["sc"] = np.empty((n_rows, n_cols // 16), np.int8)
+    if qt == QT.Q4_K:
+        out.update(sc=np.empty((n_rows, n_cols // 32), np.uint8), m=np.empty((n_rows, n_cols // 32), np.uint8),
+                   dmin=np.empty((n_rows, n_blocks), np.float32))
+
+    def chunk(n0: int, n1: int) -> None:
+        ints, f = _int_plane(ggml_type, rows[n0:n1].reshape((n1 - n0) * n_blocks, block_bytes))
+        ints = ints.reshape(n1 - n0, n_cols)
+        if qt == QT.Q6_K:
+            np.add(ints.view(np.uint8), 32, out=q[n0:n1])             # unsigned 0..63, as the kernel reads it
+        else:
+            q[n0:n1] = ints                                             # Q4_K's 0..15 as uint8
+        for name, arr in out.items():
+            arr[n0:n1] = f[name].reshape(n1 - n0, -1)
+    _row_chunks(chunk, n_rows, max(1, DECODE_CHUNK_BYTES // rows.shape[1]), n_rows * n_cols * 32)
+    return IntRows(ggml_type, q, **out)
+
+
+def c_takes(ggml_type: int, n_rows: int) -> bool:
+    """The compiled kernels give this weight's llama-order product (Q4_K is repacked, so in
+    llama.cpp's 8x8 order, only where its rows come in eights)."""
+    qt = QT(ggml_type)
+    return qt in C_TYPES and (qt != QT.Q4_K or n_rows % 8 == 0)
+
+
+def dot_c(x: np.ndarray, w: IntRows, per_row: bool = False) -> np.ndarray:
+    """x [T, K] float32 @ w^T -> [T, N] in llama.cpp's order, through the compiled kernels
+    (cpu_kernels.lib() must not be None); per_row as dot_llama's."""
+    from bloomery.engine import cpu_kernels
+    lib = cpu_kernels.lib()
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    bad = ~np.isfinite(x).all(axis=1)                                   # such a row's quantized blocks are NaN:
+    if bad.any():                                                       # its whole output is NaN, as the numpy
+        x = np.where(bad[:, None], np.float32(0), x)                    # kernels' (no NaN cast to int8)
+    t = x.shape[0]
+    n_rows, k = w.q.shape
+    qt = QT(w.ggml_type)
+    out = np.empty((t, n_rows), np.float32)
+    ptr = lambda a: a.ctypes.data                                       # noqa: E731 - int_rows' arrays are C-contiguous
+    if qt in (QT.Q8_0, QT.Q5_0):
+        qa, da = quantize_q8_0(x)
+        qa, da = qa.astype(np.int8), np.ascontiguousarray(da, np.float32)  # exact: |qa| <= 127
+
+        def run(n0: int, n1: int) -> None:
+            lib.q8_lanes(ptr(w.q), ptr(w.d), n0, n1, k // QK8_0, qa.ctypes.data, da.ctypes.data, t,
+                         out.ctypes.data, n_rows)
+    else:
+        t_gemm = 0 if per_row or qt == QT.Q6_K else t - t % 4            # forward_mul_mat_one_chunk's split
+        qa, da, bsums = quantize_q8_K(x, positive_wins=np.arange(t) < t_gemm if qt == QT.Q4_K else None)
+        qa, da = qa.astype(np.int8), np.ascontiguousarray(da, np.float32)
+        bsums = bsums.astype(np.int32)
+        if qt == QT.Q6_K:
+            tiled = int(t >= TILED_MIN_T)
+
+            def run(n0: int, n1: int) -> None:
+                lib.q6k_dot(ptr(w.q), ptr(w.sc), ptr(w.d), n0, n1, k // QK_K, qa.ctypes.data, da.ctypes.data,
+                            bsums.ctypes.data, t, tiled, out.ctypes.data, n_rows)
+        else:
+            def run(n0: int, n1: int) -> None:
+                lib.q4k_dot(ptr(w.q), ptr(w.sc), ptr(w.m), ptr(w.d), ptr(w.dmin), n0, n1, k // QK_K,
+                            qa.ctypes.data, da.ctypes.data, bsums.ctypes.data, t, t_gemm, out.ctypes.data, n_rows)
+    # one chunk per thread: each keeps the T activation rows in its cache and reads a weight row
+    # once for all of them, so smaller chunks would only add calls
+    _row_chunks(run, n_rows, n_rows, t * n_rows * k)
+    out[bad] = np.nan
     return out
 
 

@@ -1,0 +1,116 @@
+"""The numpy backend's compiled kernels: kernels/cpu_lanes.c, built once per machine.
+
+The C source is compiled by the system's C compiler (`cc`, or $CC) with -O3 -march=native
+-ffp-contract=off into `$BLOOMERY_CACHE/kernels/cpu_lanes-<key>.so` (default ~/.cache/bloomery),
+the key covering the source, the compiler and the CPU's flags, and loaded through ctypes. Every
+call releases the GIL, so the row chunks of a product run on the worker threads at once.
+
+Where no compiler is found or the build fails, `lib()` is None and the numpy backend keeps its
+numpy kernels (same bits, slower); BLOOMERY_CPU_KERNELS=off chooses that on purpose, and
+BLOOMERY_CPU_KERNELS=portable builds the plain C loops instead of the AVX2 ones. `status()` says
+which, for the engine's start record.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+SOURCE = "cpu_lanes.c"
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared"]
+_LOCK = threading.Lock()
+_LIB: ctypes.CDLL | None = None
+_STATUS: str | None = None
+
+
+def kernel_dir() -> Path:
+    return Path(__file__).resolve().parent.parent / "kernels"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("BLOOMERY_CACHE", Path.home() / ".cache" / "bloomery")) / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC") or "cc"
+    return shutil.which(cc) or shutil.which("gcc") or shutil.which("clang")
+
+
+def _build(cc: str, src: Path, dest: Path, flags: list[str]) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".tmp-", suffix=".so")
+    os.close(fd)
+    try:
+        res = subprocess.run([cc, *flags, "-o", tmp, str(src), "-lm"], capture_output=True, text=True, timeout=120)
+        if res.returncode != 0:
+            raise OSError(f"{cc} failed on {src.name}: {res.stderr.strip()[-400:]}")
+        os.replace(tmp, dest)                      # a whole library or none: another process may load it
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    choice = os.environ.get("BLOOMERY_CPU_KERNELS", "on").strip().lower()
+    if choice in ("off", "0", "false", "no"):
+        return None, "off (BLOOMERY_CPU_KERNELS=off): numpy kernels"
+    # portable: the plain C loops, not the AVX2 ones (what a non-x86 machine builds; tests use it)
+    flags = FLAGS + (["-mno-avx2", "-mno-fma"] if choice == "portable" and os.uname().machine in ("x86_64", "AMD64") else [])
+    src = kernel_dir() / SOURCE
+    cc = _compiler()
+    if cc is None:
+        return None, "no C compiler found (cc, gcc, clang): numpy kernels"
+    key = hashlib.sha256(b"\0".join([src.read_bytes(), cc.encode(), " ".join(flags).encode(),
+                                     _cpu_flags().encode()])).hexdigest()[:16]
+    so = cache_dir() / f"cpu_lanes-{key}.so"
+    try:
+        if not so.exists():
+            _build(cc, src, so, flags)
+        lib = ctypes.CDLL(str(so))
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"the C kernels did not build ({e}): numpy kernels"
+    i64, p = ctypes.c_int64, ctypes.c_void_p
+    lib.q8_lanes.argtypes = [p, p, i64, i64, i64, p, p, i64, p, i64]
+    lib.q8_lanes.restype = None
+    lib.lanes_isa.restype = ctypes.c_int
+    f = ctypes.c_float
+    lib.q6k_dot.argtypes = [p, p, p, i64, i64, i64, p, p, p, i64, ctypes.c_int, p, i64]
+    lib.q4k_dot.argtypes = [p, p, p, p, p, i64, i64, i64, p, p, p, i64, i64, p, i64]
+    lib.q6k_dot.restype = lib.q4k_dot.restype = None
+    lib.swiglu.argtypes = [p, p, p, i64, i64, i64]
+    lib.swiglu.restype = None
+    lib.attn_f16.argtypes = [p, p, p, i64, i64, i64, i64, f, p, i64, i64]
+    lib.attn_f32.argtypes = [p, p, p, i64, i64, i64, i64, i64, f, p, i64, i64, p]
+    lib.attn_f16.restype = lib.attn_f32.restype = None
+    return lib, f"{so.name} ({'avx2+fma' if lib.lanes_isa() else 'portable C'})"
+
+
+def lib() -> ctypes.CDLL | None:
+    """The loaded kernels, or None where the numpy kernels are to be used."""
+    global _LIB, _STATUS
+    if _STATUS is None:
+        with _LOCK:
+            if _STATUS is None:
+                _LIB, _STATUS = _load()
+    return _LIB
+
+
+def status() -> str:
+    lib()
+    return _STATUS or ""

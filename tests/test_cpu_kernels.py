@@ -1,0 +1,182 @@
+"""The compiled kernels of the numpy backend (kernels/cpu_lanes.c) give the numpy kernels' bits:
+the four llama-order products and both flash-attention paths, on random inputs of many shapes."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+from gguf import quants as gguf_quants
+
+from bloomery.engine import cpu_kernels, kv_cache, quant
+from test_quant import random_blocks
+
+needs_c = pytest.mark.skipif(cpu_kernels.lib() is None, reason=f"no compiled kernels: {cpu_kernels.status()}")
+
+
+def _weight(qt, n, k, rng, zero_blocks=False):
+    if qt in (QT.Q6_K, QT.Q4_K):                                       # gguf quantizes neither: random blocks
+        return random_blocks(qt, n, k, seed=int(rng.integers(1 << 30)))
+    w = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.01, 4, (n, 1)).astype(np.float32)
+    if zero_blocks:
+        w[::3, 32:64] = 0                                              # blocks whose scale is 0
+    return gguf_quants.quantize(w, qt).reshape(-1)
+
+
+def _bits_equal(a, b) -> bool:
+    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+SHAPES_32 = [(1, 32, 1), (37, 96, 1), (64, 896, 3), (200, 896, 4), (130, 4864, 9), (513, 256, 70)]
+SHAPES_256 = [(8, 256, 1), (24, 512, 3), (64, 1024, 4), (40, 256, 7), (16, 512, 8), (72, 768, 13), (96, 256, 64)]
+
+
+@needs_c
+@pytest.mark.parametrize("qt,n,k,t", [(q, *s) for q in (QT.Q8_0, QT.Q5_0) for s in SHAPES_32]
+                         + [(q, *s) for q in (QT.Q6_K, QT.Q4_K) for s in SHAPES_256])
+def test_compiled_product_equals_numpy_kernel(qt, n, k, t):
+    rng = np.random.default_rng(n * 1000 + t + int(qt))
+    raw = _weight(qt, n, k, rng, zero_blocks=k >= 64)
+    x = (rng.standard_normal((t, k)) * rng.uniform(1e-3, 50, (t, 1))).astype(np.float32)
+    if t > 2:
+        x[1, :32] = 0                                                  # an all-zero activation block
+    want = quant.dot_llama(x, quant.decode_planes(qt, raw, n, k))
+    assert _bits_equal(quant.dot_c(x, quant.int_rows(qt, raw, n, k)), want)
+
+
+@needs_c
+@pytest.mark.parametrize("t", [1, 3, 4, 9])
+def test_compiled_q4_K_expert_rows_take_the_gemv(t):
+    """per_row (an expert's rows in mul_mat_id): the repacked Q4_K runs its gemv for every row."""
+    rng = np.random.default_rng(t)
+    raw = _weight(QT.Q4_K, 16, 512, rng)
+    x = rng.standard_normal((t, 512)).astype(np.float32)
+    want = quant.dot_llama(x, quant.decode_planes(QT.Q4_K, raw, 16, 512), per_row=True)
+    assert _bits_equal(quant.dot_c(x, quant.int_rows(QT.Q4_K, raw, 16, 512), per_row=True), want)
+
+
+@needs_c
+def test_compiled_q8_0_takes_the_full_int8_range():
+    """Stored quants of -128 (random bytes): the kernel's sign trick must still give the product."""
+    rng = np.random.default_rng(11)
+    raw = random_blocks(QT.Q8_0, 40, 256, seed=3)
+    x = rng.standard_normal((5, 256)).astype(np.float32)
+    assert (quant.int_rows(QT.Q8_0, raw, 40, 256).q == -128).any()
+    assert _bits_equal(quant.dot_c(x, quant.int_rows(QT.Q8_0, raw, 40, 256)),
+                       quant.dot_llama(x, quant.decode_planes(QT.Q8_0, raw, 40, 256)))
+
+
+def test_q4_K_rows_not_in_eights_stay_off_the_compiled_kernel():
+    assert quant.c_takes(QT.Q4_K, 16) and not quant.c_takes(QT.Q4_K, 12)
+    assert quant.c_takes(QT.Q5_0, 7) and not quant.c_takes(QT.Q4_0, 8)
+
+
+@needs_c
+def test_int_rows_are_the_planes_integers():
+    rng = np.random.default_rng(5)
+    raw = _weight(QT.Q5_0, 9, 128, rng)
+    w = quant.int_rows(QT.Q5_0, raw, 9, 128)
+    p = quant.decode_planes(QT.Q5_0, raw, 9, 128)
+    assert w.q.dtype == np.int8 and w.q.min() >= -16 and w.q.max() <= 15
+    assert np.array_equal(w.q.astype(np.float32), p.q.transpose(1, 0, 2).reshape(9, 128)) and np.array_equal(w.d, p.d)
+
+
+@needs_c
+def test_numpy_backend_takes_the_compiled_kernel():
+    from bloomery.engine.backend_numpy import NumpyOps, _compiled
+    rng = np.random.default_rng(7)
+    raw = _weight(QT.Q8_0, 48, 64, rng)
+    ops = NumpyOps()
+    w = ops.weight(QT.Q8_0, (64, 48), raw)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    assert _compiled(w)
+    got = ops.matmul(x, w)
+    assert w._int_rows is not None and w._planes is None               # no float plane was built
+    assert _bits_equal(got, quant.dot_llama(x, quant.decode_planes(QT.Q8_0, raw, 48, 64)))
+
+
+@needs_c
+@pytest.mark.parametrize("t,h,hkv,dh,pos0", [(1, 14, 2, 64, 0), (1, 14, 2, 64, 300), (5, 8, 8, 32, 17), (2, 4, 1, 128, 9),
+                                             (63, 14, 2, 64, 10), (64, 14, 2, 64, 0), (100, 4, 1, 128, 70),
+                                             (70, 2, 2, 80, 3), (3, 2, 1, 80, 5), (65, 4, 2, 256, 1)])
+def test_compiled_attention_equals_numpy_paths(t, h, hkv, dh, pos0):
+    rng = np.random.default_rng(t * 7 + pos0)
+    n_kv = pos0 + t
+    q = (rng.standard_normal((t, h, dh)) * 2).astype(np.float32)
+    k = rng.standard_normal((n_kv, hkv, dh)).astype(np.float16)
+    v = rng.standard_normal((n_kv, hkv, dh)).astype(np.float16)
+    scale = np.float32(1 / np.sqrt(dh))
+    tiled = t >= kv_cache.FA_TILE_Q
+    want = (kv_cache._attend_f32 if tiled else kv_cache._attend_f16)(q, k, v, pos0, scale)
+    assert _bits_equal(kv_cache._attend_c(q, k, v, pos0, scale, tiled=tiled), want)
+
+
+@needs_c
+def test_compiled_isa_is_the_one_chosen():
+    import os
+    portable = os.environ.get("BLOOMERY_CPU_KERNELS") == "portable"
+    flags = cpu_kernels._cpu_flags().split()
+    want_avx2 = not portable and "avx2" in flags and "fma" in flags
+    assert cpu_kernels.lib().lanes_isa() == int(want_avx2)
+    assert ("portable C" in cpu_kernels.status()) == (not want_avx2)
+
+
+def test_kernels_off_by_choice(monkeypatch):
+    monkeypatch.setenv("BLOOMERY_CPU_KERNELS", "off")
+    lib, why = cpu_kernels._load()
+    assert lib is None and "BLOOMERY_CPU_KERNELS=off" in why
+
+
+def test_no_compiler_falls_back_by_name(monkeypatch, tmp_path):
+    monkeypatch.setenv("BLOOMERY_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: None)
+    lib, why = cpu_kernels._load()
+    assert lib is None and "no C compiler" in why
+
+
+def test_a_failed_build_is_named_and_leaves_no_library(monkeypatch, tmp_path):
+    monkeypatch.setenv("BLOOMERY_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: "/bin/false")
+    lib, why = cpu_kernels._load()
+    assert lib is None and "did not build" in why
+    assert not list((tmp_path / "kernels").glob("*.so"))
+
+
+@needs_c
+@pytest.mark.parametrize("shape", [(1, 4864), (7, 37), (300, 1000)])
+def test_compiled_swiglu_equals_numpy(shape, monkeypatch):
+    from bloomery.engine.backend_numpy import NumpyOps
+    rng = np.random.default_rng(shape[0])
+    g = (rng.standard_normal(shape) * 12).astype(np.float32)
+    up = rng.standard_normal(shape).astype(np.float32)
+    g.flat[:6] = [0.0, -0.0, 100.0, -100.0, 88.7, -89.0]              # exp's edges: overflow, underflow
+    got = NumpyOps().swiglu(g, up)
+    monkeypatch.setattr(cpu_kernels, "lib", lambda: None)              # the numpy form
+    assert _bits_equal(got, NumpyOps().swiglu(g, up))
+
+
+@needs_c
+def test_portable_build_gives_the_same_bits(tmp_path):
+    """The plain C loops (what a machine without AVX2 builds) pass the same comparisons."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, BLOOMERY_CPU_KERNELS="portable", BLOOMERY_CACHE=str(tmp_path))
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                          "-k", "compiled and not portable", "-x", "-rA"], env=env, capture_output=True, text=True,
+                         timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    assert " passed" in res.stdout and "skipped" not in res.stdout.splitlines()[-1]
+    assert "PASSED tests/test_cpu_kernels.py::test_compiled_isa_is_the_one_chosen" in res.stdout   # it ran portable
+
+
+@needs_c
+@pytest.mark.parametrize("qt", [QT.Q8_0, QT.Q5_0, QT.Q6_K, QT.Q4_K])
+def test_non_finite_rows_give_nan_rows_as_numpy(qt):
+    rng = np.random.default_rng(2)
+    raw = _weight(qt, 16, 256, rng)
+    x = rng.standard_normal((4, 256)).astype(np.float32)
+    x[1, 7], x[2, 200] = np.nan, -np.inf
+    want = quant.dot_llama(x, quant.decode_planes(qt, raw, 16, 256))
+    got = quant.dot_c(x, quant.int_rows(qt, raw, 16, 256))
+    assert np.isnan(want[1:3]).all() and np.isnan(got[1:3]).all()
+    assert _bits_equal(got[[0, 3]], want[[0, 3]])

@@ -111,9 +111,10 @@ def test_merge_replaces_only_the_files_a_run_measured():
     assert doc["regenerate"] == prior["regenerate"]
 
 
-def test_ci_leaves_out_refused_and_too_slow_tests_but_never_counts_them_as_passing():
+def test_ci_leaves_out_refused_and_too_slow_tests_but_never_counts_them_as_passing(monkeypatch):
     selection, gap = _load("selection"), _load("gap")
-    slow = next(iter(selection.CI_TOO_SLOW))
+    slow = "unit/test_completion.py::test_a_long_one"
+    monkeypatch.setitem(selection.CI_TOO_SLOW, slow, "90 s here")
     golden = {"tests": {slow: {"outcome": "passed"}, "unit/test_basic.py::test_no_ui": {"outcome": "passed"},
                         "unit/test_basic.py::a": {"outcome": "passed"}}}
     assert selection.ci_tests(golden) == ["unit/test_basic.py::a"]

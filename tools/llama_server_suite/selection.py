@@ -77,43 +77,12 @@ REFUSED_TESTS: dict[str, str] = {
        "tests read llama-server's own log tags" for t in ("test_clear_and_restore", "test_disabled_with_flag")},
 }
 
-# Tests that pass on llama-server but run too long for CI's budget (~15 min for this suite on 2 cores):
-# node id (or a parametrized test's name) -> the time measured. They stay in the golden; run them by
-# hand (run.py --server bloomery NODEID) when the code they touch changes. Not refusals: never a gap's excuse.
-CI_TOO_SLOW: dict[str, str] = {
-    "unit/test_completion.py::test_completion_parallel_slots": "44-110 s each on llama-server here, 4 cases",
-    "unit/test_completion.py::test_consistent_result_same_seed": "54-59 s each on llama-server here",
-    "unit/test_completion.py::test_different_result_different_seed": "53-56 s each on llama-server here",
-    "unit/test_completion.py::test_consistent_result_different_batch_size": "55-59 s each on llama-server here",
-    "unit/test_completion.py::test_completion_stream_vs_non_stream": "94 s on llama-server here",
-    "unit/test_completion.py::test_completion_unified": "14-72 s each on llama-server, 60-80 s each on bloomery-serve",
-    "unit/test_completion.py::test_completion_with_tokens_input":
-        "82 s on llama-server; past the 120 s alarm on bloomery-serve (five 64-id generations on numpy), after its "
-        "first three requests passed; its prompt forms are checked in tests/test_llama_suite_gaps.py",
-    "unit/test_ctx_shift.py::test_ctx_shift_disabled_stream":
-        "6 s on llama-server; past the 120 s alarm on bloomery-serve (256 ids on numpy, 2 slots): not yet seen "
-        "passing here, run it with BLOOMERY_SUITE_TEST_TIMEOUT_S=600",
-    **{f"unit/test_compat_anthropic.py::{t}": f"{ls} s on llama-server; {ours} s on bloomery-serve here (tools in the "
-       f"prompt, up to {n} ids on numpy); passed" for t, ls, ours, n in (
-           ("test_anthropic_tool_use_basic", 25, "32-75", 200), ("test_anthropic_tool_streaming", 3, "39-70", 200),
-           ("test_anthropic_streaming_content_block_indices", 3, "39-72", 400),
-           ("test_anthropic_tool_result_with_text", 5, "48-68", 100))},
-    **{f"unit/test_compat_anthropic.py::{t}": f"{ours} s on bloomery-serve here (2026-12-01, tools in the prompt); "
-       "passed; tool_result blocks are also covered by tests/test_anthropic.py::test_tool_result_input_and_tools"
-       for t, ours in (("test_anthropic_tool_result", "43-47"), ("test_anthropic_tool_result_error", "45-49"))},
-    "unit/test_security.py::test_correct_api_key_anthropic_header": "37-46 s on bloomery-serve here (2026-12-01); "
-        "passed; the X-Api-Key header is also covered by tests/test_security.py::test_every_key_source_admits "
-        "(on /tokenize, with no generation)",
-    **{f"unit/test_tool_call.py::test_completion_without_tool_call_fast[meta-llama-Llama-3.3-70B-Instruct-128-{c}-"
-       f"CompletionMode.STREAMED]": "4-6 s on llama-server; 96-108 s on bloomery-serve here (a 93-258 id prompt and "
-       "128 ids on numpy at 1.4-2.5 ids/s on the shared 2 cores); passed" for c in ("tools0-None", "tools1-None",
-                                                                                  "tools2-none")},
-    **{f"unit/test_tool_call.py::test_completion_without_tool_call_fast[meta-llama-Llama-3.3-70B-Instruct-128-{c}-"
-       f"CompletionMode.NORMAL]": "4-6 s on llama-server; on bloomery-serve here the test's own 60 s HTTP timeout "
-       "ends the non-streamed request: the numpy engine's prompt path (3.1 ids/s: a 258-id prompt takes 83 s on "
-       "these 2 cores, 2026-12-01) comes before 128 ids at 1.7 ids/s; not yet seen passing here (an engine speed "
-       "gap; its streamed twin passes)" for c in ("tools0-None", "tools1-None", "tools2-none")},
-}
+# Tests that pass on llama-server but run too long for CI's budget (the suite's share is ~15-25 min on
+# 2 cores): node id (or a parametrized test's name) -> the time measured. They stay in the golden; run
+# them by hand (run.py --server bloomery NODEID) when the code they touch changes. Not refusals: never
+# a gap's excuse. Empty since 2026-12-01: with the numpy backend's compiled kernels every one of the 31
+# tests once listed here passed on bloomery-serve in 7-42 s (tools/llama_server_suite/README.md).
+CI_TOO_SLOW: dict[str, str] = {}
 
 # Open gaps known and tracked in issue 4: they still run, are reported, and the CI test fails
 # if one of them starts passing (so this list only shrinks) or any other gap appears.

@@ -237,6 +237,33 @@ def test_budget_forces_the_end_tag_and_goes_on_in_a_new_engine_request():
     assert second.req_id != first.req_id and second.cache_prompt
 
 
+@pytest.mark.parametrize("seed", [7, 0xFFFFFFFF])
+def test_budget_legs_share_one_seeded_stream(seed):
+    """llama.cpp's dist sampler draws once per generated id, forced ones included: the next leg
+    starts its stream past the draws of every id so far, from the same seed (a random seed is
+    fixed once for all legs)."""
+    client = LegClient([3, 4, 3, 4, 3, 4])
+    status, _ = _post(_app(client), "/completion", {"prompt": "x<think>", "reasoning_budget": 2, "n_predict": 7,
+                                                     "temperature": 0.8, "seed": seed})
+    assert status == 200
+    first, second = client.requests
+    assert first.sampling.n_drawn == 0 and second.sampling.n_drawn == 3          # two sampled ids + the end tag
+    assert first.sampling.seed == second.sampling.seed != 0xFFFFFFFF
+    if seed != 0xFFFFFFFF:
+        assert first.sampling.seed == seed
+
+
+def test_a_skipped_stream_continues_where_the_draws_left_off():
+    from bloomery.engine.sampler import MT19937, Sampler
+    from bloomery.engine.types import SamplingParams
+    whole = MT19937(1234)
+    draws = [whole.uniform_double() for _ in range(700)]                # past one 624-word twist
+    s = Sampler(SamplingParams(seed=1234, n_drawn=400), n_vocab=10, n_ctx_slot=64)
+    assert [s.rng.uniform_double() for _ in range(300)] == draws[400:]
+    greedy = Sampler(SamplingParams(seed=1234, temperature=0, n_drawn=400), n_vocab=10, n_ctx_slot=64)
+    assert greedy.rng.uniform_double() == draws[0]                      # greedy never draws: nothing skipped
+
+
 def test_budget_zero_closes_the_span_before_the_model_writes():
     client = LegClient([3, 4])
     _, body = _post(_app(client), "/completion", {"prompt": "<think>", "reasoning_budget": 0, "n_predict": 3,

@@ -7,14 +7,16 @@ n_predict bound is reached, or when the consumer stops iterating (the client lef
 """
 from __future__ import annotations
 
+import secrets
 import time
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable
 
 from bloomery.api.params import GenParams
 from bloomery.api.reasoning import ThinkWatch
 from bloomery.api.stops import TextAssembler
+from bloomery.engine.sampler import LLAMA_DEFAULT_SEED
 from bloomery.engine.types import EngineRequest, TokenOut
 from bloomery.http.types import ApiError
 
@@ -127,6 +129,10 @@ class Generation:
         reason = "cancel"
         n_legs = 0
         stream = None
+        sampling = p.sampling
+        if watch is not None and sampling.temperature > 0 and sampling.seed == LLAMA_DEFAULT_SEED:
+            # legs share one random stream, as llama-server's one sampler: fix the random seed here
+            sampling = replace(sampling, seed=secrets.randbelow(LLAMA_DEFAULT_SEED))
         try:
             while True:
                 if watch is not None and watch.forced_next is not None:
@@ -152,7 +158,10 @@ class Generation:
                         break
                 n_left = -1 if p.n_predict < 0 else p.n_predict - out.n_gen
                 req_id = self.req_id if n_legs == 0 else f"{self.req_id}+{n_legs}"
-                req = EngineRequest(req_id, tuple(self.prompt_ids) + tuple(out.ids), n_left, p.sampling, stop_ids,
+                # a later leg's seeded stream goes on past the draws of every id so far: llama.cpp's dist
+                # sampler draws once per generated id, a forced one included
+                leg_sampling = sampling if n_legs == 0 else replace(sampling, n_drawn=out.n_gen)
+                req = EngineRequest(req_id, tuple(self.prompt_ids) + tuple(out.ids), n_left, leg_sampling, stop_ids,
                                     p.cache_prompt or n_legs > 0, id_task=self.task_id)
                 n_legs += 1
                 stream = self.client.generate(req)

@@ -71,6 +71,11 @@ class MT19937:
         y ^= y >> 18
         return y
 
+    def skip_uniforms(self, n: int) -> None:
+        """Advance past n uniform_double draws (two words each)."""
+        for _ in range(2 * max(0, n)):
+            self.next_u32()
+
     def uniform_double(self) -> float:
         """std::uniform_real_distribution<double>(0, 1) as libstdc++ draws it:
         generate_canonical<double, 53> takes two 32-bit words, low word first."""
@@ -137,6 +142,8 @@ class Sampler:
         if self.seed == LLAMA_DEFAULT_SEED:
             self.seed = secrets.randbits(32)
         self.rng = MT19937(self.seed)
+        if not self.greedy:
+            self.rng.skip_uniforms(params.n_drawn)
         n_last = params.repeat_last_n if params.repeat_last_n >= 0 else n_ctx_slot
         self.penalty_last_n = n_last
         self.penalties_on = n_last != 0 and not (

@@ -27,6 +27,7 @@ class SamplingParams:
     n_probs: int = 0              # > 0: report the top n_probs candidates of each step
     logit_bias: tuple[tuple[int, float], ...] = ()   # (id, bias); -inf bans the id
     grammar: str = ""             # structured output: a bloomery.grammar Program's JSON text; "" = free
+    n_drawn: int = 0              # draws the seeded stream made already (a continuation starts past them)
 
 
 @dataclass(frozen=True)

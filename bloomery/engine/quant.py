@@ -673,29 +673,29 @@ def dot_c(x: np.ndarray, w: IntRows, per_row: bool = False) -> np.ndarray:
     n_rows, k = w.q.shape
     qt = QT(w.ggml_type)
     out = np.empty((t, n_rows), np.float32)
-    ptr = lambda a: a.ctypes.data                                       # noqa: E731 - int_rows' arrays are C-contiguous
     if qt in (QT.Q8_0, QT.Q5_0):
         qa, da = quantize_q8_0(x)
         qa, da = qa.astype(np.int8), np.ascontiguousarray(da, np.float32)  # exact: |qa| <= 127
 
         def run(n0: int, n1: int) -> None:
-            lib.q8_lanes(ptr(w.q), ptr(w.d), n0, n1, k // QK8_0, qa.ctypes.data, da.ctypes.data, t,
+            lib.q8_lanes(w.q.ctypes.data, w.d.ctypes.data, n0, n1, k // QK8_0, qa.ctypes.data, da.ctypes.data, t,
                          out.ctypes.data, n_rows)
     else:
-        t_gemm = 0 if per_row or qt == QT.Q6_K else t - t % 4            # forward_mul_mat_one_chunk's split
-        qa, da, bsums = quantize_q8_K(x, positive_wins=np.arange(t) < t_gemm if qt == QT.Q4_K else None)
+        t_gemm = _q4_K_gemm_rows(t, per_row) if qt == QT.Q4_K else 0
+        qa, da, bsums = quantize_q8_K(x, positive_wins=np.arange(t) < t_gemm)
         qa, da = qa.astype(np.int8), np.ascontiguousarray(da, np.float32)
         bsums = bsums.astype(np.int32)
         if qt == QT.Q6_K:
             tiled = int(t >= TILED_MIN_T)
 
             def run(n0: int, n1: int) -> None:
-                lib.q6k_dot(ptr(w.q), ptr(w.sc), ptr(w.d), n0, n1, k // QK_K, qa.ctypes.data, da.ctypes.data,
-                            bsums.ctypes.data, t, tiled, out.ctypes.data, n_rows)
+                lib.q6k_dot(w.q.ctypes.data, w.sc.ctypes.data, w.d.ctypes.data, n0, n1, k // QK_K,
+                            qa.ctypes.data, da.ctypes.data, bsums.ctypes.data, t, tiled, out.ctypes.data, n_rows)
         else:
             def run(n0: int, n1: int) -> None:
-                lib.q4k_dot(ptr(w.q), ptr(w.sc), ptr(w.m), ptr(w.d), ptr(w.dmin), n0, n1, k // QK_K,
-                            qa.ctypes.data, da.ctypes.data, bsums.ctypes.data, t, t_gemm, out.ctypes.data, n_rows)
+                lib.q4k_dot(w.q.ctypes.data, w.sc.ctypes.data, w.m.ctypes.data, w.d.ctypes.data, w.dmin.ctypes.data,
+                            n0, n1, k // QK_K, qa.ctypes.data, da.ctypes.data, bsums.ctypes.data, t, t_gemm,
+                            out.ctypes.data, n_rows)
     # one chunk per thread: each keeps the T activation rows in its cache and reads a weight row
     # once for all of them, so smaller chunks would only add calls
     _row_chunks(run, n_rows, n_rows, t * n_rows * k)
@@ -805,6 +805,12 @@ def _dot_q6_K_lanes(x: np.ndarray, p: Planes) -> np.ndarray:
     return out
 
 
+def _q4_K_gemm_rows(t: int, gemv_only: bool) -> int:
+    """Rows the repacked Q4_K's gemm takes (the rest go to its gemv): forward_mul_mat_one_chunk's
+    split at a multiple of 4; none in mul_mat_id (an expert's rows run the gemv one by one)."""
+    return 0 if gemv_only else t - t % 4
+
+
 def _dot_q4_K_repacked(x: np.ndarray, p: Planes, gemv_only: bool = False) -> np.ndarray:
     """ggml_gemm/gemv_q4_K_8x8_q8_K: gemm rows (the first T - T%4) fma once per 64 elements,
     gemv rows once per super-block; the mins' products in a second accumulator the same way.
@@ -815,7 +821,7 @@ def _dot_q4_K_repacked(x: np.ndarray, p: Planes, gemv_only: bool = False) -> np.
     t = x.shape[0]
     n_sub, n_rows, sub = p.q.shape
     n_super = p.d.shape[1]
-    t_gemm = 0 if gemv_only else t - t % 4                              # forward_mul_mat_one_chunk's split
+    t_gemm = _q4_K_gemm_rows(t, gemv_only)
     qa, da, bsums = quantize_q8_K(x, positive_wins=np.arange(t) < t_gemm)
     qa_b = np.ascontiguousarray(qa.reshape(t, n_sub, sub).transpose(1, 0, 2))   # [S, T, Q]
     bs32 = bsums.reshape(t, n_super * 4, 2, 2).sum(axis=3)             # [T, Bs*4, 2] sums per 32, exact

@@ -21,6 +21,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from bloomery.engine.cuda_kernels import kernel_dir     # the kernel sources' folder (no CuPy import)
+
 SOURCE = "cpu_lanes.c"
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared"]
 _LOCK = threading.Lock()
@@ -28,11 +30,8 @@ _LIB: ctypes.CDLL | None = None
 _STATUS: str | None = None
 
 
-def kernel_dir() -> Path:
-    return Path(__file__).resolve().parent.parent / "kernels"
-
-
 def cache_dir() -> Path:
+    """Where both backends' compiled kernels are kept (CuPy's cache too, cuda_kernels.Kernels)."""
     return Path(os.environ.get("BLOOMERY_CACHE", Path.home() / ".cache" / "bloomery")) / "kernels"
 
 

@@ -148,8 +148,8 @@ class Kernels:
     def __init__(self):
         self.pdl = False
         import cupy
-        cache = Path(os.environ.get("BLOOMERY_CACHE", Path.home() / ".cache" / "bloomery")) / "kernels"
-        os.environ.setdefault("CUPY_CACHE_DIR", str(cache))
+        from bloomery.engine.cpu_kernels import cache_dir
+        os.environ.setdefault("CUPY_CACHE_DIR", str(cache_dir()))
         self._cupy = cupy
         self._mods: dict[str, object] = {}
         self._fns: dict[str, object] = {}

@@ -19,6 +19,11 @@ from bloomery import records
 from bloomery.messages import stage as sm
 from bloomery.records import record
 
+# A stage that exits 0 has sent its outcome before exiting; on a loaded machine the supervisor may read it
+# well after the exit. Wait this long for it (a status other than 0: a short grace for a Dead on its way).
+OUTCOME_AFTER_EXIT_S = 120.0
+OUTCOME_AFTER_FAILURE_S = 1.0
+
 
 class StageFailed(Exception):
     def __init__(self, stage: str, reason: str):
@@ -93,17 +98,33 @@ class StageRunner:
                 w.cancel()
         got = [w.result() for w in done if w.done() and not w.cancelled()]
         msg = next((g for g in got if isinstance(g, (sm.FetchDone, sm.PlanDone, sm.Ready, sm.Dead))), None)
-        if msg is None and proc.returncode is not None:
-            try:   # the outcome may still be on its way behind the exit
-                msg = await asyncio.wait_for(self.outcomes.get(), 1.0)
-            except asyncio.TimeoutError:
-                raise StageFailed(name, f"exited with status {proc.returncode} "
-                                  f"({signal_name(proc.returncode)}) before it finished") from None
+        if msg is None and proc.returncode is not None and not self.stop.is_set():
+            msg = await self._outcome_after_exit(name, proc.returncode)
         if msg is None:
             return None           # stop requested
         if isinstance(msg, sm.Dead):
             raise StageFailed(msg.stage, msg.reason)
         return msg
+
+    async def _outcome_after_exit(self, name: str, returncode: int) -> object:
+        """The outcome still on its way behind the stage's exit (None: a stop came first)."""
+        bound_s = OUTCOME_AFTER_EXIT_S if returncode == 0 else OUTCOME_AFTER_FAILURE_S
+        got = asyncio.ensure_future(self.outcomes.get())
+        stop = asyncio.ensure_future(self.stop.wait())
+        try:
+            await asyncio.wait({got, stop}, timeout=bound_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not got.done():
+                got.cancel()
+        if got.done() and not got.cancelled():
+            return got.result()
+        if self.stop.is_set():
+            return None
+        if returncode == 0:
+            raise StageFailed(name, f"exited with status 0 but its outcome never arrived "
+                              f"(waited {bound_s:g} s after the exit)")
+        raise StageFailed(name, f"exited with status {returncode} ({signal_name(returncode)}) before it finished")
 
     def kill_all(self) -> None:
         for proc in self.procs.values():

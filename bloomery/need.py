@@ -3,7 +3,9 @@
 The hook (--need-hook PATH, else $BLOOMERY_NEED_HOOK, else the shipped
 hooks/bloomery-need when a broker socket exists, else none) reads the need record
 as JSON on stdin; exit 0 grants the start, any other exit refuses it with the
-hook's reason (hooks/README.md is the contract). While it runs the phase is
+hook's reason (hooks/README.md is the contract); exit 75 (EX_TEMPFAIL: not now, ask again)
+ends the server with 75 and the hook's last stdout line as the reason, so a broker or systemd
+can start it again later. While it runs the phase is
 `queued` (every route answers 503 with phase queued) and each stderr line of the
 hook becomes a record. The record's pid is this bloomery-serve process: the lease
 lives as long as the server does, not as long as the hook.
@@ -27,6 +29,15 @@ SHIPPED_HOOK = Path(__file__).resolve().parents[1] / "hooks" / "bloomery-need"
 DEFAULT_BROKER_DIR = "/run/bloomery-broker"
 OFF_WORDS = ("", "none", "off")
 HOOK_STOP_S = 3.0           # a hook told to stop (SIGTERM) gets this long to withdraw its need
+EXIT_TEMPFAIL = 75          # the hook's "not now": the server ends with the same status
+
+
+class NeedDeferred(StageFailed):
+    """The hook answered 75: the server exits 75 so that whoever started it asks again later."""
+    exit_code = EXIT_TEMPFAIL
+
+    def __init__(self, reason: str):
+        super().__init__("need", reason)
 
 
 def broker_socket(env: dict) -> Path:
@@ -107,14 +118,18 @@ def _relay(line: str, last: dict) -> None:
         record("queued", line, component="need-hook")
 
 
-async def _read_lines(stream, last: dict) -> None:
+async def _read_lines(stream, last: dict, on_line=_relay) -> None:
     while True:
         raw = await stream.readline()
         if not raw:
             return
         line = raw.decode("utf-8", "replace").rstrip("\n")
         if line.strip():
-            _relay(line[:4000], last)
+            on_line(line[:4000], last)
+
+
+def _keep_stdout(line: str, last: dict) -> None:
+    last["stdout"] = line.strip()
 
 
 async def negotiate(argv: list[str], need: dict, life, stop: asyncio.Event) -> bool:
@@ -124,7 +139,7 @@ async def negotiate(argv: list[str], need: dict, life, stop: asyncio.Event) -> b
            card_bytes=need["card_bytes"], pid=need["pid"], unit=need["unit"])
     try:
         proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE,
-                                                    stdout=asyncio.subprocess.DEVNULL,
+                                                    stdout=asyncio.subprocess.PIPE,
                                                     stderr=asyncio.subprocess.PIPE)
     except OSError as e:
         raise StageFailed("need", f"need hook {argv[-1]}: cannot run it ({e.strerror})") from None
@@ -135,7 +150,8 @@ async def negotiate(argv: list[str], need: dict, life, stop: asyncio.Event) -> b
     except (BrokenPipeError, ConnectionResetError):
         pass                         # a hook that reads nothing: its exit status still decides
     last: dict = {}
-    reader = asyncio.ensure_future(_read_lines(proc.stderr, last))
+    reader = asyncio.ensure_future(asyncio.gather(_read_lines(proc.stderr, last),
+                                                  _read_lines(proc.stdout, last, _keep_stdout)))
     done = asyncio.ensure_future(proc.wait())
     stopped = asyncio.ensure_future(stop.wait())
     await asyncio.wait({done, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -153,5 +169,8 @@ async def negotiate(argv: list[str], need: dict, life, stop: asyncio.Event) -> b
     if proc.returncode == 0:
         record("queued", "granted", component="need-hook")
         return True
+    if proc.returncode == EXIT_TEMPFAIL:
+        reason = last.get("stdout") or last.get("reason") or last.get("text") or "no reason given"
+        raise NeedDeferred(f"the need hook deferred the start (exit {EXIT_TEMPFAIL}): {reason}")
     reason = last.get("reason") or last.get("text") or "no reason given"
     raise StageFailed("need", f"the need hook refused the start (exit {proc.returncode}): {reason}")

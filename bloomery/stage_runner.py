@@ -26,6 +26,8 @@ OUTCOME_AFTER_FAILURE_S = 1.0
 
 
 class StageFailed(Exception):
+    exit_code: int | None = None     # the server's exit status when it is not the supervisor's default
+
     def __init__(self, stage: str, reason: str):
         super().__init__(f"{stage}: {reason}")
         self.stage, self.reason = stage, reason

@@ -126,7 +126,7 @@ class Supervisor:
         except StageFailed as e:
             record("stopped", "stage failed", level="error", stage=e.stage, reason=e.reason)
             self.notifier.status(f"failed: {e.stage}: {e.reason}")
-            return EXIT_ENGINE if e.stage == "engine" else EXIT_REFUSED
+            return e.exit_code or (EXIT_ENGINE if e.stage == "engine" else EXIT_REFUSED)
         except SettingsError as e:
             record("start", "refused", level="error", error=str(e))
             self.notifier.status(f"refused: {e}")

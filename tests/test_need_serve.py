@@ -112,6 +112,19 @@ def test_need_hook_refusal_ends_the_start_by_name(tmp_path, real_model_path):
     assert "[load]" not in text                          # refused before any weight is read
 
 
+def test_need_hook_exit_75_ends_the_server_with_75_and_the_hooks_last_stdout_line(tmp_path, real_model_path):
+    hook = tmp_path / "later"
+    hook.write_text("#!/bin/sh\ncat > /dev/null\necho 'asking the broker'\necho 'card 0 is lent until 12:00'\n"
+                    "echo '{\"event\": \"queued\", \"position\": 2}' >&2\nexit 75\n")
+    hook.chmod(hook.stat().st_mode | stat.S_IXUSR)
+    s = Served(*server_args(real_model_path), "--need-hook", str(hook))
+    s.start(wait_ready=False)
+    assert s.proc.wait(60) == 75
+    text = "\n".join(s.lines)
+    assert "the need hook deferred the start (exit 75): card 0 is lent until 12:00" in text
+    assert "[load]" not in text
+
+
 def test_need_hook_that_cannot_run_is_refused_before_fetch(tmp_path, real_model_path):
     hook = tmp_path / "not-executable"
     hook.write_text("#!/bin/sh\nexit 0\n")

@@ -105,7 +105,7 @@ TABLE: tuple[Flag, ...] = (
     _noop("--mmap", negs=("--no-mmap",), why="weights are read through mmap"),
     _noop("--webui", ("--ui",), "LLAMA_ARG_UI", negs=("--no-webui", "--no-ui"), why="no web UI is served"),
     Flag("--metrics", (), "LLAMA_ARG_ENDPOINT_METRICS", "switch", False,
-         "accepted; /metrics is not served in this version (it answers 501 saying so)", dest="metrics"),
+         "serve GET /metrics (Prometheus text); without it /metrics answers 501 as llama-server", dest="metrics"),
     Flag("--slots", (), "LLAMA_ARG_ENDPOINT_SLOTS", "switch", True, "serve GET /slots (--no-slots: it answers 501)",
          negs=("--no-slots",), dest="endpoint_slots"),
     _noop("--props", (), "LLAMA_ARG_ENDPOINT_PROPS", why="POST /props is not served"),

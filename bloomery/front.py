@@ -89,7 +89,7 @@ def choice_records(s: Settings, facts: dict) -> None:
     record("start", "chat template", source=s.chat_template_file or "the GGUF's tokenizer.chat_template")
     if s.sampling_defaults:
         record("start", "sampling defaults: requests that leave these out get them", **s.sampling_defaults)
-    record("start", "endpoints", slots=s.endpoint_slots, metrics="not served (501)")
+    record("start", "endpoints", slots=s.endpoint_slots, metrics="served" if s.metrics else "not served (501 without --metrics)")
 
 
 def build_front(path: str, s: Settings):

@@ -48,7 +48,7 @@ class Settings:
     ngl: str | None = None
     endpoint_slots: bool = True        # --no-slots: GET /slots answers 501
     warmup: bool = True                # --no-warmup: the first request prepares the weights
-    metrics: bool = False              # --metrics: accepted; /metrics answers 501 saying it is not served
+    metrics: bool = False              # --metrics: GET /metrics serves Prometheus text (without it: 501)
     verbose: bool = False              # -v: a request's verbose defaults to true (the __verbose debug field)
     reasoning: str = "auto"            # --reasoning on|off|auto: the template's enable_thinking default
     reasoning_format: str = "auto"     # --reasoning-format: a request's default reasoning_format
@@ -323,5 +323,4 @@ def _check(s: Settings, keys: list[str]) -> None:
         raise SettingsError(f"--repeat-penalty {s.sampling_defaults['repeat_penalty']:g}: must be above 0 "
                             f"(1: off)")
     if s.metrics:
-        s.notes.append(("flag read: /metrics is not served in this version; it answers 501 saying so",
-                        {"flag": "--metrics"}))
+        s.notes.append(("flag read: GET /metrics is served (Prometheus text)", {"flag": "--metrics"}))

@@ -173,7 +173,7 @@ def test_slots_and_metrics_switches():
     assert not parse(M + ["--no-slots"], {}).endpoint_slots
     assert not parse(M, {"LLAMA_ARG_ENDPOINT_SLOTS": "0"}).endpoint_slots
     s = parse(M + ["--metrics"], {})
-    assert s.metrics and any(kv == {"flag": "--metrics"} and "not served in this version" in m for m, kv in s.notes)
+    assert s.metrics and any(kv == {"flag": "--metrics"} and "/metrics is served" in m for m, kv in s.notes)
 
 
 def test_config_file_values(tmp_path):
@@ -232,3 +232,23 @@ def test_every_row_is_consistent():
         assert f.action in ("set", "noop", "refuse") and f.help
         assert f.type in ("str", "int", "float", "switch", "keys", "choice", "int_or_auto", "path")
         assert not f.choices or f.type == "choice"
+
+
+def test_metrics_text_says_it_is_served_with_the_flag():
+    """--help, the flag's note and the start record: GET /metrics is served with --metrics."""
+    import io
+
+    from bloomery import records
+    from bloomery.front import choice_records
+    help_lines = S.help_text().splitlines()
+    at = next(i for i, ln in enumerate(help_lines) if ln.strip().startswith("--metrics"))
+    assert "not served" not in help_lines[at + 1] and "serve GET /metrics" in help_lines[at + 1]
+    out = io.StringIO()
+    records.configure("bloomery-serve", stream=out)
+    try:
+        choice_records(parse(M + ["--metrics"], {}), {"arch": "qwen2", "backend": "numpy"})
+        choice_records(parse(M, {}), {"arch": "qwen2", "backend": "numpy"})
+    finally:
+        records.configure("bloomery-serve", stream=None)
+    ends = [ln for ln in out.getvalue().splitlines() if "endpoints" in ln]
+    assert "metrics=served" in ends[0] and 'metrics="not served (501 without --metrics)"' in ends[1], ends

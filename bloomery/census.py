@@ -52,18 +52,33 @@ def cgroup_limit_bytes(root: Path = Path("/sys/fs/cgroup"),
 
 def card_free_bytes() -> tuple[int, ...]:
     """Free bytes of each visible CUDA card, through CuPy when it is installed; () otherwise."""
+    return tuple(free for _, _, free in cards())
+
+
+def cards() -> list[tuple[str, int, int]]:
+    """(name, total bytes, free bytes) of each visible CUDA card through CuPy; [] without CuPy or a card."""
     try:
         import cupy  # noqa: PLC0415 -- optional: the core runs without it
     except ImportError:
-        return ()
-    free = []
+        return []
+    out = []
     try:
         for i in range(cupy.cuda.runtime.getDeviceCount()):
             with cupy.cuda.Device(i):
-                free.append(int(cupy.cuda.runtime.memGetInfo()[0]))
+                free, total = cupy.cuda.runtime.memGetInfo()
+            name = cupy.cuda.runtime.getDeviceProperties(i)["name"]
+            out.append((name.decode() if isinstance(name, bytes) else str(name), int(total), int(free)))
     except cupy.cuda.runtime.CUDARuntimeError:
-        return tuple(free)
-    return tuple(free)
+        pass
+    return out
+
+
+def device_list(found: list[tuple[str, int, int]]) -> str:
+    """--list-devices: llama-server's listing (CUDA<N>: name (total MiB, free MiB free); the CPU is not listed)."""
+    mib = 1 << 20
+    rows = [f"  CUDA{i}: {name} ({total // mib} MiB, {free // mib} MiB free)" for i, (name, total, free) in
+            enumerate(found)]
+    return "Available devices:\n" + "\n".join(rows or ["  (none)"]) + "\n"
 
 
 def take_census() -> Census:
@@ -72,3 +87,9 @@ def take_census() -> Census:
     if limit is not None:
         host = min(host, limit)
     return Census(host_avail_bytes=host, card_free_bytes=card_free_bytes())
+
+
+if __name__ == "__main__":   # bloomery-serve --list-devices runs this in a child, so the front never imports CuPy
+    import sys
+
+    sys.stdout.write(device_list(cards()))

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import csv
 import math
+import textwrap
 from dataclasses import dataclass
 
-SEATS = ("qwen2", "qwen3", "qwen3moe")   # --model <seat>; the file's arch must match
-DEVICES = ("cpu", "cuda", "auto")
+from bloomery.llama_flags import ROWS, WHY
+
+SEATS = ("qwen2", "qwen3", "qwen3moe")   # --seat (or --model <seat> where no such file exists)
+BACKENDS = ("cpu", "cuda", "auto")       # --backend; -dev none / -dev CUDA0 choose the same
+LOG_FORMATS = ("text", "json")
 # --reasoning's words, as llama.cpp's is_truthy / is_falsey / is_autoy read them
 REASONING_ON, REASONING_OFF = ("on", "enabled", "true", "1"), ("off", "disabled", "false", "0")
 REASONING_WORDS = (*REASONING_ON, *REASONING_OFF, "auto", "-1")
@@ -30,7 +34,7 @@ class Flag:
     long: str                       # "--ctx-size"
     shorts: tuple[str, ...] = ()    # other spellings: "-c", "--predict", ...
     env: str | None = None          # LLAMA_ARG_* variable read as this flag
-    type: str = "str"               # str | int | float | switch | keys | choice | int_or_auto | path
+    type: str = "str"               # str | int | float | switch | keys | choice | int_or_auto | path | pair
     default: object = None
     help: str = ""
     action: str = "set"             # set | noop | refuse
@@ -53,14 +57,27 @@ def _noop(long, shorts=(), env=None, type="switch", negs=(), why="bloomery has n
                 choices=tuple(choices), negs=tuple(negs), why=why)
 
 
-def _refuse(long, shorts=(), env=None, type="str", why="not supported by bloomery yet"):
-    return Flag(long, tuple(shorts), env, type, None, f"refused: {why}", "refuse", why=why)
+def _refuse(long, shorts=(), env=None, type="str", why="not supported by bloomery yet", negs=()):
+    return Flag(long, tuple(shorts), env, type, None, f"refused: {why}", "refuse", negs=tuple(negs), why=why)
+
+
+def _llama_refused() -> tuple[Flag, ...]:
+    """llama_flags.ROWS as refused Flags: the long name first, llama-server's arity and variable."""
+    out = []
+    for group, spellings, negs, arity, env in ROWS:
+        names = spellings.split()
+        long = next(n for n in names if n.startswith("--"))
+        kind = {"switch": "switch", "1": "str", "2": "pair"}[arity]
+        out.append(_refuse(long, [n for n in names if n != long], env, kind, WHY[group], negs.split()))
+    return tuple(out)
 
 
 TABLE: tuple[Flag, ...] = (
-    Flag("--model-file", ("-m",), "LLAMA_ARG_MODEL", "path", None, "GGUF file to serve (first shard of a split set)"),
-    Flag("--model", (), None, "choice", None, "the seat (model family engine): " + ", ".join(SEATS),
-         dest="seat", choices=SEATS),
+    Flag("--model", ("-m", "--model-file"), "LLAMA_ARG_MODEL", "path", None,
+         "GGUF file to serve (first shard of a split set); a seat word (" + ", ".join(SEATS) + ") where no "
+         "file of that name exists is read as --seat", dest="model_file"),
+    Flag("--seat", (), None, "choice", None, "the seat (model family engine; default: the file's architecture): "
+         + ", ".join(SEATS), choices=SEATS),
     Flag("--ctx-size", ("-c", "--ctx"), "LLAMA_ARG_CTX_SIZE", "int", None,
          "total context over all slots (default: the plan's choice, up to the model's limit)"),
     Flag("--slot-ctx", (), None, "int", None, "one slot's context (total = slots x this)"),
@@ -81,8 +98,12 @@ TABLE: tuple[Flag, ...] = (
     Flag("--plan", (), None, "switch", False, "print the plan records and exit before loading weights"),
     Flag("--help", ("-h", "--usage"), None, "switch", False, "print this table and exit"),
     Flag("--version", (), None, "switch", False, "print the version and exit"),
-    Flag("--device", (), None, "choice", "auto", "backend: cpu, cuda or auto (cuda where CuPy sees a card)",
-         choices=DEVICES),
+    Flag("--backend", (), None, "choice", "auto", "bloomery's backend: cpu (numpy), cuda or auto (cuda where CuPy "
+         "sees a card)", choices=BACKENDS),
+    Flag("--device", ("-dev",), "LLAMA_ARG_DEVICE", "str", None,
+         "llama-server's device list: none (no offload: the CPU backend) or CUDA0 (the card); several cards are "
+         "refused (--list-devices lists them)", dest="devices"),
+    Flag("--list-devices", (), None, "switch", False, "print the devices as llama-server does and exit"),
     Flag("--temp", ("--temperature",), "LLAMA_ARG_TEMPERATURE", "float", None, "default temperature", dest="temperature"),
     Flag("--seed", ("-s",), None, "int", None, "default seed (-1: random)"),
     Flag("--top-k", (), "LLAMA_ARG_TOP_K", "int", None, "default top_k"),
@@ -101,7 +122,7 @@ TABLE: tuple[Flag, ...] = (
     _noop("--batch-size", ("-b",), "LLAMA_ARG_BATCH", "int"),
     _noop("--ubatch-size", ("-ub",), "LLAMA_ARG_UBATCH", "int"),
     _noop("--flash-attn", ("-fa",), "LLAMA_ARG_FLASH_ATTN", "choice", choices=("on", "off", "auto")),
-    _noop("--mlock", why="weights are read through mmap"),
+    _noop("--mlock", why="weights are read through mmap"),                    # older llama-servers' flags
     _noop("--mmap", negs=("--no-mmap",), why="weights are read through mmap"),
     _noop("--webui", ("--ui",), "LLAMA_ARG_UI", negs=("--no-webui", "--no-ui"), why="no web UI is served"),
     Flag("--metrics", (), "LLAMA_ARG_ENDPOINT_METRICS", "switch", False,
@@ -113,11 +134,18 @@ TABLE: tuple[Flag, ...] = (
           why="slots are always batched"),
     Flag("--verbose", ("-v", "--log-verbose"), None, "switch", False,
          "answers carry llama-server's __verbose debug field unless a request says verbose: false", dest="verbose"),
-    _noop("--log-verbosity", ("-lv", "--verbosity"), None, "int"),
+    _noop("--log-verbosity", ("-lv", "--verbosity"), "LLAMA_ARG_LOG_VERBOSITY", "int",
+          why="every record is printed"),
     _noop("--log-disable"), _noop("--log-file", (), "LLAMA_ARG_LOG_FILE", "str"),
-    _noop("--log-colors", (), "LLAMA_ARG_LOG_COLORS", "str"),
-    _noop("--log-prefix", (), "LLAMA_ARG_LOG_PREFIX", negs=("--no-log-prefix",)),
-    _noop("--log-timestamps", (), "LLAMA_ARG_LOG_TIMESTAMPS", negs=("--no-log-timestamps",)),
+    _noop("--log-colors", (), "LLAMA_ARG_LOG_COLORS", "str", why="records are not coloured"),
+    Flag("--log-format", (), None, "choice", "text", "records as text lines or as JSON objects, one a line on "
+         "stderr", choices=LOG_FORMATS),
+    Flag("--log-jsonl", (), "LLAMA_ARG_LOG_JSONL", "switch", False, "records as JSON objects (--log-format json; "
+         "on stderr, where llama-server writes them to stdout)", negs=("--no-log-jsonl",)),
+    Flag("--log-prefix", (), "LLAMA_ARG_LOG_PREFIX", "switch", True, "start each text record with its time and "
+         "level (--no-log-prefix: the bare [phase] component: message k=v)", negs=("--no-log-prefix",)),
+    Flag("--log-timestamps", (), "LLAMA_ARG_LOG_TIMESTAMPS", "switch", True, "put the time (UTC, ISO 8601) on "
+         "every record (--no-log-timestamps: leave it out)", negs=("--no-log-timestamps",)),
     Flag("--need-hook", (), None, "str", None,
          "program that grants the start after plan (the need record as JSON on stdin; exit 0: go on); "
          "default $BLOOMERY_NEED_HOOK, else hooks/bloomery-need when a broker socket exists; none/off: no hook"),
@@ -147,7 +175,8 @@ TABLE: tuple[Flag, ...] = (
     Flag("--cors-origins", (), "LLAMA_ARG_CORS_ORIGINS", "str", "*",
          'origins answered with CORS headers: "*", "localhost", or a comma list of origins'), 
     _noop("--cache-ram", ("-cram",), "LLAMA_ARG_CACHE_RAM", "int", why="no host prompt cache in this build"),
-    _noop("--no-mmproj", why="no image encoder is loaded"),
+    _noop("--mmproj-auto", (), "LLAMA_ARG_MMPROJ_AUTO", negs=("--no-mmproj", "--no-mmproj-auto"),
+          why="no image encoder is loaded"),
     _noop("--fit", ("-fit",), "LLAMA_ARG_FIT", "choice", choices=("on",), why="the plan always fits"),
     _noop("--split-mode", ("-sm",), "LLAMA_ARG_SPLIT_MODE", "choice", choices=("layer", "none"),
           why="one device runs every layer"),
@@ -157,35 +186,41 @@ TABLE: tuple[Flag, ...] = (
     Flag("--hf-file", ("-hff",), "LLAMA_ARG_HF_FILE", "str", None,
          "the repo's file to serve (overrides the quant of --hf-repo)"),
     Flag("--hf-token", ("-hft",), "HF_TOKEN", "str", None, "Hugging Face access token (default: HF_TOKEN)"),
-    _refuse("-dev", (), "LLAMA_ARG_DEVICE", why="card lists are not served yet; use --device cpu|cuda|auto"),
     _refuse("--tensor-split", ("-ts",), "LLAMA_ARG_TENSOR_SPLIT", why="one device only"),
     _refuse("--main-gpu", ("-mg",), "LLAMA_ARG_MAIN_GPU", why="one device only"),
-    _refuse("--lora", ("--lora-scaled",), why="no LoRA adapters"),
+    _refuse("--lora", (), why="no LoRA adapters"), _refuse("--lora-scaled", (), why="no LoRA adapters"),
     _refuse("--mmproj", ("-mm",), "LLAMA_ARG_MMPROJ", why="no image encoder"),
     _refuse("--embeddings", ("--embedding",), "LLAMA_ARG_EMBEDDINGS", "switch", why="no embedding model"),
     _refuse("--reranking", ("--rerank",), "LLAMA_ARG_RERANKING", "switch", why="no reranking"),
-    _refuse("--grammar", ("--grammar-file",), why="no grammar sampler"),
-    _refuse("--json-schema", ("-j", "--json-schema-file", "-jf"), why="no default schema"),
+    _refuse("--grammar", (), why="no server-wide grammar (a request's grammar field is served)"),
+    _refuse("--grammar-file", (), why="no server-wide grammar (a request's grammar field is served)"),
+    _refuse("--json-schema", ("-j",), why="no server-wide schema (a request's json_schema field is served)"),
+    _refuse("--json-schema-file", ("-jf",), why="no server-wide schema (a request's json_schema field is served)"),
     _refuse("--chat-template", (), "LLAMA_ARG_CHAT_TEMPLATE", why="built-in template names are not served; "
             "use --chat-template-file"),
     _refuse("--model-draft", ("-md", "--spec-draft-model"), "LLAMA_ARG_SPEC_DRAFT_MODEL", why="no draft model"),
     _refuse("--cache-type-k", ("-ctk",), "LLAMA_ARG_CACHE_TYPE_K", why="the KV cache is float32"),
     _refuse("--cache-type-v", ("-ctv",), "LLAMA_ARG_CACHE_TYPE_V", why="the KV cache is float32"),
-    _refuse("--slot-save-path", (), "LLAMA_ARG_SLOT_SAVE_PATH", why="no slot files"),
-    _refuse("--rope-scaling", ("--rope-scale", "--rope-freq-base", "--rope-freq-scale"), why="RoPE comes from the file"),
-    _refuse("--cpu-moe", ("-cmoe", "--n-cpu-moe", "-ncmoe", "--override-tensor", "-ot"), "LLAMA_ARG_CPU_MOE",
-            why="no routed experts on this seat"),
-    _refuse("--list-devices", (), why="no device census in this build"),
-    _refuse("--ignore-eos", (), "switch", why="request field only"),
+    _refuse("--slot-save-path", (), None, why="no slot files"),
+    _refuse("--rope-scaling", (), "LLAMA_ARG_ROPE_SCALING_TYPE", why="RoPE comes from the file"),
+    _refuse("--rope-scale", (), "LLAMA_ARG_ROPE_SCALE", why="RoPE comes from the file"),
+    _refuse("--rope-freq-base", (), "LLAMA_ARG_ROPE_FREQ_BASE", why="RoPE comes from the file"),
+    _refuse("--rope-freq-scale", (), "LLAMA_ARG_ROPE_FREQ_SCALE", why="RoPE comes from the file"),
+    _refuse("--cpu-moe", ("-cmoe",), "LLAMA_ARG_CPU_MOE", "switch", why="the plan places the routed experts itself"),
+    _refuse("--n-cpu-moe", ("-ncmoe",), "LLAMA_ARG_N_CPU_MOE", why="the plan places the routed experts itself"),
+    _refuse("--override-tensor", ("-ot",), "LLAMA_ARG_OVERRIDE_TENSOR", why="the plan places every tensor itself"),
+    _refuse("--ignore-eos", (), None, "switch", why="a server-wide ignore_eos is not served (a request field only)"),
+    *_llama_refused(),
 )
 
 SPELLINGS: dict[str, tuple[Flag, bool]] = {}   # spelling -> (flag, value for a switch spelling)
 for _f in TABLE:
-    for _s in (_f.long, *_f.shorts):
-        SPELLINGS[_s] = (_f, True)
-    for _s in _f.negs:
-        SPELLINGS[_s] = (_f, False)
-BY_KEY = {f.key: f for f in TABLE}
+    for _s, _on in [*((x, True) for x in (_f.long, *_f.shorts)), *((x, False) for x in _f.negs)]:
+        if _s in SPELLINGS:
+            raise AssertionError(f"flag table: {_s} names both {SPELLINGS[_s][0].long} and {_f.long}")
+        SPELLINGS[_s] = (_f, _on)
+# --config keys: the long name without dashes, and each other -- spelling (model-file, ctx, ...)
+BY_KEY = {s.lstrip("-"): f for f in TABLE for s in (*reversed(f.shorts), f.long) if s.startswith("--")}
 BY_ENV = {f.env: f for f in TABLE if f.env}
 
 # the flags that set a request default of the sampler chain (SamplingParams fields by dest)
@@ -234,8 +269,7 @@ def convert(f: Flag, raw: object, name: str, switch_on: bool = True) -> object:
         return v
     if f.type == "choice":
         if text not in f.choices:
-            hint = "; a model file is -m/--model-file" if f.long == "--model" else ""
-            raise SettingsError(f"{name}: {f.long} takes one of {', '.join(f.choices)}, got {text!r}{hint}")
+            raise SettingsError(f"{name}: {f.long} takes one of {', '.join(f.choices)}, got {text!r}")
         return text
     if f.type == "keys":
         return _split_keys(text, name)
@@ -244,14 +278,32 @@ def convert(f: Flag, raw: object, name: str, switch_on: bool = True) -> object:
     return text
 
 
+def value_hint(f: Flag) -> str:
+    """What follows the flag on a command line: nothing for a switch."""
+    if f.type == "switch":
+        return ""
+    if f.choices:
+        return " {" + "|".join(f.choices) + "}"
+    return {"pair": " VALUE VALUE", "int_or_auto": " N|auto", "keys": " KEY[,KEY...]", "str": " VALUE"}.get(
+        f.type, f" {f.type.upper()}")
+
+
 def help_text() -> str:
-    """--help: the table itself."""
+    """--help: the table itself; llama-server's flags that are refused are listed by name at the end."""
     lines = ["usage: bloomery-serve -m FILE [flags]", ""]
+    refused: dict[str, list[str]] = {}
     for f in TABLE:
         names = ", ".join([*f.shorts, f.long, *f.negs])
-        value = "" if f.type == "switch" else f" {f.type.upper()}" if not f.choices else " {" + "|".join(f.choices) + "}"
-        extra = [f"default: {f.default}"] if f.default not in (None, (), False) else []
+        if f.action == "refuse" and f.why in WHY.values():
+            refused.setdefault(f.why, []).append(names + value_hint(f))
+            continue
+        extra = [f"default: {f.default}"] if f.default not in (None, (), False) and f.type != "switch" else []
         extra += [f"env: {f.env}"] if f.env else []
-        lines.append(f"  {names}{value}")
+        lines.append(f"  {names}{value_hint(f)}")
         lines.append(f"      {f.help}" + (f" ({'; '.join(extra)})" if extra else ""))
+    lines += ["", "llama-server's flags refused by name (read with llama-server's arity; the start ends naming them):"]
+    for why, names in refused.items():
+        lines.append(f"  {why}:")
+        lines += textwrap.wrap("; ".join(names), 100, initial_indent=" " * 6, subsequent_indent=" " * 6,
+                               break_on_hyphens=False)
     return "\n".join(lines) + "\n"

@@ -80,8 +80,8 @@ def make_app(s: Settings, tokenizer, template, client, info):
 
 def choice_records(s: Settings, facts: dict) -> None:
     """One record per choice the start made, after the plan (the ctx/parallel lines come from the plan)."""
-    record("start", "model", path=s.model_file, seat=facts.get("arch"), source="--model" if s.seat else "file arch")
-    record("start", "backend", backend=facts.get("backend"), device=s.device, source=s.sources.get("device", "default"))
+    record("start", "model", path=s.model_file, seat=facts.get("arch"), source="--seat" if s.seat else "file arch")
+    record("start", "backend", backend=facts.get("backend"), chosen=s.backend, source=s.backend_from)
     record("start", "alias", name=s.alias or facts.get("general_name") or os.path.basename(s.model_file or ""),
            source="--alias" if s.alias else "general.name" if facts.get("general_name") else "file name")
     record("start", "n_predict", default=s.n_predict, source=s.sources.get("n_predict", "default"))

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 
 from bloomery.engine.types import SamplingParams
-from bloomery.flags import (ACTION_KEYS, BY_ENV, BY_KEY, DEVICES, SAMPLING_FLAGS, SEATS, SPELLINGS, TABLE,  # noqa: F401
-                            Flag, SettingsError, convert, help_text)
+from bloomery.flags import (ACTION_KEYS, BACKENDS, BY_ENV, BY_KEY, SAMPLING_FLAGS, SEATS, SPELLINGS,  # noqa: F401
+                            TABLE, Flag, SettingsError, convert, help_text)
 
 DEFAULT_SEED = 0xFFFFFFFF       # LLAMA_DEFAULT_SEED: --seed -1 asks for a random seed per request
 
@@ -44,7 +45,15 @@ class Settings:
     plan: bool = False
     help: bool = False
     version: bool = False
-    device: str = "auto"
+    list_devices: bool = False
+    backend: str = "auto"              # --backend cpu|cuda|auto, or what -dev chose
+    devices: str | None = None         # -dev/--device as given: none or CUDA<N>
+    card: int | None = None            # -dev CUDA<N>: N (the plan checks that the card is there)
+    backend_from: str = "default"      # the flag that chose the backend, for the records
+    log_format: str = "text"           # --log-format text|json (--log-jsonl: json)
+    log_jsonl: bool = False
+    log_prefix: bool = True            # --no-log-prefix: text records without the time and level
+    log_timestamps: bool = True        # --no-log-timestamps: no time on records
     ngl: str | None = None
     endpoint_slots: bool = True        # --no-slots: GET /slots answers 501
     warmup: bool = True                # --no-warmup: the first request prepares the weights
@@ -88,6 +97,8 @@ def _from_argv(argv: list[str]) -> list[_Entry]:
     while i < len(argv):
         tok = argv[i]
         spelling, eq, inline = tok.partition("=") if tok.startswith("--") else (tok, "", "")
+        if spelling.startswith("--"):
+            spelling = spelling.replace("_", "-")      # llama-server reads --ctx_size as --ctx-size
         if spelling not in SPELLINGS:
             raise SettingsError(f"unknown flag {tok!r}" + ("" if tok.startswith("-") else
                                 " (a value with no flag before it)") + "; bloomery-serve --help lists the flags")
@@ -99,10 +110,11 @@ def _from_argv(argv: list[str]) -> list[_Entry]:
         elif eq:
             raw = inline
         else:
-            if i + 1 >= len(argv):
-                raise SettingsError(f"{spelling} needs a value ({flag.type})")
-            i += 1
-            raw = argv[i]
+            n_values = 2 if flag.type == "pair" else 1
+            if i + n_values >= len(argv):
+                raise SettingsError(f"{spelling} needs {'two values' if n_values == 2 else 'a value'} ({flag.type})")
+            raw = " ".join(argv[i + 1:i + 1 + n_values])
+            i += n_values
         out.append(_Entry(flag, raw, on, "command line", spelling))
         i += 1
     return out
@@ -161,9 +173,13 @@ def _from_config(path: str) -> list[_Entry]:
 def _from_env(env: dict[str, str], notes: list) -> list[_Entry]:
     out = []
     for var in sorted(env):
-        if not (var.startswith("LLAMA_ARG_") or var == "LLAMA_API_KEY"):
+        if not (var.startswith("LLAMA_ARG_") or var == "LLAMA_API_KEY" or var in BY_ENV):
             continue
         flag = BY_ENV.get(var)
+        negated = flag is None and NEG_ENV.get(var)       # LLAMA_ARG_NO_X: llama-server reads it as X off
+        if negated:
+            out.append(_Entry(negated, False, False, var, var))
+            continue
         if flag is None:
             notes.append(("env variable not read by bloomery", {"variable": var}))
             continue
@@ -177,6 +193,34 @@ def _from_env(env: dict[str, str], notes: list) -> list[_Entry]:
             on = raw = word in _TRUE
         out.append(_Entry(flag, raw, on, var, var))
     return out
+
+
+NEG_ENV = {f.env.replace("LLAMA_ARG_", "LLAMA_ARG_NO_", 1): f for f in TABLE
+           if f.env and f.negs and f.env.startswith("LLAMA_ARG_")}
+_SECRET_KEYS = ("api-key", "hf-token")
+
+
+def _model_readings(entries: list[_Entry]) -> list[_Entry]:
+    """--model (any spelling or source) names the model file, as in llama-server; a seat word where no
+    file of that name exists is read as --seat (bloomery's older spelling)."""
+    out = []
+    for e in entries:
+        word = e.raw if isinstance(e.raw, str) else None
+        if e.flag.long == "--model" and word in SEATS and not os.path.exists(word):
+            e = _Entry(BY_KEY["seat"], word, True, e.source, e.name)
+        out.append(e)
+    return out
+
+
+def _read_note(e: _Entry, value: object) -> tuple[str, dict]:
+    """The record that says how one command-line flag was read."""
+    f = e.flag
+    kv: dict = {"flag": e.name, "as": f.long}
+    if f.long == "--seat" and e.name != "--seat":
+        kv["why"] = f"a seat word, and no file named {value} here"
+    if f.key not in _SECRET_KEYS:
+        kv["value"] = value if not isinstance(value, list) else len(value)
+    return "flag read", kv
 
 
 def _read_key_file(path: str) -> list[str]:
@@ -203,15 +247,15 @@ def parse(argv: list[str], env: dict[str, str] | None = None) -> Settings:
     """Command line (+ --config file + LLAMA_ARG_*) -> Settings, or SettingsError naming the problem."""
     env = dict(os.environ if env is None else env)
     s = Settings()
-    cmd = _from_argv(argv)
+    cmd = _model_readings(_from_argv(argv))
     seen: dict[str, str] = {}
     for e in cmd:
         if e.flag.long in seen:
             raise SettingsError(f"{e.flag.long} is given twice ({seen[e.flag.long]} and {e.name})")
         seen[e.flag.long] = e.name
     cfg_path = next((str(e.raw) for e in cmd if e.flag.long == "--config"), None)
-    cfg = _from_config(os.path.abspath(cfg_path)) if cfg_path else []
-    envs = _from_env(env, s.notes)
+    cfg = _model_readings(_from_config(os.path.abspath(cfg_path))) if cfg_path else []
+    envs = _model_readings(_from_env(env, s.notes))
 
     chosen: dict[str, list[_Entry]] = {}
     for layer in (cmd, cfg, envs):       # highest first
@@ -241,7 +285,9 @@ def parse(argv: list[str], env: dict[str, str] | None = None) -> Settings:
             if f.type == "keys":
                 keys.extend(value)
                 continue
-            if e.source.startswith("config"):
+            if e.source == "command line" and f.long not in ("--api-key", "--device"):   # -dev: its own line
+                s.notes.append(_read_note(e, value))
+            elif e.source.startswith("config"):
                 shown = value if f.key in ("ctx-size", "parallel", "alias", "host", "port", "api-key-file",
                                            "chat-template-file") else "set"
                 s.notes.append(("config entry read", {"key": f.key, "as": f"{f.long}", "value": shown}))
@@ -274,6 +320,37 @@ def _check_model_source(s: Settings) -> None:
                             "or LLAMA_ARG_MODEL / LLAMA_ARG_HF_REPO")
 
 
+def _check_backend(s: Settings) -> None:
+    """-dev (llama-server's device list) and --backend (bloomery's) choose one backend; a clash is refused."""
+    named = "backend" in s.sources
+    s.backend_from = f"--backend {s.backend}" if named else "default"
+    if s.devices is None:
+        return
+    names = [d.strip() for d in s.devices.split(",")]
+    m = re.fullmatch(r"CUDA(\d+)", names[0])
+    if names == ["none"]:
+        backend, card = "cpu", None
+    elif len(names) > 1:
+        raise SettingsError(f"-dev {s.devices}: several devices are not served yet; name one card (CUDA0) or none")
+    elif m:
+        backend, card = "cuda", int(m.group(1))
+    else:
+        raise SettingsError(f"-dev {s.devices}: no device of that name here (none, or CUDA<N>; "
+                            f"bloomery-serve --list-devices lists them)")
+    if named and s.backend != backend:
+        raise SettingsError(f"-dev {s.devices} beside --backend {s.backend}: they choose different backends; give one")
+    s.backend, s.card, s.backend_from = backend, card, f"-dev {s.devices}"
+    s.notes.append(("device list read", {"flag": "-dev", "value": s.devices, "as": f"--backend {backend}",
+                                         **({"card": card} if card is not None else {"offload": "none"})}))
+
+
+def _check_logs(s: Settings) -> None:
+    if s.log_jsonl:
+        if "log_format" in s.sources and s.log_format != "json":
+            raise SettingsError(f"--log-jsonl beside --log-format {s.log_format}: give one")
+        s.log_format = "json"
+
+
 def _check(s: Settings, keys: list[str]) -> None:
     if s.api_key_file:
         keys.extend(_read_key_file(s.api_key_file))
@@ -281,7 +358,9 @@ def _check(s: Settings, keys: list[str]) -> None:
     if not s.jinja:
         s.jinja = True
         s.notes.append(("flag read, no effect here", {"flag": "--no-jinja", "why": "jinja templates are always on"}))
-    if s.help or s.version:
+    _check_backend(s)
+    _check_logs(s)
+    if s.help or s.version or s.list_devices:
         return
     _check_model_source(s)
     if s.ctx_size is not None and s.ctx_size < 0:

@@ -22,6 +22,7 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import time
 
@@ -168,7 +169,8 @@ class Supervisor:
             return await self._stopped()
         self.life.advance(Phase.PLAN)
         plan_args = {"model_file": fetched.path, "seat": s.seat, "ctx_size": s.ctx_size, "slot_ctx": s.slot_ctx,
-                     "parallel": s.parallel, "device": s.device, "ngl": s.ngl}
+                     "parallel": s.parallel, "device": s.backend, "card": s.card, "backend_from": s.backend_from,
+                     "ngl": s.ngl}
         planned = await runner.next_outcome("plan", await runner.start("plan", plan_args))
         if planned is None:
             return await self._stopped()
@@ -276,6 +278,9 @@ def main(argv: list[str] | None = None) -> None:
     if s.version:
         sys.stdout.write(f"bloomery-serve {VERSION}\n")
         sys.exit(0)
+    if s.list_devices:       # the census in a child: the supervisor never imports CuPy
+        sys.stdout.flush()
+        sys.exit(subprocess.call([sys.executable, "-m", "bloomery.census"]))
     for message, kv in s.notes:
         record("start", message, **kv)
     code = uvloop.run(Supervisor(s).run())

@@ -184,12 +184,12 @@ def _stream_chat(url: str) -> str:
 
 
 def test_served_chat_same_text_on_both_backends(files):
-    """bloomery-serve --device cuda streams the same text as --device cpu at temperature 0
+    """bloomery-serve --backend cuda streams the same text as --backend cpu at temperature 0
     (16 tokens: on this random-weight file the two backends first part at a near tie later)."""
     from tests.serve_proc import Served
     texts = {}
     for device in ("cpu", "cuda"):
-        with Served("-m", str(files["qwen3"]), "--device", device, "-c", "1024") as srv:
+        with Served("-m", str(files["qwen3"]), "--backend", device, "-c", "1024") as srv:
             texts[device] = _stream_chat(srv.url)
             backend = "numpy" if device == "cpu" else "cuda"
             assert any("loading weights" in line and f"backend={backend}" in line for line in srv.lines), srv.lines

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.real_model
 
 @pytest.fixture(scope="module")
 def need_bytes(real_model_path) -> int:
-    """The host need a `-c 2048 --device cpu` start asks for, by the plan's own arithmetic."""
+    """The host need a `-c 2048 --backend cpu` start asks for, by the plan's own arithmetic."""
     from bloomery.gguf_file import open_gguf
     from bloomery.plan import Census, make_plan, model_facts
 
@@ -37,7 +37,7 @@ def need_bytes(real_model_path) -> int:
 
 
 def server_args(path) -> list[str]:
-    return ["-m", str(path), "-c", "2048", "--device", "cpu", "--no-warmup"]
+    return ["-m", str(path), "-c", "2048", "--backend", "cpu", "--no-warmup"]
 
 
 def answer(url: str, body: bytes | None = None, timeout_s: float = 10) -> tuple[int, dict]:

@@ -25,7 +25,7 @@ def cfg(tmp_path, obj, name="c.json"):
 
 def test_defaults():
     s = parse(M, {})
-    assert (s.host, s.port, s.parallel, s.ctx_size, s.n_predict, s.device) == ("127.0.0.1", 8080, 1, None, -1, "auto")
+    assert (s.host, s.port, s.parallel, s.ctx_size, s.n_predict, s.backend) == ("127.0.0.1", 8080, 1, None, -1, "auto")
     assert s.api_keys == () and s.jinja and not s.plan
 
 
@@ -33,7 +33,7 @@ def test_defaults():
     (["-c", "4096"], "ctx_size", 4096), (["--ctx-size=2048"], "ctx_size", 2048), (["--ctx", "512"], "ctx_size", 512),
     (["-np", "3"], "parallel", 3), (["--parallel", "auto"], "parallel", "auto"), (["-a", "coder"], "alias", "coder"),
     (["--port", "0"], "port", 0), (["-n", "-1"], "n_predict", -1), (["--predict", "7"], "n_predict", 7),
-    (["--device", "cpu"], "device", "cpu"), (["--model", "qwen2"], "seat", "qwen2"), (["--plan"], "plan", True),
+    (["--backend", "cpu"], "backend", "cpu"), (["--model", "qwen2"], "seat", "qwen2"), (["--plan"], "plan", True),
     (["-ngl", "99"], "ngl", "99"), (["-ngl", "all"], "ngl", "all"),
 ])
 def test_spellings(argv, field, value):
@@ -86,11 +86,13 @@ def test_no_note_prints_a_key(tmp_path):
     (["stray"], "a value with no flag"),
     (["-c"], "-c needs a value"),
     (["--plan=yes"], "switch and takes no value"),
-    (["--model", "llama"], "--model takes one of qwen2, qwen3, qwen3moe"),
-    (["--model", "/x.gguf"], "-m/--model-file"),
-    (["--device", "tpu"], "--device takes one of cpu, cuda, auto"),
+    (["--seat", "llama"], "--seat takes one of qwen2, qwen3, qwen3moe"),
+    (["--model", "/x.gguf"], r"--model is given twice \(-m and --model\)"),
+    (["--backend", "tpu"], "--backend takes one of cpu, cuda, auto"),
+    (["--device", "tpu"], "-dev tpu: no device of that name here"),
+    (["-dev", "none", "--backend", "cuda"], "-dev none beside --backend cuda"),
     (["-hf", "org/repo"], "give one model source"),
-    (["-dev", "CUDA0"], "-dev is refused"),
+    (["-dev", "CUDA0,CUDA1"], "-dev CUDA0,CUDA1: several devices are not served yet"),
     (["-sm", "row"], "--split-mode takes one of layer, none, got 'row'"),
     (["--lora", "a.gguf"], "--lora is refused"),
     (["--mmproj", "x"], "--mmproj is refused"),
@@ -112,7 +114,7 @@ def test_refusals_name_the_problem(argv, match):
 
 @pytest.mark.parametrize("env,match", [
     ({"LLAMA_ARG_SPLIT_MODE": "row"}, "LLAMA_ARG_SPLIT_MODE"),
-    ({"LLAMA_ARG_DEVICE": "CUDA0"}, "LLAMA_ARG_DEVICE is refused"),
+    ({"LLAMA_ARG_DEVICE": "CUDA0,CUDA1"}, "several devices are not served yet"),
     ({"LLAMA_ARG_CTX_SIZE": "lots"}, "LLAMA_ARG_CTX_SIZE: --ctx-size takes an integer"),
     ({"LLAMA_API_KEY": ""}, "empty API key"),
     ({"LLAMA_ARG_EMBEDDINGS": "maybe"}, "LLAMA_ARG_EMBEDDINGS='maybe'"),
@@ -184,7 +186,7 @@ def test_config_file_values(tmp_path):
     assert (s.ctx_size, s.parallel, s.host) == (8192, 2, "0.0.0.0")
     read = [kv for msg, kv in s.notes if msg == "config entry read"]
     assert {"key": "ctx-size", "as": "--ctx-size", "value": 8192} in read
-    assert {"key": "model-file", "as": "--model-file", "value": "set"} in read
+    assert {"key": "model", "as": "--model", "value": "set"} in read
 
 
 @pytest.mark.parametrize("obj,match", [
@@ -230,7 +232,7 @@ def test_every_row_is_consistent():
     assert len(envs) == len(set(envs)), "an env variable names two flags"
     for f in S.TABLE:
         assert f.action in ("set", "noop", "refuse") and f.help
-        assert f.type in ("str", "int", "float", "switch", "keys", "choice", "int_or_auto", "path")
+        assert f.type in ("str", "int", "float", "switch", "keys", "choice", "int_or_auto", "path", "pair")
         assert not f.choices or f.type == "choice"
 
 

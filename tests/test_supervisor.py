@@ -204,7 +204,7 @@ def test_plan_stage_parallel_auto_is_the_plan_modules_rule(real_model_path):
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("extra,match", [({"seat": "qwen3"}, "--model qwen3: the file .* is 'qwen2'"),
+@pytest.mark.parametrize("extra,match", [({"seat": "qwen3"}, "--seat qwen3: the file .* is 'qwen2'"),
                                          ({"ngl": "10"}, "-ngl 10: a count below the file's layers \\+ 1 \\(25\\)"),
                                          ({"ctx_size": 10**9}, "--ctx-size 1000000000 .* does not fit")])
 def test_plan_stage_refusals(real_model_path, tmp_path, extra, match):

@@ -16,14 +16,21 @@ from bloomery.stages.common import StageRefusal, run_stage
 from bloomery.stages.meta import model_meta
 
 
-def choose_backend(device: str, card_free_bytes: tuple[int, ...]) -> tuple[str, str]:
-    """(backend, why) for --device cpu|cuda|auto."""
+def choose_backend(device: str, card_free_bytes: tuple[int, ...], card: int | None = None,
+                   named: str = "") -> tuple[str, str]:
+    """(backend, why) for --backend cpu|cuda|auto (device) or -dev none|CUDA<card> (named: how it was given)."""
+    named = named or f"--backend {device}"
     if device == "cpu":
-        return "numpy", "--device cpu"
+        return "numpy", named
     if device == "cuda":
         if not card_free_bytes:
-            raise StageRefusal("--device cuda: CuPy sees no card (install bloomery[cuda12] or use --device cpu)")
-        return "cuda", "--device cuda"
+            raise StageRefusal(f"{named}: CuPy sees no card (install bloomery[cuda12] or use --backend cpu, -dev none)")
+        if card is not None and card >= len(card_free_bytes):
+            raise StageRefusal(f"{named}: no such device; CuPy sees {len(card_free_bytes)} card(s): "
+                               + ", ".join(f"CUDA{i}" for i in range(len(card_free_bytes))))
+        if card not in (None, 0):
+            raise StageRefusal(f"{named}: this build runs on the first card (CUDA0) only")
+        return "cuda", named
     if card_free_bytes:
         return "cuda", f"auto: CuPy sees {len(card_free_bytes)} card(s)"
     return "numpy", "auto: no card seen through CuPy"
@@ -33,8 +40,8 @@ def check_seat(seat: str | None, arch: str, path: str) -> str:
     if arch not in SEATS:
         raise StageRefusal(f"model file {path}: architecture {arch!r} has no seat here (seats: {', '.join(SEATS)})")
     if seat is not None and seat != arch:
-        raise StageRefusal(f"--model {seat}: the file {path} is {arch!r}; the {seat} seat does not serve it "
-                           f"(use --model {arch} or leave --model out)")
+        raise StageRefusal(f"--seat {seat}: the file {path} is {arch!r}; the {seat} seat does not serve it "
+                           f"(use --seat {arch} or leave it out)")
     return arch
 
 
@@ -52,7 +59,8 @@ def make(args: dict, gf, census):
 
     facts = model_facts(gf)
     check_ngl(args.get("ngl"), facts.n_layer)
-    backend, why = choose_backend(args.get("device", "auto"), census.card_free_bytes)
+    backend, why = choose_backend(args.get("device", "auto"), census.card_free_bytes, args.get("card"),
+                                  args.get("backend_from", "") if args.get("backend_from") != "default" else "")
     parallel = args.get("parallel", 1)
     n_parallel = "auto" if parallel == "auto" else int(parallel)
     try:

@@ -65,8 +65,10 @@ def test_wrapper_swaps_only_the_model_arguments():
     rewrite = _load("wrapper").rewrite
     got = rewrite(["--port", "8080", "--hf-repo", "ggml-org/models", "--hf-file", "x/y.gguf", "--alias", "a",
                    "-hf", "r", "--model-url=http://u", "--api-key", "k", "--no-jinja"], "/m.gguf")
-    assert got == ["-m", "/m.gguf", "--port", "8080", "--alias", "a", "--api-key", "k", "--no-jinja"]
+    assert got == ["--model", "/m.gguf", "--port", "8080", "--alias", "a", "--api-key", "k", "--no-jinja"]
     assert rewrite(["--port", "1", "--ctx-size", "8"], "/m.gguf") == ["--port", "1", "--ctx-size", "8"]  # router
+    own = ["--model", "/local/x.gguf", "--port", "1", "-m", "/y.gguf"]       # the test's own model flags stay
+    assert rewrite(own, "/m.gguf") == own
 
 
 def test_wrapper_adds_no_warmup_only_when_run_asks(monkeypatch):

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Stand-in for llama-server that llama.cpp's server tests start (LLAMA_SERVER_BIN_PATH points here).
 
-The tests name tiny models to download (-hf/--hf-repo/--hf-file/-m/--model-url);
-this rewrites those arguments to one real local file and leaves every other
-argument as the test wrote it, then execs the server under test in place (same
-pid, so the tests' terminate() reaches it).
+The tests name tiny models to download (their Hugging Face preset: -hf/--hf-repo,
+-hff/--hf-file, -mu/--model-url); this swaps that preset for `--model <one real local
+file>` and leaves every other argument as the test wrote it, its own -m/--model included,
+then execs the server under test in place (same pid, so the tests' terminate() reaches it).
 
     BLOOMERY_SUITE_TARGET  "bloomery" (python -m bloomery.supervisor) or a llama-server binary path
     BLOOMERY_SUITE_MODEL   the GGUF file every model argument becomes
@@ -16,26 +16,25 @@ from __future__ import annotations
 import os
 import sys
 
-# model-source flags and whether they take a value (all do); their values are dropped
-MODEL_FLAGS = {"-m", "--model", "-hf", "-hfr", "--hf-repo", "-hff", "--hf-file", "-mu", "--model-url"}
+# the download preset's flags (each takes a value); they and their values are dropped
+PRESET_FLAGS = {"-hf", "-hfr", "--hf-repo", "-hff", "--hf-file", "-mu", "--model-url"}
 
 
 def rewrite(args: list[str], model_path: str) -> list[str]:
-    """args with every model-source flag (and its value) removed and `-m model_path` added once,
-    only when the test named a model at all (the router preset names none)."""
+    """args with the download preset's flags (and their values) removed and `--model model_path` added once,
+    only when the test named a download at all (the router preset names none, a local model is kept)."""
     out: list[str] = []
     named = False
     i = 0
     while i < len(args):
         flag, _, inline = args[i].partition("=")
-        if flag in MODEL_FLAGS:
+        if flag in PRESET_FLAGS:
             named = True
             i += 1 if inline else 2
             continue
         out.append(args[i])
         i += 1
-    # "-m": llama-server reads it as --model; bloomery-serve reads --model as the seat and -m as the file
-    return (["-m", model_path] + out) if named else out
+    return (["--model", model_path] + out) if named else out
 
 
 def main() -> None:

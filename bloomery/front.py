@@ -68,11 +68,11 @@ class Gate:
         return response
 
 
-def make_app(s: Settings, tokenizer, template, client, info):
+def make_app(s: Settings, tokenizer, template, client, info, **kw):
     """The API App with the server's request defaults and endpoint switches from the settings."""
     from bloomery.api.app import App
 
-    return App(tokenizer, template, client, info, sampling_defaults=s.sampling(), n_predict_default=s.n_predict,
+    return App(tokenizer, template, client, info, **kw, sampling_defaults=s.sampling(), n_predict_default=s.n_predict,
                alias=s.alias, tags=s.tags, endpoint_slots=s.endpoint_slots, metrics_requested=s.metrics,
                verbose_default=s.verbose, reasoning=s.reasoning, reasoning_format=s.reasoning_format,
                reasoning_budget=s.reasoning_budget, reasoning_budget_message=s.reasoning_budget_message)

@@ -1,11 +1,14 @@
-"""Records: one line each, `[phase] component: message k=v ...`, on stderr.
+"""Records: one line each on stderr, `TIME LEVEL [phase] component: message k=v ...` or one JSON object.
 
-Every module writes through record(). structlog carries the event through a
-redaction step (no API key is ever printed) to one of two sinks:
+Every module writes through record(). structlog's own processors stamp the time
+(UTC, ISO 8601) and the level; the event then goes through a redaction step (no
+API key is ever printed) to one of two sinks:
 - the supervisor (and any tool): the line goes to stderr;
 - a stage process (configure(push_addr=...)): the record goes to the
   supervisor's PULL socket as a typed Record message, and the supervisor
   relays it to its stderr, so each record is printed exactly once.
+The supervisor's --log-format text|json (--log-jsonl), --no-log-prefix and
+--no-log-timestamps choose how a record is printed (configure_format).
 """
 from __future__ import annotations
 
@@ -19,7 +22,10 @@ from bloomery.messages import stage as sm
 
 _SECRET_FIELDS = {"api_key", "api_keys", "key", "keys", "authorization", "x_api_key"}
 _secrets: set[str] = set()
-_state: dict = {"component": "bloomery-serve", "push": None, "stream": None, "lost": 0}
+_state: dict = {"component": "bloomery-serve", "push": None, "stream": None, "lost": 0,
+                "format": "text", "prefix": True, "timestamps": True}
+_RESERVED = ("time", "level", "phase", "component", "message")
+_stamp = structlog.processors.TimeStamper(fmt="iso", utc=True, key="time")
 _lock = threading.Lock()
 
 
@@ -40,21 +46,35 @@ def _value(v: object) -> str:
     return json.dumps(v, ensure_ascii=False, default=str)
 
 
+def now() -> str:
+    return _stamp(None, "", {})["time"]
+
+
 def format_record(rec: sm.Record) -> str:
+    """One printed line: text (`TIME LEVEL [phase] component: message k=v`) or one JSON object."""
+    time = (rec.time or now()) if _state["timestamps"] else ""
+    if _state["format"] == "json":
+        head = {"time": time} if time else {}
+        head.update(level=rec.level, phase=rec.phase, component=rec.component, message=rec.message)
+        head.update({(f"field_{k}" if k in _RESERVED else k): v for k, v in rec.fields.items()})
+        return redact(json.dumps(head, ensure_ascii=False, default=str))
     kv = " ".join(f"{k}={_value(v)}" for k, v in rec.fields.items())
-    return redact(f"[{rec.phase}] {rec.component}: {rec.message}" + (f" {kv}" if kv else ""))
+    prefix = " ".join(x for x in (time, f"{rec.level:<7}") if x) + " " if _state["prefix"] else ""
+    return redact(f"{prefix}[{rec.phase}] {rec.component}: {rec.message}" + (f" {kv}" if kv else ""))
 
 
 def _scalar(v: object) -> sm.Scalar:
     return v if v is None or isinstance(v, (str, int, float, bool)) else str(v)
 
 
-def _to_record(_logger, level: str, event: dict) -> sm.Record:
+def _to_record(_logger, method: str, event: dict) -> sm.Record:
+    level = str(event.pop("level", method))          # structlog's add_log_level
+    time = str(event.pop("time", ""))                 # structlog's TimeStamper
     phase = event.pop("phase", "-")
     component = event.pop("component", None) or _state["component"]
     message = str(event.pop("event", ""))
     fields = {k: ("***" if k.lower() in _SECRET_FIELDS else _scalar(v)) for k, v in event.items()}
-    return sm.Record(str(phase), str(component), message, fields, level)
+    return sm.Record(str(phase), str(component), message, fields, level, time)
 
 
 def _sink(_logger, level: str, event: dict) -> str:
@@ -97,7 +117,13 @@ def configure(component: str = "bloomery-serve", push_addr: str | None = None, c
         sock.setsockopt(zmq.LINGER, 2000)      # records queued at exit still reach the supervisor
         sock.connect(push_addr)
         _state["push"] = sock
-    structlog.configure(processors=[_sink], cache_logger_on_first_use=False)
+    structlog.configure(processors=[structlog.processors.add_log_level, _stamp, _sink],
+                        cache_logger_on_first_use=False)
+
+
+def configure_format(log_format: str = "text", prefix: bool = True, timestamps: bool = True) -> None:
+    """How the records this process prints look (the supervisor: from --log-format and friends)."""
+    _state.update(format=log_format, prefix=prefix, timestamps=timestamps)
 
 
 def push_socket():
@@ -115,5 +141,6 @@ def record(phase: str, message: str, component: str | None = None, level: str = 
     """One record: `[phase] component: message k=v ...`."""
     if not structlog.is_configured():
         configure(_state["component"], stream=_state["stream"])
+    kv = {(f"field_{k}" if k in _RESERVED else k): v for k, v in kv.items()}    # structlog sets time itself
     getattr(structlog.get_logger(), level if level in ("info", "warning", "error") else "info")(
         message, phase=phase, component=component, **kv)

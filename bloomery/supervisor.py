@@ -201,7 +201,8 @@ class Supervisor:
         except Exception as e:   # tokenizer / template refused: the server cannot answer; name it
             raise StageFailed("load", f"{type(e).__name__}: {e}") from None
         self.client.info = ready.info
-        self.gate.app = make_app(s, tokenizer, template, self.client, ready.info)
+        self.gate.app = make_app(s, tokenizer, template, self.client, ready.info,
+                                 log=lambda line: record(self.life.phase.value, line))   # the per-request records
         self.life.advance(Phase.READY, name=ready.info.name, n_ctx=ready.info.n_ctx, slots=ready.info.n_slots)
         return await self._serve(engine)
 
@@ -272,6 +273,7 @@ def main(argv: list[str] | None = None) -> None:
         record("start", "refused", level="error", error=str(e))
         sys.exit(EXIT_REFUSED)
     records.add_secret(*s.api_keys)
+    records.configure_format(s.log_format, s.log_prefix, s.log_timestamps)
     if s.help:
         sys.stdout.write(settings_mod.help_text())
         sys.exit(0)

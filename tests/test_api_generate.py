@@ -164,7 +164,7 @@ def test_the_log_line_has_the_serving_guides_format():
     lines = []
     post(make_app(ScriptedClient([1, 2, EOS], finish="stop"), lines.append), "/completion", {"prompt": "ab"})
     assert len(lines) == 1
-    pat = (r"bloomery-serve: request \d+ /completion: prompt 2 ids \(0 reused\) in [\d.]+ s, [\d.]+ ids/s; "
+    pat = (r"request \d+ /completion: prompt 2 ids \(0 reused\) in [\d.]+ s, [\d.]+ ids/s; "
            r"generated 3 ids in [\d.]+ s, [\d.]+ ids/s; stop eos; ctx 4/16")
     assert re.fullmatch(pat, lines[0]), lines[0]
 

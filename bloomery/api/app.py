@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import itertools
 import re
-import sys
 import time
 import uuid
 from typing import Awaitable, Callable
@@ -21,6 +20,7 @@ from bloomery.api.params import GenParams
 from bloomery.engine.types import ModelInfo, SamplingParams
 from bloomery.flags import REASONING_OFF, REASONING_ON
 from bloomery.http.types import ApiError, Request, Response, StreamResponse
+from bloomery.records import record
 
 
 class ExceedContextError(ApiError):
@@ -37,8 +37,9 @@ class ExceedContextError(ApiError):
         return out
 
 
-def _stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+def _record(line: str) -> None:
+    """A request's line as a record (the supervisor passes one that names the lifecycle's phase)."""
+    record("ready", line)
 
 
 Route = Callable[["App", Request], Awaitable["Response | StreamResponse"]]
@@ -101,7 +102,7 @@ class App:
                  metrics_requested: bool = False, verbose_default: bool = False,
                  endpoint_props: bool = False, reasoning: str = "auto", reasoning_format: str = "auto",
                  reasoning_budget: int = -1, reasoning_budget_message: str | None = None,
-                 log: Callable[[str], None] = _stderr):
+                 log: Callable[[str], None] = _record):
         self.tok = tokenizer
         self.template = template
         self.client = client

@@ -276,7 +276,7 @@ class Generation:
         g_s = out.predicted_ms / 1e3
         p_rate = n_done / p_s if p_s > 0 else 0.0
         g_rate = max(out.n_gen - 1, 0) / g_s if g_s > 0 else 0.0
-        self.log(f"bloomery-serve: request {self.task_id} {self.path}: prompt {out.n_prompt} ids "
+        self.log(f"request {self.task_id} {self.path}: prompt {out.n_prompt} ids "
                  f"({out.n_cached} reused) in {p_s:.3f} s, {p_rate:.1f} ids/s; generated {out.n_gen} ids "
                  f"in {g_s:.3f} s, {g_rate:.1f} ids/s; stop {reason}; ctx {out.n_past}/{self.n_ctx_slot}")
 

@@ -22,6 +22,7 @@ class Record:
     message: str
     fields: dict[str, Scalar] = field(default_factory=dict)
     level: str = "info"
+    time: str = ""               # UTC, ISO 8601, set where the record was made ("": when it is printed)
 
 
 @dataclass(frozen=True)

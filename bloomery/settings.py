@@ -164,7 +164,7 @@ def _from_config(path: str) -> list[_Entry]:
                 raise SettingsError(f"{name}: {flag.long} is a switch; its value is true, not {json.dumps(v)}")
             if flag.type != "switch" and v is True:
                 raise SettingsError(f"{name}: {flag.long} takes a value ({flag.type}), not true")
-            if flag.type == "path" and isinstance(v, str):
+            if flag.type == "path" and isinstance(v, str) and not _seat_word(flag, v):
                 v = os.path.abspath(v)     # read from the directory the server starts in
             out.append(_Entry(flag, v, on, src, name))
     return out
@@ -200,16 +200,15 @@ NEG_ENV = {f.env.replace("LLAMA_ARG_", "LLAMA_ARG_NO_", 1): f for f in TABLE
 _SECRET_KEYS = ("api-key", "hf-token")
 
 
+def _seat_word(flag: Flag, raw: object) -> bool:
+    return flag.long == "--model" and isinstance(raw, str) and raw in SEATS and not os.path.exists(raw)
+
+
 def _model_readings(entries: list[_Entry]) -> list[_Entry]:
     """--model (any spelling or source) names the model file, as in llama-server; a seat word where no
     file of that name exists is read as --seat (bloomery's older spelling)."""
-    out = []
-    for e in entries:
-        word = e.raw if isinstance(e.raw, str) else None
-        if e.flag.long == "--model" and word in SEATS and not os.path.exists(word):
-            e = _Entry(BY_KEY["seat"], word, True, e.source, e.name)
-        out.append(e)
-    return out
+    return [_Entry(BY_KEY["seat"], e.raw, True, e.source, e.name) if _seat_word(e.flag, e.raw) else e
+            for e in entries]
 
 
 def _read_note(e: _Entry, value: object) -> tuple[str, dict]:
@@ -316,7 +315,7 @@ def _check_model_source(s: Settings) -> None:
             raise SettingsError(str(e)) from None
     elif not s.model_file:
         raise SettingsError("no model (llama-server's router mode, several models loaded on demand without -m, "
-                            "is not served): give -m FILE (--model-file) or --hf-repo <user>/<model>[:quant], "
+                            "is not served): give -m/--model FILE or --hf-repo <user>/<model>[:quant], "
                             "or LLAMA_ARG_MODEL / LLAMA_ARG_HF_REPO")
 
 

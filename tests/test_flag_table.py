@@ -409,3 +409,11 @@ def test_list_devices_is_a_switch_that_prints_and_exits():
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.startswith("Available devices:\n"), r
     assert "cupy" not in r.stderr       # the census ran in a child; the front never imported CuPy
+
+
+def test_a_config_file_names_the_seat_or_the_file_under_model(tmp_path, monkeypatch):
+    import json
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.json").write_text(json.dumps({"model": "qwen3moe", "model-file": "rel/x.gguf"}))
+    s = parse(["--config", "c.json"], {})
+    assert (s.seat, s.model_file) == ("qwen3moe", str(tmp_path / "rel" / "x.gguf"))

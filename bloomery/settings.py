@@ -173,7 +173,7 @@ def _from_config(path: str) -> list[_Entry]:
 def _from_env(env: dict[str, str], notes: list) -> list[_Entry]:
     out = []
     for var in sorted(env):
-        if not (var.startswith("LLAMA_ARG_") or var == "LLAMA_API_KEY" or var in BY_ENV):
+        if not (var.startswith("LLAMA_ARG_") or var == "LLAMA_API_KEY"):   # HF_TOKEN: read by the fetch stage
             continue
         flag = BY_ENV.get(var)
         negated = flag is None and NEG_ENV.get(var)       # LLAMA_ARG_NO_X: llama-server reads it as X off

@@ -136,7 +136,8 @@ TABLE: tuple[Flag, ...] = (
          "answers carry llama-server's __verbose debug field unless a request says verbose: false", dest="verbose"),
     _noop("--log-verbosity", ("-lv", "--verbosity"), "LLAMA_ARG_LOG_VERBOSITY", "int",
           why="every record is printed"),
-    _noop("--log-disable"), _noop("--log-file", (), "LLAMA_ARG_LOG_FILE", "str"),
+    _noop("--log-disable", why="the records are how bloomery-serve reports its state; they stay on"),
+    Flag("--log-file", (), "LLAMA_ARG_LOG_FILE", "path", None, "append every record to this file too"),
     _noop("--log-colors", (), "LLAMA_ARG_LOG_COLORS", "str", why="records are not coloured"),
     Flag("--log-format", (), None, "choice", "text", "records as text lines or as JSON objects, one a line on "
          "stderr", choices=LOG_FORMATS),

@@ -93,12 +93,15 @@ def emit(rec: sm.Record) -> None:
                 return
             except Exception:          # supervisor gone: fall back to our own stderr
                 pass
-        stream = _state["stream"] or sys.stderr
-        try:
-            stream.write(format_record(rec) + "\n")
-            stream.flush()
-        except (OSError, ValueError):   # the sink is gone (a broken pipe, a closed journal stream):
-            _state["lost"] += 1         # the record is lost, never the caller's control flow
+        line = format_record(rec) + "\n"
+        for stream in (_state["stream"] or sys.stderr, _state.get("file")):
+            if stream is None:
+                continue
+            try:
+                stream.write(line)
+                stream.flush()
+            except (OSError, ValueError):   # the sink is gone (a broken pipe, a closed journal stream):
+                _state["lost"] += 1         # the record is lost, never the caller's control flow
 
 
 def lost_records() -> int:
@@ -121,9 +124,11 @@ def configure(component: str = "bloomery-serve", push_addr: str | None = None, c
                         cache_logger_on_first_use=False)
 
 
-def configure_format(log_format: str = "text", prefix: bool = True, timestamps: bool = True) -> None:
-    """How the records this process prints look (the supervisor: from --log-format and friends)."""
-    _state.update(format=log_format, prefix=prefix, timestamps=timestamps)
+def configure_format(log_format: str = "text", prefix: bool = True, timestamps: bool = True,
+                     file=None) -> None:
+    """How the records this process prints look (the supervisor: from --log-format and friends); `file`
+    (an open text file, --log-file) gets every line too."""
+    _state.update(format=log_format, prefix=prefix, timestamps=timestamps, file=file)
 
 
 def push_socket():

@@ -54,6 +54,7 @@ class Settings:
     log_jsonl: bool = False
     log_prefix: bool = True            # --no-log-prefix: text records without the time and level
     log_timestamps: bool = True        # --no-log-timestamps: no time on records
+    log_file: str | None = None        # --log-file: every record appended there too
     ngl: str | None = None
     endpoint_slots: bool = True        # --no-slots: GET /slots answers 501
     warmup: bool = True                # --no-warmup: the first request prepares the weights

@@ -273,7 +273,12 @@ def main(argv: list[str] | None = None) -> None:
         record("start", "refused", level="error", error=str(e))
         sys.exit(EXIT_REFUSED)
     records.add_secret(*s.api_keys)
-    records.configure_format(s.log_format, s.log_prefix, s.log_timestamps)
+    try:
+        log_file = open(s.log_file, "a", encoding="utf-8") if s.log_file else None   # open for the process's life
+    except OSError as e:
+        record("start", "refused", level="error", error=f"--log-file {s.log_file}: cannot open it ({e.strerror})")
+        sys.exit(EXIT_REFUSED)
+    records.configure_format(s.log_format, s.log_prefix, s.log_timestamps, log_file)
     if s.help:
         sys.stdout.write(settings_mod.help_text())
         sys.exit(0)

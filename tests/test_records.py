@@ -162,3 +162,16 @@ def test_a_json_server_prints_only_json_records_and_the_request_record(tokenizer
     assert req["component"] == "bloomery-serve" and req["phase"] == "ready" and "/completion: prompt" in req["message"]
     assert {"flag": "--model", "as": "--model", "message": "flag read"}.items() <= next(
         o for o in objs if o.get("flag") == "--model").items()
+
+
+def test_log_file_gets_every_record_too(tmp_path):
+    path = tmp_path / "records.log"
+    with open(path, "a", encoding="utf-8") as f:
+        shown = _capture(lambda: records.record("plan", "ctx", n_ctx=1), file=f, prefix=False)
+    assert shown == ["[plan] test: ctx n_ctx=1"] and path.read_text() == "[plan] test: ctx n_ctx=1\n"
+
+
+def test_a_log_file_that_cannot_be_opened_refuses_the_start(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "bloomery.supervisor", "-m", "x.gguf", "--log-file",
+                        str(tmp_path / "no" / "such" / "dir" / "f.log")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "--log-file" in r.stderr and "cannot open it" in r.stderr

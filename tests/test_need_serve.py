@@ -96,33 +96,33 @@ def test_second_start_queued_until_the_first_stops(tmp_path, real_model_path, ne
         broker.stop()
 
 
-def test_need_hook_refusal_ends_the_start_by_name(tmp_path, real_model_path):
-    hook = tmp_path / "refuse"
-    hook.write_text('#!/bin/sh\ncat > "$0.stdin"\necho \'{"event": "refused", "reason": "no room on card 0"}\' >&2\n'
-                    'exit 1\n')
+def _ended_by_hook(tmp_path, real_model_path, name: str, script: str, status: int) -> tuple[Served, str]:
+    """A server whose --need-hook is `script`: it ends with `status` before loading; (server, its records)."""
+    hook = tmp_path / name
+    hook.write_text("#!/bin/sh\n" + script)
     hook.chmod(hook.stat().st_mode | stat.S_IXUSR)
     s = Served(*server_args(real_model_path), "--need-hook", str(hook))
     s.start(wait_ready=False)
-    assert s.proc.wait(60) == 1
+    assert s.proc.wait(60) == status
     text = "\n".join(s.lines)
+    assert "[load]" not in text                          # ended before any weight is read
+    return s, text
+
+
+def test_need_hook_refusal_ends_the_start_by_name(tmp_path, real_model_path):
+    s, text = _ended_by_hook(tmp_path, real_model_path, "refuse", 'cat > "$0.stdin"\n'
+                             'echo \'{"event": "refused", "reason": "no room on card 0"}\' >&2\nexit 1\n', 1)
     assert "the need hook refused the start (exit 1): no room on card 0" in text
     need = json.loads((tmp_path / "refuse.stdin").read_text())
     assert need["pid"] == s.proc.pid and need["version"] == 1 and need["card_bytes"] == []
     assert need["host_bytes"] > 0 and need["disk_bytes"] == os.path.getsize(real_model_path)
-    assert "[load]" not in text                          # refused before any weight is read
 
 
 def test_need_hook_exit_75_ends_the_server_with_75_and_the_hooks_last_stdout_line(tmp_path, real_model_path):
-    hook = tmp_path / "later"
-    hook.write_text("#!/bin/sh\ncat > /dev/null\necho 'asking the broker'\necho 'card 0 is lent until 12:00'\n"
-                    "echo '{\"event\": \"queued\", \"position\": 2}' >&2\nexit 75\n")
-    hook.chmod(hook.stat().st_mode | stat.S_IXUSR)
-    s = Served(*server_args(real_model_path), "--need-hook", str(hook))
-    s.start(wait_ready=False)
-    assert s.proc.wait(60) == 75
-    text = "\n".join(s.lines)
+    _, text = _ended_by_hook(tmp_path, real_model_path, "later",
+                             "cat > /dev/null\necho 'asking the broker'\necho 'card 0 is lent until 12:00'\n"
+                             "echo '{\"event\": \"queued\", \"position\": 2}' >&2\nexit 75\n", 75)
     assert "the need hook deferred the start (exit 75): card 0 is lent until 12:00" in text
-    assert "[load]" not in text
 
 
 def test_need_hook_that_cannot_run_is_refused_before_fetch(tmp_path, real_model_path):

@@ -337,7 +337,7 @@ def _check_backend(s: Settings) -> None:
     else:
         raise SettingsError(f"-dev {s.devices}: no device of that name here (none, or CUDA<N>; "
                             f"bloomery-serve --list-devices lists them)")
-    if named and s.backend != backend:
+    if named and s.backend not in ("auto", backend):
         raise SettingsError(f"-dev {s.devices} beside --backend {s.backend}: they choose different backends; give one")
     s.backend, s.card, s.backend_from = backend, card, f"-dev {s.devices}"
     s.notes.append(("device list read", {"flag": "-dev", "value": s.devices, "as": f"--backend {backend}",

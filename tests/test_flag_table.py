@@ -374,6 +374,7 @@ def test_two_model_files_are_refused():
     (["--device", "CUDA0"], "cuda", 0, "-dev CUDA0"),
     (["--backend", "cpu"], "cpu", None, "--backend cpu"),
     (["--backend", "cuda", "-dev", "CUDA0"], "cuda", 0, "-dev CUDA0"),
+    (["--backend", "auto", "-dev", "none"], "cpu", None, "-dev none"),
 ])
 def test_device_list_and_backend(argv, backend, card, source):
     s = parse(M + argv, {})

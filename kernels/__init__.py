@@ -1,1 +1,1 @@
-"""bloomery's CUDA kernel sources (*.cu, *.cuh), read by bloomery.engine.cuda_kernels."""
+"""bloomery's CUDA kernel sources (*.cu, *.cuh), read by bloomery.engine.cuda.kernels."""

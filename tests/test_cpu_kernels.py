@@ -7,7 +7,9 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf import quants as gguf_quants
 
-from bloomery.engine import cpu_kernels, kv_cache, quant
+from bloomery.engine.cpu import kernels as cpu_kernels
+from bloomery.engine.cpu import kv_cache
+from bloomery.engine.quant import dots as quant
 from test_quant import random_blocks
 
 needs_c = pytest.mark.skipif(cpu_kernels.lib() is None, reason=f"no compiled kernels: {cpu_kernels.status()}")
@@ -82,7 +84,7 @@ def test_int_rows_are_the_planes_integers():
 
 @needs_c
 def test_numpy_backend_takes_the_compiled_kernel():
-    from bloomery.engine.backend_numpy import NumpyOps, _compiled
+    from bloomery.engine.cpu.backend import NumpyOps, _compiled
     rng = np.random.default_rng(7)
     raw = _weight(QT.Q8_0, 48, 64, rng)
     ops = NumpyOps()
@@ -144,7 +146,7 @@ def test_a_failed_build_is_named_and_leaves_no_library(monkeypatch, tmp_path):
 @needs_c
 @pytest.mark.parametrize("shape", [(1, 4864), (7, 37), (300, 1000)])
 def test_compiled_swiglu_equals_numpy(shape, monkeypatch):
-    from bloomery.engine.backend_numpy import NumpyOps
+    from bloomery.engine.cpu.backend import NumpyOps
     rng = np.random.default_rng(shape[0])
     g = (rng.standard_normal(shape) * 12).astype(np.float32)
     up = rng.standard_normal(shape).astype(np.float32)

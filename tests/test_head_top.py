@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from bloomery.engine import quant
-from bloomery.engine.backend_numpy import NumpyOps
+from bloomery.engine.quant import dots as quant
+from bloomery.engine.cpu.backend import NumpyOps
 from bloomery.engine.sampler import _sorted_top
 from tests.test_quant import random_blocks
 

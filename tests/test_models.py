@@ -60,7 +60,7 @@ def _golden(name: str) -> dict:
 def test_greedy_and_logits_match_llama_cpp(synth, arch, monkeypatch):
     """Three prompts each: llama.cpp's 32 greedy ids, free-running and teacher-forced; the
     logits after `step` ids bit for bit, the prompt's within PREFILL_BAND."""
-    from bloomery.engine import quant
+    from bloomery.engine.quant import dots as quant
     monkeypatch.setattr(quant, "KERNEL_ORDER", True)
     cases = sorted(p.stem for p in GOLDEN.glob(f"{arch}_*.npz"))
     assert len(cases) >= 3, f"expected 3 goldens for {arch} in {GOLDEN}, found {cases}"
@@ -96,7 +96,7 @@ def test_greedy_and_logits_match_llama_cpp(synth, arch, monkeypatch):
 def one_kernel_order(monkeypatch):
     """llama.cpp's quantized kernels (so ours, see quant.KERNEL_ORDER) sum in a different
     float order for 1, 2..7 and 8+ columns; tests comparing batch shapes take one order."""
-    from bloomery.engine import quant
+    from bloomery.engine.quant import dots as quant
     monkeypatch.setattr(quant, "KERNEL_ORDER", False)
 
 
@@ -185,7 +185,7 @@ def test_bad_load_arguments(synth, tmp_path):
 
 
 def test_moe_route_renormalises_top_k():
-    from bloomery.engine.backend_numpy import NumpyOps
+    from bloomery.engine.cpu.backend import NumpyOps
     ops = NumpyOps()
     logits = np.array([[0.0, 2.0, 1.0, -1.0]], np.float32)              # [T, E]
     ids, w = ops.moe_route(logits, 2, norm_weights=True)
@@ -201,7 +201,7 @@ def test_layer0_ops_match_llama_cpp_bit_for_bit(synth, monkeypatch):
     layer-0 tensors for one prompt) gives llama.cpp's output: bit for bit where we
     mirror its rounding (norms, RoPE, the F16 flash-attention path, the quantized
     matmuls' kernel float order, SwiGLU's SIMD expf): every op, bit for bit."""
-    from bloomery.engine import quant
+    from bloomery.engine.quant import dots as quant
     monkeypatch.setattr(quant, "KERNEL_ORDER", True)     # the lever on: llama.cpp's kernel order
     from bloomery.engine.ops import AttnSpan
     g = _golden("ops_qwen3_c")

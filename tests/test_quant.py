@@ -1,11 +1,11 @@
-"""bloomery.engine.quant: block decoding and llama.cpp's activation quantization."""
+"""bloomery.engine.quant.dots: block decoding and llama.cpp's activation quantization."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
-from bloomery.engine import quant
+from bloomery.engine.quant import dots as quant
 
 # byte offsets of each type's f16 scale fields inside a block
 F16_FIELDS = {QT.Q8_0: [0], QT.Q4_0: [0], QT.Q5_0: [0], QT.Q4_K: [0, 2], QT.Q5_K: [0, 2], QT.Q6_K: [208]}
@@ -198,7 +198,7 @@ def test_f32_weights_in_llama_order():
     """dot_f32_llama: ggml_vec_dot_f32 (one row, or N % 4 != 0) and llamafile's tinyBLAS (T >= 2,
     N % 4 == 0) written out in float64-emulated fmas: both equal the float64 product to ~1e-6
     and differ from each other, as the two kernels do."""
-    from bloomery.engine.ops_math import reduce_add16
+    from bloomery.engine.cpu.ops_math import reduce_add16
     rng = np.random.default_rng(2)
     x = rng.standard_normal((3, 200)).astype(np.float32)
     w = rng.standard_normal((8, 200)).astype(np.float32)

@@ -186,11 +186,11 @@ class CausalLM:
 
 def make_ops(backend: str) -> Ops:
     if backend == "numpy":
-        from bloomery.engine.backend_numpy import NumpyOps
+        from bloomery.engine.cpu.backend import NumpyOps
         return NumpyOps()
     if backend == "cuda":
         try:
-            from bloomery.engine.backend_cuda import CudaOps
+            from bloomery.engine.cuda.backend import CudaOps
         except ImportError as e:
             raise ModelError(f"backend 'cuda' needs CuPy (pip install bloomery[cuda13] or [cuda12]): {e}") from None
         return CudaOps()

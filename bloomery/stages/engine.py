@@ -125,11 +125,11 @@ def main(args: dict) -> int:
     records.record("load", "loading weights", component="engine", backend=facts["backend"],
                    slots=facts["n_slots"], n_ctx_slot=facts["n_ctx_slot"])
     if facts["backend"] == "numpy":
-        from bloomery.engine import quant
+        from bloomery.engine.quant import dots as quant
         records.record("load", "lever", component="engine", name="BLOOMERY_KERNEL_ORDER",
                        value="on" if quant.KERNEL_ORDER else "off",
                        means="llama.cpp's kernel float order" if quant.KERNEL_ORDER else "exact integer sums, our float order")
-        from bloomery.engine import cpu_kernels
+        from bloomery.engine.cpu import kernels as cpu_kernels
         records.record("load", "lever", component="engine", name="BLOOMERY_CPU_KERNELS",
                        value="off" if cpu_kernels.lib() is None else "on", means=cpu_kernels.status())
     model = load_model(args["model_file"], backend=facts["backend"], n_slots=facts["n_slots"],

@@ -663,7 +663,7 @@ def c_takes(ggml_type: int, n_rows: int) -> bool:
 def dot_c(x: np.ndarray, w: IntRows, per_row: bool = False) -> np.ndarray:
     """x [T, K] float32 @ w^T -> [T, N] in llama.cpp's order, through the compiled kernels
     (cpu_kernels.lib() must not be None); per_row as dot_llama's."""
-    from bloomery.engine import cpu_kernels
+    from bloomery.engine.cpu import kernels as cpu_kernels
     lib = cpu_kernels.lib()
     x = np.ascontiguousarray(x, dtype=np.float32)
     bad = ~np.isfinite(x).all(axis=1)                                   # such a row's quantized blocks are NaN:
@@ -710,7 +710,7 @@ def dot_f32_llama(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     accumulator, fma over the row in 16-wide steps (a partial last step reads zeros), then
     _mm512_reduce_add_ps. Otherwise ggml_vec_dot_f32: four 16-lane accumulators over 64-wide
     steps, (acc0 + acc2) + (acc1 + acc3), _mm512_reduce_add_ps, then the tail one fma at a time."""
-    from bloomery.engine.ops_math import reduce_add16
+    from bloomery.engine.cpu.ops_math import reduce_add16
     t, k = x.shape
     n = w.shape[0]
     out = np.empty((t, n), np.float32)

@@ -27,7 +27,7 @@ _INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.M)
 
 def kernel_dir() -> Path:
     """bloomery/kernels: a link to the tree's top-level kernels/, a copy in an installed wheel."""
-    return Path(__file__).resolve().parent.parent / "kernels"
+    return Path(__file__).resolve().parents[2] / "kernels"
 
 
 def source(name: str, kdir: Path | None = None) -> str:
@@ -148,7 +148,7 @@ class Kernels:
     def __init__(self):
         self.pdl = False
         import cupy
-        from bloomery.engine.cpu_kernels import cache_dir
+        from bloomery.engine.cpu.kernels import cache_dir
         os.environ.setdefault("CUPY_CACHE_DIR", str(cache_dir()))
         self._cupy = cupy
         self._mods: dict[str, object] = {}

@@ -16,9 +16,10 @@ from typing import Sequence
 import cupy
 import numpy as np
 
-from bloomery.engine import cuda_attention, cuda_moe
-from bloomery.engine.cuda_gemm import gemm_nt
-from bloomery.engine.cuda_kernels import Kernels
+from bloomery.engine.cuda import attention as cuda_attention
+from bloomery.engine.cuda import moe as cuda_moe
+from bloomery.engine.cuda.gemm import gemm_nt
+from bloomery.engine.cuda.kernels import Kernels
 from bloomery.engine.ops import Rows
 from bloomery.plan import CUDA_UBATCH
 
@@ -99,7 +100,7 @@ class CudaOps:
 
     def decode_runner(self, model):
         """The model's captured decode steps (cuda_graph.DecodeGraphs), made on first use."""
-        from bloomery.engine.cuda_graph import DecodeGraphs
+        from bloomery.engine.cuda.graph import DecodeGraphs
         if id(model) not in self._runners:
             self._runners[id(model)] = DecodeGraphs(model)
         return self._runners[id(model)]

@@ -15,8 +15,8 @@ import os
 import cupy
 import numpy as np
 
-from bloomery.engine import moe_buckets
-from bloomery.engine.cuda_gemm import gemm_nt
+from bloomery.engine.cuda import moe_buckets
+from bloomery.engine.cuda.gemm import gemm_nt
 
 _NULL = np.uint64(0)
 DOWN_R = 8                          # rows per block in moe_down (DOWN_R in moe.cu)

@@ -16,7 +16,7 @@ import math
 import cupy
 import numpy as np
 
-from bloomery.engine.cuda_gemm import gemm_nn, gemm_nt
+from bloomery.engine.cuda.gemm import gemm_nn, gemm_nt
 from bloomery.plan import CUDA_SCORE_BYTES
 
 DEC_MAXG = (4, 8, 16)               # query heads per kv head the attn_dec kernels are built for

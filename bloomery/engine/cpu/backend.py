@@ -18,10 +18,11 @@ from typing import Sequence
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from bloomery.engine import cpu_kernels, quant
-from bloomery.engine.kv_cache import KVCache
+from bloomery.engine.cpu import kernels as cpu_kernels
+from bloomery.engine.quant import dots as quant
+from bloomery.engine.cpu.kv_cache import KVCache
 from bloomery.engine.ops import AttnSpan, Rows
-from bloomery.engine.ops_math import expf_libm, v_expf, vec_soft_max
+from bloomery.engine.cpu.ops_math import expf_libm, v_expf, vec_soft_max
 from bloomery.engine.sampler import _sorted_top
 
 

@@ -21,7 +21,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from bloomery.engine.cuda_kernels import kernel_dir     # the kernel sources' folder (no CuPy import)
+from bloomery.engine.cuda.kernels import kernel_dir     # the kernel sources' folder (no CuPy import)
 
 SOURCE = "cpu_lanes.c"
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared"]

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from bloomery.engine.ops_math import expf_libm, vec_soft_max
+from bloomery.engine.cpu.ops_math import expf_libm, vec_soft_max
 
 FA_TILE_Q = 64   # ggml-cpu common.h GGML_FA_TILE_Q: the tiled F32 path from this many rows
 FA_TILE_KV = 64  # GGML_FA_TILE_KV: the tiled path's online softmax steps a tile of positions at a time
@@ -72,13 +72,14 @@ class KVCache:
 
 def _c_attention(head_dim: int) -> bool:
     """kernels/cpu_lanes.c's attn_f16 / attn_f32 take this (their head-size bound is 1024)."""
-    from bloomery.engine import cpu_kernels
+    from bloomery.engine.cpu import kernels as cpu_kernels
     return head_dim <= 1024 and cpu_kernels.lib() is not None
 
 
 def _attend_c(q, k, v, pos0: int, scale, tiled: bool) -> np.ndarray:
     """Both paths through the compiled kernels, query rows (t, head) split over the worker threads."""
-    from bloomery.engine import cpu_kernels, quant
+    from bloomery.engine.cpu import kernels as cpu_kernels
+    from bloomery.engine.quant import dots as quant
     lib = cpu_kernels.lib()
     t, h, dh = q.shape
     n_kv, hkv, _ = k.shape

@@ -11,7 +11,7 @@ import csv
 import math
 from dataclasses import dataclass
 
-SEATS = ("qwen2", "qwen3", "qwen3moe")   # --model <seat>; the file's arch must match
+from bloomery.engine.models.registry import ARCHS as SEATS   # --model <seat>; the file's arch must match
 DEVICES = ("cpu", "cuda", "auto")
 # --reasoning's words, as llama.cpp's is_truthy / is_falsey / is_autoy read them
 REASONING_ON, REASONING_OFF = ("on", "enabled", "true", "1"), ("off", "disabled", "false", "0")

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from bloomery.engine.cuda.sizes import SCORE_BYTES as CUDA_SCORE_BYTES, UBATCH as CUDA_UBATCH
+
 
 MIB = 1024 * 1024
 # The numpy backend keeps the quantized blocks and dequantizes per matmul; set this
 # True if it ever caches a float32 copy of each matrix (then 4 bytes per weight count).
 NUMPY_KEEPS_F32_COPY = False
-CUDA_UBATCH = 4096               # the cuda backend's prompt rows per pass (CudaOps.n_ubatch)
-CUDA_SCORE_BYTES = 256 << 20     # its attention score chunk (cuda_attention.SCORE_BYTES)
 KV_BYTES_PER_ELEM = {"numpy": 4, "cuda": 2}     # numpy: float32 KV; cuda: f16 KV
 N_UBATCH = 512                                   # positions in one prompt pass (scratch sizing)
 CARD_MARGIN_BYTES = 1024 * MIB                   # kept free on the card (llama-server's -fitt default)

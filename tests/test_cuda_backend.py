@@ -153,10 +153,10 @@ def test_rms_norm_and_argmax(ops):
 @pytest.mark.parametrize("n,k", [(151936, 40), (151936, 64), (1000, 64), (4096, 1), (4097, 7)])
 def test_topk_in_the_chain_order(ops, n, k):
     """ops.topk hands over each row's k largest logits in the sampler chain's order (descending,
-    ties to the lower id: sampler._sorted_top), ties straddling topk_part's 4096-value pieces,
+    ties to the lower id: sampler.sorted_top), ties straddling topk_part's 4096-value pieces,
     and counts a row's NaNs."""
     import cupy
-    from bloomery.engine.sampler import _sorted_top
+    from bloomery.engine.sampler import sorted_top
     rng = np.random.default_rng(n + k)
     x = (rng.standard_normal((3, n)) * 3).astype(np.float32)
     top = x.max()
@@ -165,12 +165,12 @@ def test_topk_in_the_chain_order(ops, n, k):
     x[2, 5] = np.nan
     ids, vals, nan = (cupy.asnumpy(a) for a in ops.topk(cupy.asarray(x), k))
     for r in range(2):
-        want = _sorted_top(x[r], k)
+        want = sorted_top(x[r], k)
         np.testing.assert_array_equal(ids[r], want)
         np.testing.assert_array_equal(vals[r], x[r, want])
     assert nan.tolist() == [0, 0, 1]
     clean = np.where(np.isnan(x[2]), -np.inf, x[2])
-    np.testing.assert_array_equal(ids[2], _sorted_top(clean, k))
+    np.testing.assert_array_equal(ids[2], sorted_top(clean, k))
     assert k <= ops.topk_max(n)
 
 

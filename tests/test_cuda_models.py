@@ -151,7 +151,7 @@ def test_captured_step_equals_eager_step(files, pdl, monkeypatch):
 def test_captured_step_hands_over_the_top_k(files):
     """decode_topk (the captured step, then the top-k on the card) hands over the same ids and
     values, in the sampler chain's order, as the whole rows decode() returns."""
-    from bloomery.engine.sampler import _sorted_top
+    from bloomery.engine.sampler import sorted_top
     model = _load(files["qwen3moe"], "cuda")
     model.prefill(0, np.asarray(PROMPTS[0], np.int32), 0)
     model.prefill(1, np.asarray(PROMPTS[1], np.int32), 0)
@@ -159,7 +159,7 @@ def test_captured_step_hands_over_the_top_k(files):
     rows = model.decode(slots, ids, pos)
     c_ids, c_vals, n_nan = model.decode_topk(slots, ids, pos, 40)
     for b in range(2):
-        want = _sorted_top(rows[b], 40)
+        want = sorted_top(rows[b], 40)
         np.testing.assert_array_equal(c_ids[b], want)
         np.testing.assert_array_equal(c_vals[b], rows[b, want])
     assert n_nan.tolist() == [0, 0]

@@ -385,11 +385,11 @@ class HandsOverTopK(StandInModel):
     topk_max = 16
 
     def decode_topk(self, slots, ids, positions, k):
-        from bloomery.engine.sampler import _sorted_top
+        from bloomery.engine.sampler import sorted_top
         self.calls.append(("decode_topk", tuple(slots), k))
         rows = StandInModel.decode(self, slots, ids, positions)
         self.calls.pop()
-        order = np.stack([_sorted_top(r, k) for r in rows])
+        order = np.stack([sorted_top(r, k) for r in rows])
         vals = np.take_along_axis(rows, order, 1)
         return order.astype(np.int32), vals.astype(np.float32), np.zeros(len(slots), np.int32)
 

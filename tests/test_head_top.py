@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as QT
 
 from bloomery.engine.quant import dots as quant
 from bloomery.engine.cpu.backend import NumpyOps
-from bloomery.engine.sampler import _sorted_top
+from bloomery.engine.sampler import sorted_top
 from tests.test_quant import random_blocks
 
 
@@ -23,7 +23,7 @@ def _head(n_rows: int, n_cols: int, seed: int, tie_rows: int = 0, qt: QT = QT.Q8
 
 def _want(ops, x, w, k):
     full = ops.matmul(x, w)                                             # [T, V] llama order
-    ids = np.stack([_sorted_top(row, k) for row in full]).astype(np.int32)
+    ids = np.stack([sorted_top(row, k) for row in full]).astype(np.int32)
     return ids, np.take_along_axis(full, ids, axis=1)
 
 
@@ -72,7 +72,7 @@ def test_non_finite_input_takes_the_full_product():
     ids, vals, n_nan = ops.matmul_topk(x, w, 5)
     full = ops.matmul(x, w)
     assert n_nan.tolist() == [0, int(np.isnan(full[1]).sum())] and n_nan[1] > 0
-    assert np.array_equal(ids[0], _sorted_top(full[0], 5))
+    assert np.array_equal(ids[0], sorted_top(full[0], 5))
     assert ops.matmul_argmax(x, w).tolist() == ops.argmax(full).tolist()   # numpy's argmax: the first NaN
 
 

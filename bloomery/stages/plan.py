@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from bloomery import records
 from bloomery.messages import stage as sm
-from bloomery.settings import SEATS
+from bloomery.engine.models.registry import ARCHS as SEATS
 from bloomery.stages.common import StageRefusal, run_stage
 from bloomery.stages.meta import model_meta
 

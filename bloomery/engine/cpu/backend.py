@@ -23,7 +23,7 @@ from bloomery.engine.quant import dots as quant
 from bloomery.engine.cpu.kv_cache import KVCache
 from bloomery.engine.ops import AttnSpan, Rows
 from bloomery.engine.cpu.ops_math import expf_libm, v_expf, vec_soft_max
-from bloomery.engine.sampler import _sorted_top
+from bloomery.engine.sampler import sorted_top
 
 
 class NumpyWeight:
@@ -173,7 +173,7 @@ class NumpyOps:
         ids = np.empty((b, k), np.int32)
         for r in range(b):
             row = np.where(np.isnan(logits[r]), -np.inf, logits[r])
-            ids[r] = _sorted_top(row, k)
+            ids[r] = sorted_top(row, k)
         return ids, np.take_along_axis(logits, ids, axis=1), n_nan
 
     def matmul_topk(self, x, w: NumpyWeight, k: int):

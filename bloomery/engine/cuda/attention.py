@@ -17,7 +17,7 @@ import cupy
 import numpy as np
 
 from bloomery.engine.cuda.gemm import gemm_nn, gemm_nt
-from bloomery.plan import CUDA_SCORE_BYTES
+from bloomery.engine.cuda.sizes import SCORE_BYTES
 
 DEC_MAXG = (4, 8, 16)               # query heads per kv head the attn_dec kernels are built for
 DEC_BLOCKS_PER_SM = 2               # attn_dec blocks aimed at per SM (the pieces follow the depth)
@@ -38,7 +38,6 @@ def n_pieces(n_ctx_slot: int, n_kv_head: int, rows: int, n_sm: int) -> int:
     return max(1, min(-(-n_ctx_slot // 32), DEC_BLOCKS_PER_SM * n_sm // max(1, n_kv_head * rows)))
 
 
-SCORE_BYTES = CUDA_SCORE_BYTES     # the prompt path's score matrix per chunk (counted by the plan)
 _NULL = np.uint64(0)
 
 

@@ -21,7 +21,7 @@ from bloomery.engine.cuda import moe as cuda_moe
 from bloomery.engine.cuda.gemm import gemm_nt
 from bloomery.engine.cuda.kernels import Kernels
 from bloomery.engine.ops import Rows
-from bloomery.plan import CUDA_UBATCH
+from bloomery.engine.cuda.sizes import UBATCH
 
 MMV_ROWS = 8                       # rows the mat-vec kernels take at once (MAXB in matvec.cu)
 TOPK_MAX, TOPK_SPAN = 64, 4096     # topk's largest k, and the values one block sorts (matvec.cu)
@@ -89,7 +89,7 @@ def _host_vector(ggml_type: int, data: np.ndarray) -> np.ndarray:
 
 class CudaOps:
     name = "cuda"
-    n_ubatch = CUDA_UBATCH         # prompt rows per batch: the GEMM paths' fixed costs spread wide
+    n_ubatch = UBATCH              # prompt rows per batch: the GEMM paths' fixed costs spread wide
 
     def __init__(self):
         self.k = Kernels()

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bloomery.engine.loader import CausalLM, ModelError, meta
+from bloomery.engine.models.base import CausalLM, ModelError, meta
 
 
 @dataclass(frozen=True)
@@ -136,3 +136,6 @@ class Qwen2(CausalLM):
         """ops.argmax(head(x)), through the backend's matmul_argmax where it has one."""
         pick = getattr(self.ops, "matmul_argmax", None)
         return self.ops.argmax(self.head(x)) if pick is None else pick(self._final_norm(x), self.output)
+
+
+MODEL = Qwen2

@@ -25,3 +25,6 @@ class Qwen3(Qwen2):
         a = ops.self_attention(self.cache, il, rows, q, k, v, self.kq_scale, hp.n_rot, hp.freq_base,
                                q_norm=ly["q_norm"], k_norm=ly["k_norm"], eps=hp.rms_eps)   # [T, H*Dh]
         return ops.matmul(a, ly["wo"], x)                                  # [T, D] (+ residual)
+
+
+MODEL = Qwen3

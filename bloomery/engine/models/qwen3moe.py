@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bloomery.engine.loader import ModelError, meta
+from bloomery.engine.models.base import ModelError, meta
 from bloomery.engine.models.qwen3 import LAYER as QWEN3_LAYER
 from bloomery.engine.models.qwen3 import Qwen3
 
@@ -52,3 +52,6 @@ class Qwen3Moe(Qwen3):
         h, (logits,) = ops.norm_matmuls(x, ly["ffn_norm"], self.hp.rms_eps, [ly["gate_inp"]], [None])  # [T, D], [T, E]
         ids, w = ops.moe_route(logits, moe.n_expert_used, norm_weights=True)   # [T, A], [T, A]
         return ops.moe_ffn(h, ids, w, ly["gate_exps"], ly["up_exps"], ly["down_exps"], x)   # [T, D] (+ residual)
+
+
+MODEL = Qwen3Moe

@@ -1,0 +1,6 @@
+"""The cuda backend's fixed sizes, device-free (no CuPy import): the backend uses them, and
+bloomery.plan reads them to count what the backend will hold."""
+from __future__ import annotations
+
+UBATCH = 4096                  # prompt rows per pass (CudaOps.n_ubatch): the GEMM paths' fixed costs spread wide
+SCORE_BYTES = 256 << 20        # the prompt path's attention score matrix per chunk (attention.py)

@@ -21,7 +21,8 @@ from gguf import GGMLQuantizationType as QT
 from bloomery.engine.cpu import kernels as cpu_kernels
 from bloomery.engine.quant import dots as quant
 from bloomery.engine.cpu.kv_cache import KVCache
-from bloomery.engine.ops import AttnSpan, Rows
+from bloomery.engine.cpu.sizes import UBATCH
+from bloomery.engine.ops import AttnSpan, Caps, Rows
 from bloomery.engine.cpu.ops_math import expf_libm, v_expf, vec_soft_max
 from bloomery.engine.sampler import sorted_top
 
@@ -125,6 +126,7 @@ def rope_table(positions: np.ndarray, n_rot: int, freq_base: float) -> tuple[np.
 
 class NumpyOps:
     name = "numpy"
+    caps = Caps(n_ubatch=UBATCH, fused_head=True, decode_graphs=False, prompt_scratch=False)
 
     def __init__(self, cache_planes: bool = True):
         self.cache_planes = cache_planes

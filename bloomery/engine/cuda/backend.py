@@ -20,7 +20,7 @@ from bloomery.engine.cuda import attention as cuda_attention
 from bloomery.engine.cuda import moe as cuda_moe
 from bloomery.engine.cuda.gemm import gemm_nt
 from bloomery.engine.cuda.kernels import Kernels
-from bloomery.engine.ops import Rows
+from bloomery.engine.ops import Caps, Rows
 from bloomery.engine.cuda.sizes import UBATCH
 
 MMV_ROWS = 8                       # rows the mat-vec kernels take at once (MAXB in matvec.cu)
@@ -89,7 +89,7 @@ def _host_vector(ggml_type: int, data: np.ndarray) -> np.ndarray:
 
 class CudaOps:
     name = "cuda"
-    n_ubatch = UBATCH              # prompt rows per batch: the GEMM paths' fixed costs spread wide
+    caps = Caps(n_ubatch=UBATCH, fused_head=False, decode_graphs=True, prompt_scratch=True)
 
     def __init__(self):
         self.k = Kernels()

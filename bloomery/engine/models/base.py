@@ -1,21 +1,20 @@
 """The plumbing every architecture shares: batches in, logits out, the KV cache per slot.
 
-An architecture file subclasses CausalLM and supplies `embed`, `block` and the
-output head's weights; prefill / decode / forward_all live here once.
+An architecture file subclasses CausalLM, declares its tensors (one name map per layer) and
+supplies `block` over models/layers.py; the embedding, the output head, prefill / decode /
+forward_all live here once. Where the backends differ, the ops' `caps` says so.
 
 Legend: T = tokens, B = slots in a decode batch, D = hidden, V = vocabulary.
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import numpy as np
 
 from bloomery.engine.ops import AttnSpan, Ops, Rows
 from bloomery.gguf_file import GGUFFile
-
-N_UBATCH = 512   # llama-server's default -ub: a prompt runs in ubatches of this many tokens
-
 
 class ModelError(ValueError):
     """A model file or a call the model cannot take; the message names the value and the bound."""
@@ -42,29 +41,52 @@ class CausalLM:
         self.gf, self.ops = gf, ops
         self.n_slots, self.n_ctx_slot = n_slots, n_ctx_slot
         self.n_params = sum(int(np.prod(t.shape)) for t in gf.tensors.values())
-        self.n_ubatch = int(getattr(ops, "n_ubatch", N_UBATCH))          # rows per prompt batch
+        self.n_ubatch = ops.caps.n_ubatch                                # rows per prompt batch
 
     # --- what an architecture provides ---
     n_vocab: int
     n_ctx_train: int
     n_layer: int
 
-    def embed(self, ids: np.ndarray):                       # [T] -> [T, D]
-        raise NotImplementedError
-
     def block(self, il: int, x, rows: Rows):                # [T, D] -> [T, D]
         raise NotImplementedError
 
+    # --- helpers for architecture files ---
+    def load_decoder(self, hp, layer_names: dict[str, str], optional: frozenset[str] = frozenset()) -> None:
+        """The shared decoder state from hyperparameters hp (models/layers.Hparams): the token
+        embedding, each layer's tensors by `layer_names` (key -> GGUF name with {i}; those in
+        `optional` may be absent), the output norm and head (tied to the embedding when the file
+        has no output.weight), the attention scale and the KV cache."""
+        self.hp = hp
+        self.n_layer, self.n_ctx_train = hp.n_layer, hp.n_ctx_train
+        self.tok_embd = self.tensor("token_embd.weight")
+        self.n_vocab = int(self.gf.tensors["token_embd.weight"].shape[1])
+        self.output_norm = self.tensor("output_norm.weight")
+        self.output = self.tensor("output.weight", required=False) or self.tok_embd
+        self.layers = [{k: self.tensor(n.format(i=i), required=k not in optional) for k, n in layer_names.items()}
+                       for i in range(hp.n_layer)]
+        self.kq_scale = float(np.float32(1.0) / np.float32(math.sqrt(hp.head_dim)))
+        self.cache = self.ops.kv_cache(hp.n_layer, self.n_slots, self.n_ctx_slot, hp.n_head_kv, hp.head_dim)
+
+    def embed(self, ids):                                   # [T] -> [T, D]
+        return self.ops.get_rows(self.tok_embd, ids)
+
+    def final_norm(self, x):                                # [T, D] -> [T, D]
+        return self.ops.rms_norm(x, self.output_norm, self.hp.rms_eps)
+
     def head(self, x):                                      # [T, D] -> [T, V]
-        raise NotImplementedError
+        return self.ops.matmul(self.final_norm(x), self.output)
 
     def head_topk(self, x, k: int):                         # [T, D] -> ids, values [T, k], NaN count [T]
+        if self.ops.caps.fused_head:
+            return self.ops.matmul_topk(self.final_norm(x), self.output, k)
         return self.ops.topk(self.head(x), k)
 
     def head_argmax(self, x):                               # [T, D] -> [T]
+        if self.ops.caps.fused_head:
+            return self.ops.matmul_argmax(self.final_norm(x), self.output)
         return self.ops.argmax(self.head(x))
 
-    # --- helpers for architecture files ---
     def tensor(self, name: str, required: bool = True):
         """A weight handle for GGUF tensor `name` (None if optional and absent)."""
         info = self.gf.tensors.get(name)
@@ -120,9 +142,8 @@ class CausalLM:
             pos = np.arange(p0, p0 + chunk.size, dtype=np.int32)
             x = self._run(chunk, pos, [AttnSpan(slot, p0, 0, chunk.size)])
         logits = self.ops.to_host(self.head(x[-1:]))[0]                 # [V]
-        release = getattr(self.ops, "release_scratch", None)
-        if release is not None and ids.size > 8:                        # a prompt-path pass ran
-            release()
+        if self.ops.caps.prompt_scratch and ids.size > 8:              # a prompt-path pass ran
+            self.ops.release_scratch()
         return logits
 
     def _decode_args(self, slots, ids, positions):
@@ -140,8 +161,7 @@ class CausalLM:
 
     def _graphs(self, n: int):
         """The backend's captured decode steps when it has them and they take n rows."""
-        make = getattr(self.ops, "decode_runner", None)
-        runner = make(self) if make is not None else None
+        runner = self.ops.decode_runner(self) if self.ops.caps.decode_graphs else None
         return runner if runner is not None and n <= runner.max_batch else None
 
     def decode(self, slots: Sequence[int], ids, positions) -> np.ndarray:
@@ -156,8 +176,7 @@ class CausalLM:
     @property
     def topk_max(self) -> int:
         """The largest k decode_topk takes (0: this backend hands over whole rows of logits)."""
-        f = getattr(self.ops, "topk_max", None)
-        return f(self.n_vocab) if f is not None else 0
+        return self.ops.topk_max(self.n_vocab)
 
     def decode_topk(self, slots: Sequence[int], ids, positions, k: int):
         """One token per slot; of each slot's logits only the k largest leave the device, in the

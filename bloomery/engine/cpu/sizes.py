@@ -1,0 +1,5 @@
+"""The numpy backend's fixed sizes, device-free: the backend uses them, and bloomery.plan reads
+them to count what the backend will hold."""
+from __future__ import annotations
+
+UBATCH = 512                   # prompt rows per pass: llama-server's default -ub

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bloomery.engine.cuda.sizes import SCORE_BYTES as CUDA_SCORE_BYTES, UBATCH as CUDA_UBATCH
+from bloomery.engine.cuda.sizes import DECODE_ROWS as CUDA_DECODE_ROWS, SCORE_BYTES as CUDA_SCORE_BYTES, UBATCH as CUDA_UBATCH
 
 
 MIB = 1024 * 1024
@@ -216,7 +216,7 @@ def _largest_slot(facts, backend, census, n_slots, hi: int, step: int) -> int:
     return lo * step
 
 
-MAX_AUTO_SLOTS = 8                               # --parallel auto: the most slots it counts
+MAX_AUTO_SLOTS = CUDA_DECODE_ROWS                # --parallel auto: the most slots it counts (one decode step of all on the mat-vec path)
 
 
 def _check_settings(facts, census, backend, ctx_size, n_parallel, slot_ctx) -> None:

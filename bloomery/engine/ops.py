@@ -24,6 +24,7 @@ class Caps:
     """Where the backends differ, said once by each (its `caps`), read by the model code instead
     of probing for methods."""
     n_ubatch: int              # prompt rows per pass
+    decode_rows: int           # rows a pass runs on the decode path; more take the prompt path (0: one path)
     fused_head: bool           # matmul_topk / matmul_argmax: the head's product and its pick in one step
     decode_graphs: bool        # decode_runner(model): captured decode steps
     prompt_scratch: bool       # release_scratch(): prompt-pass buffers handed back after a prompt

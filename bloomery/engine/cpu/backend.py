@@ -126,7 +126,7 @@ def rope_table(positions: np.ndarray, n_rot: int, freq_base: float) -> tuple[np.
 
 class NumpyOps:
     name = "numpy"
-    caps = Caps(n_ubatch=UBATCH, fused_head=True, decode_graphs=False, prompt_scratch=False)
+    caps = Caps(n_ubatch=UBATCH, decode_rows=0, fused_head=True, decode_graphs=False, prompt_scratch=False)
 
     def __init__(self, cache_planes: bool = True):
         self.cache_planes = cache_planes

@@ -21,9 +21,8 @@ from bloomery.engine.cuda import moe as cuda_moe
 from bloomery.engine.cuda.gemm import gemm_nt
 from bloomery.engine.cuda.kernels import Kernels
 from bloomery.engine.ops import Caps, Rows
-from bloomery.engine.cuda.sizes import UBATCH
+from bloomery.engine.cuda.sizes import DECODE_ROWS as MMV_ROWS, UBATCH
 
-MMV_ROWS = 8                       # rows the mat-vec kernels take at once (MAXB in matvec.cu)
 TOPK_MAX, TOPK_SPAN = 64, 4096     # topk's largest k, and the values one block sorts (matvec.cu)
 F32, F16, BF16 = 0, 1, 30
 BLOCKS = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 6: (32, 22), 8: (32, 34),
@@ -89,7 +88,7 @@ def _host_vector(ggml_type: int, data: np.ndarray) -> np.ndarray:
 
 class CudaOps:
     name = "cuda"
-    caps = Caps(n_ubatch=UBATCH, fused_head=False, decode_graphs=True, prompt_scratch=True)
+    caps = Caps(n_ubatch=UBATCH, decode_rows=MMV_ROWS, fused_head=False, decode_graphs=True, prompt_scratch=True)
 
     def __init__(self):
         self.k = Kernels()

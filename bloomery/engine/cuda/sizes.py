@@ -4,3 +4,5 @@ from __future__ import annotations
 
 UBATCH = 4096                  # prompt rows per pass (CudaOps.n_ubatch): the GEMM paths' fixed costs spread wide
 SCORE_BYTES = 256 << 20        # the prompt path's attention score matrix per chunk (attention.py)
+DECODE_ROWS = 8                # rows a pass runs on the mat-vec (decode) kernels, the largest MMV3(n) of
+                               # matvec.cu and the captured steps' batch; more rows take the prompt (GEMM) path

@@ -142,7 +142,7 @@ class CausalLM:
             pos = np.arange(p0, p0 + chunk.size, dtype=np.int32)
             x = self._run(chunk, pos, [AttnSpan(slot, p0, 0, chunk.size)])
         logits = self.ops.to_host(self.head(x[-1:]))[0]                 # [V]
-        if self.ops.caps.prompt_scratch and ids.size > 8:              # a prompt-path pass ran
+        if self.ops.caps.prompt_scratch and ids.size > self.ops.caps.decode_rows:   # a prompt-path pass ran
             self.ops.release_scratch()
         return logits
 

@@ -58,7 +58,8 @@ def files(gpu, tokenizer_source, synthetic_dir):
 
 def _load(path, backend):
     from bloomery.engine.loader import load_model
-    return load_model(str(path), backend=backend, n_slots=2, n_ctx_slot=512)
+    from bloomery.placement import whole
+    return load_model(str(path), whole(backend, n_slots=2, n_ctx_slot=512))
 
 
 def _greedy(model, prompt, n):

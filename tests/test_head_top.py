@@ -90,7 +90,8 @@ def test_other_types_take_the_full_product():
 def test_real_head_top_k_bit_equal(real_model_path):
     """The real file's Q8_0 head (151,936 rows) after its output norm, on hidden states of a prompt."""
     from bloomery.engine.loader import load_model
-    m = load_model(str(real_model_path), backend="numpy", n_slots=1, n_ctx_slot=64)
+    from bloomery.placement import whole
+    m = load_model(str(real_model_path), whole("numpy", n_slots=1, n_ctx_slot=64))
     x = m._run(np.array([151644, 872, 198, 7985, 264, 13027], np.int32), np.arange(6, dtype=np.int32),
                [quant_span()])
     h = m.ops.rms_norm(x, m.output_norm, m.hp.rms_eps)

@@ -48,7 +48,8 @@ def synth(synthetic_dir):
 
 def _load(path, **kw):
     from bloomery.engine.loader import load_model
-    return load_model(str(path), **kw)
+    from bloomery.placement import whole
+    return load_model(str(path), whole(kw.pop("backend", "numpy"), **kw))
 
 
 def _golden(name: str) -> dict:

@@ -34,7 +34,8 @@ def llama_order(monkeypatch):
 @pytest.fixture(scope="module")
 def model(real_model_path):
     from bloomery.engine.loader import load_model
-    return load_model(str(real_model_path), n_slots=2, n_ctx_slot=512)
+    from bloomery.placement import whole
+    return load_model(str(real_model_path), whole("numpy", n_slots=2, n_ctx_slot=512))
 
 
 def _golden(name: str) -> dict:

@@ -1,11 +1,13 @@
-"""load_model(path, backend, n_slots, n_ctx_slot) -> Model: the backend's ops, the file, and
-the architecture's class from the registry (models/registry.py)."""
+"""load_model(gguf, placement, backend) -> Model: carries out a Placement (bloomery/placement.py):
+the backend's ops, the file, and the architecture's class from the registry
+(models/registry.py), with the placement's slots and context."""
 from __future__ import annotations
 
 from bloomery.engine.models.base import CausalLM, ModelError
 from bloomery.engine.models.registry import ARCHS, model_class
 from bloomery.engine.ops import Ops
-from bloomery.gguf_file import open_gguf
+from bloomery.gguf_file import GGUFFile, open_gguf
+from bloomery.placement import Placement
 
 
 def make_ops(backend: str) -> Ops:
@@ -21,11 +23,17 @@ def make_ops(backend: str) -> Ops:
     raise ModelError(f"backend {backend!r} is not available: choose 'numpy' or 'cuda'")
 
 
-def load_model(path: str, backend: str = "numpy", n_slots: int = 1, n_ctx_slot: int = 4096) -> CausalLM:
-    ops = make_ops(backend)
-    gf = open_gguf(str(path))
+def load_model(gguf: "str | GGUFFile", placement: Placement, backend: Ops | None = None) -> CausalLM:
+    """The model of `gguf` (a path or an open file) placed as `placement` says, on `backend`
+    (default: the ops of placement.backend). A placement this load cannot carry out (tensors
+    away from the default device: the offload tier) is refused by name."""
+    if placement.tensors or placement.experts_on_card:
+        raise ModelError("this placement puts tensors on more than one device; the offload tier that "
+                         "would carry it out is not built")
+    ops = backend if backend is not None else make_ops(placement.backend)
+    gf = gguf if isinstance(gguf, GGUFFile) else open_gguf(str(gguf))
     arch = gf.arch()
     if arch not in ARCHS:
         gf.close()
-        raise ModelError(f"{path}: architecture {arch!r} is not supported: supported are {', '.join(ARCHS)}")
-    return model_class(arch)(gf, ops, n_slots, n_ctx_slot)
+        raise ModelError(f"{gf.path}: architecture {arch!r} is not supported: supported are {', '.join(ARCHS)}")
+    return model_class(arch)(gf, ops, placement.n_slots, placement.n_ctx_slot)

@@ -88,7 +88,7 @@ def main(args: dict) -> int:
              "arch": arch, "n_ctx_train": plan.n_ctx_train, "ctx_rule": plan.ctx_rule,
              "general_name": name if isinstance(name, str) else None, "weights_bytes": plan.weights_bytes,
              "parallel_from": plan.parallel_from, **meta}
-    records.send(sm.PlanDone(tuple(recs), facts))
+    records.send(sm.PlanDone(tuple(recs), facts, plan.placement))
     return 0
 
 

@@ -43,8 +43,12 @@ class KVCache:
 
     def __init__(self, n_layer: int, n_slots: int, n_ctx_slot: int, n_head_kv: int, head_dim: int):
         shape = (n_layer, n_slots, n_ctx_slot, n_head_kv, head_dim)
-        self.k = np.zeros(shape, np.float16)
-        self.v = np.zeros(shape, np.float16)
+        # written now, not left to the kernel's zero pages: the bytes the plan counts are held from
+        # the load on (llama.cpp clears its KV buffer too), not found missing at the first long prompt
+        self.k = np.empty(shape, np.float16)
+        self.v = np.empty(shape, np.float16)
+        self.k.fill(0)
+        self.v.fill(0)
         self.n_slots = n_slots
         self.n_ctx_slot = n_ctx_slot
 

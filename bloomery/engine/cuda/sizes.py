@@ -6,3 +6,4 @@ UBATCH = 4096                  # prompt rows per pass (CudaOps.n_ubatch): the GE
 SCORE_BYTES = 256 << 20        # the prompt path's attention score matrix per chunk (attention.py)
 DECODE_ROWS = 8                # rows a pass runs on the mat-vec (decode) kernels, the largest MMV3(n) of
                                # matvec.cu and the captured steps' batch; more rows take the prompt (GEMM) path
+KV_BYTES = 2                   # bytes per K or V element: f16 (attention.KVCacheF16)

@@ -28,7 +28,7 @@ from functools import lru_cache
 from bloomery.engine.cpu import sizes as cpu_sizes
 from bloomery.engine.cuda import sizes as cuda_sizes
 from bloomery.engine.cuda.sizes import DECODE_ROWS as CUDA_DECODE_ROWS, SCORE_BYTES as CUDA_SCORE_BYTES, UBATCH as CUDA_UBATCH
-from bloomery.placement import DeviceNeed, Placement, Terms
+from bloomery.placement import DeviceNeed, Placement, Terms, gib
 
 
 MIB = 1024 * 1024
@@ -181,6 +181,57 @@ class Plan:
     parallel_from: str = "set"      # "set" (a count, default 1) or "auto"
     decoded_bytes: int = 0          # the backend's decoded forms of the weights
     placement: Placement | None = None
+    ctx_size: int = 0               # what was asked: -c (0: not given) and --slot-ctx
+    slot_ctx: int = 0
+
+    def explain(self) -> list[tuple[str, str, dict]]:
+        """The plan in words, for people (--plan prints these): (level, sentence, fields) per line.
+        One line per device that holds something, "needs X of Y available" and each term in GiB;
+        the context rule as it applied to this start; a warning when a slot's context passes the
+        model's trained context."""
+        lines: list[tuple[str, str, dict]] = []
+        p = self.placement
+        for d in (p.devices if p else ()):
+            t = d.terms
+            if not t.total:
+                continue
+            kept = "reserve" if d.device == "host" else "margin kept free"
+            need = t.total if d.device == "host" else t.total - t.margin
+            parts = [f"weights {gib(t.weights)}", *([f"decoded forms {gib(t.decoded)}"] if t.decoded else []),
+                     f"KV {gib(t.kv)}", f"scratch {gib(t.scratch)}", f"{kept} {gib(t.margin)}"]
+            parts = [s for s in parts if not s.endswith(" 0.000 GiB")]
+            have = f"{gib(d.available)} available" if d.device == "host" else f"{gib(d.available)} free"
+            fits = t.total <= d.available
+            lines.append(("info" if fits else "warning",
+                          f"{d.device} needs {gib(need)} of {have}: {' + '.join(parts)}",
+                          {"device": d.device, "need_bytes": need, "available_bytes": d.available}))
+        slots = f"{self.n_slots} slot{'s' if self.n_slots != 1 else ''}"
+        if self.ctx_rule == "target":
+            why = (f"no -c given: each slot gets the model's trained context, {self.n_ctx_train} positions, "
+                   f"and that fits")
+        elif self.ctx_rule == "fitted":
+            verb = "does" if self.n_slots == 1 else "do"
+            why = (f"no -c given, and {slots} of the trained context ({self.n_ctx_train}) {verb} not fit: each slot "
+                   f"gets the largest multiple of {FIT_STEP} that does, {self.n_ctx_slot} (never below {FIT_FLOOR})")
+        elif self.slot_ctx:
+            why = (f"--slot-ctx {self.slot_ctx} set it: each of {slots} gets {self.n_ctx_slot} "
+                   f"(padded to {CTX_PAD}); a set context is never cut, one that does not fit is refused")
+        else:
+            share = (f"the one slot takes all of it, {self.n_ctx_slot}" if self.n_slots == 1 else
+                     f"{slots} share it as llama-server's -np without -kvu, {self.n_ctx_slot} each")
+            why = (f"-c {self.ctx_size} set it: {share} (padded to {CTX_PAD}); a set context is never cut, "
+                   f"one that does not fit is refused")
+        lines.append(("info", f"context rule \"{self.ctx_rule}\": {why}",
+                      {"rule": self.ctx_rule, "n_ctx_slot": self.n_ctx_slot, "n_ctx": self.n_ctx}))
+        if self.parallel_from == "auto":
+            lines.append(("info", f"--parallel auto: {slots}, the most (up to {MAX_AUTO_SLOTS}) whose plan holds one "
+                                  f"request's context", {"slots": self.n_slots}))
+        if self.n_ctx_slot > self.n_ctx_train:
+            lines.append(("warning", f"a slot's context, {self.n_ctx_slot}, exceeds the model's trained context, "
+                                     f"{self.n_ctx_train}: positions past {self.n_ctx_train} were never trained, and "
+                                     f"answers that reach them may degrade", {"n_ctx_slot": self.n_ctx_slot,
+                                                                             "n_ctx_train": self.n_ctx_train}))
+        return lines
 
     def records(self) -> list[tuple[str, dict]]:
         plan = {"backend": self.backend, "arch": self.arch, "weights_bytes": self.weights_bytes,
@@ -319,4 +370,4 @@ def make_plan(facts: ModelFacts, census: Census, backend: str = "numpy", ctx_siz
     return Plan(backend, facts.arch, n * n_ctx_slot, n_ctx_slot, n, rule, facts.n_ctx_train,
                 dict(facts.tensor_bytes), t["weights"], t["kv"], t["scratch"], host, cards, t,
                 parallel_from="auto" if n_parallel == "auto" else "set", decoded_bytes=t["decoded"],
-                placement=placement)
+                placement=placement, ctx_size=ctx_size, slot_ctx=slot_ctx)

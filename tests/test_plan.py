@@ -255,3 +255,26 @@ def test_cuda_scratch_counts_the_prompt_paths_f16_weight_copies():
     assert cuda - scratch_bytes_for(QWEN25, 4096, "cuda") == 3 * 2 * (128 * 768 * 2048 - 136134656)
     assert scratch_bytes_for(moe, 4096, "numpy") == scratch_bytes_for(QWEN25, 4096, "numpy")
     assert CUDA_UBATCH == 4096
+
+
+def test_the_plan_in_words():
+    """--plan's sentences: per device "needs X of Y available" in GiB with every term, the context
+    rule as it applied, and a warning when a slot's context passes the trained one."""
+    def words(p):
+        return [(level, text) for level, text, _ in p.explain()]
+    p = make_plan(QWEN25, Census(2_000_000_000))
+    (lvl, host), (_, rule) = words(p)
+    assert lvl == "info" and host.startswith("host needs 1.85 GiB of 1.86 GiB available: weights 0.45 GiB + KV ")
+    assert "reserve 0.25 GiB" in host and "decoded" not in host          # these facts list no tensors
+    assert rule.startswith('context rule "fitted": no -c given, and 1 slot of the trained context (32768) does not '
+                           'fit') and "21504" in rule
+    assert 'rule "target"' in words(make_plan(QWEN25, BIG))[1][1]
+    set_words = words(make_plan(QWEN25, BIG, ctx_size=65536, n_parallel=2))
+    assert "-c 65536 set it: 2 slots share it" in set_words[1][1] and "32768 each" in set_words[1][1]
+    assert not any(level == "warning" for level, _ in set_words)           # 32768 a slot: the trained context
+    over = words(make_plan(QWEN25, BIG, ctx_size=65536))
+    assert over[-1][0] == "warning" and "65536, exceeds the model's trained context, 32768" in over[-1][1]
+    cuda = words(make_plan(QWEN25, Census(2**30, (10 * 2**30, 80 * 2**30)), backend="cuda", ctx_size=4096))
+    assert cuda[0][1] == "host needs 0.25 GiB of 1.00 GiB available: reserve 0.25 GiB"
+    assert cuda[1][1].startswith("cuda:1 needs ") and "of 80.00 GiB free" in cuda[1][1]
+    assert "margin kept free 1.00 GiB" in cuda[1][1] and not any(t.startswith("cuda:0") for _, t in cuda)

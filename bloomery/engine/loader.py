@@ -3,6 +3,8 @@ the backend's ops, the file, and the architecture's class from the registry
 (models/registry.py), with the placement's slots and context."""
 from __future__ import annotations
 
+from typing import Callable
+
 from bloomery.engine.models.base import CausalLM, ModelError
 from bloomery.engine.models.registry import ARCHS, model_class
 from bloomery.engine.ops import Ops
@@ -23,10 +25,13 @@ def make_ops(backend: str) -> Ops:
     raise ModelError(f"backend {backend!r} is not available: choose 'numpy' or 'cuda'")
 
 
-def load_model(gguf: "str | GGUFFile", placement: Placement, backend: Ops | None = None) -> CausalLM:
+def load_model(gguf: "str | GGUFFile", placement: Placement, backend: Ops | None = None,
+               progress: Callable[[int, int], None] | None = None) -> CausalLM:
     """The model of `gguf` (a path or an open file) placed as `placement` says, on `backend`
     (default: the ops of placement.backend). A placement this load cannot carry out (tensors
-    away from the default device: the offload tier) is refused by name."""
+    away from the default device: the offload tier) is refused by name. `progress(done, total)`
+    is called with the stored bytes handed to the backend after each tensor, and once at the end
+    with done == total (the file's tensors the architecture does not read count as done)."""
     if placement.tensors or placement.experts_on_card:
         raise ModelError("this placement puts tensors on more than one device; the offload tier that "
                          "would carry it out is not built")
@@ -36,4 +41,7 @@ def load_model(gguf: "str | GGUFFile", placement: Placement, backend: Ops | None
     if arch not in ARCHS:
         gf.close()
         raise ModelError(f"{gf.path}: architecture {arch!r} is not supported: supported are {', '.join(ARCHS)}")
-    return model_class(arch)(gf, ops, placement.n_slots, placement.n_ctx_slot)
+    model = model_class(arch)(gf, ops, placement.n_slots, placement.n_ctx_slot, progress)
+    if progress is not None:
+        progress(model.bytes_total, model.bytes_total)
+    return model

@@ -29,6 +29,7 @@ from bloomery.placement import Placement
 from bloomery.stages.common import parent_alive, run_stage
 
 IDLE_WAIT_S = 0.5
+PROGRESS_S = 1.0          # a Progress record about this often while the weights are read
 ENGINE_ID = b"engine"
 
 
@@ -65,6 +66,24 @@ def model_info(args: dict, facts: dict, placement: Placement, model) -> ModelInf
                      n_params=int(facts.get("n_params", 0)), size_bytes=int(facts.get("size_bytes", 0)),
                      n_embd=int(facts.get("n_embd", 0)), vocab_type=int(facts.get("vocab_type", 0)),
                      ftype=str(facts.get("ftype", "")))
+
+
+class LoadProgress:
+    """Progress records while the weights are read: about one every `interval_s` (and the last),
+    bytes done, total and percent, on the stage's records path to the supervisor."""
+
+    def __init__(self, interval_s: float = PROGRESS_S, send=None, clock=time.monotonic):
+        self.interval_s, self.clock = interval_s, clock
+        self.send = send or records.send
+        self.sent_at: float | None = None       # when the last record went
+        self.finished = False                   # the done == total record went
+
+    def __call__(self, done: int, total: int) -> None:
+        now = self.clock()
+        if self.finished or (done < total and self.sent_at is not None and now - self.sent_at < self.interval_s):
+            return
+        self.sent_at, self.finished = now, done >= total
+        self.send(sm.Progress("load", "engine", done, total))
 
 
 def serve(engine, inbox: queue.Queue, push: zmq.Socket, ppid: int) -> str:
@@ -140,7 +159,7 @@ def main(args: dict) -> int:
         from bloomery.engine.cpu import kernels as cpu_kernels
         records.record("load", "lever", component="engine", name="BLOOMERY_CPU_KERNELS",
                        value="off" if cpu_kernels.lib() is None else "on", means=cpu_kernels.status())
-    model = load_model(args["model_file"], placement)
+    model = load_model(args["model_file"], placement, progress=LoadProgress(float(args.get("progress_s", PROGRESS_S))))
     if args.get("warmup", True):
         # As llama-server's warmup: one id through every layer prepares each weight's decoded
         # form now, in the load phase, instead of in the first request. The slot's bookkeeping

@@ -9,7 +9,7 @@ Legend: T = tokens, B = slots in a decode batch, D = hidden, V = vocabulary.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -33,7 +33,8 @@ class CausalLM:
 
     arch: str = ""
 
-    def __init__(self, gf: GGUFFile, ops: Ops, n_slots: int, n_ctx_slot: int):
+    def __init__(self, gf: GGUFFile, ops: Ops, n_slots: int, n_ctx_slot: int,
+                 progress: Callable[[int, int], None] | None = None):
         if n_slots < 1:
             raise ModelError(f"n_slots must be at least 1, got {n_slots}")
         if n_ctx_slot < 1:
@@ -42,6 +43,8 @@ class CausalLM:
         self.n_slots, self.n_ctx_slot = n_slots, n_ctx_slot
         self.n_params = sum(int(np.prod(t.shape)) for t in gf.tensors.values())
         self.n_ubatch = ops.caps.n_ubatch                                # rows per prompt batch
+        self.progress = progress                                         # (bytes read, bytes in the file)
+        self.bytes_read, self.bytes_total = 0, sum(t.n_bytes for t in gf.tensors.values())
 
     # --- what an architecture provides ---
     n_vocab: int
@@ -94,7 +97,11 @@ class CausalLM:
             if required:
                 raise ModelError(f"{self.gf.path}: tensor {name!r} is missing ({self.arch})")
             return None
-        return self.ops.weight(info.ggml_type, info.shape, self.gf.tensor_data(name))
+        w = self.ops.weight(info.ggml_type, info.shape, self.gf.tensor_data(name))
+        self.bytes_read += info.n_bytes
+        if self.progress is not None:
+            self.progress(self.bytes_read, self.bytes_total)
+        return w
 
     # --- the Model contract ---
     def _run(self, ids: np.ndarray, positions: np.ndarray, spans: Sequence[AttnSpan]):

@@ -83,7 +83,7 @@ def _c_attention(head_dim: int) -> bool:
 def _attend_c(q, k, v, pos0: int, scale, tiled: bool) -> np.ndarray:
     """Both paths through the compiled kernels, query rows (t, head) split over the worker threads."""
     from bloomery.engine.cpu import kernels as cpu_kernels
-    from bloomery.engine.quant import dots as quant
+    from bloomery.engine.quant import threads
     lib = cpu_kernels.lib()
     t, h, dh = q.shape
     n_kv, hkv, _ = k.shape
@@ -100,7 +100,7 @@ def _attend_c(q, k, v, pos0: int, scale, tiled: bool) -> np.ndarray:
         def run(r0: int, r1: int) -> None:
             lib.attn_f16(q.ctypes.data, k.ctypes.data, v.ctypes.data, h, hkv, dh, pos0, float(scale),
                          out.ctypes.data, r0, r1)
-    quant._row_chunks(run, n_rows, n_rows, n_rows * n_kv * dh * 2)
+    threads.row_chunks(run, n_rows, n_rows, n_rows * n_kv * dh * 2)
     return out
 
 

@@ -68,6 +68,19 @@ def model_info(args: dict, facts: dict, placement: Placement, model) -> ModelInf
                      ftype=str(facts.get("ftype", "")))
 
 
+def anon_bytes() -> int | None:
+    """This process's resident anonymous memory (Linux's RssAnon): what it allocated and holds,
+    apart from mapped files such as the weights' blocks. None where /proc cannot say."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 class LoadProgress:
     """Progress records while the weights are read: about one every `interval_s` (and the last),
     bytes done, total and percent, on the stage's records path to the supervisor."""
@@ -159,7 +172,10 @@ def main(args: dict) -> int:
         from bloomery.engine.cpu import kernels as cpu_kernels
         records.record("load", "lever", component="engine", name="BLOOMERY_CPU_KERNELS",
                        value="off" if cpu_kernels.lib() is None else "on", means=cpu_kernels.status())
-    model = load_model(args["model_file"], placement, progress=LoadProgress(float(args.get("progress_s", PROGRESS_S))))
+    from bloomery.gguf_file import open_gguf
+    gf = open_gguf(args["model_file"])                  # parsed once; the load takes the open file
+    anon0 = anon_bytes()
+    model = load_model(gf, placement, progress=LoadProgress(float(args.get("progress_s", PROGRESS_S))))
     if args.get("warmup", True):
         # As llama-server's warmup: one id through every layer prepares each weight's decoded
         # form now, in the load phase, instead of in the first request. The slot's bookkeeping
@@ -167,6 +183,13 @@ def main(args: dict) -> int:
         t_warm = time.monotonic()
         model.prefill(0, np.zeros(1, np.int32), 0)
         records.record("load", "warmup", component="engine", took_s=round(time.monotonic() - t_warm, 3))
+        host = placement.device("host")
+        anon1 = anon_bytes()
+        if placement.backend == "numpy" and host is not None and anon0 is not None and anon1 is not None:
+            # what the plan counted beside the mapped file (decoded forms + KV) against what this
+            # process now holds; experts no warmup id routed to are decoded by later requests
+            records.record("load", "held after warmup", component="engine", held_bytes=anon1 - anon0,
+                           counted_bytes=host.terms.decoded + host.terms.kv)
     engine = Engine(model, placement.n_slots, placement.n_ctx_slot)
     info = model_info(args, facts, placement, model)
     load_s = round(time.monotonic() - t0, 3)

@@ -12,9 +12,9 @@ import math
 import textwrap
 from dataclasses import dataclass
 
+from bloomery.engine.models.registry import ARCHS as SEATS   # --seat (or --model <seat> where no such file exists)
 from bloomery.llama_flags import ROWS, WHY
 
-SEATS = ("qwen2", "qwen3", "qwen3moe")   # --seat (or --model <seat> where no such file exists)
 BACKENDS = ("cpu", "cuda", "auto")       # --backend; -dev none / -dev CUDA0 choose the same
 LOG_FORMATS = ("text", "json")
 # --reasoning's words, as llama.cpp's is_truthy / is_falsey / is_autoy read them

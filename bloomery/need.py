@@ -83,16 +83,10 @@ def unit_name(env: dict, proc_cgroup: Path = Path("/proc/self/cgroup")) -> str |
 
 
 def need_terms(planned) -> tuple[int, list[int]]:
-    """(host bytes, card bytes per device) from the plan: its facts when they carry them, else its need record."""
-    facts = planned.facts or {}
-    if "host_bytes" in facts and "card_bytes" in facts:
-        return int(facts["host_bytes"]), [int(n) for n in facts["card_bytes"]]
-    rec = next((r for r in planned.records if r.message == "need"), None)
-    if rec is None:
-        raise StageFailed("need", "the plan sent no need record")
-    cards = rec.fields.get("cards", [])
-    cards = json.loads(cards) if isinstance(cards, str) else cards     # the stage sends lists as their text
-    return int(rec.fields["bytes"]), [int(n) for n in cards]
+    """(host bytes, card bytes per device) from the plan's Placement (Placement.need)."""
+    if planned.placement is None:
+        raise StageFailed("need", "the plan sent no placement")
+    return planned.placement.need()
 
 
 def need_record(planned, fetched, model_name: str, env: dict) -> dict:

@@ -12,23 +12,28 @@ the census is passed in. Context rules follow the serving guide, section 3:
   - slot_ctx S: N slots of S each ("set"); beside ctx_size it is refused;
   - n_parallel "auto": the most slots, up to 8, whose plan holds one request's
     context (slot_ctx, else the trained limit); one slot where that had to be fitted.
-Byte terms: weights as stored (+ a float32 copy if NUMPY_KEEPS_F32_COPY), KV for
-every slot (float32 on numpy, f16 on cuda; the same K+V count llama.cpp allocates),
-scratch for one N_UBATCH prompt pass, then the host reserve or the card margin.
+Byte terms, per device, as the backend allocates them: weights as stored, the numpy
+backend's decoded forms of them (engine/cpu/forms.py builds a few rows of each to count
+them), KV for every slot (f16 on both backends; the same K+V count llama.cpp allocates),
+scratch for one prompt pass, then the host reserve or the card margin. The result is a
+Placement (bloomery/placement.py), which the engine stage's load carries out.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+
+from functools import lru_cache
+
+from bloomery.engine.cpu import sizes as cpu_sizes
+from bloomery.engine.cuda import sizes as cuda_sizes
+from bloomery.engine.cuda.sizes import DECODE_ROWS as CUDA_DECODE_ROWS, SCORE_BYTES as CUDA_SCORE_BYTES, UBATCH as CUDA_UBATCH
+from bloomery.placement import DeviceNeed, Placement, Terms, gib
 
 
 MIB = 1024 * 1024
-# The numpy backend keeps the quantized blocks and dequantizes per matmul; set this
-# True if it ever caches a float32 copy of each matrix (then 4 bytes per weight count).
-NUMPY_KEEPS_F32_COPY = False
-CUDA_UBATCH = 4096               # the cuda backend's prompt rows per pass (CudaOps.n_ubatch)
-CUDA_SCORE_BYTES = 256 << 20     # its attention score chunk (cuda_attention.SCORE_BYTES)
-KV_BYTES_PER_ELEM = {"numpy": 4, "cuda": 2}     # numpy: float32 KV; cuda: f16 KV
-N_UBATCH = 512                                   # positions in one prompt pass (scratch sizing)
+KV_BYTES_PER_ELEM = {"numpy": cpu_sizes.KV_BYTES, "cuda": cuda_sizes.KV_BYTES}   # as each backend allocates
+N_UBATCH = cpu_sizes.UBATCH                      # positions in one numpy prompt pass (scratch sizing)
 CARD_MARGIN_BYTES = 1024 * MIB                   # kept free on the card (llama-server's -fitt default)
 HOST_RESERVE_BYTES = 256 * MIB                   # interpreter, tokenizer tables, sockets beside the plan
 CTX_PAD = 256                                    # llama.cpp pads n_ctx and each slot's share to 256
@@ -60,6 +65,8 @@ class ModelFacts:
     tensor_bytes: dict[str, int]    # ggml type name -> bytes in the file
     n_weights: int                  # elements of every tensor
     max_tensor_elems: int = 0       # elements of the largest tensor (a stacked expert tensor in MoE files)
+    # every tensor as (name, ggml type, GGUF shape): what the numpy backend's decoded forms are counted from
+    tensors: tuple[tuple[str, int, tuple[int, ...]], ...] = field(default=(), compare=False, repr=False)
 
 
 def _pad(n: int, to: int) -> int:
@@ -111,8 +118,22 @@ def model_facts(gguf_file) -> ModelFacts:
             n *= d
         n_weights += n
         max_elems = max(max_elems, n)
+    tensors = tuple((name, int(t.ggml_type), tuple(int(s) for s in t.shape)) for name, t in gguf_file.tensors.items())
     return ModelFacts(arch, n_layer, _int_key(meta, f"{arch}.context_length"), n_embd, n_head,
-                      n_head_kv, dk, dv, n_ff, n_vocab, dict(sorted(by_type.items())), n_weights, max_elems)
+                      n_head_kv, dk, dv, n_ff, n_vocab, dict(sorted(by_type.items())), n_weights, max_elems,
+                      tensors)
+
+
+@lru_cache(maxsize=8)
+def _numpy_decoded(tensors: tuple) -> int:
+    from bloomery.engine.cpu.forms import decoded_bytes
+    return decoded_bytes(tensors)
+
+
+def decoded_bytes_for(facts: ModelFacts, backend: str) -> int:
+    """The backend's decoded forms of the weights, as it will hold them after its first requests
+    (numpy: int rows, planes, float copies; cuda: none, it computes from the stored blocks)."""
+    return _numpy_decoded(facts.tensors) if backend == "numpy" and facts.tensors else 0
 
 
 def kv_bytes_for(facts: ModelFacts, n_ctx: int, bytes_per_elem: int) -> int:
@@ -151,18 +172,71 @@ class Plan:
     ctx_rule: str                   # "set", "target" or "fitted"
     n_ctx_train: int
     tensor_bytes: dict[str, int]    # ggml type name -> bytes
-    weights_bytes: int              # what the backend keeps of the weights
+    weights_bytes: int              # the weights as stored
     kv_bytes: int
     scratch_bytes: int
     host_bytes: int
     card_bytes: tuple[int, ...]     # per card in the census (0 for a card the plan leaves off)
     terms: dict[str, int] = field(default_factory=dict)
     parallel_from: str = "set"      # "set" (a count, default 1) or "auto"
+    decoded_bytes: int = 0          # the backend's decoded forms of the weights
+    placement: Placement | None = None
+    ctx_size: int = 0               # what was asked: -c (0: not given) and --slot-ctx
+    slot_ctx: int = 0
+
+    def explain(self) -> list[tuple[str, str, dict]]:
+        """The plan in words, for people (--plan prints these): (level, sentence, fields) per line.
+        One line per device that holds something, "needs X of Y available" and each term in GiB;
+        the context rule as it applied to this start; a warning when a slot's context passes the
+        model's trained context."""
+        lines: list[tuple[str, str, dict]] = []
+        p = self.placement
+        for d in (p.devices if p else ()):
+            t = d.terms
+            if not t.total:
+                continue
+            kept = "reserve" if d.device == "host" else "margin kept free"
+            need = t.total if d.device == "host" else t.total - t.margin
+            parts = [f"weights {gib(t.weights)}", *([f"decoded forms {gib(t.decoded)}"] if t.decoded else []),
+                     f"KV {gib(t.kv)}", f"scratch {gib(t.scratch)}", f"{kept} {gib(t.margin)}"]
+            parts = [s for s in parts if not s.endswith(" 0.000 GiB")]
+            have = f"{gib(d.available)} available" if d.device == "host" else f"{gib(d.available)} free"
+            fits = t.total <= d.available
+            lines.append(("info" if fits else "warning",
+                          f"{d.device} needs {gib(need)} of {have}: {' + '.join(parts)}",
+                          {"device": d.device, "need_bytes": need, "available_bytes": d.available}))
+        slots = f"{self.n_slots} slot{'s' if self.n_slots != 1 else ''}"
+        if self.ctx_rule == "target":
+            why = (f"no -c given: each slot gets the model's trained context, {self.n_ctx_train} positions, "
+                   f"and that fits")
+        elif self.ctx_rule == "fitted":
+            verb = "does" if self.n_slots == 1 else "do"
+            why = (f"no -c given, and {slots} of the trained context ({self.n_ctx_train}) {verb} not fit: each slot "
+                   f"gets the largest multiple of {FIT_STEP} that does, {self.n_ctx_slot} (never below {FIT_FLOOR})")
+        elif self.slot_ctx:
+            why = (f"--slot-ctx {self.slot_ctx} set it: each of {slots} gets {self.n_ctx_slot} "
+                   f"(padded to {CTX_PAD}); a set context is never cut, one that does not fit is refused")
+        else:
+            share = (f"the one slot takes all of it, {self.n_ctx_slot}" if self.n_slots == 1 else
+                     f"{slots} share it as llama-server's -np without -kvu, {self.n_ctx_slot} each")
+            why = (f"-c {self.ctx_size} set it: {share} (padded to {CTX_PAD}); a set context is never cut, "
+                   f"one that does not fit is refused")
+        lines.append(("info", f"context rule \"{self.ctx_rule}\": {why}",
+                      {"rule": self.ctx_rule, "n_ctx_slot": self.n_ctx_slot, "n_ctx": self.n_ctx}))
+        if self.parallel_from == "auto":
+            lines.append(("info", f"--parallel auto: {slots}, the most (up to {MAX_AUTO_SLOTS}) whose plan holds one "
+                                  f"request's context", {"slots": self.n_slots}))
+        if self.n_ctx_slot > self.n_ctx_train:
+            lines.append(("warning", f"a slot's context, {self.n_ctx_slot}, exceeds the model's trained context, "
+                                     f"{self.n_ctx_train}: positions past {self.n_ctx_train} were never trained, and "
+                                     f"answers that reach them may degrade", {"n_ctx_slot": self.n_ctx_slot,
+                                                                             "n_ctx_train": self.n_ctx_train}))
+        return lines
 
     def records(self) -> list[tuple[str, dict]]:
         plan = {"backend": self.backend, "arch": self.arch, "weights_bytes": self.weights_bytes,
                 **{f"{k}_bytes": v for k, v in self.tensor_bytes.items()},
-                "kv_bytes": self.kv_bytes, "scratch_bytes": self.scratch_bytes,
+                "decoded_bytes": self.decoded_bytes, "kv_bytes": self.kv_bytes, "scratch_bytes": self.scratch_bytes,
                 "host_bytes": self.host_bytes, "cards": list(self.card_bytes)}
         ctx = {"n_ctx_slot": self.n_ctx_slot, "n_ctx": self.n_ctx, "rule": self.ctx_rule,
                "n_ctx_train": self.n_ctx_train}
@@ -170,15 +244,9 @@ class Plan:
                 ("need", {"bytes": self.host_bytes, "cards": list(self.card_bytes)})]
 
 
-def _weights_bytes(facts: ModelFacts, backend: str) -> int:
-    total = sum(facts.tensor_bytes.values())
-    if backend == "numpy" and NUMPY_KEEPS_F32_COPY:
-        total += 4 * facts.n_weights
-    return total
-
-
 def _terms(facts: ModelFacts, backend: str, n_slots: int, n_ctx_slot: int) -> dict[str, int]:
-    return {"weights": _weights_bytes(facts, backend),
+    return {"weights": sum(facts.tensor_bytes.values()),
+            "decoded": decoded_bytes_for(facts, backend),
             "kv": kv_bytes_for(facts, n_slots * n_ctx_slot, KV_BYTES_PER_ELEM[backend]),
             "scratch": scratch_bytes_for(facts, n_ctx_slot, backend)}
 
@@ -186,8 +254,10 @@ def _terms(facts: ModelFacts, backend: str, n_slots: int, n_ctx_slot: int) -> di
 def _shortfall(facts, backend, census, n_slots, n_ctx_slot) -> str | None:
     """None when the plan fits; else the sentence naming what it needs and what is there."""
     t = _terms(facts, backend, n_slots, n_ctx_slot)
-    need = t["weights"] + t["kv"] + t["scratch"]
+    need = t["weights"] + t["decoded"] + t["kv"] + t["scratch"]
     terms = f"weights {t['weights']} + kv {t['kv']} + scratch {t['scratch']}"
+    if t["decoded"]:
+        terms = f"weights {t['weights']} + decoded {t['decoded']} + kv {t['kv']} + scratch {t['scratch']}"
     if backend == "numpy":
         host = need + HOST_RESERVE_BYTES
         if host > census.host_avail_bytes:
@@ -216,7 +286,7 @@ def _largest_slot(facts, backend, census, n_slots, hi: int, step: int) -> int:
     return lo * step
 
 
-MAX_AUTO_SLOTS = 8                               # --parallel auto: the most slots it counts
+MAX_AUTO_SLOTS = CUDA_DECODE_ROWS                # --parallel auto: the most slots it counts (one decode step of all on the mat-vec path)
 
 
 def _check_settings(facts, census, backend, ctx_size, n_parallel, slot_ctx) -> None:
@@ -281,13 +351,23 @@ def make_plan(facts: ModelFacts, census: Census, backend: str = "numpy", ctx_siz
     n = _auto_slots(facts, census, backend, slot_ctx) if n_parallel == "auto" else n_parallel
     n_ctx_slot, rule = _choose_ctx(facts, census, backend, n, ctx_size, slot_ctx)
     t = _terms(facts, backend, n, n_ctx_slot)
-    need = t["weights"] + t["kv"] + t["scratch"]
+    need = t["weights"] + t["decoded"] + t["kv"] + t["scratch"]
+    placed = Terms(weights=t["weights"], decoded=t["decoded"], kv=t["kv"], scratch=t["scratch"])
     if backend == "numpy":
         host, cards = need + HOST_RESERVE_BYTES, tuple(0 for _ in census.card_free_bytes)
+        devices = (DeviceNeed("host", census.host_avail_bytes, dataclasses.replace(placed, margin=HOST_RESERVE_BYTES)),
+                   *(DeviceNeed(f"cuda:{i}", free, Terms()) for i, free in enumerate(census.card_free_bytes)))
+        default = "host"
     else:
         card = max(range(len(census.card_free_bytes)), key=lambda i: census.card_free_bytes[i])
         host = HOST_RESERVE_BYTES
         cards = tuple(need if i == card else 0 for i in range(len(census.card_free_bytes)))
+        default = f"cuda:{card}"
+        devices = (DeviceNeed("host", census.host_avail_bytes, Terms(margin=HOST_RESERVE_BYTES)),
+                   *(DeviceNeed(f"cuda:{i}", free, dataclasses.replace(placed, margin=CARD_MARGIN_BYTES) if i == card
+                                else Terms()) for i, free in enumerate(census.card_free_bytes)))
+    placement = Placement(backend, n, n_ctx_slot, default, devices=devices)
     return Plan(backend, facts.arch, n * n_ctx_slot, n_ctx_slot, n, rule, facts.n_ctx_train,
                 dict(facts.tensor_bytes), t["weights"], t["kv"], t["scratch"], host, cards, t,
-                parallel_from="auto" if n_parallel == "auto" else "set")
+                parallel_from="auto" if n_parallel == "auto" else "set", decoded_bytes=t["decoded"],
+                placement=placement, ctx_size=ctx_size, slot_ctx=slot_ctx)

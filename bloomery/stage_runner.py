@@ -77,7 +77,8 @@ class StageRunner:
             if isinstance(msg, sm.Record):
                 records.emit(msg)
             elif isinstance(msg, sm.Progress):
-                record(msg.phase, "progress", component=msg.component, done=msg.done, total=msg.total, unit=msg.unit)
+                record(msg.phase, "progress", component=msg.component, done=msg.done, total=msg.total, unit=msg.unit,
+                       percent=round(100 * msg.done / msg.total, 1) if msg.total else None)
             else:
                 self.outcomes.put_nowait(msg)
 

@@ -33,6 +33,7 @@ import zmq.asyncio
 from bloomery import need, records, settings as settings_mod
 from bloomery.front import Gate, build_front, choice_records, make_app
 from bloomery.lifecycle import Lifecycle, Phase
+from bloomery.messages.codec import to_plain
 from bloomery.records import record
 from bloomery.sdnotify import Notifier, pulse
 from bloomery.socket_activation import listening_socket
@@ -187,6 +188,7 @@ class Supervisor:
                 return await self._stopped()
         self.life.advance(Phase.LOAD)
         engine_args = {"model_file": fetched.path, "alias": s.alias, "facts": planned.facts, "warmup": s.warmup,
+                       "placement": to_plain(planned.placement),
                        "req_addr": f"ipc://{rt}/req", "out_addr": f"ipc://{rt}/out"}
         engine = await runner.start("engine", engine_args)
         front = asyncio.create_task(asyncio.to_thread(build_front, fetched.path, s))

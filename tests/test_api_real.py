@@ -55,7 +55,8 @@ class RealStack:
             from bloomery.engine.core import Engine
             from bloomery.engine.inproc import InProcessEngineClient
             from bloomery.engine.loader import load_model
-            model = load_model(str(self.path), backend="numpy", n_slots=1, n_ctx_slot=N_CTX_SLOT)
+            from bloomery.placement import whole
+            model = load_model(str(self.path), whole("numpy", n_slots=1, n_ctx_slot=N_CTX_SLOT))
             self.client = InProcessEngineClient(Engine(model, 1, N_CTX_SLOT), self.info)
 
 

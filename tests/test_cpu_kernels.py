@@ -7,7 +7,9 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf import quants as gguf_quants
 
-from bloomery.engine import cpu_kernels, kv_cache, quant
+from bloomery.engine.cpu import kernels as cpu_kernels
+from bloomery.engine.cpu import kv_cache
+from bloomery.engine.quant import blocks, dots
 from test_quant import random_blocks
 
 needs_c = pytest.mark.skipif(cpu_kernels.lib() is None, reason=f"no compiled kernels: {cpu_kernels.status()}")
@@ -39,8 +41,8 @@ def test_compiled_product_equals_numpy_kernel(qt, n, k, t):
     x = (rng.standard_normal((t, k)) * rng.uniform(1e-3, 50, (t, 1))).astype(np.float32)
     if t > 2:
         x[1, :32] = 0                                                  # an all-zero activation block
-    want = quant.dot_llama(x, quant.decode_planes(qt, raw, n, k))
-    assert _bits_equal(quant.dot_c(x, quant.int_rows(qt, raw, n, k)), want)
+    want = dots.dot_llama(x, blocks.decode_planes(qt, raw, n, k))
+    assert _bits_equal(dots.dot_c(x, blocks.int_rows(qt, raw, n, k)), want)
 
 
 @needs_c
@@ -50,8 +52,8 @@ def test_compiled_q4_K_expert_rows_take_the_gemv(t):
     rng = np.random.default_rng(t)
     raw = _weight(QT.Q4_K, 16, 512, rng)
     x = rng.standard_normal((t, 512)).astype(np.float32)
-    want = quant.dot_llama(x, quant.decode_planes(QT.Q4_K, raw, 16, 512), per_row=True)
-    assert _bits_equal(quant.dot_c(x, quant.int_rows(QT.Q4_K, raw, 16, 512), per_row=True), want)
+    want = dots.dot_llama(x, blocks.decode_planes(QT.Q4_K, raw, 16, 512), per_row=True)
+    assert _bits_equal(dots.dot_c(x, blocks.int_rows(QT.Q4_K, raw, 16, 512), per_row=True), want)
 
 
 @needs_c
@@ -60,29 +62,29 @@ def test_compiled_q8_0_takes_the_full_int8_range():
     rng = np.random.default_rng(11)
     raw = random_blocks(QT.Q8_0, 40, 256, seed=3)
     x = rng.standard_normal((5, 256)).astype(np.float32)
-    assert (quant.int_rows(QT.Q8_0, raw, 40, 256).q == -128).any()
-    assert _bits_equal(quant.dot_c(x, quant.int_rows(QT.Q8_0, raw, 40, 256)),
-                       quant.dot_llama(x, quant.decode_planes(QT.Q8_0, raw, 40, 256)))
+    assert (blocks.int_rows(QT.Q8_0, raw, 40, 256).q == -128).any()
+    assert _bits_equal(dots.dot_c(x, blocks.int_rows(QT.Q8_0, raw, 40, 256)),
+                       dots.dot_llama(x, blocks.decode_planes(QT.Q8_0, raw, 40, 256)))
 
 
 def test_q4_K_rows_not_in_eights_stay_off_the_compiled_kernel():
-    assert quant.c_takes(QT.Q4_K, 16) and not quant.c_takes(QT.Q4_K, 12)
-    assert quant.c_takes(QT.Q5_0, 7) and not quant.c_takes(QT.Q4_0, 8)
+    assert blocks.c_takes(QT.Q4_K, 16) and not blocks.c_takes(QT.Q4_K, 12)
+    assert blocks.c_takes(QT.Q5_0, 7) and not blocks.c_takes(QT.Q4_0, 8)
 
 
 @needs_c
 def test_int_rows_are_the_planes_integers():
     rng = np.random.default_rng(5)
     raw = _weight(QT.Q5_0, 9, 128, rng)
-    w = quant.int_rows(QT.Q5_0, raw, 9, 128)
-    p = quant.decode_planes(QT.Q5_0, raw, 9, 128)
+    w = blocks.int_rows(QT.Q5_0, raw, 9, 128)
+    p = blocks.decode_planes(QT.Q5_0, raw, 9, 128)
     assert w.q.dtype == np.int8 and w.q.min() >= -16 and w.q.max() <= 15
     assert np.array_equal(w.q.astype(np.float32), p.q.transpose(1, 0, 2).reshape(9, 128)) and np.array_equal(w.d, p.d)
 
 
 @needs_c
 def test_numpy_backend_takes_the_compiled_kernel():
-    from bloomery.engine.backend_numpy import NumpyOps, _compiled
+    from bloomery.engine.cpu.backend import NumpyOps, _compiled
     rng = np.random.default_rng(7)
     raw = _weight(QT.Q8_0, 48, 64, rng)
     ops = NumpyOps()
@@ -91,7 +93,7 @@ def test_numpy_backend_takes_the_compiled_kernel():
     assert _compiled(w)
     got = ops.matmul(x, w)
     assert w._int_rows is not None and w._planes is None               # no float plane was built
-    assert _bits_equal(got, quant.dot_llama(x, quant.decode_planes(QT.Q8_0, raw, 48, 64)))
+    assert _bits_equal(got, dots.dot_llama(x, blocks.decode_planes(QT.Q8_0, raw, 48, 64)))
 
 
 @needs_c
@@ -144,7 +146,7 @@ def test_a_failed_build_is_named_and_leaves_no_library(monkeypatch, tmp_path):
 @needs_c
 @pytest.mark.parametrize("shape", [(1, 4864), (7, 37), (300, 1000)])
 def test_compiled_swiglu_equals_numpy(shape, monkeypatch):
-    from bloomery.engine.backend_numpy import NumpyOps
+    from bloomery.engine.cpu.backend import NumpyOps
     rng = np.random.default_rng(shape[0])
     g = (rng.standard_normal(shape) * 12).astype(np.float32)
     up = rng.standard_normal(shape).astype(np.float32)
@@ -176,7 +178,7 @@ def test_non_finite_rows_give_nan_rows_as_numpy(qt):
     raw = _weight(qt, 16, 256, rng)
     x = rng.standard_normal((4, 256)).astype(np.float32)
     x[1, 7], x[2, 200] = np.nan, -np.inf
-    want = quant.dot_llama(x, quant.decode_planes(qt, raw, 16, 256))
-    got = quant.dot_c(x, quant.int_rows(qt, raw, 16, 256))
+    want = dots.dot_llama(x, blocks.decode_planes(qt, raw, 16, 256))
+    got = dots.dot_c(x, blocks.int_rows(qt, raw, 16, 256))
     assert np.isnan(want[1:3]).all() and np.isnan(got[1:3]).all()
     assert _bits_equal(got[[0, 3]], want[[0, 3]])

@@ -47,7 +47,7 @@ SHAPES = [(128, 8, 2), (64, 14, 2), (128, 32, 4), (128, 16, 1), (256, 8, 1)]
 
 @pytest.fixture(scope="module")
 def ops(gpu):
-    from bloomery.engine.backend_cuda import CudaOps
+    from bloomery.engine.cuda.backend import CudaOps
     return CudaOps()
 
 
@@ -153,10 +153,10 @@ def test_rms_norm_and_argmax(ops):
 @pytest.mark.parametrize("n,k", [(151936, 40), (151936, 64), (1000, 64), (4096, 1), (4097, 7)])
 def test_topk_in_the_chain_order(ops, n, k):
     """ops.topk hands over each row's k largest logits in the sampler chain's order (descending,
-    ties to the lower id: sampler._sorted_top), ties straddling topk_part's 4096-value pieces,
+    ties to the lower id: sampler.sorted_top), ties straddling topk_part's 4096-value pieces,
     and counts a row's NaNs."""
     import cupy
-    from bloomery.engine.sampler import _sorted_top
+    from bloomery.engine.sampler import sorted_top
     rng = np.random.default_rng(n + k)
     x = (rng.standard_normal((3, n)) * 3).astype(np.float32)
     top = x.max()
@@ -165,12 +165,12 @@ def test_topk_in_the_chain_order(ops, n, k):
     x[2, 5] = np.nan
     ids, vals, nan = (cupy.asnumpy(a) for a in ops.topk(cupy.asarray(x), k))
     for r in range(2):
-        want = _sorted_top(x[r], k)
+        want = sorted_top(x[r], k)
         np.testing.assert_array_equal(ids[r], want)
         np.testing.assert_array_equal(vals[r], x[r, want])
     assert nan.tolist() == [0, 0, 1]
     clean = np.where(np.isnan(x[2]), -np.inf, x[2])
-    np.testing.assert_array_equal(ids[2], _sorted_top(clean, k))
+    np.testing.assert_array_equal(ids[2], sorted_top(clean, k))
     assert k <= ops.topk_max(n)
 
 
@@ -201,8 +201,8 @@ def test_decode_rows_each_in_their_slot(ops, shape, monkeypatch):
     """Decode rows, one per slot at its own depth (5 to 1500: from one piece to many chunks a
     piece), three steps in a row, against the numpy backend's F32 attention."""
     import cupy
-    from bloomery.engine import kv_cache
-    from bloomery.engine.backend_numpy import NumpyOps
+    from bloomery.engine.cpu import kv_cache
+    from bloomery.engine.cpu.backend import NumpyOps
     from bloomery.engine.ops import AttnSpan
     monkeypatch.setattr(kv_cache, "FA_TILE_Q", 1)
     cpu = NumpyOps()
@@ -234,7 +234,7 @@ def test_decode_rows_each_in_their_slot(ops, shape, monkeypatch):
 @pytest.mark.parametrize("t", [2, 40])
 def test_moe_matches_numpy_backend(ops, t):
     import cupy
-    from bloomery.engine.backend_numpy import NumpyOps
+    from bloomery.engine.cpu.backend import NumpyOps
     cpu = NumpyOps()
     rng = np.random.default_rng(5 + t)
     d, f, n_expert, n_used = 512, 256, 16, 4
@@ -291,8 +291,8 @@ def test_attention_matches_numpy_backend(ops, shape, t, pos0, n_ctx, monkeypatch
     backend's F32 attention for every row count: its decode path mirrors llama.cpp's CPU,
     whose V accumulator is F16, an error that grows with the depth (0.44 % at depth 1000)."""
     import cupy
-    from bloomery.engine import kv_cache
-    from bloomery.engine.backend_numpy import NumpyOps
+    from bloomery.engine.cpu import kv_cache
+    from bloomery.engine.cpu.backend import NumpyOps
     monkeypatch.setattr(kv_cache, "FA_TILE_Q", 1)
     from bloomery.engine.ops import AttnSpan
     cpu = NumpyOps()

@@ -58,7 +58,8 @@ def files(gpu, tokenizer_source, synthetic_dir):
 
 def _load(path, backend):
     from bloomery.engine.loader import load_model
-    return load_model(str(path), backend=backend, n_slots=2, n_ctx_slot=512)
+    from bloomery.placement import whole
+    return load_model(str(path), whole(backend, n_slots=2, n_ctx_slot=512))
 
 
 def _greedy(model, prompt, n):
@@ -151,7 +152,7 @@ def test_captured_step_equals_eager_step(files, pdl, monkeypatch):
 def test_captured_step_hands_over_the_top_k(files):
     """decode_topk (the captured step, then the top-k on the card) hands over the same ids and
     values, in the sampler chain's order, as the whole rows decode() returns."""
-    from bloomery.engine.sampler import _sorted_top
+    from bloomery.engine.sampler import sorted_top
     model = _load(files["qwen3moe"], "cuda")
     model.prefill(0, np.asarray(PROMPTS[0], np.int32), 0)
     model.prefill(1, np.asarray(PROMPTS[1], np.int32), 0)
@@ -159,7 +160,7 @@ def test_captured_step_hands_over_the_top_k(files):
     rows = model.decode(slots, ids, pos)
     c_ids, c_vals, n_nan = model.decode_topk(slots, ids, pos, 40)
     for b in range(2):
-        want = _sorted_top(rows[b], 40)
+        want = sorted_top(rows[b], 40)
         np.testing.assert_array_equal(c_ids[b], want)
         np.testing.assert_array_equal(c_vals[b], rows[b, want])
     assert n_nan.tolist() == [0, 0]

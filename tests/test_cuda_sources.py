@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from bloomery.engine.cuda_kernels import MODULES, kernel_dir, source
+from bloomery.engine.cuda.kernels import MODULES, kernel_dir, source
 
-ENGINE = Path(__file__).resolve().parents[1] / "bloomery" / "engine"
+CUDA = Path(__file__).resolve().parents[1] / "bloomery" / "engine" / "cuda"
 
 
 def kernel_names() -> set[str]:
@@ -36,13 +36,12 @@ def test_includes_are_inlined_once():
 def test_every_launched_kernel_exists():
     names = kernel_names()
     called: set[str] = set()
-    for py in ENGINE.glob("cuda_*.py"):
+    for py in CUDA.glob("*.py"):
         called |= set(re.findall(r"\.k\.(\w+)\(", py.read_text()))
-    called |= set(re.findall(r"\.k\.(\w+)\(", (ENGINE / "backend_cuda.py").read_text()))
     called -= {"compile_all", "view"}             # the loader's own method; cupy's ndarray.view
     assert called and called <= names, sorted(called - names)
     # the families picked by name at run time: getattr(ops.k, f"mmv3_b{nb}") and the like
-    for py in [*ENGINE.glob("cuda_*.py"), ENGINE / "backend_cuda.py"]:
+    for py in CUDA.glob("*.py"):
         for template in re.findall(r'getattr\([\w.]*\bk, f"([\w{}.\[\]\s()<>=,]+)"\)', py.read_text()):
             pattern = re.sub(r"\{[^}]*\}", r"\\d+", template)
             assert any(re.fullmatch(pattern, n) for n in names), (py.name, template)

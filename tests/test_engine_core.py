@@ -324,17 +324,18 @@ def test_idle_worker_does_not_spin():
 @pytest.mark.real_model   # the synthetic file copies the real file's tokenizer keys
 def test_engine_on_synthetic_qwen2_matches_full_recomputation(real_model_path, synthetic_dir):
     from bloomery.engine.loader import load_model
+    from bloomery.placement import whole
     from conftest import load_tool
     path = synthetic_dir / "core_qwen2.gguf"
     if not path.exists():
         load_tool("make_synthetic").write_synthetic(path, "qwen2", tokenizer_from=str(real_model_path))
-    model = load_model(str(path), "numpy", n_slots=2, n_ctx_slot=48)
+    model = load_model(str(path), whole("numpy", n_slots=2, n_ctx_slot=48))
     engine = Engine(model, 2, 48)
     prompts = {"a": [151644, 872, 198, 9707], "b": [151644, 872, 198, 3838, 374], "c": [9707, 11, 1879]}
     for rid, p in prompts.items():
         engine.add(greq(rid, p, n_predict=5))
     outs = drain(engine)
-    ref_model = load_model(str(path), "numpy", n_slots=1, n_ctx_slot=48)
+    ref_model = load_model(str(path), whole("numpy", n_slots=1, n_ctx_slot=48))
     def reference(p):
         ids, ref = list(p), []
         for _ in range(5):   # every position recomputed from scratch: no cache bookkeeping
@@ -385,11 +386,11 @@ class HandsOverTopK(StandInModel):
     topk_max = 16
 
     def decode_topk(self, slots, ids, positions, k):
-        from bloomery.engine.sampler import _sorted_top
+        from bloomery.engine.sampler import sorted_top
         self.calls.append(("decode_topk", tuple(slots), k))
         rows = StandInModel.decode(self, slots, ids, positions)
         self.calls.pop()
-        order = np.stack([_sorted_top(r, k) for r in rows])
+        order = np.stack([sorted_top(r, k) for r in rows])
         vals = np.take_along_axis(rows, order, 1)
         return order.astype(np.int32), vals.astype(np.float32), np.zeros(len(slots), np.int32)
 

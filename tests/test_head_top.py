@@ -1,4 +1,4 @@
-"""The head's k largest logits without every row's llama-order sum (quant.top_llama, NumpyOps.matmul_topk
+"""The head's k largest logits without every row's llama-order sum (dots.top_llama, NumpyOps.matmul_topk
 / matmul_argmax): ids and values bit-equal to the full product's top-k, ties to the lower id, and the
 full product taken where the shortcut cannot be sure (non-finite input, a type it does not cover)."""
 from __future__ import annotations
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from bloomery.engine import quant
-from bloomery.engine.backend_numpy import NumpyOps
-from bloomery.engine.sampler import _sorted_top
+from bloomery.engine.quant import dots
+from bloomery.engine.cpu.backend import NumpyOps
+from bloomery.engine.sampler import sorted_top
 from tests.test_quant import random_blocks
 
 
@@ -23,7 +23,7 @@ def _head(n_rows: int, n_cols: int, seed: int, tie_rows: int = 0, qt: QT = QT.Q8
 
 def _want(ops, x, w, k):
     full = ops.matmul(x, w)                                             # [T, V] llama order
-    ids = np.stack([_sorted_top(row, k) for row in full]).astype(np.int32)
+    ids = np.stack([sorted_top(row, k) for row in full]).astype(np.int32)
     return ids, np.take_along_axis(full, ids, axis=1)
 
 
@@ -57,8 +57,8 @@ def test_few_rows_get_the_llama_order_sum():
     """The shortcut is only worth it if the candidates are few: on random rows, about k of 3000."""
     w = _head(3000, 256, seed=9)
     x = np.random.default_rng(2).standard_normal((1, 256)).astype(np.float32)
-    est, bound = quant._q8_0_estimate(x, w.planes())
-    full = quant.dot_llama(x, w.planes())[0]
+    est, bound = dots._q8_0_estimate(x, w.planes())
+    full = dots.dot_llama(x, w.planes())[0]
     assert (np.abs(est[0] - full) <= bound[0]).all()                   # the bound holds
     kth = np.sort(est[0] - bound[0])[-40]
     assert np.count_nonzero(est[0] + bound[0] >= kth) < 60
@@ -72,14 +72,14 @@ def test_non_finite_input_takes_the_full_product():
     ids, vals, n_nan = ops.matmul_topk(x, w, 5)
     full = ops.matmul(x, w)
     assert n_nan.tolist() == [0, int(np.isnan(full[1]).sum())] and n_nan[1] > 0
-    assert np.array_equal(ids[0], _sorted_top(full[0], 5))
+    assert np.array_equal(ids[0], sorted_top(full[0], 5))
     assert ops.matmul_argmax(x, w).tolist() == ops.argmax(full).tolist()   # numpy's argmax: the first NaN
 
 
 def test_other_types_take_the_full_product():
     ops = NumpyOps()
     w = _head(512, 256, seed=5, qt=QT.Q6_K)
-    assert QT.Q6_K not in quant.TOP_TYPES
+    assert QT.Q6_K not in dots.TOP_TYPES
     x = np.random.default_rng(4).standard_normal((1, 256)).astype(np.float32)
     ids, vals, _ = ops.matmul_topk(x, w, 10)
     want_ids, want_vals = _want(ops, x, w, 10)
@@ -90,7 +90,8 @@ def test_other_types_take_the_full_product():
 def test_real_head_top_k_bit_equal(real_model_path):
     """The real file's Q8_0 head (151,936 rows) after its output norm, on hidden states of a prompt."""
     from bloomery.engine.loader import load_model
-    m = load_model(str(real_model_path), backend="numpy", n_slots=1, n_ctx_slot=64)
+    from bloomery.placement import whole
+    m = load_model(str(real_model_path), whole("numpy", n_slots=1, n_ctx_slot=64))
     x = m._run(np.array([151644, 872, 198, 7985, 264, 13027], np.int32), np.arange(6, dtype=np.int32),
                [quant_span()])
     h = m.ops.rms_norm(x, m.output_norm, m.hp.rms_eps)

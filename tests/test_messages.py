@@ -11,6 +11,7 @@ from bloomery.engine.types import EngineRequest, ModelInfo, SamplingParams, Toke
 from bloomery.messages import engine as em
 from bloomery.messages import stage as sm
 from bloomery.messages.codec import MessageError
+from bloomery.placement import DeviceNeed, Placement, Terms
 
 INFO = ModelInfo(name="m", arch="qwen2", n_ctx=4096, n_ctx_slot=4096, n_slots=1, n_vocab=151936,
                  n_ctx_train=32768, backend="numpy", model_path="/x.gguf", n_params=494_000_000, size_bytes=491_400_064)
@@ -24,6 +25,8 @@ STAGE_MSGS = [
     sm.Progress("fetch", "fetch", 10, 100),
     sm.FetchDone("/m.gguf", ("/m.gguf",), 491_400_064),
     sm.PlanDone((sm.Record("plan", "plan", "ctx", {"n_ctx": 4096}),), {"n_ctx": 4096, "nested": {"a": [1, 2]}}),
+    sm.PlanDone((), {}, Placement("numpy", 2, 2048, "host", devices=(
+        DeviceNeed("host", 8 << 30, Terms(weights=491_400_064, decoded=551_000_000, kv=50_331_648, scratch=1, margin=2)),))),
     sm.Ready(INFO, {"load_s": 3.2}),
     sm.Dead("engine", "MemoryError: out of memory"),
 ]

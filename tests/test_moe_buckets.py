@@ -1,10 +1,10 @@
-"""The prompt path's MoE layout (bloomery/engine/moe_buckets.py), on the CPU."""
+"""The prompt path's MoE layout (bloomery/engine/cuda/moe_buckets.py), on the CPU."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from bloomery.engine.moe_buckets import layout, padded
+from bloomery.engine.cuda.moe_buckets import layout, padded
 
 
 def test_padded_sizes_step_by_at_most_one_and_a_half():

@@ -44,13 +44,19 @@ def test_unit_name(tmp_path):
     assert need.unit_name({"BLOOMERY_UNIT": "u.service", "INVOCATION_ID": "abc"}, cg) == "u.service"
 
 
-def test_need_terms_from_the_plan_need_record():
-    rec = sm.Record("plan", "plan", "need", {"bytes": 123, "cards": "[0, 456]"})   # as the plan stage sends it
-    planned = sm.PlanDone((rec,), {"n_ctx": 1})
-    assert need.need_terms(planned) == (123, [0, 456])
-    assert need.need_terms(sm.PlanDone((), {"host_bytes": 7, "card_bytes": [8]})) == (7, [8])
+def test_need_terms_from_the_plans_placement():
+    from bloomery.placement import DeviceNeed, Placement, Terms
+    from bloomery.stage_runner import StageFailed
+    placement = Placement("cuda", 1, 4096, "cuda:1", devices=(
+        DeviceNeed("host", 10**9, Terms(margin=100)), DeviceNeed("cuda:0", 5, Terms()),
+        DeviceNeed("cuda:1", 10**9, Terms(weights=300, kv=100, scratch=56, margin=1000))))
+    planned = sm.decode(sm.encode(sm.PlanDone((), {"n_ctx": 1}, placement)))   # as it crosses from the plan stage
+    assert planned.placement == placement
+    assert need.need_terms(planned) == (100, [0, 456])       # the host's reserve asked for, a card's margin not
+    with pytest.raises(StageFailed, match="no placement"):
+        need.need_terms(sm.PlanDone((), {}))
     fetched = sm.FetchDone("/m.gguf", (), n_bytes=99)
     r = need.need_record(planned, fetched, "m", {})
-    assert r["host_bytes"] == 123 and r["card_bytes"] == [0, 456] and r["disk_bytes"] == 99 and r["version"] == 1
+    assert r["host_bytes"] == 100 and r["card_bytes"] == [0, 456] and r["disk_bytes"] == 99 and r["version"] == 1
     from bloomery.broker.book import parse_need
-    assert parse_need(r).host_bytes == 123                              # the broker reads what we send
+    assert parse_need(r).host_bytes == 100                              # the broker reads what we send

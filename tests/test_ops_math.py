@@ -1,4 +1,4 @@
-"""bloomery.engine.ops_math: the C library's expf, reproduced in numpy, against the library itself.
+"""bloomery.engine.cpu.ops_math: the C library's expf, reproduced in numpy, against the library itself.
 
 llama.cpp's CPU flash attention (its one-chunk path's every softmax step, the tiled path's
 rescale) and the tails of its SIMD loops call expf from the C library; glibc's (2.27 and
@@ -16,7 +16,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from bloomery.engine import ops_math
+from bloomery.engine.cpu import ops_math
 
 
 def _glibc_version() -> tuple[int, int] | None:

@@ -3,10 +3,11 @@
 Qwen2.5-Coder-0.5B (qwen2): 24 layers, n_embd 896, 14 heads, 2 KV heads of 64,
 n_ff 4864, vocab 151936, trained context 32768; tensor bytes 485,452,288.
 K+V per position over all layers: 24 * 2 * (64 + 64) = 6144 elements.
-numpy host need at n_ctx_slot S (1 slot), with the 256 MiB reserve:
-  weights 485,452,288 + reserve 268,435,456 + kv 6144*4*S
+numpy host need at n_ctx_slot S (1 slot), with the 256 MiB reserve (these hand-made facts
+list no tensors, so no decoded forms are counted; test_numpy_counts_its_decoded_forms does):
+  weights 485,452,288 + reserve 268,435,456 + kv 6144*2*S (f16, as kv_cache.py allocates it)
   + scratch 4*512*(4*896 + 2*2*64 + 3*4864 + 14*S + 151936) = 2048*(170,368 + 14*S)
-  = 1,102,801,408 + 53,248 * S
+  = 1,102,801,408 + 40,960 * S
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ BIG = Census(host_avail_bytes=10**12)
 
 
 def host_need(slot: int, n_slots: int = 1) -> int:     # the docstring's formula, any slot count
-    return WEIGHTS + 268_435_456 + 6144 * 4 * slot * n_slots + 2048 * (170_368 + 14 * slot)
+    return WEIGHTS + 268_435_456 + 6144 * 2 * slot * n_slots + 2048 * (170_368 + 14 * slot)
 
 
 @pytest.mark.real_model
@@ -44,16 +45,16 @@ def test_set_context_one_slot():
     p = make_plan(QWEN25, BIG, ctx_size=4096)
     assert (p.n_ctx, p.n_ctx_slot, p.n_slots, p.ctx_rule) == (4096, 4096, 1, "set")
     assert p.weights_bytes == WEIGHTS == sum(p.tensor_bytes.values())
-    assert p.kv_bytes == 100_663_296                      # 4096 * 6144 * 4
+    assert p.kv_bytes == 50_331_648                       # 4096 * 6144 * 2
     assert p.scratch_bytes == 466_354_176                 # 2048 * (170368 + 14*4096)
-    assert p.host_bytes == 1_320_905_216 == host_need(4096)
+    assert p.host_bytes == 1_270_573_568 == host_need(4096)
     assert p.card_bytes == ()
 
 
 def test_slots_share_a_set_context_like_llama_server():
     p = make_plan(QWEN25, BIG, ctx_size=8192, n_parallel=4)
     assert (p.n_ctx, p.n_ctx_slot, p.n_slots) == (8192, 2048, 4)
-    assert p.kv_bytes == 8192 * 6144 * 4
+    assert p.kv_bytes == 8192 * 6144 * 2
     # llama.cpp pads n_ctx to 256 and each slot's share to 256: 4096/3 = 1365 -> 1536
     p = make_plan(QWEN25, BIG, ctx_size=4096, n_parallel=3)
     assert (p.n_ctx, p.n_ctx_slot) == (4608, 1536)
@@ -64,7 +65,7 @@ def test_slots_share_a_set_context_like_llama_server():
 
 def test_default_context_is_the_trained_limit_per_slot():
     p = make_plan(QWEN25, Census(host_need(32768)))        # exactly enough
-    assert (p.n_ctx_slot, p.ctx_rule, p.host_bytes) == (32768, "target", 2_847_631_872)
+    assert (p.n_ctx_slot, p.ctx_rule, p.host_bytes) == (32768, "target", 2_444_978_688)
     p = make_plan(QWEN25, BIG, n_parallel=2)
     assert (p.n_ctx, p.n_ctx_slot, p.ctx_rule) == (65536, 32768, "target")
 
@@ -72,12 +73,12 @@ def test_default_context_is_the_trained_limit_per_slot():
 def test_default_context_fits_down_in_steps_of_1024():
     p = make_plan(QWEN25, Census(host_need(32768) - 1))   # one byte short of the target
     assert (p.n_ctx_slot, p.ctx_rule) == (31744, "fitted")
-    # 2e9 bytes: S <= (2e9 - 1,102,801,408) / 53,248 = 16849.5 -> 16384
+    # 2e9 bytes: S <= (2e9 - 1,102,801,408) / 40,960 = 21904.3 -> 21504
     p = make_plan(QWEN25, Census(2_000_000_000))
-    assert (p.n_ctx_slot, p.n_ctx, p.ctx_rule) == (16384, 16384, "fitted")
-    assert p.host_bytes == host_need(16384) <= 2_000_000_000
+    assert (p.n_ctx_slot, p.n_ctx, p.ctx_rule) == (21504, 21504, "fitted")
+    assert p.host_bytes == host_need(21504) <= 2_000_000_000
     assert make_plan(QWEN25, Census(host_need(4096))).n_ctx_slot == 4096
-    with pytest.raises(PlanError, match=r"no context fits 1 slot\(s\).*floor 4096.*1320905216 bytes"):
+    with pytest.raises(PlanError, match=r"no context fits 1 slot\(s\).*floor 4096.*1270573568 bytes"):
         make_plan(QWEN25, Census(host_need(4096) - 1))
 
 
@@ -85,12 +86,12 @@ def test_a_set_context_that_does_not_fit_names_every_term():
     with pytest.raises(PlanError) as e:
         make_plan(QWEN25, Census(2_000_000_000), ctx_size=32768)
     msg = str(e.value)
-    for part in ("--ctx-size 32768", "host needs 2847631872 bytes", "weights 485452288",
-                 "kv 805306368", "scratch 1288437760", "reserve 268435456", "2000000000 available",
-                 "largest context that fits is 16640"):       # 16849 rounded down to 256
+    for part in ("--ctx-size 32768", "host needs 2444978688 bytes", "weights 485452288",
+                 "kv 402653184", "scratch 1288437760", "reserve 268435456", "2000000000 available",
+                 "largest context that fits is 21760"):       # 21904 rounded down to 256
         assert part in msg, msg
     with pytest.raises(PlanError, match=r"largest context that fits is 8192 \(2 slots x 4096\)"):
-        # two slots: 1,102,801,408 + (2*24,576 + 28,672) * S <= host_need(4096, 2) -> S = 4096
+        # two slots: 1,102,801,408 + (2*12,288 + 28,672) * S <= host_need(4096, 2) -> S = 4096
         make_plan(QWEN25, Census(host_need(4096, 2)), ctx_size=16384, n_parallel=2)
 
 
@@ -109,20 +110,32 @@ def test_cuda_puts_weights_and_f16_kv_on_the_largest_card():
         make_plan(QWEN25, BIG, backend="cuda")
 
 
-def test_f32_copy_assumption_is_one_constant(monkeypatch):
-    monkeypatch.setattr(plan_mod, "NUMPY_KEEPS_F32_COPY", True)
-    p = make_plan(QWEN25, BIG, ctx_size=4096)
-    assert p.weights_bytes == WEIGHTS + 4 * 630_167_424
-    assert make_plan(QWEN25, Census(2**30, (10**12,)), backend="cuda", ctx_size=4096).weights_bytes == WEIGHTS
+def test_numpy_counts_its_decoded_forms_and_cuda_does_not():
+    """The numpy backend keeps a decoded form of each matrix beside its blocks (int rows for the
+    compiled kernels, else planes); the plan counts it on the host. The cuda backend computes from
+    the stored blocks."""
+    from bloomery.engine.cpu.forms import decoded_bytes
+    q8 = int(gguf.GGMLQuantizationType.Q8_0)
+    tensors = (("blk.0.ffn_up.weight", q8, (896, 4864)), ("blk.0.attn_norm.weight", 0, (896,)),
+               ("token_embd.weight", q8, (896, 151936)), ("output.weight", q8, (896, 151936)))
+    facts = dataclasses.replace(QWEN25, tensors=tensors)
+    p = make_plan(facts, BIG, ctx_size=4096)
+    n = decoded_bytes(tensors)
+    assert p.decoded_bytes == n >= 4864 * 896 + 151936 * 896      # at least a byte per element of the two matrices
+    assert p.host_bytes == host_need(4096) + n
+    assert p.placement.device("host").terms.decoded == n
+    assert decoded_bytes(tensors[:1]) + decoded_bytes(tensors[3:]) == n   # the norm's F32 is read in place, the
+    cuda = make_plan(facts, Census(2**30, (10**12,)), backend="cuda", ctx_size=4096)   # embedding by rows
+    assert cuda.decoded_bytes == 0 and cuda.placement.device("cuda:0").terms.decoded == 0
 
 
 def test_records():
     p = make_plan(QWEN25, Census(2_000_000_000), n_parallel=1)
     recs = dict(p.records())
     assert list(recs) == ["plan", "ctx", "parallel", "need"]
-    assert recs["ctx"] == {"n_ctx_slot": 16384, "n_ctx": 16384, "rule": "fitted", "n_ctx_train": 32768}
+    assert recs["ctx"] == {"n_ctx_slot": 21504, "n_ctx": 21504, "rule": "fitted", "n_ctx_train": 32768}
     assert recs["parallel"] == {"slots": 1, "from": "set"}
-    assert recs["need"] == {"bytes": host_need(16384), "cards": []}
+    assert recs["need"] == {"bytes": host_need(21504), "cards": []}
     assert recs["plan"]["Q8_0_bytes"] == 146105344 and recs["plan"]["kv_bytes"] == p.kv_bytes
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.n_ctx = 1
@@ -197,7 +210,7 @@ def test_parallel_auto_counts_slots_of_one_requests_context():
     assert make_plan(QWEN25, Census(four - 1), n_parallel="auto").n_slots == 3
     assert make_plan(QWEN25, BIG, n_parallel="auto").n_slots == 8
     p = make_plan(QWEN25, Census(2_000_000_000), n_parallel="auto")   # one slot already fitted
-    assert (p.n_slots, p.n_ctx_slot, p.ctx_rule) == (1, 16384, "fitted")
+    assert (p.n_slots, p.n_ctx_slot, p.ctx_rule) == (1, 21504, "fitted")
     p = make_plan(QWEN25, Census(host_need(4096, 3)), n_parallel="auto", slot_ctx=4096)
     assert (p.n_slots, p.n_ctx, p.ctx_rule) == (3, 12288, "set")
 
@@ -242,3 +255,26 @@ def test_cuda_scratch_counts_the_prompt_paths_f16_weight_copies():
     assert cuda - scratch_bytes_for(QWEN25, 4096, "cuda") == 3 * 2 * (128 * 768 * 2048 - 136134656)
     assert scratch_bytes_for(moe, 4096, "numpy") == scratch_bytes_for(QWEN25, 4096, "numpy")
     assert CUDA_UBATCH == 4096
+
+
+def test_the_plan_in_words():
+    """--plan's sentences: per device "needs X of Y available" in GiB with every term, the context
+    rule as it applied, and a warning when a slot's context passes the trained one."""
+    def words(p):
+        return [(level, text) for level, text, _ in p.explain()]
+    p = make_plan(QWEN25, Census(2_000_000_000))
+    (lvl, host), (_, rule) = words(p)
+    assert lvl == "info" and host.startswith("host needs 1.85 GiB of 1.86 GiB available: weights 0.45 GiB + KV ")
+    assert "reserve 0.25 GiB" in host and "decoded" not in host          # these facts list no tensors
+    assert rule.startswith('context rule "fitted": no -c given, and 1 slot of the trained context (32768) does not '
+                           'fit') and "21504" in rule
+    assert 'rule "target"' in words(make_plan(QWEN25, BIG))[1][1]
+    set_words = words(make_plan(QWEN25, BIG, ctx_size=65536, n_parallel=2))
+    assert "-c 65536 set it: 2 slots share it" in set_words[1][1] and "32768 each" in set_words[1][1]
+    assert not any(level == "warning" for level, _ in set_words)           # 32768 a slot: the trained context
+    over = words(make_plan(QWEN25, BIG, ctx_size=65536))
+    assert over[-1][0] == "warning" and "65536, exceeds the model's trained context, 32768" in over[-1][1]
+    cuda = words(make_plan(QWEN25, Census(2**30, (10 * 2**30, 80 * 2**30)), backend="cuda", ctx_size=4096))
+    assert cuda[0][1] == "host needs 0.25 GiB of 1.00 GiB available: reserve 0.25 GiB"
+    assert cuda[1][1].startswith("cuda:1 needs ") and "of 80.00 GiB free" in cuda[1][1]
+    assert "margin kept free 1.00 GiB" in cuda[1][1] and not any(t.startswith("cuda:0") for _, t in cuda)

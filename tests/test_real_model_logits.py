@@ -5,7 +5,7 @@ Goldens: tests/golden/logits/qwen25_*.npz, made by tools/ref/make_logit_goldens.
 logits, and the logits after STEP greedy tokens).
 
 Every op mirrors the float order and the rounding of the kernel llama.cpp runs
-(quantized matmuls: bloomery/engine/quant.py; attention, both flash-attention paths
+(quantized matmuls: bloomery/engine/quant/; attention, both flash-attention paths
 with the C library's expf and ggml_v_expf: kv_cache.py and ops_math.py), so the logits
 are llama.cpp's bit for bit: measured max |diff| 0.0 at prefill and at step 16 on all
 six prompts, the 86-token one (the tiled attention path) included, and every one of
@@ -27,14 +27,15 @@ pytestmark = pytest.mark.real_model
 @pytest.fixture(autouse=True)
 def llama_order(monkeypatch):
     """These goldens are llama.cpp's bits: the kernel order must be llama.cpp's (the default)."""
-    from bloomery.engine import quant
-    monkeypatch.setattr(quant, "KERNEL_ORDER", True)
+    from bloomery.engine.quant import dots
+    monkeypatch.setattr(dots, "KERNEL_ORDER", True)
 
 
 @pytest.fixture(scope="module")
 def model(real_model_path):
     from bloomery.engine.loader import load_model
-    return load_model(str(real_model_path), n_slots=2, n_ctx_slot=512)
+    from bloomery.placement import whole
+    return load_model(str(real_model_path), whole("numpy", n_slots=2, n_ctx_slot=512))
 
 
 def _golden(name: str) -> dict:
@@ -106,8 +107,8 @@ def test_quantized_matmuls_bit_for_bit(model, case, monkeypatch):
     own input, gives llama.cpp's output bit for bit: one token runs ggml_vec_dot_* and
     the repacked q4_K gemv, six tokens llamafile's tinyBLAS and the q4_K gemm + gemv,
     thirteen also the tiled Q6_K path."""
-    from bloomery.engine import quant
-    monkeypatch.setattr(quant, "KERNEL_ORDER", True)
+    from bloomery.engine.quant import dots
+    monkeypatch.setattr(dots, "KERNEL_ORDER", True)
     g = _golden(case)
     seen = set()
     for key in sorted(k for k in g if k.endswith("_in")):

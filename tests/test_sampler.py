@@ -243,7 +243,7 @@ def test_the_top_k_candidates_draw_what_the_whole_row_draws(top_k, top_p, min_p,
     """A chain that needs only its top_k (no bias, penalties, mask, probabilities) picks the same
     ids from the row's top_k largest logits, in the chain's order, as from the whole row; step
     after step, so the random stream advances alike."""
-    from bloomery.engine.sampler import _sorted_top
+    from bloomery.engine.sampler import sorted_top
     rng = np.random.default_rng(top_k)
     params = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=1234,
                             repeat_penalty=1.0)
@@ -252,7 +252,7 @@ def test_the_top_k_candidates_draw_what_the_whole_row_draws(top_k, top_p, min_p,
     for step in range(30):
         row = rng.standard_normal(1000).astype(np.float32) * 3
         row[rng.integers(0, 1000, 20)] = row.max()              # ties at the top: lower ids first
-        order = _sorted_top(row, top_k)
+        order = sorted_top(row, top_k)
         a = whole.sample(row).token
         b = cand.sample_candidates(order.astype(np.int32), row[order]).token
         assert a == b, step

@@ -165,7 +165,8 @@ def test_plan_stage_on_the_real_header(real_model_path, tmp_path):
 @pytest.mark.real_model
 def test_plan_stage_facts_carry_the_model_facts_llama_server_reports(real_model_path, tmp_path):
     code, msgs = run_stage("plan", {"model_file": str(real_model_path), "ctx_size": 4096, "device": "cpu"}, tmp_path)
-    facts = next(m for m in msgs if isinstance(m, sm.PlanDone)).facts
+    planned = next(m for m in msgs if isinstance(m, sm.PlanDone))
+    facts = planned.facts
     ref_path = Path(__file__).resolve().parents[2] / "shared/reference/llama-server-qwen25/v1_models.response.json"
     if not ref_path.exists():
         pytest.skip("shared/reference is not beside the repo")
@@ -175,7 +176,7 @@ def test_plan_stage_facts_carry_the_model_facts_llama_server_reports(real_model_
         (meta["n_embd"], meta["vocab_type"], meta["ftype"], meta["n_params"], meta["size"])
     from bloomery.stages.engine import model_info
     model = type("M", (), {"arch": "qwen2", "n_vocab": 151936, "n_ctx_train": 32768})()
-    info = model_info({"model_file": str(real_model_path)}, facts, model)
+    info = model_info({"model_file": str(real_model_path)}, facts, planned.placement, model)
     assert (info.n_embd, info.vocab_type, info.ftype, info.n_params, info.size_bytes) == \
         (896, 2, "Q4_K - Medium", meta["n_params"], meta["size"])
 

@@ -163,10 +163,11 @@ def variant_rates(model, ids, depth: int) -> dict:
 def bloomery_bench(path: Path, profile: bool, variants: bool = False) -> dict:
     import cupy
     from bloomery.engine.loader import load_model
+    from bloomery.placement import whole
     rows = {}
     with PeakMemory() as mem:
         t0 = time.perf_counter()
-        model = load_model(str(path), backend="cuda", n_slots=1, n_ctx_slot=max(DEPTHS) + N_GEN + 64)
+        model = load_model(str(path), whole("cuda", n_slots=1, n_ctx_slot=max(DEPTHS) + N_GEN + 64))
         cupy.cuda.Device().synchronize()
         rows["load_s"] = time.perf_counter() - t0
         rng = np.random.default_rng(0)

@@ -27,7 +27,7 @@ from bloomery.api.toolcalls import framing_of
 from bloomery.http.types import ApiError, Request, Response, StreamResponse
 
 if TYPE_CHECKING:
-    from bloomery.api.app import App
+    from bloomery.api.context import ApiContext as App
 
 # HTTP status -> Anthropic's error type
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",

@@ -17,6 +17,7 @@ from bloomery.api import anthropic, chat, completion, input_tokens, models, olla
 from bloomery.api.metrics import Metrics
 from bloomery.api.generate import Generation
 from bloomery.api.params import GenParams
+from bloomery.engine.limits import prompt_fits
 from bloomery.engine.types import ModelInfo, SamplingParams
 from bloomery.flags import REASONING_OFF, REASONING_ON
 from bloomery.http.types import ApiError, Request, Response, StreamResponse
@@ -161,7 +162,7 @@ class App:
     def start(self, path: str, prompt_ids: list[int], params: GenParams) -> Generation:
         """A generation ready to run; refuses a prompt the slot cannot hold before anything reaches the engine."""
         n_ctx = self.info.n_ctx_slot
-        if len(prompt_ids) >= n_ctx:
+        if not prompt_fits(len(prompt_ids), n_ctx):
             raise ExceedContextError(len(prompt_ids), n_ctx)
         task_id = next(self._task_ids)
         gen = Generation(tok=self.tok, client=self.client, req_id=f"cmpl-{task_id}-{uuid.uuid4().hex[:8]}",

@@ -24,7 +24,7 @@ from bloomery.chat_template import template_args
 from bloomery.http.types import ApiError, Request, Response, StreamResponse
 
 if TYPE_CHECKING:
-    from bloomery.api.app import App
+    from bloomery.api.context import ApiContext as App
 
 
 def read_messages(f: Fields) -> list:

@@ -15,7 +15,7 @@ from bloomery.api.shapes import BUILD_INFO, SSE_DONE, completion_id, generation_
 from bloomery.http.types import ApiError, Request, Response, StreamResponse
 
 if TYPE_CHECKING:
-    from bloomery.api.app import App
+    from bloomery.api.context import ApiContext as App
 
 
 def prompt_ids(app: "App", f: Fields) -> list[int]:

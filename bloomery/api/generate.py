@@ -16,6 +16,7 @@ from typing import AsyncIterator, Callable
 from bloomery.api.params import GenParams
 from bloomery.api.reasoning import ThinkWatch
 from bloomery.api.stops import TextAssembler
+from bloomery.engine.limits import finish_reason
 from bloomery.engine.sampler import LLAMA_DEFAULT_SEED
 from bloomery.engine.types import EngineRequest, TokenOut
 from bloomery.http.types import ApiError
@@ -246,9 +247,8 @@ class Generation:
 
     def _full(self) -> bool:
         """No id may follow: n_predict reached, or the slot's context is full."""
-        n_gen = self.outcome.n_gen
-        return (self.params.n_predict >= 0 and n_gen >= self.params.n_predict) or \
-            len(self.prompt_ids) + n_gen >= self.n_ctx_slot
+        return finish_reason(len(self.prompt_ids), self.outcome.n_gen, self.n_ctx_slot, self.params.n_predict,
+                             stopped=False) is not None
 
     def _piece_bytes(self, token: int) -> bytes:
         return self.tok.token_to_piece(token, special=False)

@@ -13,7 +13,7 @@ from bloomery.api.params import Fields
 from bloomery.http.types import Request, Response
 
 if TYPE_CHECKING:
-    from bloomery.api.app import App
+    from bloomery.api.context import ApiContext as App
 
 
 def rendered_of(app: "App", chat_body: dict):

@@ -7,7 +7,7 @@ from urllib.parse import unquote
 from bloomery.http.types import ApiError, Request, Response
 
 if TYPE_CHECKING:
-    from bloomery.api.app import App
+    from bloomery.api.context import ApiContext as App
 
 
 def model_entry(app: "App") -> dict:

@@ -11,7 +11,7 @@ from bloomery.api.params import Fields, field_error
 from bloomery.http.types import ApiError, Request, Response
 
 if TYPE_CHECKING:
-    from bloomery.api.app import App
+    from bloomery.api.context import ApiContext as App
 
 # llama_ftype_name -> Ollama's quantization words
 _QUANT_WORDS = {"Small": "S", "Medium": "M", "Large": "L", "Extra Small": "XS", "Extra Extra Small": "XXS"}

@@ -7,7 +7,7 @@ from bloomery.api.shapes import BUILD_INFO, default_settings
 from bloomery.http.types import ApiError, Request, Response
 
 if TYPE_CHECKING:
-    from bloomery.api.app import App
+    from bloomery.api.context import ApiContext as App
 
 
 async def handle_health(app: "App", req: Request) -> Response:

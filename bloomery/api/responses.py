@@ -27,7 +27,7 @@ from bloomery.api.toolcalls import framing_of
 from bloomery.http.types import ApiError, Request, Response, StreamResponse
 
 if TYPE_CHECKING:
-    from bloomery.api.app import App
+    from bloomery.api.context import ApiContext as App
 
 __all__ = ["ResponseStore", "handle_create", "handle_get", "handle_delete", "handle_cancel"]
 _ALNUM = string.ascii_letters + string.digits

@@ -14,7 +14,7 @@ from bloomery.api.shapes import slot_params
 from bloomery.http.types import ApiError, Request, Response
 
 if TYPE_CHECKING:
-    from bloomery.api.app import App
+    from bloomery.api.context import ApiContext as App
 
 
 async def _slot_table(app: "App") -> list[dict]:

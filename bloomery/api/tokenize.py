@@ -7,7 +7,7 @@ from bloomery.api.params import Fields, field_error
 from bloomery.http.types import ApiError, Request, Response
 
 if TYPE_CHECKING:
-    from bloomery.api.app import App
+    from bloomery.api.context import ApiContext as App
 
 
 def _piece_json(piece: bytes) -> str | list[int]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from bloomery.engine.limits import finish_reason
 from bloomery.engine.sampler import Sample, Sampler, SamplerError
 from bloomery.engine.scheduler import Scheduler, Slot
 from bloomery.engine.types import EngineRequest, TokenOut
@@ -200,13 +201,8 @@ class Engine:
             return self._fail(slot, e, n_prompt, slot.n_cached if first else 0)
         with self._lock:
             self.scheduler.sampled(slot, s.token)
-            finish = None
-            if n_prompt + slot.n_decoded >= self.n_ctx_slot:
-                finish = "length"      # the slot is full: no position left for this id
-            if 0 <= req.n_predict <= slot.n_decoded:
-                finish = "length"
-            if s.token in st.stop_ids or st.sampler.grammar_done:
-                finish = "stop"        # a stop id, or the structured output is whole
+            finish = finish_reason(n_prompt, slot.n_decoded, self.n_ctx_slot, req.n_predict,
+                                   stopped=s.token in st.stop_ids or st.sampler.grammar_done)
             if finish is not None:
                 self._note_done(slot.id, req.req_id, slot.n_decoded)
                 self.scheduler.release(slot)

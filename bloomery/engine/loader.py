@@ -1,209 +1,47 @@
-"""load_model(path, backend, n_slots, n_ctx_slot) -> Model, and the plumbing every
-architecture shares: batches in, logits out, the KV cache per slot.
-
-An architecture file subclasses CausalLM and supplies `embed`, `block` and the
-output head's weights; prefill / decode / forward_all live here once.
-
-Legend: T = tokens, B = slots in a decode batch, D = hidden, V = vocabulary.
-"""
+"""load_model(gguf, placement, backend) -> Model: carries out a Placement (bloomery/placement.py):
+the backend's ops, the file, and the architecture's class from the registry
+(models/registry.py), with the placement's slots and context."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable
 
-import numpy as np
-
-from bloomery.engine.ops import AttnSpan, Ops, Rows
+from bloomery.engine.models.base import CausalLM, ModelError
+from bloomery.engine.models.registry import ARCHS, model_class
+from bloomery.engine.ops import Ops
 from bloomery.gguf_file import GGUFFile, open_gguf
-
-N_UBATCH = 512   # llama-server's default -ub: a prompt runs in ubatches of this many tokens
-
-
-class ModelError(ValueError):
-    """A model file or a call the model cannot take; the message names the value and the bound."""
-
-
-def meta(gf: GGUFFile, key: str, default=None, required: bool = True):
-    """A GGUF metadata value, or a ModelError naming the missing key."""
-    value = gf.get(key, default)
-    if value is None and required:
-        raise ModelError(f"{gf.path}: metadata key {key!r} is missing")
-    return value
-
-
-class CausalLM:
-    """A decoder-only model over an Ops backend; subclasses fill in the architecture."""
-
-    arch: str = ""
-
-    def __init__(self, gf: GGUFFile, ops: Ops, n_slots: int, n_ctx_slot: int):
-        if n_slots < 1:
-            raise ModelError(f"n_slots must be at least 1, got {n_slots}")
-        if n_ctx_slot < 1:
-            raise ModelError(f"n_ctx_slot must be at least 1, got {n_ctx_slot}")
-        self.gf, self.ops = gf, ops
-        self.n_slots, self.n_ctx_slot = n_slots, n_ctx_slot
-        self.n_params = sum(int(np.prod(t.shape)) for t in gf.tensors.values())
-        self.n_ubatch = int(getattr(ops, "n_ubatch", N_UBATCH))          # rows per prompt batch
-
-    # --- what an architecture provides ---
-    n_vocab: int
-    n_ctx_train: int
-    n_layer: int
-
-    def embed(self, ids: np.ndarray):                       # [T] -> [T, D]
-        raise NotImplementedError
-
-    def block(self, il: int, x, rows: Rows):                # [T, D] -> [T, D]
-        raise NotImplementedError
-
-    def head(self, x):                                      # [T, D] -> [T, V]
-        raise NotImplementedError
-
-    def head_topk(self, x, k: int):                         # [T, D] -> ids, values [T, k], NaN count [T]
-        return self.ops.topk(self.head(x), k)
-
-    def head_argmax(self, x):                               # [T, D] -> [T]
-        return self.ops.argmax(self.head(x))
-
-    # --- helpers for architecture files ---
-    def tensor(self, name: str, required: bool = True):
-        """A weight handle for GGUF tensor `name` (None if optional and absent)."""
-        info = self.gf.tensors.get(name)
-        if info is None:
-            if required:
-                raise ModelError(f"{self.gf.path}: tensor {name!r} is missing ({self.arch})")
-            return None
-        return self.ops.weight(info.ggml_type, info.shape, self.gf.tensor_data(name))
-
-    # --- the Model contract ---
-    def _run(self, ids: np.ndarray, positions: np.ndarray, spans: Sequence[AttnSpan]):
-        x = self.embed(self.ops.from_host(ids))                          # [T, D]
-        rows = self.ops.rows(spans, self.ops.from_host(positions))
-        return self.layers_forward(x, rows)
-
-    def layers_forward(self, x, rows: Rows):
-        for il in range(self.n_layer):
-            x = self.block(il, x, rows)                                  # [T, D]
-        return x
-
-    def _check(self, slot: int, ids, pos0: int) -> np.ndarray:
-        if not 0 <= slot < self.n_slots:
-            raise ModelError(f"slot {slot} is out of range: the model has {self.n_slots} slots (0..{self.n_slots - 1})")
-        ids = np.asarray(ids, dtype=np.int32).reshape(-1)                # [T]
-        if ids.size == 0:
-            raise ModelError("ids is empty: at least one token is needed")
-        if ids.min() < 0 or ids.max() >= self.n_vocab:
-            bad = int(ids[(ids < 0) | (ids >= self.n_vocab)][0])
-            raise ModelError(f"token id {bad} is out of range: n_vocab = {self.n_vocab}")
-        if pos0 < 0 or pos0 + ids.size > self.n_ctx_slot:
-            raise ModelError(f"positions {pos0}..{pos0 + ids.size - 1} do not fit the slot: n_ctx_slot = {self.n_ctx_slot}")
-        return ids
-
-    def forward_all(self, slot: int, ids, pos0: int) -> np.ndarray:
-        """Every position's logits [T, V]; fills the slot's KV at pos0 .. pos0+T-1."""
-        ids = self._check(slot, ids, pos0)
-        outs = []
-        for c0 in range(0, ids.size, self.n_ubatch):
-            chunk = ids[c0:c0 + self.n_ubatch]                                # [t]
-            p0 = pos0 + c0
-            pos = np.arange(p0, p0 + chunk.size, dtype=np.int32)
-            x = self._run(chunk, pos, [AttnSpan(slot, p0, 0, chunk.size)])
-            outs.append(self.ops.to_host(self.head(x)))                 # [t, V]
-        return np.concatenate(outs, axis=0)
-
-    def prefill(self, slot: int, ids, pos0: int) -> np.ndarray:
-        """The last position's logits [V]; fills the slot's KV at pos0 .. pos0+T-1."""
-        ids = self._check(slot, ids, pos0)
-        x = None
-        for c0 in range(0, ids.size, self.n_ubatch):
-            chunk = ids[c0:c0 + self.n_ubatch]
-            p0 = pos0 + c0
-            pos = np.arange(p0, p0 + chunk.size, dtype=np.int32)
-            x = self._run(chunk, pos, [AttnSpan(slot, p0, 0, chunk.size)])
-        logits = self.ops.to_host(self.head(x[-1:]))[0]                 # [V]
-        release = getattr(self.ops, "release_scratch", None)
-        if release is not None and ids.size > 8:                        # a prompt-path pass ran
-            release()
-        return logits
-
-    def _decode_args(self, slots, ids, positions):
-        slots = [int(s) for s in slots]
-        ids = np.asarray(ids, dtype=np.int32).reshape(-1)                # [B]
-        positions = np.asarray(positions, dtype=np.int32).reshape(-1)    # [B]
-        if not (len(slots) == ids.size == positions.size) or not slots:
-            raise ModelError(f"decode needs one id and one position per slot: got {len(slots)} slots, "
-                             f"{ids.size} ids, {positions.size} positions")
-        if len(set(slots)) != len(slots):
-            raise ModelError(f"decode got slot(s) more than once: {slots}")
-        for s, i, p in zip(slots, ids, positions):
-            self._check(s, [i], int(p))
-        return slots, ids, positions
-
-    def _graphs(self, n: int):
-        """The backend's captured decode steps when it has them and they take n rows."""
-        make = getattr(self.ops, "decode_runner", None)
-        runner = make(self) if make is not None else None
-        return runner if runner is not None and n <= runner.max_batch else None
-
-    def decode(self, slots: Sequence[int], ids, positions) -> np.ndarray:
-        """One token per slot, batched: logits [B, V]."""
-        return self._step(slots, ids, positions, want_logits=True)
-
-    def decode_greedy(self, slots: Sequence[int], ids, positions) -> np.ndarray:
-        """One token per slot, each slot's next id by argmax (the first largest logit): ids [B].
-        On a backend with captured steps only the ids leave the card."""
-        return self._step(slots, ids, positions, want_logits=False)
-
-    @property
-    def topk_max(self) -> int:
-        """The largest k decode_topk takes (0: this backend hands over whole rows of logits)."""
-        f = getattr(self.ops, "topk_max", None)
-        return f(self.n_vocab) if f is not None else 0
-
-    def decode_topk(self, slots: Sequence[int], ids, positions, k: int):
-        """One token per slot; of each slot's logits only the k largest leave the device, in the
-        sampler chain's order (descending, ties to the lower id): (ids [B, k] int32, values
-        [B, k] float32, NaN count [B]). For a sampled pick whose chain after top_k needs no more."""
-        if not 1 <= k <= self.topk_max:
-            raise ModelError(f"decode_topk takes k in 1..{self.topk_max} on the {self.ops.name} backend, not {k}")
-        slots, ids, positions = self._decode_args(slots, ids, positions)
-        runner = self._graphs(len(slots))
-        if runner is not None:
-            return runner.run_topk(slots, ids, positions, k)
-        spans = [AttnSpan(s, int(p), b, b + 1) for b, (s, p) in enumerate(zip(slots, positions))]
-        got = self.head_topk(self._run(ids, positions, spans), k)
-        return tuple(self.ops.to_host(a) for a in got)
-
-    def _step(self, slots, ids, positions, want_logits: bool) -> np.ndarray:
-        slots, ids, positions = self._decode_args(slots, ids, positions)
-        runner = self._graphs(len(slots))
-        if runner is not None:
-            return runner.run(slots, ids, positions, want_logits=want_logits)
-        spans = [AttnSpan(s, int(p), b, b + 1) for b, (s, p) in enumerate(zip(slots, positions))]
-        x = self._run(ids, positions, spans)
-        return self.ops.to_host(self.head(x) if want_logits else self.head_argmax(x))   # [B, V] or [B]
+from bloomery.placement import Placement
 
 
 def make_ops(backend: str) -> Ops:
     if backend == "numpy":
-        from bloomery.engine.backend_numpy import NumpyOps
+        from bloomery.engine.cpu.backend import NumpyOps
         return NumpyOps()
     if backend == "cuda":
         try:
-            from bloomery.engine.backend_cuda import CudaOps
+            from bloomery.engine.cuda.backend import CudaOps
         except ImportError as e:
             raise ModelError(f"backend 'cuda' needs CuPy (pip install bloomery[cuda13] or [cuda12]): {e}") from None
         return CudaOps()
     raise ModelError(f"backend {backend!r} is not available: choose 'numpy' or 'cuda'")
 
 
-def load_model(path: str, backend: str = "numpy", n_slots: int = 1, n_ctx_slot: int = 4096) -> CausalLM:
-    from bloomery.engine.models import qwen2, qwen3, qwen3moe
-    archs = {"qwen2": qwen2.Qwen2, "qwen3": qwen3.Qwen3, "qwen3moe": qwen3moe.Qwen3Moe}
-    ops = make_ops(backend)
-    gf = open_gguf(str(path))
+def load_model(gguf: "str | GGUFFile", placement: Placement, backend: Ops | None = None,
+               progress: Callable[[int, int], None] | None = None) -> CausalLM:
+    """The model of `gguf` (a path or an open file) placed as `placement` says, on `backend`
+    (default: the ops of placement.backend). A placement this load cannot carry out (tensors
+    away from the default device: the offload tier) is refused by name. `progress(done, total)`
+    is called with the stored bytes handed to the backend after each tensor, and once at the end
+    with done == total (the file's tensors the architecture does not read count as done)."""
+    if placement.tensors or placement.experts_on_card:
+        raise ModelError("this placement puts tensors on more than one device; the offload tier that "
+                         "would carry it out is not built")
+    ops = backend if backend is not None else make_ops(placement.backend)
+    gf = gguf if isinstance(gguf, GGUFFile) else open_gguf(str(gguf))
     arch = gf.arch()
-    if arch not in archs:
+    if arch not in ARCHS:
         gf.close()
-        raise ModelError(f"{path}: architecture {arch!r} is not supported: supported are {', '.join(sorted(archs))}")
-    return archs[arch](gf, ops, n_slots, n_ctx_slot)
+        raise ModelError(f"{gf.path}: architecture {arch!r} is not supported: supported are {', '.join(ARCHS)}")
+    model = model_class(arch)(gf, ops, placement.n_slots, placement.n_ctx_slot, progress)
+    if progress is not None:
+        progress(model.bytes_total, model.bytes_total)
+    return model

@@ -20,6 +20,17 @@ Weight = Any    # an opaque handle from Ops.weight
 
 
 @dataclass(frozen=True)
+class Caps:
+    """Where the backends differ, said once by each (its `caps`), read by the model code instead
+    of probing for methods."""
+    n_ubatch: int              # prompt rows per pass
+    decode_rows: int           # rows a pass runs on the decode path; more take the prompt path (0: one path)
+    fused_head: bool           # matmul_topk / matmul_argmax: the head's product and its pick in one step
+    decode_graphs: bool        # decode_runner(model): captured decode steps
+    prompt_scratch: bool       # release_scratch(): prompt-pass buffers handed back after a prompt
+
+
+@dataclass(frozen=True)
 class AttnSpan:
     """Rows [row0, row1) of a batch belong to `slot` at positions pos0 .. pos0+(row1-row0)-1."""
     slot: int
@@ -40,6 +51,7 @@ class Rows:
 
 class Ops(Protocol):
     name: str
+    caps: Caps
 
     # --- weights ---
     def weight(self, ggml_type: int, shape: Sequence[int], data: Any) -> Weight:
@@ -77,6 +89,25 @@ class Ops(Protocol):
 
     def argmax(self, logits: Array) -> Array:
         """logits [B, V] -> ids [B] int32, the first index of each row's largest value."""
+
+    def topk_max(self, n_vocab: int) -> int:
+        """The largest k topk takes over a vocabulary of n_vocab (0: whole rows leave the device)."""
+
+    def topk(self, logits: Array, k: int) -> tuple[Array, Array, Array]:
+        """logits [B, V] -> (ids [B, k], values [B, k], NaN count [B]), descending, ties to the lower id."""
+
+    # --- by capability (caps) ---
+    def matmul_topk(self, x: Array, w: Weight, k: int) -> tuple[Array, Array, Array]:
+        """caps.fused_head: topk(matmul(x, w), k) in one step."""
+
+    def matmul_argmax(self, x: Array, w: Weight) -> Array:
+        """caps.fused_head: argmax(matmul(x, w)) in one step."""
+
+    def decode_runner(self, model: Any) -> Any:
+        """caps.decode_graphs: the model's captured decode steps (run, run_topk, max_batch), or None."""
+
+    def release_scratch(self) -> None:
+        """caps.prompt_scratch: hand back the buffers a prompt pass grew."""
 
     # --- attention over the KV cache ---
     def kv_cache(self, n_layer: int, n_slots: int, n_ctx_slot: int, n_head_kv: int, head_dim: int) -> Any:

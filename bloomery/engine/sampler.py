@@ -101,7 +101,7 @@ def _expf(x: np.ndarray) -> np.ndarray:
     return np.exp(x.astype(np.float64)).astype(np.float32)
 
 
-def _sorted_top(logits: np.ndarray, k: int) -> np.ndarray:
+def sorted_top(logits: np.ndarray, k: int) -> np.ndarray:
     """Positions of the k largest logits, descending; ties keep the earlier position."""
     n = logits.shape[0]
     if k >= n:
@@ -121,7 +121,7 @@ def _logprob(p: np.float32) -> float:
 def top_probs(logits: np.ndarray, n_probs: int) -> tuple[np.ndarray, np.ndarray]:
     """llama-server's get_token_probabilities: softmax of the raw row (float32 sums).
     Returns (probabilities [V], the top n_probs positions, most likely first)."""
-    order = _sorted_top(logits, min(n_probs, logits.shape[0]))   # [n]
+    order = sorted_top(logits, min(n_probs, logits.shape[0]))   # [n]
     max_l = logits[order[0]]
     p = _expf(logits - max_l)                                     # [V]
     total = np.cumsum(p, dtype=np.float32)[-1]                    # sequential float32 sum
@@ -253,7 +253,7 @@ class Sampler:
         ids = np.arange(logits.shape[0], dtype=np.int64)          # [C] vocab order, unsorted
         is_sorted = False
         if prm.top_k > 0:
-            order = _sorted_top(logits, min(prm.top_k, logits.shape[0]))
+            order = sorted_top(logits, min(prm.top_k, logits.shape[0]))
             ids, logits, is_sorted = ids[order], logits[order], True
         return self._after_top_k(ids, logits, is_sorted)
 
@@ -287,7 +287,7 @@ class Sampler:
         # llama.cpp first tries the best 256 when unsorted and large; same result, less sorting
         k_try = n if is_sorted or n <= 1024 else 256
         for k in (k_try, n):
-            order = np.arange(n) if is_sorted else _sorted_top(logits, k)
+            order = np.arange(n) if is_sorted else sorted_top(logits, k)
             cum = np.cumsum(p[order], dtype=np.float32)           # [k] float32 running sum
             hit = np.flatnonzero(cum >= top_p)
             if hit.shape[0] or k == n:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
+from bloomery.engine.limits import prompt_fits
 from bloomery.engine.types import EngineRequest
 
 SLOT_PROMPT_SIMILARITY = 0.1   # llama-server's --slot-prompt-similarity default
@@ -78,7 +79,7 @@ class Scheduler:
             raise SchedulerError(f"req_id {req.req_id!r} is already queued or running")
         if n_prompt == 0:
             raise SchedulerError("prompt_ids is empty: at least 1 id is needed to compute logits")
-        if n_prompt >= self.n_ctx_slot:
+        if not prompt_fits(n_prompt, self.n_ctx_slot):
             raise SchedulerError(
                 f"prompt of {n_prompt} ids does not fit a slot of n_ctx_slot={self.n_ctx_slot} "
                 f"(at most {self.n_ctx_slot - 1})")

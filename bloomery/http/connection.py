@@ -11,7 +11,7 @@ import asyncio
 import inspect
 import socket
 import time
-from typing import TYPE_CHECKING
+from typing import Awaitable, Protocol
 
 import h11
 
@@ -19,11 +19,25 @@ from .respond import PeerGone, ResponseWriter, where
 from .types import ApiError, Request, Response, StreamResponse
 from .wire import ACCEPTED_ENCODINGS, build_request, declared_length, decode_body, error_response, peer_text
 
-if TYPE_CHECKING:
-    from .server import HttpServer
-
 READ_BYTES = 64 << 10
 LINGER_S = 5.0          # after an early answer, how long the unread rest of a request is discarded
+
+
+class Host(Protocol):
+    """What a connection uses of the server that accepted it (server.py's HttpServer), so this
+    file does not import server.py back."""
+    closing: bool
+    listen_host: str
+    max_header_bytes: int
+    max_body_bytes: int
+    header_timeout_s: float
+    body_timeout_s: float
+    idle_timeout_s: float
+    write_timeout_s: float
+
+    def log(self, event: str, **kv) -> None: ...
+    def precheck(self, req: Request) -> Response | None: ...
+    def dispatch(self, req: Request) -> Awaitable[Response | StreamResponse]: ...
 
 
 class Reject(Exception):
@@ -35,7 +49,7 @@ class Reject(Exception):
 
 
 class Connection(ResponseWriter):
-    def __init__(self, server: "HttpServer", reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+    def __init__(self, server: Host, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self.server = server
         self.reader, self.writer = reader, writer
         self.peer = peer_text(writer.get_extra_info("peername"))

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from bloomery.engine.types import ModelInfo
 from bloomery.messages import codec
+from bloomery.placement import Placement
 
 Scalar = str | int | float | bool | None
 
@@ -44,7 +45,8 @@ class FetchDone:
 @dataclass(frozen=True)
 class PlanDone:
     records: tuple[Record, ...]    # the plan records (--plan prints these)
-    facts: dict[str, object] = field(default_factory=dict)   # n_ctx, n_ctx_slot, n_slots, backend, arch, ...
+    facts: dict[str, object] = field(default_factory=dict)   # the model's facts (stages/meta.py), arch, backend, ...
+    placement: Placement | None = None   # what the load carries out (bloomery/placement.py)
 
 
 @dataclass(frozen=True)

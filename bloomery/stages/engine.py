@@ -22,11 +22,14 @@ import zmq
 from bloomery import records
 from bloomery.engine.types import ModelInfo, TokenOut
 from bloomery.messages import engine as em
+from bloomery.messages import codec
 from bloomery.messages import stage as sm
 from bloomery.messages.codec import MessageError
+from bloomery.placement import Placement
 from bloomery.stages.common import parent_alive, run_stage
 
 IDLE_WAIT_S = 0.5
+PROGRESS_S = 1.0          # a Progress record about this often while the weights are read
 ENGINE_ID = b"engine"
 
 
@@ -49,15 +52,51 @@ def _input_thread(ctx: zmq.Context, req_addr: str, inbox: queue.Queue, stop: thr
         sock.close()
 
 
-def model_info(args: dict, facts: dict, model) -> ModelInfo:
-    """ModelInfo from the loaded model and the plan's facts (the GGUF facts of stages/meta.py)."""
+def placement_of(args: dict) -> Placement:
+    """The plan's Placement, as the supervisor handed it on: checked field by field (messages/codec.py)."""
+    return codec.build(Placement, args["placement"], "placement")
+
+
+def model_info(args: dict, facts: dict, placement: Placement, model) -> ModelInfo:
+    """ModelInfo from the loaded model, its placement and the plan's facts (the GGUF facts of stages/meta.py)."""
     name = args.get("alias") or facts.get("general_name") or Path(args["model_file"]).stem
-    return ModelInfo(name=name, arch=str(model.arch), n_ctx=facts["n_ctx"], n_ctx_slot=facts["n_ctx_slot"],
-                     n_slots=facts["n_slots"], n_vocab=int(model.n_vocab), n_ctx_train=int(model.n_ctx_train),
-                     backend=facts["backend"], model_path=args["model_file"],
+    return ModelInfo(name=name, arch=str(model.arch), n_ctx=placement.n_ctx, n_ctx_slot=placement.n_ctx_slot,
+                     n_slots=placement.n_slots, n_vocab=int(model.n_vocab), n_ctx_train=int(model.n_ctx_train),
+                     backend=placement.backend, model_path=args["model_file"],
                      n_params=int(facts.get("n_params", 0)), size_bytes=int(facts.get("size_bytes", 0)),
                      n_embd=int(facts.get("n_embd", 0)), vocab_type=int(facts.get("vocab_type", 0)),
                      ftype=str(facts.get("ftype", "")))
+
+
+def anon_bytes() -> int | None:
+    """This process's resident anonymous memory (Linux's RssAnon): what it allocated and holds,
+    apart from mapped files such as the weights' blocks. None where /proc cannot say."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+class LoadProgress:
+    """Progress records while the weights are read: about one every `interval_s` (and the last),
+    bytes done, total and percent, on the stage's records path to the supervisor."""
+
+    def __init__(self, interval_s: float = PROGRESS_S, send=None, clock=time.monotonic):
+        self.interval_s, self.clock = interval_s, clock
+        self.send = send or records.send
+        self.sent_at: float | None = None       # when the last record went
+        self.finished = False                   # the done == total record went
+
+    def __call__(self, done: int, total: int) -> None:
+        now = self.clock()
+        if self.finished or (done < total and self.sent_at is not None and now - self.sent_at < self.interval_s):
+            return
+        self.sent_at, self.finished = now, done >= total
+        self.send(sm.Progress("load", "engine", done, total))
 
 
 def serve(engine, inbox: queue.Queue, push: zmq.Socket, ppid: int) -> str:
@@ -112,6 +151,7 @@ def main(args: dict) -> int:
 
     ppid = os.getppid()
     facts = args["facts"]
+    placement = placement_of(args)
     ctx = zmq.Context.instance()
     inbox: queue.Queue = queue.Queue()
     stop = threading.Event()
@@ -122,18 +162,20 @@ def main(args: dict) -> int:
     push.connect(args["out_addr"])
 
     t0 = time.monotonic()
-    records.record("load", "loading weights", component="engine", backend=facts["backend"],
-                   slots=facts["n_slots"], n_ctx_slot=facts["n_ctx_slot"])
-    if facts["backend"] == "numpy":
-        from bloomery.engine import quant
+    records.record("load", "loading weights", component="engine", backend=placement.backend,
+                   slots=placement.n_slots, n_ctx_slot=placement.n_ctx_slot, device=placement.default_device)
+    if placement.backend == "numpy":
+        from bloomery.engine.quant import dots
         records.record("load", "lever", component="engine", name="BLOOMERY_KERNEL_ORDER",
-                       value="on" if quant.KERNEL_ORDER else "off",
-                       means="llama.cpp's kernel float order" if quant.KERNEL_ORDER else "exact integer sums, our float order")
-        from bloomery.engine import cpu_kernels
+                       value="on" if dots.KERNEL_ORDER else "off",
+                       means="llama.cpp's kernel float order" if dots.KERNEL_ORDER else "exact integer sums, our float order")
+        from bloomery.engine.cpu import kernels as cpu_kernels
         records.record("load", "lever", component="engine", name="BLOOMERY_CPU_KERNELS",
                        value="off" if cpu_kernels.lib() is None else "on", means=cpu_kernels.status())
-    model = load_model(args["model_file"], backend=facts["backend"], n_slots=facts["n_slots"],
-                       n_ctx_slot=facts["n_ctx_slot"])
+    from bloomery.gguf_file import open_gguf
+    gf = open_gguf(args["model_file"])                  # parsed once; the load takes the open file
+    anon0 = anon_bytes()
+    model = load_model(gf, placement, progress=LoadProgress(float(args.get("progress_s", PROGRESS_S))))
     if args.get("warmup", True):
         # As llama-server's warmup: one id through every layer prepares each weight's decoded
         # form now, in the load phase, instead of in the first request. The slot's bookkeeping
@@ -141,8 +183,15 @@ def main(args: dict) -> int:
         t_warm = time.monotonic()
         model.prefill(0, np.zeros(1, np.int32), 0)
         records.record("load", "warmup", component="engine", took_s=round(time.monotonic() - t_warm, 3))
-    engine = Engine(model, facts["n_slots"], facts["n_ctx_slot"])
-    info = model_info(args, facts, model)
+        host = placement.device("host")
+        anon1 = anon_bytes()
+        if placement.backend == "numpy" and host is not None and anon0 is not None and anon1 is not None:
+            # what the plan counted beside the mapped file (decoded forms + KV) against what this
+            # process now holds; experts no warmup id routed to are decoded by later requests
+            records.record("load", "held after warmup", component="engine", held_bytes=anon1 - anon0,
+                           counted_bytes=host.terms.decoded + host.terms.kv)
+    engine = Engine(model, placement.n_slots, placement.n_ctx_slot)
+    info = model_info(args, facts, placement, model)
     load_s = round(time.monotonic() - t0, 3)
     records.record("load", "model loaded", component="engine", load_s=load_s, n_params=info.n_params)
     records.send(sm.Ready(info, {"load_s": load_s, "pid": os.getpid()}))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from bloomery import records
 from bloomery.messages import stage as sm
-from bloomery.settings import SEATS
+from bloomery.engine.models.registry import ARCHS as SEATS
 from bloomery.stages.common import StageRefusal, run_stage
 from bloomery.stages.meta import model_meta
 
@@ -92,11 +92,13 @@ def main(args: dict) -> int:
         if message == "plan":
             kv = {**kv, "backend_from": backend_why}
         recs.append(sm.Record("plan", "plan", message, {k: _scalar(v) for k, v in kv.items()}))
+    for level, sentence, kv in plan.explain():
+        recs.append(sm.Record("plan", "plan", sentence, kv, level))
     facts = {"n_ctx": plan.n_ctx, "n_ctx_slot": plan.n_ctx_slot, "n_slots": plan.n_slots, "backend": plan.backend,
              "arch": arch, "n_ctx_train": plan.n_ctx_train, "ctx_rule": plan.ctx_rule,
              "general_name": name if isinstance(name, str) else None, "weights_bytes": plan.weights_bytes,
              "parallel_from": plan.parallel_from, **meta}
-    records.send(sm.PlanDone(tuple(recs), facts))
+    records.send(sm.PlanDone(tuple(recs), facts, plan.placement))
     return 0
 
 

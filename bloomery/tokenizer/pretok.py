@@ -18,6 +18,7 @@ from bisect import bisect_right
 from dataclasses import dataclass, field
 from itertools import accumulate
 
+from .errors import TokenizerError
 from .unicode_table import RUNS
 
 # the class of every code point, as runs: starts[i] .. starts[i+1]-1 have classes[i]
@@ -168,7 +169,6 @@ for _names, _p in _GROUPS:
 
 
 def pre_type_for(name) -> PreType:
-    from .vocab import TokenizerError
     if name is None or name == "":
         return PRE_TYPES["default"]   # llama.cpp warns "missing pre-tokenizer type"
     if name not in PRE_TYPES:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import heapq
 
-from .vocab import TokenizerError, Vocab
+from .errors import TokenizerError
+from .vocab import Vocab
 
 
 def byte_token(vocab: Vocab, byte: int) -> int:

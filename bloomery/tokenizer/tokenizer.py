@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from .bpe import CHAR_TO_BYTE, BytePairEncoder
 from .spm import byte_token, spm_tokenize
+from .errors import TokenizerError
 from .vocab import (ATTR_BYTE, ATTR_CONTROL, ATTR_LSTRIP, ATTR_NORMAL, ATTR_RSTRIP,
-                    ATTR_UNKNOWN, ATTR_USER_DEFINED, TokenizerError, Vocab, load_vocab)
+                    ATTR_UNKNOWN, ATTR_USER_DEFINED, Vocab, load_vocab)
 
 _C_SPACE = " \t\n\x0b\x0c\r"   # C isspace(): what LSTRIP/RSTRIP strip next to a special token
 _SPM_SPACE = "\u2581"

@@ -9,11 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .errors import TokenizerError
 from .pretok import PRE_TYPES, PreType, pre_type_for
-
-
-class TokenizerError(ValueError):
-    """Bad vocabulary or bad input; the message names the field, the value and the bound."""
 
 
 # llama_token_attr bits

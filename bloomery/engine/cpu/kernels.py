@@ -21,18 +21,13 @@ import tempfile
 import threading
 from pathlib import Path
 
-from bloomery.engine.cuda_kernels import kernel_dir     # the kernel sources' folder (no CuPy import)
+from bloomery.kernels import cache_dir, kernel_dir
 
 SOURCE = "cpu_lanes.c"
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared"]
 _LOCK = threading.Lock()
 _LIB: ctypes.CDLL | None = None
 _STATUS: str | None = None
-
-
-def cache_dir() -> Path:
-    """Where both backends' compiled kernels are kept (CuPy's cache too, cuda_kernels.Kernels)."""
-    return Path(os.environ.get("BLOOMERY_CACHE", Path.home() / ".cache" / "bloomery")) / "kernels"
 
 
 def _cpu_flags() -> str:

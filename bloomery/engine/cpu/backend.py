@@ -18,11 +18,13 @@ from typing import Sequence
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from bloomery.engine import cpu_kernels, quant
-from bloomery.engine.kv_cache import KVCache
-from bloomery.engine.ops import AttnSpan, Rows
-from bloomery.engine.ops_math import expf_libm, v_expf, vec_soft_max
-from bloomery.engine.sampler import _sorted_top
+from bloomery.engine.cpu import kernels as cpu_kernels
+from bloomery.engine.quant import blocks, dots, threads
+from bloomery.engine.cpu.kv_cache import KVCache
+from bloomery.engine.cpu.sizes import UBATCH
+from bloomery.engine.ops import AttnSpan, Caps, Rows
+from bloomery.engine.cpu.ops_math import expf_libm, v_expf, vec_soft_max
+from bloomery.engine.sampler import sorted_top
 
 
 class NumpyWeight:
@@ -33,8 +35,8 @@ class NumpyWeight:
         self.shape = tuple(int(s) for s in shape)                      # ne order: shape[0] = row length
         self.data = data
         self.cache_planes = cache_planes
-        self._planes: quant.Planes | None = None
-        self._int_rows: quant.IntRows | None = None
+        self._planes: blocks.Planes | None = None
+        self._int_rows: blocks.IntRows | None = None
         self._dense: np.ndarray | None = None
         self._experts: list[NumpyWeight] | None = None
 
@@ -66,19 +68,19 @@ class NumpyWeight:
 
     def dense(self) -> np.ndarray:
         """Float32 [N, K] (F32 / F16 weights, and types with no exact integer path)."""
-        return self._form("_dense", quant.dequantize)
+        return self._form("_dense", blocks.dequantize)
 
-    def int_rows(self) -> quant.IntRows:
+    def int_rows(self) -> blocks.IntRows:
         """The quants as small integers in rows, and their scales (the compiled kernels' input)."""
-        return self._form("_int_rows", quant.int_rows)
+        return self._form("_int_rows", blocks.int_rows)
 
-    def planes(self) -> quant.Planes:
-        return self._form("_planes", quant.decode_planes)
+    def planes(self) -> blocks.Planes:
+        return self._form("_planes", blocks.decode_planes)
 
 
 def _compiled(w: NumpyWeight) -> bool:
     """The compiled kernels compute this weight's llama-order product."""
-    return quant.KERNEL_ORDER and quant.c_takes(w.ggml_type, w.n_rows) and cpu_kernels.lib() is not None
+    return dots.KERNEL_ORDER and blocks.c_takes(w.ggml_type, w.n_rows) and cpu_kernels.lib() is not None
 
 
 def _f32(x) -> np.ndarray:
@@ -124,6 +126,7 @@ def rope_table(positions: np.ndarray, n_rot: int, freq_base: float) -> tuple[np.
 
 class NumpyOps:
     name = "numpy"
+    caps = Caps(n_ubatch=UBATCH, decode_rows=0, fused_head=True, decode_graphs=False, prompt_scratch=False)
 
     def __init__(self, cache_planes: bool = True):
         self.cache_planes = cache_planes
@@ -140,7 +143,7 @@ class NumpyOps:
             bad = int(ids[(ids < 0) | (ids >= n_rows)][0])
             raise ValueError(f"token id {bad} is out of range: the vocabulary has {n_rows} entries (0..{n_rows - 1})")
         rows = w.data.reshape(n_rows, -1)[ids]                          # [T, row_bytes]
-        return quant.dequantize(w.ggml_type, rows.reshape(-1), len(ids), w.n_cols).copy()
+        return blocks.dequantize(w.ggml_type, rows.reshape(-1), len(ids), w.n_cols).copy()
 
     def matmul(self, x, w: NumpyWeight, residual=None) -> np.ndarray:
         y = self._matmul(x, w)
@@ -172,12 +175,12 @@ class NumpyOps:
         ids = np.empty((b, k), np.int32)
         for r in range(b):
             row = np.where(np.isnan(logits[r]), -np.inf, logits[r])
-            ids[r] = _sorted_top(row, k)
+            ids[r] = sorted_top(row, k)
         return ids, np.take_along_axis(logits, ids, axis=1), n_nan
 
     def matmul_topk(self, x, w: NumpyWeight, k: int):
         """topk(matmul(x, w), k), computing the exact sums only of the rows that can be among the k
-        largest where the weight's type allows (quant.top_llama); else the whole batch's product,
+        largest where the weight's type allows (dots.top_llama); else the whole batch's product,
         whose float order may depend on the batch size (Q6_K's tiled path from 8 rows)."""
         x = _f32(x)
         tops = self._tops(x, w, k)
@@ -196,25 +199,25 @@ class NumpyOps:
         return np.array([i[0] for i, _ in tops], np.int32)
 
     def _tops(self, x, w: NumpyWeight, k: int):
-        """quant.top_llama's answer for every row, or None where any row needs the full product."""
+        """dots.top_llama's answer for every row, or None where any row needs the full product."""
         if not self._top_exact(w):
             return None
-        tops = quant.top_llama(x, w.planes(), k)
+        tops = dots.top_llama(x, w.planes(), k)
         return None if any(t is None for t in tops) else tops
 
     @staticmethod
     def _top_exact(w: NumpyWeight) -> bool:
         """top_llama reproduces _matmul's values: the llama-order kernel of a type it covers
         (where the C kernel takes the type, its whole product is quicker than the estimate)."""
-        return quant.KERNEL_ORDER and QT(w.ggml_type) in quant.TOP_TYPES and not _compiled(w)
+        return dots.KERNEL_ORDER and QT(w.ggml_type) in dots.TOP_TYPES and not _compiled(w)
 
     def _expert_matmul(self, x, w: NumpyWeight) -> np.ndarray:
         """ggml_compute_forward_mul_mat_id for one expert's routed rows: as mul_mat, except that
         a repacked Q4_K weight runs its gemv row by row (repack.cpp forward_mul_mat_id)."""
         if _compiled(w):
-            return quant.dot_c(_f32(x), w.int_rows(), per_row=True)
-        if quant.KERNEL_ORDER and QT(w.ggml_type) in quant.LLAMA_ORDER_TYPES:
-            return quant.dot_llama(_f32(x), w.planes(), per_row=True)
+            return dots.dot_c(_f32(x), w.int_rows(), per_row=True)
+        if dots.KERNEL_ORDER and QT(w.ggml_type) in dots.LLAMA_ORDER_TYPES:
+            return dots.dot_llama(_f32(x), w.planes(), per_row=True)
         return self._matmul(x, w)
 
     def _matmul(self, x, w: NumpyWeight) -> np.ndarray:
@@ -224,17 +227,17 @@ class NumpyOps:
             raise ValueError(f"matmul: input has {x.shape[-1]} columns, the weight's rows are {w.n_cols} long")
         qt = QT(w.ggml_type)
         if qt == QT.F32:
-            if quant.KERNEL_ORDER:
-                return quant.dot_f32_llama(x, w.dense())                # [T, N] llama.cpp's float order
+            if dots.KERNEL_ORDER:
+                return dots.dot_f32_llama(x, w.dense())                # [T, N] llama.cpp's float order
             return x @ w.dense().T                                      # [T, N]
         if qt == QT.F16:
             return x.astype(np.float16).astype(np.float32) @ w.dense().T   # [T, N] f16 x f16 in f32
         if _compiled(w):
-            return quant.dot_c(x, w.int_rows())                         # [T, N] the same order, compiled
-        if qt in quant.LLAMA_ORDER_TYPES and quant.KERNEL_ORDER:
-            return quant.dot_llama(x, w.planes())                       # [T, N] llama.cpp's float order
-        if qt in quant.EXACT_TYPES:
-            return quant.dot_planes(x, w.planes())                      # [T, N]
+            return dots.dot_c(x, w.int_rows())                         # [T, N] the same order, compiled
+        if qt in dots.LLAMA_ORDER_TYPES and dots.KERNEL_ORDER:
+            return dots.dot_llama(x, w.planes())                       # [T, N] llama.cpp's float order
+        if qt in blocks.EXACT_TYPES:
+            return dots.dot_planes(x, w.planes())                      # [T, N]
         return x @ w.dense().T                                          # float fallback: no exact path
 
     # --- elementwise and norms ---
@@ -263,7 +266,7 @@ class NumpyOps:
             out = np.empty_like(g)
             n = g.shape[-1]
             rows = g.size // max(1, n)
-            quant._row_chunks(lambda r0, r1: lib.swiglu(g.ctypes.data, up.ctypes.data, out.ctypes.data, n, r0, r1),
+            threads.row_chunks(lambda r0, r1: lib.swiglu(g.ctypes.data, up.ctypes.data, out.ctypes.data, n, r0, r1),
                               rows, rows, g.size * 16)
             return out
         n_vec = g.shape[-1] - g.shape[-1] % 16

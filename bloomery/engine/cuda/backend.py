@@ -16,13 +16,13 @@ from typing import Sequence
 import cupy
 import numpy as np
 
-from bloomery.engine import cuda_attention, cuda_moe
-from bloomery.engine.cuda_gemm import gemm_nt
-from bloomery.engine.cuda_kernels import Kernels
-from bloomery.engine.ops import Rows
-from bloomery.plan import CUDA_UBATCH
+from bloomery.engine.cuda import attention as cuda_attention
+from bloomery.engine.cuda import moe as cuda_moe
+from bloomery.engine.cuda.gemm import gemm_nt
+from bloomery.engine.cuda.kernels import Kernels
+from bloomery.engine.ops import Caps, Rows
+from bloomery.engine.cuda.sizes import DECODE_ROWS as MMV_ROWS, UBATCH
 
-MMV_ROWS = 8                       # rows the mat-vec kernels take at once (MAXB in matvec.cu)
 TOPK_MAX, TOPK_SPAN = 64, 4096     # topk's largest k, and the values one block sorts (matvec.cu)
 F32, F16, BF16 = 0, 1, 30
 BLOCKS = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 6: (32, 22), 8: (32, 34),
@@ -88,7 +88,7 @@ def _host_vector(ggml_type: int, data: np.ndarray) -> np.ndarray:
 
 class CudaOps:
     name = "cuda"
-    n_ubatch = CUDA_UBATCH         # prompt rows per batch: the GEMM paths' fixed costs spread wide
+    caps = Caps(n_ubatch=UBATCH, decode_rows=MMV_ROWS, fused_head=False, decode_graphs=True, prompt_scratch=True)
 
     def __init__(self):
         self.k = Kernels()
@@ -99,7 +99,7 @@ class CudaOps:
 
     def decode_runner(self, model):
         """The model's captured decode steps (cuda_graph.DecodeGraphs), made on first use."""
-        from bloomery.engine.cuda_graph import DecodeGraphs
+        from bloomery.engine.cuda.graph import DecodeGraphs
         if id(model) not in self._runners:
             self._runners[id(model)] = DecodeGraphs(model)
         return self._runners[id(model)]

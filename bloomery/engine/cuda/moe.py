@@ -15,8 +15,9 @@ import os
 import cupy
 import numpy as np
 
-from bloomery.engine import moe_buckets
-from bloomery.engine.cuda_gemm import gemm_nt
+from bloomery.engine.cuda import moe_buckets
+from bloomery.engine.cuda.gemm import gemm_nt
+from bloomery.engine.cuda.sizes import DECODE_ROWS
 
 _NULL = np.uint64(0)
 DOWN_R = 8                          # rows per block in moe_down (DOWN_R in moe.cu)
@@ -70,7 +71,7 @@ def ffn(ops, x, ids, wts, gate, up, down, residual=None):
     x = cupy.ascontiguousarray(x, dtype=cupy.float32)                     # [T, D]
     t, d = x.shape
     _check(gate, up, down, d)
-    if t > 8:
+    if t > DECODE_ROWS:
         return _grouped(ops, x, ids, wts, gate, up, down, residual)
     n_used, f = ids.shape[1], gate.n_rows
     if n_used > 32:

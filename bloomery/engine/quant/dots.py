@@ -1,16 +1,10 @@
-"""Block formats as llama.cpp's CPU backend computes with them.
-
-Two halves:
-  * weights: `decode_planes` splits a quantized [N, K] matrix into an integer
-    plane (the stored quants, as small integers) and its block scales, so a
-    dot product can be done as llama.cpp's `ggml_vec_dot_*` does it: exact
-    integer sums per (sub-)block, then a float combine with the scales.
-  * activations: `quantize_q8_0` / `quantize_q8_K` round a float row the way
-    ggml-cpu's x86 `quantize_row_q8_0` / `quantize_row_q8_K` do (the vec_dot
-    partner type of each weight type, see type_traits_cpu in ggml-cpu.c).
-
-`dequantize` (gguf's reference numpy code) stays beside it as the exact float
-reference the tests compare against.
+"""Dot products of a quantized weight with float activations, as llama.cpp's CPU backend
+computes them: exact integer sums per (sub-)block from the decoded blocks (blocks.py), the
+activations quantized to the weight's vec_dot partner type (activations.py), then the float
+combine with the scales, in llama.cpp's kernel order per type family where KERNEL_ORDER is on:
+the Q8_0 family (Q8_0, Q5_0, Q4_0: lane sums and fma chains, saxpy where it fuses), the
+K-quants (Q6_K's tiled and lane paths, the repacked Q4_K gemm/gemv), F32 weights, the compiled
+kernels' entry (dot_c), and the few largest rows of a Q8_0 head (top_llama).
 
 Legend: N = weight rows (outputs), K = row length (inputs), T = activation rows,
 B = blocks per row, S = sub-blocks per row, Q = elements per (sub-)block.
@@ -18,245 +12,13 @@ B = blocks per row, S = sub-blocks per row, Q = elements per (sub-)block.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
-from gguf import quants as gguf_quants
+from gguf import GGMLQuantizationType as QT
 
-QK8_0 = 32
-QK_K = 256
-
-# weight type -> the activation type its CPU vec_dot takes (ggml-cpu.c type_traits_cpu)
-VEC_DOT_TYPE = {
-    QT.F32: QT.F32, QT.F16: QT.F16,
-    QT.Q4_0: QT.Q8_0, QT.Q5_0: QT.Q8_0, QT.Q8_0: QT.Q8_0,
-    QT.Q4_K: QT.Q8_K, QT.Q5_K: QT.Q8_K, QT.Q6_K: QT.Q8_K,
-}
-EXACT_TYPES = frozenset(VEC_DOT_TYPE)
-
-
-class QuantError(ValueError):
-    """A tensor's bytes do not fit its declared type and shape."""
-
-
-def _check(ggml_type: int, raw: np.ndarray, n_rows: int, n_cols: int) -> tuple[int, int]:
-    block_elems, block_bytes = GGML_QUANT_SIZES[QT(ggml_type)]
-    if n_cols % block_elems:
-        raise QuantError(f"{QT(ggml_type).name}: row length {n_cols} is not a multiple of the block size {block_elems}")
-    want = n_rows * (n_cols // block_elems) * block_bytes
-    if raw.size != want:
-        raise QuantError(f"{QT(ggml_type).name} [{n_rows}, {n_cols}]: expected {want} bytes, got {raw.size}")
-    return block_elems, block_bytes
-
-
-def dequantize(ggml_type: int, raw: np.ndarray, n_rows: int, n_cols: int) -> np.ndarray:
-    """Reference float32 [N, K] of a stored matrix (gguf's numpy dequantizers)."""
-    _check(ggml_type, raw, n_rows, n_cols)
-    qt = QT(ggml_type)
-    if qt == QT.F32:
-        return np.frombuffer(raw, dtype=np.float32).reshape(n_rows, n_cols)
-    if qt == QT.F16:
-        return np.frombuffer(raw, dtype=np.float16).reshape(n_rows, n_cols).astype(np.float32)
-    return gguf_quants.dequantize(raw.reshape(n_rows, -1), qt).astype(np.float32, copy=False)
-
-
-@dataclass
-class _Split:
-    """A quantized weight's integers and scales; the layout of q is the subclass's."""
-    ggml_type: int
-    q: np.ndarray
-    d: np.ndarray
-    sc: np.ndarray | None = None
-    dmin: np.ndarray | None = None
-    m: np.ndarray | None = None
-
-
-@dataclass
-class Planes(_Split):
-    """A weight split for exact integer dot products.
-
-    q:      [B, N, Q] float32 small integers (exact in float32), block-major so
-            one batched matmul over B gives every block's integer sum
-    d:      [N, Bs] float32 super-block (or block) scale
-    sc:     [N, S] int sub-block scales (K-quants), None for Q8_0-family
-    dmin:   [N, Bs] float32 (Q4_K / Q5_K) min scale, None otherwise
-    m:      [N, S] int sub-block mins (Q4_K / Q5_K), None otherwise
-    """
-    cache: dict = field(default_factory=dict, repr=False)   # lazily built kernel-order layouts
-    scaled: bool = False    # llama.cpp's order for Q5_0 / Q4_0 / Q4_K: q holds q times its scale, see _set_scaled
-
-
-def _set_scaled(p: Planes, scaled: bool) -> None:
-    """Switch a plane in place between the integer quants and the quants times their scale:
-    d_w * q for the Q8_0 family (exact in float32: 11 significant bits times 5), the sub-block
-    scale times q for Q4_K (<= 63 * 15). The llama-order kernels (_dot_q8_0_axpy,
-    _dot_q4_K_repacked) read the scaled plane, everything else the integers; q = (s*q) / s is
-    exact, and where a scale is 0 the quants contribute 0 either way, so they come back as 0."""
-    if p.scaled == scaled:
-        return
-    if QT(p.ggml_type) == QT.Q4_K:
-        f = p.sc.T.astype(np.float32)[:, :, None]                       # [S, N, 1]
-    else:
-        f = p.d.T[:, :, None]                                           # [B, N, 1]
-    if scaled:
-        np.multiply(p.q, f, out=p.q)
-    else:
-        np.divide(p.q, f, out=p.q, where=f != 0)
-        p.q[np.broadcast_to(f == 0, p.q.shape)] = 0
-    p.scaled = scaled
-
-
-def _f16(raw: np.ndarray, col: int) -> np.ndarray:
-    """Column `col` .. col+2 of a [rows, bytes] uint8 array as float32."""
-    return raw[:, col:col + 2].copy().view(np.float16)[:, 0].astype(np.float32)
-
-
-def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K / Q5_K: 12 packed bytes -> 8 six-bit scales and 8 six-bit mins (get_scale_min_k4)."""
-    s = scales.astype(np.int32)                                        # [R, 12]
-    sc = np.empty(s.shape[:-1] + (8,), np.int32)
-    mn = np.empty_like(sc)
-    sc[:, :4] = s[:, 0:4] & 63
-    mn[:, :4] = s[:, 4:8] & 63
-    sc[:, 4:] = (s[:, 8:12] & 0xF) | ((s[:, 0:4] >> 6) << 4)
-    mn[:, 4:] = (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)
-    return sc, mn
-
-
-def _int_plane(ggml_type: int, blocks: np.ndarray) -> tuple[np.ndarray, dict]:
-    """blocks [R, block_bytes] uint8 -> (ints [R, block_elems] int8, scale fields)."""
-    qt = QT(ggml_type)
-    if qt == QT.Q8_0:
-        return blocks[:, 2:].view(np.int8), {"d": _f16(blocks, 0)}
-    if qt == QT.Q4_0:
-        qs = blocks[:, 2:18]
-        q = np.concatenate([qs & 0xF, qs >> 4], axis=1).astype(np.int8) - 8
-        return q, {"d": _f16(blocks, 0)}
-    if qt == QT.Q5_0:
-        hb = np.unpackbits(blocks[:, 2:6], axis=1, bitorder="little")  # [R, 32]: bit j of the LE u32 qh
-        qs = blocks[:, 6:22]
-        q = np.empty((blocks.shape[0], 32), np.uint8)
-        np.bitwise_and(qs, 0xF, out=q[:, :16])
-        np.right_shift(qs, 4, out=q[:, 16:])
-        np.left_shift(hb, 4, out=hb)
-        q |= hb
-        q -= 16                                                        # 0..31 - 16, wrapping: int8 below
-        return q.view(np.int8), {"d": _f16(blocks, 0)}
-    if qt in (QT.Q4_K, QT.Q5_K):
-        sc, mn = _k_scales(blocks[:, 4:16])
-        qs = blocks[:, 16:144] if qt == QT.Q4_K else blocks[:, 48:176]
-        qs = qs.reshape(-1, 4, 32)                                     # [R, chunk, 32]
-        q = np.stack([qs & 0xF, qs >> 4], axis=2).reshape(-1, 256)      # sub-block 2c low, 2c+1 high
-        if qt == QT.Q5_K:
-            qh = blocks[:, 16:48]                                      # [R, 32]
-            hb = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1   # [R, 8, 32]
-            q = q | (hb.reshape(-1, 256) << 4)
-        return q.astype(np.int8), {"d": _f16(blocks, 0), "dmin": _f16(blocks, 2), "sc": sc, "m": mn}
-    if qt == QT.Q6_K:
-        ql = blocks[:, 0:128].reshape(-1, 2, 2, 32)                   # [R, half, lo/hi 32, 32]
-        qh = blocks[:, 128:192].reshape(-1, 2, 32)                    # [R, half, 32]
-        sc = blocks[:, 192:208].view(np.int8).astype(np.int32)         # [R, 16]
-        shifts = np.array([0, 2, 4, 6], dtype=np.uint8)
-        hi = (qh[:, :, None, :] >> shifts[None, None, :, None]) & 3    # [R, half, 4, 32]
-        lo = np.stack([ql[:, :, 0] & 0xF, ql[:, :, 1] & 0xF, ql[:, :, 0] >> 4, ql[:, :, 1] >> 4], axis=2)
-        q = (lo | (hi << 4)).astype(np.int8).reshape(-1, 256) - 32
-        return q, {"d": _f16(blocks, 208), "sc": sc}
-    raise QuantError(f"no exact integer path for {qt.name}")
-
-
-DECODE_CHUNK_BYTES = 1 << 20   # stored bytes a decode chunk reads: its int8 temporaries stay in the L2 cache
-
-
-def decode_planes(ggml_type: int, raw: np.ndarray, n_rows: int, n_cols: int) -> Planes:
-    """Split a stored [N, K] quantized matrix into integer planes and scales.
-
-    Row chunk by row chunk (spread over the worker threads): the chunk's integers in int8, then
-    one transposing int8 -> float32 copy into its rows of the block-major plane."""
-    block_elems, block_bytes = _check(ggml_type, raw, n_rows, n_cols)
-    n_blocks = n_cols // block_elems
-    rows = np.asarray(raw).reshape(n_rows, n_blocks * block_bytes)
-    sub = 16 if QT(ggml_type) == QT.Q6_K else 32                       # integer-sum granularity
-    n_sub = n_cols // sub
-    q = np.empty((n_sub, n_rows, sub), np.float32)                     # [S, N, Q]
-    fields: dict[int, dict] = {}
-
-    def chunk(n0: int, n1: int) -> None:
-        ints, f = _int_plane(ggml_type, rows[n0:n1].reshape((n1 - n0) * n_blocks, block_bytes))
-        q[:, n0:n1, :] = ints.reshape(n1 - n0, n_sub, sub).transpose(1, 0, 2)
-        fields[n0] = f
-    nc = max(1, DECODE_CHUNK_BYTES // rows.shape[1])
-    _row_chunks(chunk, n_rows, nc, n_rows * n_cols * 32)               # parallel past PARALLEL_MIN_MACS / 32
-    f = {k: np.concatenate([fields[n0][k] for n0 in sorted(fields)]) for k in fields[0]}
-    d = f["d"].reshape(n_rows, n_blocks)
-    sc = f["sc"].reshape(n_rows, -1) if "sc" in f else None
-    dmin = f["dmin"].reshape(n_rows, n_blocks) if "dmin" in f else None
-    m = f["m"].reshape(n_rows, -1) if "m" in f else None
-    return Planes(ggml_type, q, d, sc, dmin, m)
-
-
-def planes_to_float(p: Planes) -> np.ndarray:
-    """Rebuild float32 [N, K] from planes (checks decode_planes against `dequantize`)."""
-    _set_scaled(p, False)
-    n_sub, n_rows, sub = p.q.shape
-    q = p.q.transpose(1, 0, 2)                                          # [N, S, Q]
-    qt = QT(p.ggml_type)
-    if p.sc is None:
-        return (p.d[:, :, None] * q).reshape(n_rows, -1)
-    per = p.sc.shape[1] // p.d.shape[1]                                 # sub-blocks per super-block
-    dl = np.repeat(p.d, per, axis=1) * p.sc.astype(np.float32)          # [N, S]
-    out = dl[:, :, None] * q
-    if qt in (QT.Q4_K, QT.Q5_K):
-        ml = np.repeat(p.dmin, per, axis=1) * p.m.astype(np.float32)    # [N, S]
-        out = out - ml[:, :, None]
-    return out.reshape(n_rows, -1)
-
-
-# --- activations -------------------------------------------------------------
-
-def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """x [T, K] float32 -> (q [T, K] float32 ints, d [T, K/32] float32).
-
-    As ggml-cpu's x86 quantize_row_q8_0: d = amax/127 stored as f16,
-    multiplier 127/amax in f32, round half to even (_mm256_round_ps).
-    """
-    t, k = x.shape
-    xb = x.reshape(t, k // QK8_0, QK8_0)                                # [T, B, 32]
-    amax = np.abs(xb).max(axis=2)                                       # [T, B]
-    with np.errstate(divide="ignore"):
-        mult = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
-    d = (amax / np.float32(127)).astype(np.float16).astype(np.float32)  # [T, B]
-    q = np.rint(xb * mult[:, :, None])                                  # [T, B, 32]
-    return q.reshape(t, k).astype(np.float32), d
-
-
-def quantize_q8_K(x: np.ndarray, positive_wins: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """x [T, K] float32 -> (q [T, K] float32 ints, d [T, K/256], bsums [T, K/16]).
-
-    As quantize_row_q8_K_ref: the element of largest magnitude (first one on a
-    tie) maps to -127, iscale = -127/max, nearest_int rounds half to even,
-    values capped at 127; d = 1/iscale kept in f32. Rows where positive_wins [T]
-    is set follow x86 ggml_quantize_mat_q8_K_4x8 instead (the repacked gemm's
-    rows): on a +max / -max tie the positive one maps to -127, wherever it is.
-    """
-    t, k = x.shape
-    xb = x.reshape(t, k // QK_K, QK_K)                                  # [T, B, 256]
-    idx = np.abs(xb).argmax(axis=2)                                     # first max, as the ref's strict '>'
-    vmax = np.take_along_axis(xb, idx[:, :, None], axis=2)[:, :, 0]     # [T, B] signed
-    if positive_wins is not None and positive_wins.any():
-        amax = np.abs(vmax)
-        has_pos = (xb == amax[:, :, None]).any(axis=2) & positive_wins[:, None]   # [T, B]
-        vmax = np.where(has_pos, amax, vmax)
-    zero = vmax == 0
-    safe = np.where(zero, np.float32(1), vmax).astype(np.float32)
-    iscale = (np.float32(-127) / safe).astype(np.float32)               # [T, B]
-    q = np.minimum(np.rint(iscale[:, :, None] * xb), 127)               # [T, B, 256]
-    q[zero] = 0
-    d = np.where(zero, np.float32(0), np.float32(1) / iscale).astype(np.float32)
-    q = q.reshape(t, k).astype(np.float32)
-    bsums = q.reshape(t, k // 16, 16).sum(axis=2)                       # [T, K/16] exact ints
-    return q, d, bsums
-
+from bloomery.engine.quant.activations import quantize_q8_0, quantize_q8_K
+from bloomery.engine.quant.blocks import VEC_DOT_TYPE, QK8_0, QK_K, IntRows, Planes, set_scaled
+from bloomery.engine.quant.threads import _OPENBLAS, OneBlasThread, row_chunks
 
 # --- dot products ------------------------------------------------------------
 
@@ -272,7 +34,7 @@ def dot_planes(x: np.ndarray, p: Planes) -> np.ndarray:
     integers, as llama.cpp's int32 accumulators), and the block scales last in
     float32 as llama.cpp does.
     """
-    _set_scaled(p, False)
+    set_scaled(p, False)
     t = x.shape[0]
     n_sub, n_rows, sub = p.q.shape
     qt = QT(p.ggml_type)
@@ -296,7 +58,7 @@ def _block_sums(wq: np.ndarray, qa_b: np.ndarray) -> np.ndarray:
     if t == 1:      # one batched GEMV: numpy's stacked matmul is quick for a single column
         return np.matmul(wq, qa_b.transpose(0, 2, 1)).reshape(n_sub, 1, -1)
     isum = np.empty((n_sub, t, wq.shape[1]), np.float32)
-    with _OneBlasThread():   # tiny GEMMs: OpenBLAS's thread hand-off would cost far more than the work
+    with OneBlasThread():   # tiny GEMMs: OpenBLAS's thread hand-off would cost far more than the work
         for s in range(n_sub):  # one BLAS GEMM per block: stacked matmul does not reach BLAS here
             np.dot(qa_b[s], wq[s].T, out=isum[s])
     return isum
@@ -346,7 +108,7 @@ def _combine(qt, p: Planes, isum, da, bsums, n0: int, n1: int) -> np.ndarray:
 #   F32 weights: dot_f32_llama (ggml_vec_dot_f32 / llamafile's tinyBLAS<16, __m512>).
 # How, in numpy, with no Python per row: every integer lane sum comes from one BLAS product
 # (exact: every partial sum is an integer below 2^24), and the fma chain over blocks is one call
-# per block over all rows at once. For Q5_0 (and Q4_0) the plane holds d_w*q (_set_scaled), so
+# per block over all rows at once. For Q5_0 (and Q4_0) the plane holds d_w*q (set_scaled), so
 # BLAS gives d_w*lane exactly and each chain step is one fused saxpy from numpy's OpenBLAS with
 # a = d_a (the same exact product as d_w*d_a times lane, rounded once); elsewhere a float32 fma
 # is emulated in float64: the product is exact there (< 53 bits), only the sum rounds twice,
@@ -360,41 +122,6 @@ LLAMA_ORDER_TYPES = frozenset({QT.Q8_0, QT.Q5_0, QT.Q6_K, QT.Q4_K})
 # compare batch shapes use it, since llama.cpp's kernels, so ours, give a prompt's logits
 # differently at T=1, T<8 and T>=8.
 KERNEL_ORDER = os.environ.get("BLOOMERY_KERNEL_ORDER", "on").strip().lower() not in ("off", "0", "false", "no")
-
-
-def _numpy_openblas():
-    """numpy's bundled OpenBLAS as a ctypes library (None if numpy uses another BLAS)."""
-    import ctypes
-    import glob
-    libs = os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs")
-    for path in sorted(glob.glob(os.path.join(libs, "*openblas*"))):
-        try:
-            lib = ctypes.CDLL(path)
-            lib.openblas_set_num_threads_local
-        except (OSError, AttributeError):
-            continue
-        return lib
-    return None
-
-
-_OPENBLAS = _numpy_openblas()
-_BLAS_THREADS_LOCAL = None
-if _OPENBLAS is not None:
-    import ctypes as _ct
-    _BLAS_THREADS_LOCAL = _OPENBLAS.openblas_set_num_threads_local
-    _BLAS_THREADS_LOCAL.argtypes, _BLAS_THREADS_LOCAL.restype = [_ct.c_int], _ct.c_int
-
-
-class _OneBlasThread:
-    """The lane kernels run hundreds of small GEMMs and AXPYs; OpenBLAS's thread hand-off
-    costs far more than their work on a busy 2-core machine, so run them on this thread."""
-
-    def __enter__(self):
-        self.prev = _BLAS_THREADS_LOCAL(1) if _BLAS_THREADS_LOCAL else None
-
-    def __exit__(self, *exc):
-        if self.prev is not None:
-            _BLAS_THREADS_LOCAL(self.prev)
 
 
 def _find_saxpy():
@@ -429,7 +156,7 @@ def fused_grain(fn) -> int | None:
     rng = np.random.default_rng(12345)
 
     def fused(lengths) -> bool:
-        with _OneBlasThread():
+        with OneBlasThread():
             for n in lengths:
                 x = rng.standard_normal(n).astype(np.float32)
                 y = rng.standard_normal(n).astype(np.float32)
@@ -477,7 +204,7 @@ def dot_llama(x: np.ndarray, p: Planes, per_row: bool = False) -> np.ndarray:
     per_row: the product of ggml_mul_mat_id (an expert's rows): a repacked Q4_K weight runs its
     gemv row by row there, whatever the batch; Q6_K takes the tiled path from 8 rows per expert
     as in mul_mat, and the Q8_0 family has one order for any batch."""
-    with _OneBlasThread():
+    with OneBlasThread():
         return _dot_llama(x, p, per_row)
 
 
@@ -503,44 +230,6 @@ def _lane_diag(qa: np.ndarray, n_blocks: int) -> np.ndarray:
     return a_bd.reshape(n_blocks, 32, 8 * t)
 
 
-# Worker threads for the row chunks of the large products (numpy, BLAS and the saxpy calls all
-# release the GIL); BLOOMERY_NUMPY_THREADS=1 keeps everything on the calling thread.
-N_THREADS = max(1, int(os.environ.get("BLOOMERY_NUMPY_THREADS", "0") or 0) or min(2, os.cpu_count() or 1))
-PARALLEL_MIN_MACS = 1 << 22           # products smaller than this run on the calling thread
-_POOL = None
-
-
-def _one_blas_thread_call(fn, *args):
-    with _OneBlasThread():
-        return fn(*args)
-
-
-def _row_chunks(fn, n_rows: int, nc: int, macs: int, multiple: int = 1) -> None:
-    """fn(n0, n1) for each chunk of nc rows, spread over N_THREADS threads when the product is
-    big; every chunk but the last a whole number of `multiple` rows."""
-    global _POOL
-    if N_THREADS > 1 and macs >= PARALLEL_MIN_MACS:
-        nc = min(nc, -(-n_rows // N_THREADS))                          # at least one chunk per thread
-    nc = max(multiple, nc - nc % multiple)
-    starts = list(range(0, n_rows, nc))
-    if N_THREADS < 2 or len(starts) < 2 or macs < PARALLEL_MIN_MACS:
-        for n0 in starts:
-            fn(n0, min(n_rows, n0 + nc))
-        return
-    if _POOL is None:
-        from concurrent.futures import ThreadPoolExecutor
-        _POOL = ThreadPoolExecutor(N_THREADS, thread_name_prefix="bloomery-numpy")
-    per = -(-len(starts) // N_THREADS)                                 # contiguous runs of chunks per thread
-
-    def run(group):
-        for n0 in group:
-            fn(n0, min(n_rows, n0 + nc))
-    futures = [_POOL.submit(_one_blas_thread_call, run, starts[i:i + per]) for i in range(per, len(starts), per)]
-    run(starts[:per])                                                   # the first run on this thread
-    for f in futures:
-        f.result()
-
-
 def _saxpy_rows(n_rows: int) -> int:
     """Rows a saxpy chunk of _dot_q8_0_axpy must be a multiple of (its length is 8 per row)
     for the saxpy to fuse every step; 0: n_rows cannot be cut so."""
@@ -551,7 +240,7 @@ def _saxpy_rows(n_rows: int) -> int:
 def _dot_q8_0_lanes(x: np.ndarray, p: Planes) -> np.ndarray:
     if USE_SAXPY and QT(p.ggml_type) in AXPY_TYPES and _saxpy_rows(p.q.shape[1]):
         return _dot_q8_0_axpy(x, p)
-    _set_scaled(p, False)
+    set_scaled(p, False)
     t = x.shape[0]
     n_blocks, n_rows, _ = p.q.shape
     qa, da = quantize_q8_0(x)
@@ -567,7 +256,7 @@ def _dot_q8_0_lanes(x: np.ndarray, p: Planes) -> np.ndarray:
         np.multiply(prod, d, out=prod)                                  # [B, n, 8, T] exact products
         acc = _fma_chain(prod, np.empty((n, 8, t), np.float32))         # [n, 8, T]
         out[:, n0:n1] = _hsum8(acc.transpose(1, 0, 2)).T                # [T, n]
-    _row_chunks(chunk, n_rows, _rows_per_chunk(n_blocks * 8 * t * 8, n_rows), t * n_rows * n_blocks * 32)
+    row_chunks(chunk, n_rows, _rows_per_chunk(n_blocks * 8 * t * 8, n_rows), t * n_rows * n_blocks * 32)
     return out
 
 
@@ -582,7 +271,7 @@ def _dot_q8_0_axpy(x: np.ndarray, p: Planes) -> np.ndarray:
     """One column: lanes [B, n, 8] from [n, 32] @ [32, 8] per block, contiguous per block.
     More: [B, 8T, n] from [8T, 32] @ [32, n], contiguous per (block, column). Either way the
     plane is d_w*q, so each BLAS sum is d_w*lane exactly, and each saxpy one fma step."""
-    _set_scaled(p, True)
+    set_scaled(p, True)
     t = x.shape[0]
     n_blocks, n_rows, _ = p.q.shape
     qa, da = quantize_q8_0(x)
@@ -608,62 +297,14 @@ def _dot_q8_0_axpy(x: np.ndarray, p: Planes) -> np.ndarray:
                 saxpy(step, da_list[r][b], base + r * 4 * step, 1, acc_ptr + r * 4 * step, 1)
         out[:, n0:n1] = _hsum8(acc.T) if t == 1 else _hsum8(acc.transpose(1, 0, 2))
     nc = n_rows if n_rows <= 1024 else max(256, AXPY_CHUNK_BYTES // (n_blocks * 8 * t * 4))
-    _row_chunks(chunk, n_rows, nc, t * n_rows * n_blocks * 32, multiple=_saxpy_rows(n_rows))
+    row_chunks(chunk, n_rows, nc, t * n_rows * n_blocks * 32, multiple=_saxpy_rows(n_rows))
     return out
-
-
-# --- the compiled kernels (kernels/cpu_lanes.c) --------------------------------------------
-# The same float order as the numpy kernels above (_dot_q8_0_lanes / _axpy for Q8_0 and Q5_0,
-# _dot_q6_K_tiled / _lanes, _dot_q4_K_repacked), from the quants as small integers in rows (a
-# quarter of the float plane's bytes) with no block-diagonal product: a tenth of the time or
-# less. cpu_kernels.lib() is None where they cannot be built.
-C_TYPES = frozenset({QT.Q8_0, QT.Q5_0, QT.Q6_K, QT.Q4_K})
-
-
-@dataclass
-class IntRows(_Split):
-    """A weight for the compiled kernels: q [N, K] int8 (uint8 for Q4_K, and Q6_K's unsigned
-    0..63), d [N, blocks] f32, and for K-quants sc [N, S] and (Q4_K) dmin [N, Bs], m [N, S]."""
-
-
-def int_rows(ggml_type: int, raw: np.ndarray, n_rows: int, n_cols: int) -> IntRows:
-    """A stored [N, K] matrix of a C_TYPES type as IntRows, row chunks over the worker threads."""
-    block_elems, block_bytes = _check(ggml_type, raw, n_rows, n_cols)
-    qt = QT(ggml_type)
-    n_blocks = n_cols // block_elems
-    rows = np.asarray(raw).reshape(n_rows, n_blocks * block_bytes)
-    q = np.empty((n_rows, n_cols), np.uint8 if qt in (QT.Q4_K, QT.Q6_K) else np.int8)
-    out: dict[str, np.ndarray] = {"d": np.empty((n_rows, n_blocks), np.float32)}
-    if qt == QT.Q6_K:
-        out["sc"] = np.empty((n_rows, n_cols // 16), np.int8)
-    if qt == QT.Q4_K:
-        out.update(sc=np.empty((n_rows, n_cols // 32), np.uint8), m=np.empty((n_rows, n_cols // 32), np.uint8),
-                   dmin=np.empty((n_rows, n_blocks), np.float32))
-
-    def chunk(n0: int, n1: int) -> None:
-        ints, f = _int_plane(ggml_type, rows[n0:n1].reshape((n1 - n0) * n_blocks, block_bytes))
-        ints = ints.reshape(n1 - n0, n_cols)
-        if qt == QT.Q6_K:
-            np.add(ints.view(np.uint8), 32, out=q[n0:n1])             # unsigned 0..63, as the kernel reads it
-        else:
-            q[n0:n1] = ints                                             # Q4_K's 0..15 as uint8
-        for name, arr in out.items():
-            arr[n0:n1] = f[name].reshape(n1 - n0, -1)
-    _row_chunks(chunk, n_rows, max(1, DECODE_CHUNK_BYTES // rows.shape[1]), n_rows * n_cols * 32)
-    return IntRows(ggml_type, q, **out)
-
-
-def c_takes(ggml_type: int, n_rows: int) -> bool:
-    """The compiled kernels give this weight's llama-order product (Q4_K is repacked, so in
-    llama.cpp's 8x8 order, only where its rows come in eights)."""
-    qt = QT(ggml_type)
-    return qt in C_TYPES and (qt != QT.Q4_K or n_rows % 8 == 0)
 
 
 def dot_c(x: np.ndarray, w: IntRows, per_row: bool = False) -> np.ndarray:
     """x [T, K] float32 @ w^T -> [T, N] in llama.cpp's order, through the compiled kernels
     (cpu_kernels.lib() must not be None); per_row as dot_llama's."""
-    from bloomery.engine import cpu_kernels
+    from bloomery.engine.cpu import kernels as cpu_kernels
     lib = cpu_kernels.lib()
     x = np.ascontiguousarray(x, dtype=np.float32)
     bad = ~np.isfinite(x).all(axis=1)                                   # such a row's quantized blocks are NaN:
@@ -698,7 +339,7 @@ def dot_c(x: np.ndarray, w: IntRows, per_row: bool = False) -> np.ndarray:
                             out.ctypes.data, n_rows)
     # one chunk per thread: each keeps the T activation rows in its cache and reads a weight row
     # once for all of them, so smaller chunks would only add calls
-    _row_chunks(run, n_rows, n_rows, t * n_rows * k)
+    row_chunks(run, n_rows, n_rows, t * n_rows * k)
     out[bad] = np.nan
     return out
 
@@ -710,7 +351,7 @@ def dot_f32_llama(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     accumulator, fma over the row in 16-wide steps (a partial last step reads zeros), then
     _mm512_reduce_add_ps. Otherwise ggml_vec_dot_f32: four 16-lane accumulators over 64-wide
     steps, (acc0 + acc2) + (acc1 + acc3), _mm512_reduce_add_ps, then the tail one fma at a time."""
-    from bloomery.engine.ops_math import reduce_add16
+    from bloomery.engine.cpu.ops_math import reduce_add16
     t, k = x.shape
     n = w.shape[0]
     out = np.empty((t, n), np.float32)
@@ -815,9 +456,9 @@ def _dot_q4_K_repacked(x: np.ndarray, p: Planes, gemv_only: bool = False) -> np.
     """ggml_gemm/gemv_q4_K_8x8_q8_K: gemm rows (the first T - T%4) fma once per 64 elements,
     gemv rows once per super-block; the mins' products in a second accumulator the same way.
 
-    The plane holds q * sub-block scale (_set_scaled), so one BLAS sum per 32 elements is that
+    The plane holds q * sub-block scale (set_scaled), so one BLAS sum per 32 elements is that
     sub-block's scaled integer sum (<= 32*945*127 < 2^24, exact) and two of them the 64's."""
-    _set_scaled(p, True)
+    set_scaled(p, True)
     t = x.shape[0]
     n_sub, n_rows, sub = p.q.shape
     n_super = p.d.shape[1]
@@ -873,7 +514,7 @@ TOP_TYPES = frozenset({QT.Q8_0})
 def _q8_0_estimate(x: np.ndarray, p: Planes) -> tuple[np.ndarray, np.ndarray]:
     """Every row's sum in float64 for each column of x [T, K] (est [T, N]), and the bound on its
     distance from the llama-order float32 sum (bound [T, N]); one pass over the plane for all T."""
-    _set_scaled(p, False)
+    set_scaled(p, False)
     t = x.shape[0]
     n_blocks, n_rows, _ = p.q.shape
     qa, da = quantize_q8_0(x)
@@ -890,7 +531,7 @@ def _q8_0_estimate(x: np.ndarray, p: Planes) -> tuple[np.ndarray, np.ndarray]:
             sc = (p.d[n0:n1] * da[r][None, :]).astype(np.float64)       # [n, B] f32 d_w*d_a, as the kernel
             est[r, n0:n1] = np.einsum("nb,bn->n", sc, isum[:, :, r])
             bound[r, n0:n1] = (np.abs(sc) * q_norms[n0:n1]) @ a_norms[r]
-    _row_chunks(chunk, n_rows, 8192, t * n_rows * n_blocks * 32)
+    row_chunks(chunk, n_rows, 8192, t * n_rows * n_blocks * 32)
     bound *= 2.0 ** -24 * (n_blocks + 5)
     return est, bound
 
@@ -918,7 +559,7 @@ def top_llama(x: np.ndarray, p: Planes, k: int) -> list[tuple[np.ndarray, np.nda
         low = est[r] - bound[r]
         kth = np.partition(low, n_rows - k)[n_rows - k]                 # the k-th largest lower end
         cand = np.flatnonzero(est[r] + bound[r] >= kth)                 # ascending ids
-        with _OneBlasThread():
+        with OneBlasThread():
             vals = _dot_llama(x[r:r + 1], _rows_of(p, cand))[0]         # [C] llama order
         if not np.isfinite(vals).all():
             out.append(None)

@@ -20,14 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
+from bloomery.kernels import cache_dir, kernel_dir
+
 MODULES = ("matvec", "moe", "attention", "layers")
 BIG_SMEM = frozenset({"moe_gate_up_s", "moe_down_s"})    # kernels whose shared memory may pass 48 KiB
 _INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.M)
-
-
-def kernel_dir() -> Path:
-    """bloomery/kernels: a link to the tree's top-level kernels/, a copy in an installed wheel."""
-    return Path(__file__).resolve().parent.parent / "kernels"
 
 
 def source(name: str, kdir: Path | None = None) -> str:
@@ -148,7 +145,6 @@ class Kernels:
     def __init__(self):
         self.pdl = False
         import cupy
-        from bloomery.engine.cpu_kernels import cache_dir
         os.environ.setdefault("CUPY_CACHE_DIR", str(cache_dir()))
         self._cupy = cupy
         self._mods: dict[str, object] = {}

@@ -16,8 +16,8 @@ import math
 import cupy
 import numpy as np
 
-from bloomery.engine.cuda_gemm import gemm_nn, gemm_nt
-from bloomery.plan import CUDA_SCORE_BYTES
+from bloomery.engine.cuda.gemm import gemm_nn, gemm_nt
+from bloomery.engine.cuda.sizes import DECODE_ROWS, SCORE_BYTES
 
 DEC_MAXG = (4, 8, 16)               # query heads per kv head the attn_dec kernels are built for
 DEC_BLOCKS_PER_SM = 2               # attn_dec blocks aimed at per SM (the pieces follow the depth)
@@ -38,7 +38,6 @@ def n_pieces(n_ctx_slot: int, n_kv_head: int, rows: int, n_sm: int) -> int:
     return max(1, min(-(-n_ctx_slot // 32), DEC_BLOCKS_PER_SM * n_sm // max(1, n_kv_head * rows)))
 
 
-SCORE_BYTES = CUDA_SCORE_BYTES     # the prompt path's score matrix per chunk (counted by the plan)
 _NULL = np.uint64(0)
 
 
@@ -75,7 +74,7 @@ def self_attention(ops, cache: KVCacheF16, layer: int, rows, q, k, v, scale: flo
         np.float32(eps), rows.slots, rows.positions, np.int32(n_head), np.int32(n_kv_head), np.int32(dh),
         np.int32(n_rot), np.float32(math.log2(freq_base)), layer_off, np.int64(cache.slot_stride),
         np.int32(cache.n_ctx_slot), cache.k, cache.v, q_rot))
-    if rows.spans is None or t <= 8:
+    if rows.spans is None or t <= DECODE_ROWS:
         return _split_path(ops, cache, layer_off, rows, q_rot, n_kv_head, scale)
     return _gemm_path(ops, cache, layer, rows.spans, q_rot, n_kv_head, scale)
 

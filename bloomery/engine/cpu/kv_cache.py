@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from bloomery.engine.ops_math import expf_libm, vec_soft_max
+from bloomery.engine.cpu.ops_math import expf_libm, vec_soft_max
 
 FA_TILE_Q = 64   # ggml-cpu common.h GGML_FA_TILE_Q: the tiled F32 path from this many rows
 FA_TILE_KV = 64  # GGML_FA_TILE_KV: the tiled path's online softmax steps a tile of positions at a time
@@ -43,8 +43,12 @@ class KVCache:
 
     def __init__(self, n_layer: int, n_slots: int, n_ctx_slot: int, n_head_kv: int, head_dim: int):
         shape = (n_layer, n_slots, n_ctx_slot, n_head_kv, head_dim)
-        self.k = np.zeros(shape, np.float16)
-        self.v = np.zeros(shape, np.float16)
+        # written now, not left to the kernel's zero pages: the bytes the plan counts are held from
+        # the load on (llama.cpp clears its KV buffer too), not found missing at the first long prompt
+        self.k = np.empty(shape, np.float16)
+        self.v = np.empty(shape, np.float16)
+        self.k.fill(0)
+        self.v.fill(0)
         self.n_slots = n_slots
         self.n_ctx_slot = n_ctx_slot
 
@@ -72,13 +76,14 @@ class KVCache:
 
 def _c_attention(head_dim: int) -> bool:
     """kernels/cpu_lanes.c's attn_f16 / attn_f32 take this (their head-size bound is 1024)."""
-    from bloomery.engine import cpu_kernels
+    from bloomery.engine.cpu import kernels as cpu_kernels
     return head_dim <= 1024 and cpu_kernels.lib() is not None
 
 
 def _attend_c(q, k, v, pos0: int, scale, tiled: bool) -> np.ndarray:
     """Both paths through the compiled kernels, query rows (t, head) split over the worker threads."""
-    from bloomery.engine import cpu_kernels, quant
+    from bloomery.engine.cpu import kernels as cpu_kernels
+    from bloomery.engine.quant import threads
     lib = cpu_kernels.lib()
     t, h, dh = q.shape
     n_kv, hkv, _ = k.shape
@@ -95,7 +100,7 @@ def _attend_c(q, k, v, pos0: int, scale, tiled: bool) -> np.ndarray:
         def run(r0: int, r1: int) -> None:
             lib.attn_f16(q.ctypes.data, k.ctypes.data, v.ctypes.data, h, hkv, dh, pos0, float(scale),
                          out.ctypes.data, r0, r1)
-    quant._row_chunks(run, n_rows, n_rows, n_rows * n_kv * dh * 2)
+    threads.row_chunks(run, n_rows, n_rows, n_rows * n_kv * dh * 2)
     return out
 
 

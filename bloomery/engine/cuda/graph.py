@@ -17,9 +17,10 @@ from dataclasses import dataclass
 import cupy
 import numpy as np
 
+from bloomery.engine.cuda.sizes import DECODE_ROWS
 from bloomery.engine.ops import Rows
 
-MAX_BATCH = 8
+MAX_BATCH = DECODE_ROWS
 
 
 def pdl_enabled() -> bool:

@@ -1,0 +1,209 @@
+"""The plumbing every architecture shares: batches in, logits out, the KV cache per slot.
+
+An architecture file subclasses CausalLM, declares its tensors (one name map per layer) and
+supplies `block` over models/layers.py; the embedding, the output head, prefill / decode /
+forward_all live here once. Where the backends differ, the ops' `caps` says so.
+
+Legend: T = tokens, B = slots in a decode batch, D = hidden, V = vocabulary.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import numpy as np
+
+from bloomery.engine.ops import AttnSpan, Ops, Rows
+from bloomery.gguf_file import GGUFFile
+
+class ModelError(ValueError):
+    """A model file or a call the model cannot take; the message names the value and the bound."""
+
+
+def meta(gf: GGUFFile, key: str, default=None, required: bool = True):
+    """A GGUF metadata value, or a ModelError naming the missing key."""
+    value = gf.get(key, default)
+    if value is None and required:
+        raise ModelError(f"{gf.path}: metadata key {key!r} is missing")
+    return value
+
+
+class CausalLM:
+    """A decoder-only model over an Ops backend; subclasses fill in the architecture."""
+
+    arch: str = ""
+
+    def __init__(self, gf: GGUFFile, ops: Ops, n_slots: int, n_ctx_slot: int,
+                 progress: Callable[[int, int], None] | None = None):
+        if n_slots < 1:
+            raise ModelError(f"n_slots must be at least 1, got {n_slots}")
+        if n_ctx_slot < 1:
+            raise ModelError(f"n_ctx_slot must be at least 1, got {n_ctx_slot}")
+        self.gf, self.ops = gf, ops
+        self.n_slots, self.n_ctx_slot = n_slots, n_ctx_slot
+        self.n_params = sum(int(np.prod(t.shape)) for t in gf.tensors.values())
+        self.n_ubatch = ops.caps.n_ubatch                                # rows per prompt batch
+        self.progress = progress                                         # (bytes read, bytes in the file)
+        self.bytes_read, self.bytes_total = 0, sum(t.n_bytes for t in gf.tensors.values())
+
+    # --- what an architecture provides ---
+    n_vocab: int
+    n_ctx_train: int
+    n_layer: int
+
+    def block(self, il: int, x, rows: Rows):                # [T, D] -> [T, D]
+        raise NotImplementedError
+
+    # --- helpers for architecture files ---
+    def load_decoder(self, hp, layer_names: dict[str, str], optional: frozenset[str] = frozenset()) -> None:
+        """The shared decoder state from hyperparameters hp (models/layers.Hparams): the token
+        embedding, each layer's tensors by `layer_names` (key -> GGUF name with {i}; those in
+        `optional` may be absent), the output norm and head (tied to the embedding when the file
+        has no output.weight), the attention scale and the KV cache."""
+        self.hp = hp
+        self.n_layer, self.n_ctx_train = hp.n_layer, hp.n_ctx_train
+        self.tok_embd = self.tensor("token_embd.weight")
+        self.n_vocab = int(self.gf.tensors["token_embd.weight"].shape[1])
+        self.output_norm = self.tensor("output_norm.weight")
+        self.output = self.tensor("output.weight", required=False) or self.tok_embd
+        self.layers = [{k: self.tensor(n.format(i=i), required=k not in optional) for k, n in layer_names.items()}
+                       for i in range(hp.n_layer)]
+        self.kq_scale = float(np.float32(1.0) / np.float32(math.sqrt(hp.head_dim)))
+        self.cache = self.ops.kv_cache(hp.n_layer, self.n_slots, self.n_ctx_slot, hp.n_head_kv, hp.head_dim)
+
+    def embed(self, ids):                                   # [T] -> [T, D]
+        return self.ops.get_rows(self.tok_embd, ids)
+
+    def final_norm(self, x):                                # [T, D] -> [T, D]
+        return self.ops.rms_norm(x, self.output_norm, self.hp.rms_eps)
+
+    def head(self, x):                                      # [T, D] -> [T, V]
+        return self.ops.matmul(self.final_norm(x), self.output)
+
+    def head_topk(self, x, k: int):                         # [T, D] -> ids, values [T, k], NaN count [T]
+        if self.ops.caps.fused_head:
+            return self.ops.matmul_topk(self.final_norm(x), self.output, k)
+        return self.ops.topk(self.head(x), k)
+
+    def head_argmax(self, x):                               # [T, D] -> [T]
+        if self.ops.caps.fused_head:
+            return self.ops.matmul_argmax(self.final_norm(x), self.output)
+        return self.ops.argmax(self.head(x))
+
+    def tensor(self, name: str, required: bool = True):
+        """A weight handle for GGUF tensor `name` (None if optional and absent)."""
+        info = self.gf.tensors.get(name)
+        if info is None:
+            if required:
+                raise ModelError(f"{self.gf.path}: tensor {name!r} is missing ({self.arch})")
+            return None
+        w = self.ops.weight(info.ggml_type, info.shape, self.gf.tensor_data(name))
+        self.bytes_read += info.n_bytes
+        if self.progress is not None:
+            self.progress(self.bytes_read, self.bytes_total)
+        return w
+
+    # --- the Model contract ---
+    def _run(self, ids: np.ndarray, positions: np.ndarray, spans: Sequence[AttnSpan]):
+        x = self.embed(self.ops.from_host(ids))                          # [T, D]
+        rows = self.ops.rows(spans, self.ops.from_host(positions))
+        return self.layers_forward(x, rows)
+
+    def layers_forward(self, x, rows: Rows):
+        for il in range(self.n_layer):
+            x = self.block(il, x, rows)                                  # [T, D]
+        return x
+
+    def _check(self, slot: int, ids, pos0: int) -> np.ndarray:
+        if not 0 <= slot < self.n_slots:
+            raise ModelError(f"slot {slot} is out of range: the model has {self.n_slots} slots (0..{self.n_slots - 1})")
+        ids = np.asarray(ids, dtype=np.int32).reshape(-1)                # [T]
+        if ids.size == 0:
+            raise ModelError("ids is empty: at least one token is needed")
+        if ids.min() < 0 or ids.max() >= self.n_vocab:
+            bad = int(ids[(ids < 0) | (ids >= self.n_vocab)][0])
+            raise ModelError(f"token id {bad} is out of range: n_vocab = {self.n_vocab}")
+        if pos0 < 0 or pos0 + ids.size > self.n_ctx_slot:
+            raise ModelError(f"positions {pos0}..{pos0 + ids.size - 1} do not fit the slot: n_ctx_slot = {self.n_ctx_slot}")
+        return ids
+
+    def forward_all(self, slot: int, ids, pos0: int) -> np.ndarray:
+        """Every position's logits [T, V]; fills the slot's KV at pos0 .. pos0+T-1."""
+        ids = self._check(slot, ids, pos0)
+        outs = []
+        for c0 in range(0, ids.size, self.n_ubatch):
+            chunk = ids[c0:c0 + self.n_ubatch]                                # [t]
+            p0 = pos0 + c0
+            pos = np.arange(p0, p0 + chunk.size, dtype=np.int32)
+            x = self._run(chunk, pos, [AttnSpan(slot, p0, 0, chunk.size)])
+            outs.append(self.ops.to_host(self.head(x)))                 # [t, V]
+        return np.concatenate(outs, axis=0)
+
+    def prefill(self, slot: int, ids, pos0: int) -> np.ndarray:
+        """The last position's logits [V]; fills the slot's KV at pos0 .. pos0+T-1."""
+        ids = self._check(slot, ids, pos0)
+        x = None
+        for c0 in range(0, ids.size, self.n_ubatch):
+            chunk = ids[c0:c0 + self.n_ubatch]
+            p0 = pos0 + c0
+            pos = np.arange(p0, p0 + chunk.size, dtype=np.int32)
+            x = self._run(chunk, pos, [AttnSpan(slot, p0, 0, chunk.size)])
+        logits = self.ops.to_host(self.head(x[-1:]))[0]                 # [V]
+        if self.ops.caps.prompt_scratch and ids.size > self.ops.caps.decode_rows:   # a prompt-path pass ran
+            self.ops.release_scratch()
+        return logits
+
+    def _decode_args(self, slots, ids, positions):
+        slots = [int(s) for s in slots]
+        ids = np.asarray(ids, dtype=np.int32).reshape(-1)                # [B]
+        positions = np.asarray(positions, dtype=np.int32).reshape(-1)    # [B]
+        if not (len(slots) == ids.size == positions.size) or not slots:
+            raise ModelError(f"decode needs one id and one position per slot: got {len(slots)} slots, "
+                             f"{ids.size} ids, {positions.size} positions")
+        if len(set(slots)) != len(slots):
+            raise ModelError(f"decode got slot(s) more than once: {slots}")
+        for s, i, p in zip(slots, ids, positions):
+            self._check(s, [i], int(p))
+        return slots, ids, positions
+
+    def _graphs(self, n: int):
+        """The backend's captured decode steps when it has them and they take n rows."""
+        runner = self.ops.decode_runner(self) if self.ops.caps.decode_graphs else None
+        return runner if runner is not None and n <= runner.max_batch else None
+
+    def decode(self, slots: Sequence[int], ids, positions) -> np.ndarray:
+        """One token per slot, batched: logits [B, V]."""
+        return self._step(slots, ids, positions, want_logits=True)
+
+    def decode_greedy(self, slots: Sequence[int], ids, positions) -> np.ndarray:
+        """One token per slot, each slot's next id by argmax (the first largest logit): ids [B].
+        On a backend with captured steps only the ids leave the card."""
+        return self._step(slots, ids, positions, want_logits=False)
+
+    @property
+    def topk_max(self) -> int:
+        """The largest k decode_topk takes (0: this backend hands over whole rows of logits)."""
+        return self.ops.topk_max(self.n_vocab)
+
+    def decode_topk(self, slots: Sequence[int], ids, positions, k: int):
+        """One token per slot; of each slot's logits only the k largest leave the device, in the
+        sampler chain's order (descending, ties to the lower id): (ids [B, k] int32, values
+        [B, k] float32, NaN count [B]). For a sampled pick whose chain after top_k needs no more."""
+        if not 1 <= k <= self.topk_max:
+            raise ModelError(f"decode_topk takes k in 1..{self.topk_max} on the {self.ops.name} backend, not {k}")
+        slots, ids, positions = self._decode_args(slots, ids, positions)
+        runner = self._graphs(len(slots))
+        if runner is not None:
+            return runner.run_topk(slots, ids, positions, k)
+        spans = [AttnSpan(s, int(p), b, b + 1) for b, (s, p) in enumerate(zip(slots, positions))]
+        got = self.head_topk(self._run(ids, positions, spans), k)
+        return tuple(self.ops.to_host(a) for a in got)
+
+    def _step(self, slots, ids, positions, want_logits: bool) -> np.ndarray:
+        slots, ids, positions = self._decode_args(slots, ids, positions)
+        runner = self._graphs(len(slots))
+        if runner is not None:
+            return runner.run(slots, ids, positions, want_logits=want_logits)
+        spans = [AttnSpan(s, int(p), b, b + 1) for b, (s, p) in enumerate(zip(slots, positions))]
+        x = self._run(ids, positions, spans)
+        return self.ops.to_host(self.head(x) if want_logits else self.head_argmax(x))   # [B, V] or [B]

@@ -1,0 +1,87 @@
+"""The Placement: where a start puts the model and what each device holds, in bytes by term.
+
+bloomery.plan makes it (make_plan), the plan stage sends it inside PlanDone (a typed message,
+checked field by field by messages/codec.py), the supervisor hands it to the engine stage, and
+bloomery.engine.loader.load_model(gguf, placement, backend) carries it out. `--plan` prints it
+and the need hook's record is read from it.
+
+Today every tensor lives on one device (`default_device`), so `tensors` is empty. The offload
+tier extends this object without reshaping it: a TensorPlace per tensor (or stacked expert
+slice) that lives elsewhere, per-layer counts of routed experts on a card in `experts_on_card`,
+and one DeviceNeed per card of a several-card start, each with its own terms.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Terms:
+    """Bytes one device holds, by what they are for."""
+    weights: int = 0        # the stored tensors placed here, as stored
+    decoded: int = 0        # the backend's decoded forms of them (numpy: int rows, planes, dense copies)
+    kv: int = 0             # the KV cache of every slot, as the backend allocates it
+    scratch: int = 0        # the peak of one prompt pass (transient: not held between requests)
+    margin: int = 0         # kept free on a card, or reserved on the host (interpreter, tables, sockets)
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.decoded + self.kv + self.scratch + self.margin
+
+    @property
+    def held(self) -> int:
+        """What stays allocated after the load: every term but the transient scratch and the margin."""
+        return self.weights + self.decoded + self.kv
+
+
+@dataclass(frozen=True)
+class DeviceNeed:
+    device: str             # "host", "cuda:0", ...
+    available: int          # what the census saw free there (0: not counted)
+    terms: Terms
+
+
+@dataclass(frozen=True)
+class TensorPlace:
+    """One tensor (or a slice of a stacked expert tensor) away from the default device."""
+    name: str
+    device: str
+
+
+@dataclass(frozen=True)
+class Placement:
+    backend: str                            # "numpy" or "cuda"
+    n_slots: int
+    n_ctx_slot: int
+    default_device: str                     # where every tensor not in `tensors` lives
+    kv_type: str = "f16"                    # the KV cache's element type on every backend
+    devices: tuple[DeviceNeed, ...] = ()    # what each device holds (empty: an unplanned load, tests and tools)
+    tensors: tuple[TensorPlace, ...] = ()   # per-tensor exceptions to default_device (the offload tier's)
+    experts_on_card: tuple[int, ...] = ()   # per layer, routed experts on the card (the offload tier's)
+
+    @property
+    def n_ctx(self) -> int:
+        return self.n_slots * self.n_ctx_slot
+
+    def device(self, name: str) -> DeviceNeed | None:
+        return next((d for d in self.devices if d.device == name), None)
+
+    def need(self) -> tuple[int, list[int]]:
+        """(host bytes, bytes per card in census order) to ask a broker for: the host counts its
+        reserve (the process uses it), a card's margin is kept free and not asked for."""
+        host = self.device("host")
+        cards = [d.terms.total - d.terms.margin for d in self.devices if d.device.startswith("cuda:")]
+        return (host.terms.total if host else 0), cards
+
+
+def whole(backend: str, n_slots: int = 1, n_ctx_slot: int = 4096) -> Placement:
+    """An unplanned placement: the whole model on the backend's one device (tests, tools)."""
+    return Placement(backend, n_slots, n_ctx_slot, "host" if backend == "numpy" else "cuda:0")
+
+
+def gib(n: int) -> str:
+    """Bytes as GiB for people: 2 decimals, 3 below 0.1 GiB."""
+    g = n / GIB
+    return f"{g:.3f} GiB" if g < 0.1 else f"{g:.2f} GiB"

@@ -1,0 +1,85 @@
+"""The Placement's counted bytes against what a load really holds.
+
+On the CPU, in a fresh process: the plan is made from the same open header the load then uses
+(parsed once), and after the load and its first requests (a prompt, a greedy step, a top-k
+step: every decoded form made) the process's anonymous memory has grown by the placement's
+decoded forms + KV within 3 %, and its file-backed pages by at most the stored weights (the
+stored blocks are a mapping of the file: pages the kernel may drop and read again; the token
+embedding's rows are read only as ids use them). On a card: the bytes CuPy holds after the
+load against the card's weights + KV.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+HELD = r"""
+import ctypes, json, sys
+import numpy as np
+from bloomery.engine.cpu import backend, kernels  # noqa: F401  (the backend's modules and kernels first)
+kernels.lib()
+from bloomery.engine.loader import load_model
+from bloomery.gguf_file import open_gguf
+from bloomery.plan import Census, make_plan, model_facts
+
+def rss():
+    ctypes.CDLL(None).malloc_trim(0)          # freed prompt scratch back to the system: what is held stays
+    with open("/proc/self/status") as f:
+        kv = dict(line.split(":", 1) for line in f)
+    return {k: int(kv[k].split()[0]) * 1024 for k in ("RssAnon", "RssFile")}
+
+gf = open_gguf(sys.argv[1])
+plan = make_plan(model_facts(gf), Census(10**12), "numpy", ctx_size=int(sys.argv[2]))
+before = rss()
+model = load_model(gf, plan.placement)
+model.prefill(0, np.arange(1, 20, dtype=np.int32), 0)
+model.decode_greedy([0], [5], [19])
+model.decode_topk([0], [6], [20], 40)
+after = rss()
+t = plan.placement.device("host").terms
+print(json.dumps({"anon": after["RssAnon"] - before["RssAnon"], "file": after["RssFile"] - before["RssFile"],
+                  "decoded": t.decoded, "kv": t.kv, "weights": t.weights,
+                  "embd": gf.tensors["token_embd.weight"].n_bytes}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+@pytest.mark.parametrize("ctx", [512, 8192])
+def test_numpy_placement_counts_what_the_load_holds(real_model_path, tmp_path, ctx):
+    r = subprocess.run([sys.executable, "-c", HELD, str(real_model_path), str(ctx)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    counted = got["decoded"] + got["kv"]
+    assert got["decoded"] > got["weights"] // 2            # the decoded forms are most of what is held
+    assert abs(got["anon"] - counted) <= 0.03 * counted, got
+    assert got["weights"] - got["embd"] - 0.03 * got["weights"] <= got["file"] <= got["weights"], got
+
+
+@pytest.mark.gpu
+@pytest.mark.real_model
+def test_cuda_placement_counts_what_the_load_holds(real_model_path):
+    cupy = pytest.importorskip("cupy")
+    from bloomery.census import take_census
+    from bloomery.engine.loader import load_model
+    from bloomery.gguf_file import open_gguf
+    from bloomery.plan import make_plan, model_facts
+
+    gf = open_gguf(str(real_model_path))
+    census = take_census()
+    if not census.card_free_bytes:
+        pytest.skip("no card in the census")
+    plan = make_plan(model_facts(gf), census, "cuda", ctx_size=8192)
+    card = plan.placement.device(plan.placement.default_device)
+    pool = cupy.get_default_memory_pool()
+    before = pool.used_bytes()
+    model = load_model(gf, plan.placement)
+    model.decode_greedy([0], [5], [0])                      # a decode step: no prompt-path scratch kept
+    cupy.cuda.Device().synchronize()
+    held = pool.used_bytes() - before
+    counted = card.terms.weights + card.terms.decoded + card.terms.kv
+    assert abs(held - counted) <= 0.03 * counted, (held, card.terms)

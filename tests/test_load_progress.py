@@ -70,7 +70,8 @@ def test_loading_sends_progress_through_the_records_path(synthetic_dir, tmp_path
     asyncio.run(relay())
     lines = [line for line in stream.getvalue().splitlines() if "progress" in line]
     assert len(lines) == len(sent)
-    assert lines[-1] == f"[load] engine: progress done={total} total={total} unit=bytes percent=100.0"
+    # each record starts with its time and level (records.py), then the phase and the text
+    assert lines[-1].endswith(f" [load] engine: progress done={total} total={total} unit=bytes percent=100.0")
     assert f"percent={round(100 * done[0] / total, 1)}" in lines[0]
 
 

@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from bloomery.api.toolcalls import (ArgsDelta, CallError, CallStart, ContentDelta, forced_call_nodes, framing_of,
+from bloomery.api.toolcalls import (ArgsDelta, CallError, CallStart, ContentDelta, forced_call_grammar, framing_of,
                                     make_parser, read_tool_request)
 from bloomery.api.toolcalls.reply import Reply
-from bloomery.grammar import Program
+from byte_vocab import feed, ok
 from bloomery.http.types import ApiError
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -29,16 +29,33 @@ def test_framing_read_from_the_template():
 
 @pytest.mark.parametrize("framing,text", [("hermes", HERMES), ("qwen3_coder", CODER)])
 def test_forced_grammar_accepts_the_framed_call(framing, text):
-    prog = Program(forced_call_nodes(framing, treq(tool_choice="required", parallel_tool_calls=False)))
-    sid = prog.walk(prog.start, text.encode())
-    assert sid >= 0 and prog.done(sid)
-    assert prog.walk(prog.start, text.replace("get_weather", "other").encode()) < 0
+    g = forced_call_grammar(framing, treq(tool_choice="required", parallel_tool_calls=False))
+    assert ok(g, text)
+    assert not ok(g, text.replace("get_weather", "other"))
+
+
+CODE = 'if a < b:\n    print("x\\ty")\n'      # two lines of Python with '<', quotes and a backslash
+
+
+@pytest.mark.parametrize("framing,text", [
+    ("hermes", '<tool_call>\n{"name": "write", "arguments": {"path": "a.py", "code": ' + json.dumps(CODE) + '}}\n'
+               '</tool_call>'),
+    ("qwen3_coder", "<tool_call>\n<function=write>\n<parameter=path>\na.py\n</parameter>\n<parameter=code>\n"
+                    + CODE + "\n</parameter>\n</function>\n</tool_call>"),
+])
+def test_forced_call_arguments_keep_newlines_quotes_and_escapes(framing, text):
+    tools = [{"type": "function", "function": {"name": "write", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}, "code": {"type": "string"}},
+        "required": ["path", "code"]}}}]
+    g = forced_call_grammar(framing, read_tool_request({"tools": tools, "tool_choice": "required",
+                                                        "parallel_tool_calls": False}))
+    assert ok(g, text)
 
 
 def test_parallel_calls_may_follow():
-    prog = Program(forced_call_nodes("hermes", treq(tool_choice="required")))
-    sid = prog.walk(prog.start, (HERMES + "\n" + HERMES).encode())
-    assert sid >= 0 and prog.complete(sid) and not prog.done(sid)
+    g = forced_call_grammar("hermes", treq(tool_choice="required"))
+    n, whole = feed(g, HERMES + "\n" + HERMES)
+    assert whole and n == len(HERMES) * 2 + 1
 
 
 @pytest.mark.parametrize("framing,text,args", [

@@ -3,8 +3,8 @@
 These routes read a finished reply: content plus the calls the model wrote
 (function_call items, tool_use blocks); their streams send a call when it closes.
 A call can only be watched for where the template has a framing; a forced call
-(tool_choice required / named, Anthropic any / tool) needs the grammar path,
-which these routes do not run yet: refused by name.
+(tool_choice required / named, Anthropic any / tool) and a JSON output format
+(Responses' text.format) run through the chat route's grammar path (structured()).
 """
 from __future__ import annotations
 
@@ -26,11 +26,20 @@ def tool_request(app, chat_body: dict, route: str):
     tc = _toolcalls()
     if tc is None:
         raise field_error("tools", f"tool calls are not served on {route} in this version")
-    treq = tc.read_tool_request(chat_body)
-    if treq.forced:
-        raise field_error("tool_choice", f"a forced tool call ({treq.choice}) is not served on {route} in this "
-                                         f"version; use auto")
-    return treq
+    return tc.read_tool_request(chat_body)
+
+
+def structured(app, p, chat_body: dict, treq, rs, prompt_text: str):
+    """GenParams with the request's grammar (forced call, response_format), as the chat route sets it."""
+    from bloomery.api.reasoning import prompt_opens_think
+    from bloomery.api.toolcalls.structured import apply_structured
+    tc = _toolcalls()
+    if tc is None:
+        return p
+    treq = treq if treq is not None else tc.read_tool_request({})
+    think_open = rs.extract and prompt_opens_think(prompt_text)
+    return apply_structured(p, chat_body, treq, tc.framing_of(getattr(app.template, "source", "") or ""), rs,
+                            think_open, chat_body.get("temperature") is not None)
 
 
 class ReplyCalls:

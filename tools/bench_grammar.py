@@ -31,10 +31,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
+# 30b: the file tools/bench_cuda.py (and tools/gpu_run.sh) writes, reused when it is there
 SHAPES = {
-    "30b": dict(arch="qwen3moe", n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128, n_ff=6144,
-                n_expert=128, n_expert_used=8, n_ff_exp=768, ctx_train=40960, mode="blocks", mix="q4_k_m", seed=1),
-    "tiny": dict(arch="qwen2", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, seed=1),
+    "30b": ("qwen3moe-30b-a3b-shape-q4_k_m-L48.gguf", "qwen3moe", None),
+    "tiny": ("bench-grammar-tiny.gguf", "qwen2", dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, seed=1)),
 }
 SCHEMA = {"type": "array", "minItems": 200, "items": {
     "type": "object", "additionalProperties": False, "required": ["id", "name", "email", "tags", "score"],
@@ -53,11 +53,15 @@ def free_port() -> int:
 
 def make_file(kind: str, work: Path) -> Path:
     from make_synthetic import write_synthetic
-    shape = dict(SHAPES[kind])
-    path = work / f"bench-grammar-{kind}.gguf"
+    name, arch, shape = SHAPES[kind]
+    if shape is None:
+        from bench_cuda import SHAPE as shape
+    path = work / name
     if not path.exists():
         work.mkdir(parents=True, exist_ok=True)
-        write_synthetic(path, tokenizer_from=os.environ.get("BLOOMERY_TOKENIZER_GGUF"), **shape)
+        part = work / (name + ".part")
+        write_synthetic(part, arch, tokenizer_from=os.environ.get("BLOOMERY_TOKENIZER_GGUF"), **shape)
+        part.rename(path)
     return path
 
 

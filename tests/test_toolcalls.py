@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from bloomery.api.toolcalls import (ArgsDelta, CallError, CallStart, ContentDelta, forced_call_grammar, framing_of,
-                                    make_parser, read_tool_request)
-from bloomery.api.toolcalls.reply import Reply
 from byte_vocab import feed, ok
+from bloomery.api.toolcalls import (ArgsDelta, CallError, CallStart, ContentDelta, auto_call_grammar,
+                                    forced_call_grammar, framing_of, make_parser, read_tool_request)
+from bloomery.api.toolcalls.reply import Reply
 from bloomery.http.types import ApiError
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -138,3 +138,18 @@ def test_tools_render_as_llama_servers_apply_template(real_model_path):
     got = ChatTemplate(source).render(req["messages"], tools=req["tools"], add_generation_prompt=True).text
     assert got == want
     assert framing_of(source) == "hermes"
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_auto_calls_are_held_to_the_schema_once_opened(parallel):
+    """tool_choice auto: free text, or text then a call whose arguments follow the tool's schema."""
+    g = auto_call_grammar("hermes", treq(parallel_tool_calls=parallel))
+    assert ok(g, "Hello, <b>no call</b> here") and ok(g, "Let me check.\n" + HERMES) and ok(g, HERMES)
+    assert ok(g, HERMES + "\n" + HERMES) is parallel
+    n, whole = feed(g, "x" + HERMES.replace('"c"', '"k"'))
+    assert not whole and n == len("x" + HERMES[:HERMES.index('"c"')]) + 1       # stops at the k
+    assert not ok(g, '<tool_call>\n{"name": "other"')
+    assert ok(auto_call_grammar("qwen3_coder", treq()), "Sure. " + CODER)
+    assert auto_call_grammar(None, treq()) is None
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}]
+    assert auto_call_grammar("hermes", read_tool_request({"tools": bad})) is None    # read as before, unheld

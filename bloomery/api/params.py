@@ -263,7 +263,7 @@ def read_grammar(f: Fields) -> str:
         raise field_error("grammar", 'Either "json_schema" or "grammar" can be specified, but not both')
     try:
         if schema is not None:
-            return schema_grammar(schema[1], "json_schema")
+            return schema_grammar(schema[1])
         return gbnf_grammar(gbnf) if gbnf else ""
     except SchemaError as e:
         raise field_error("json_schema", str(e)) from None

@@ -61,7 +61,7 @@ class Run:
         rendered, ids = rendered_of(app, chat)
         # reasoning_loop (and the server's --reasoning-budget) watch the think span as on chat
         rs = read_chat_reasoning(app, Fields(chat))
-        self.p = structured(app, self.p, chat, self.treq, rs, rendered.text)
+        self.p = structured(app, self.p, chat, self.treq, rs, rendered.text, route_format="text.format")
         self.p = with_think_watch(app, self.p, rs, rendered.text, framing_of(app.template.source))
         prev = body.get("previous_response_id")
         self.conversation_in = (app.responses.conversation(prev) if prev else []) + input_messages(body)

@@ -9,6 +9,7 @@ A call can only be watched for where the template has a framing; a forced call
 from __future__ import annotations
 
 from bloomery.api.params import field_error
+from bloomery.http.types import ApiError
 
 
 def _toolcalls():
@@ -29,8 +30,9 @@ def tool_request(app, chat_body: dict, route: str):
     return tc.read_tool_request(chat_body)
 
 
-def structured(app, p, chat_body: dict, treq, rs, prompt_text: str):
-    """GenParams with the request's grammar (forced call, response_format), as the chat route sets it."""
+def structured(app, p, chat_body: dict, treq, rs, prompt_text: str, route_format: str = ""):
+    """GenParams with the request's grammar (forced call, response_format), as the chat route sets it;
+    a refusal of the format names the route's own field (route_format: Responses' text.format)."""
     from bloomery.api.reasoning import prompt_opens_think
     from bloomery.api.toolcalls.structured import apply_structured
     tc = _toolcalls()
@@ -38,8 +40,14 @@ def structured(app, p, chat_body: dict, treq, rs, prompt_text: str):
         return p
     treq = treq if treq is not None else tc.read_tool_request({})
     think_open = rs.extract and prompt_opens_think(prompt_text)
-    return apply_structured(p, chat_body, treq, tc.framing_of(getattr(app.template, "source", "") or ""), rs,
-                            think_open, chat_body.get("temperature") is not None)
+    try:
+        return apply_structured(p, chat_body, treq, tc.framing_of(getattr(app.template, "source", "") or ""), rs,
+                                think_open, chat_body.get("temperature") is not None)
+    except ApiError as e:
+        if e.param != "response_format" or not route_format:
+            raise
+        # the route's own field: Responses' text.format
+        raise field_error(route_format, e.message.split(": ", 1)[-1]) from None
 
 
 class ReplyCalls:

@@ -19,7 +19,8 @@ import json
 import re
 
 import llguidance as llg
-from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
+from llguidance import gbnf_to_lark as _g2l
+from llguidance.gbnf_to_lark import GbnfToLarkError
 
 JSON_OPTIONS = {"whitespace_pattern": r"(?: |\n{1,2}[ \t]{0,20})?", "json_allow_general_unicode_escapes": True}
 MAX_GRAMMAR_CHARS = 1 << 20
@@ -67,6 +68,11 @@ def _locate(schema: object, keyword: str, value: object = None) -> str:
     return "#"
 
 
+def _at(where: str) -> str:
+    """The message's lead: where the schema came from (a tool's parameters), or nothing (the field says)."""
+    return f"{where}: " if where else ""
+
+
 def _schema_refusal(schema: object, message: str, where: str) -> SchemaError:
     """llguidance's message -> a SchemaError naming the keyword and its JSON path."""
     first = message.strip().splitlines()[0] if message.strip() else message
@@ -75,17 +81,17 @@ def _schema_refusal(schema: object, message: str, where: str) -> SchemaError:
     if m:
         keys = [k.strip().strip('"') for k in m.group(1).split(",")]
         path = _locate(schema, keys[0])
-        return SchemaError(f"{where}: JSON schema keyword '{keys[0]}' at {path} is not supported by this server",
+        return SchemaError(f"{_at(where)}JSON schema keyword '{keys[0]}' at {path} is not supported by this server",
                            keys[0], path)
     m = re.search(r"Unknown format: (\S+)", message)
     if m:
         path = _locate(schema, "format", m.group(1))
-        return SchemaError(f"{where}: JSON schema format {m.group(1)!r} at {path} is not supported by this server",
+        return SchemaError(f"{_at(where)}JSON schema format {m.group(1)!r} at {path} is not supported by this server",
                            "format", path)
     m = re.search(r"Pointer '([^']*)' does not exist", message)
     if m:
         path = _locate(schema, "$ref", "#" + m.group(1))
-        return SchemaError(f"{where}: '$ref' at {path} names nothing in the schema ({m.group(1)})", "$ref", path)
+        return SchemaError(f"{_at(where)}'$ref' at {path} names nothing in the schema ({m.group(1)})", "$ref", path)
     if "regex" in message:
         for path, node in _paths(schema):
             p = node.get("pattern")
@@ -93,28 +99,28 @@ def _schema_refusal(schema: object, message: str, where: str) -> SchemaError:
                     {"type": "string", "pattern": p})):
                 why = re.search(r"(?m)^error: (.*)$", message)
                 reason = why.group(1) if why else first
-                return SchemaError(f"{where}: 'pattern' at {path}/pattern is not a regex this server serves: "
+                return SchemaError(f"{_at(where)}'pattern' at {path}/pattern is not a regex this server serves: "
                                    f"{reason}", "pattern", f"{path}/pattern")
     m = re.search(r"\b(minimum|maximum|exclusiveMinimum|exclusiveMaximum|minLength|maxLength|minItems|maxItems|"
                   r"multipleOf|minProperties|maxProperties|required|allOf|anyOf|oneOf|enum|const|type)\b", message)
     keyword = m.group(1) if m else ""
     path = _locate(schema, keyword) if keyword else "#"
-    return SchemaError(f"{where}: the schema at {path} cannot be served: {first}", keyword, path)
+    return SchemaError(f"{_at(where)}the schema at {path} cannot be served: {first}", keyword, path)
 
 
-def schema_rule(schema: object, where: str = "json_schema") -> str:
+def schema_rule(schema: object, where: str = "") -> str:
     """A Lark right-hand side that writes one document of the schema (`%json {...}`)."""
     if schema is True or schema is None:
         schema = {}
     if schema is False:
-        raise SchemaError(f"{where}: the schema false (at #) admits no document", "false", "#")
+        raise SchemaError(f"{_at(where)}the schema false (at #) admits no document", "false", "#")
     if not isinstance(schema, dict):
-        raise SchemaError(f"{where}: a schema must be an object, got {json.dumps(schema)[:40]}", "schema", "#")
+        raise SchemaError(f"{_at(where)}a schema must be an object, got {json.dumps(schema)[:40]}", "schema", "#")
     for path, node in _paths(schema):
         step = node.get("multipleOf")
         if isinstance(step, (int, float)) and not isinstance(step, bool) and step != int(step):
             # llguidance writes a fractional step with a fixed number of decimals ("0.50", never "0.5")
-            raise SchemaError(f"{where}: 'multipleOf' {step} at {path}/multipleOf is not served (only whole-number "
+            raise SchemaError(f"{_at(where)}'multipleOf' {step} at {path}/multipleOf is not served (only whole-number "
                               f"steps are)", "multipleOf", f"{path}/multipleOf")
     opts = dict(JSON_OPTIONS, **(schema.get("x-guidance") or {}))
     text = json.dumps({**schema, "x-guidance": opts}, ensure_ascii=False)
@@ -124,24 +130,24 @@ def schema_rule(schema: object, where: str = "json_schema") -> str:
     return f"%json {text}"
 
 
-def schema_grammar(schema: object, where: str = "json_schema") -> str:
+def schema_grammar(schema: object, where: str = "") -> str:
     return lark_grammar(f"start: {schema_rule(schema, where)}\n", where)
 
 
 def json_object_grammar() -> str:
     """response_format json_object: any JSON object."""
-    return schema_grammar({"type": "object"}, "response_format")
+    return schema_grammar({"type": "object"})
 
 
 # -- Lark and GBNF -----------------------------------------------------------------------------
 def lark_grammar(lark: str, where: str) -> str:
     if len(lark) > MAX_GRAMMAR_CHARS:
-        raise SchemaError(f"{where}: the grammar is {len(lark)} characters, over this server's "
+        raise SchemaError(f"{_at(where)}the grammar is {len(lark)} characters, over this server's "
                           f"{MAX_GRAMMAR_CHARS}", "grammar", "#")
     g = _top(lark)
     err = llg.LLMatcher.validate_grammar(g)
     if err:
-        raise SchemaError(f"{where}: {err.strip().splitlines()[0]}", "grammar", "#")
+        raise SchemaError(f"{_at(where)}{err.strip().splitlines()[0]}", "grammar", "#")
     return g
 
 
@@ -153,6 +159,43 @@ def _top(lark: str) -> str:
 def _line_col(text: str, pos: int) -> tuple[int, int]:
     line = text.count("\n", 0, pos) + 1
     return line, pos - (text.rfind("\n", 0, pos) + 1) + 1
+
+
+class _NonTerminal(_g2l.ASTNode):
+    """A GBNF rule's body kept a Lark rule: llguidance's converter turns a rule made of terminals alone
+    into one greedy lexeme (`num ::= [0-9]+ ws` eats the newline a later literal needs), where GBNF
+    is a plain grammar over characters with no lexer."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __str__(self) -> str:
+        return str(self.inner)
+
+    def top_str(self) -> str:
+        return self.inner.top_str()
+
+    def is_atomic(self) -> bool:
+        return self.inner.is_atomic()
+
+    def is_terminal(self) -> bool:
+        return False
+
+    def simplify(self):
+        self.inner = self.inner.simplify()
+        return self
+
+    def children(self):
+        return [self.inner]
+
+
+def gbnf_to_lark(text: str) -> str:
+    """GBNF -> Lark through llguidance's parser, every rule a Lark rule (llama.cpp's semantics)."""
+    rules = _g2l.GrammarParser().parse(text)
+    for r in rules.values():
+        r.alternatives = _NonTerminal(r.alternatives)
+    _g2l.resolve(rules)
+    return "%llguidance {}\n\n" + "\n".join(str(r) for r in sorted(rules.values(), key=lambda r: r.order)) + "\n"
 
 
 def _undefined(text: str, name: str) -> None:

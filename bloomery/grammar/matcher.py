@@ -68,7 +68,7 @@ class Matcher:
 
     def mask(self, logits: np.ndarray, top_k: int = 0) -> np.ndarray:
         """logits with every id the grammar does not allow at -inf ([V] float32, a copy)."""
-        return np.where(self.allowed(), logits, NEG_INF).astype(np.float32)
+        return np.where(self.allowed(), np.asarray(logits, dtype=np.float32), NEG_INF)
 
     def pick_greedy(self, logits: np.ndarray) -> int:
         """The largest allowed logit (ties: the lower id)."""

@@ -1,6 +1,10 @@
-"""Tool calls under a grammar: a forced reply (tool_choice required / named, Anthropic any / tool)
-and strict tools under tool_choice auto, in the template's framing, as one Lark grammar with
-each tool's parameters embedded as a JSON schema (bloomery.grammar).
+"""Tool calls under a grammar, in the template's framing, as one Lark grammar with each tool's
+parameters embedded as a JSON schema (bloomery.grammar):
+
+  forced_call_grammar   tool_choice required / named (Anthropic any / tool): the reply is the call(s);
+  auto_call_grammar     tool_choice auto: free text, and once the model opens a call (the opener
+                        `<tool_call>`), the call's arguments are held to the tool's schema, as
+                        llama-server's lazy grammar does.
 
 Hermes:      <tool_call>\\n{"name": "f", "arguments": ARGS}\\n</tool_call>
 Qwen3-Coder: <tool_call>\\n<function=f>\\n<parameter=p>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>
@@ -19,9 +23,13 @@ from bloomery.api.toolcalls.request import Tool, ToolRequest
 from bloomery.grammar import SchemaError, lark_grammar, lark_literal, schema_rule
 
 
+OPENER = "<tool_call>"
+
+
 def _hermes_call(i: int, tool: Tool) -> list[str]:
+    """Rule call_i: one call of the tool, after its opener."""
     args = schema_rule(tool.parameters, f"tools[{tool.name}].parameters")
-    head = '<tool_call>\n{"name": ' + json.dumps(tool.name, ensure_ascii=False) + ', "arguments": '
+    head = '\n{"name": ' + json.dumps(tool.name, ensure_ascii=False) + ', "arguments": '
     return [f"call_{i}: {lark_literal(head)} args_{i} {lark_literal(chr(125) + chr(10) + '</tool_call>')}",
             f"args_{i}: {args}"]
 
@@ -49,9 +57,16 @@ def _coder_call(i: int, tool: Tool) -> list[str]:
             rules.append(f"p_{i}_{j}: {head} {schema_rule({**sub, **defs}, f'{where}/properties/{name}')} "
                          f"{lark_literal(chr(10) + '</parameter>' + chr(10))}")
         parts.append(f"p_{i}_{j}" + ("" if name in required else "?"))
-    opener = lark_literal(f"<tool_call>\n<function={tool.name}>\n")
+    opener = lark_literal(f"\n<function={tool.name}>\n")
     rules.insert(0, f"call_{i}: {opener} {' '.join(parts)} {lark_literal('</function>' + chr(10) + '</tool_call>')}")
     return rules
+
+
+def _call_rules(framing: str, tools) -> list[str]:
+    """Rule call: one call of any of the tools, after its opener."""
+    one = _hermes_call if framing == "hermes" else _coder_call
+    rules = [r for i, t in enumerate(tools) for r in one(i, t)]
+    return ["call: " + " | ".join(f"call_{i}" for i in range(len(tools)))] + rules
 
 
 def forced_call_grammar(framing: str | None, treq: ToolRequest) -> str:
@@ -59,9 +74,22 @@ def forced_call_grammar(framing: str | None, treq: ToolRequest) -> str:
     if framing is None:
         raise SchemaError("this model's chat template writes no tool-call markup this server knows, so "
                           "tool_choice cannot force a call", "tool_choice")
-    one = _hermes_call if framing == "hermes" else _coder_call
-    tools = treq.forced_tools()
-    rules = [r for i, t in enumerate(tools) for r in one(i, t)]
-    call = "call: " + " | ".join(f"call_{i}" for i in range(len(tools)))
-    start = 'start: call ("\\n" call)*' if treq.parallel else "start: call"
-    return lark_grammar("\n".join([start, call] + rules) + "\n", "tools")
+    op = lark_literal(OPENER)
+    start = f'start: {op} call ("\\n" {op} call)*' if treq.parallel else f"start: {op} call"
+    return lark_grammar("\n".join([start] + _call_rules(framing, treq.forced_tools())) + "\n", "tools")
+
+
+def auto_call_grammar(framing: str | None, treq: ToolRequest) -> str | None:
+    """tool_choice auto: text without a call opener, or text up to the first opener and then the call(s).
+    None where there is nothing to hold (no framing) or a tool's schema is one the engine does not serve
+    (the reply is then read as before, unconstrained)."""
+    if framing is None or not treq.tools:
+        return None
+    more = f' ("\\n" {lark_literal(OPENER)} call)*' if treq.parallel else ""
+    rules = ["start: FREE | before call" + more,
+             f"FREE: /(?s:.*)/ & ~/(?s:.*){OPENER}(?s:.*)/",
+             f"before[lazy]: /(?s:.*){OPENER}/"]
+    try:
+        return lark_grammar("\n".join(rules + _call_rules(framing, treq.tools)) + "\n", "tools")
+    except SchemaError:
+        return None

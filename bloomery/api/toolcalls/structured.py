@@ -1,6 +1,7 @@
-"""A chat request's structured output: response_format, llama-server's grammar field and forced
-tool calls -> the grammar text SamplingParams.grammar carries (route-independent: Anthropic's
-any/tool and Responses' text.format map onto the same inputs).
+"""A chat request's structured output: response_format, llama-server's grammar field, forced tool
+calls and the calls a tool_choice auto reply opens -> the grammar text SamplingParams.grammar
+carries (route-independent: Anthropic's any/tool and Responses' text.format map onto the same
+inputs).
 
 Refusals name the field: a schema keyword the engine does not serve (response_format or
 tools, with its JSON path), an invalid GBNF grammar (line and column), two structured
@@ -13,7 +14,7 @@ from dataclasses import replace
 
 from bloomery.api.params import GenParams, field_error
 from bloomery.api.reasoning import ReasoningSettings
-from bloomery.api.toolcalls.forced import forced_call_grammar
+from bloomery.api.toolcalls.forced import auto_call_grammar, forced_call_grammar
 from bloomery.api.toolcalls.request import ToolRequest
 from bloomery.grammar import SchemaError, after_prefix, json_object_grammar, schema_grammar
 
@@ -29,12 +30,12 @@ def response_format_grammar(rf: object) -> str | None:
         return None
     if kind == "json_object":
         schema = rf.get("schema")      # llama-server also takes a schema here
-        return json_object_grammar() if schema is None else schema_grammar(schema, "response_format")
+        return json_object_grammar() if schema is None else schema_grammar(schema)
     if kind == "json_schema":
         js = rf.get("json_schema")
         if not isinstance(js, dict) or "schema" not in js:
             raise field_error("response_format", "json_schema needs {\"json_schema\": {\"schema\": {...}}}")
-        return schema_grammar(js["schema"], "response_format")
+        return schema_grammar(js["schema"])
     raise field_error("response_format", f"type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
 
 
@@ -62,7 +63,7 @@ def apply_structured(p: GenParams, body: dict, treq: ToolRequest, framing: str |
             raise field_error("tools" if e.keyword != "tool_choice" else "tool_choice", str(e)) from None
     grammar = doc if doc is not None else forced
     if grammar is None:
-        return p
+        return _auto_calls(p, treq, framing, rs)
     if rs.budget_set and rs.budget != -1:
         raise field_error("reasoning_budget", "a finite reasoning_budget beside structured output is not served "
                                               "(the grammar closes an open think span at once)")
@@ -74,3 +75,13 @@ def apply_structured(p: GenParams, body: dict, treq: ToolRequest, framing: str |
     if not temperature_set:
         sampling = replace(sampling, temperature=0.0)
     return replace(p, sampling=sampling)
+
+
+def _auto_calls(p: GenParams, treq: ToolRequest, framing: str | None, rs: ReasoningSettings) -> GenParams:
+    """tool_choice auto: the calls the model opens are held to their tools' schemas (llama-server's lazy
+    grammar); the text around them is free and the sampling is the request's. Left out beside a finite
+    reasoning budget, the request's or the server's (its forced ids start a new leg), and ignore_eos."""
+    if not treq.parsing or treq.forced or p.ignore_eos or rs.budget != -1:
+        return p
+    grammar = auto_call_grammar(framing, treq)
+    return p if grammar is None else replace(p, sampling=replace(p.sampling, grammar=grammar))

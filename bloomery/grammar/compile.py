@@ -102,8 +102,8 @@ def _schema_refusal(schema: object, message: str, where: str) -> SchemaError:
                 return SchemaError(f"{_at(where)}'pattern' at {path}/pattern is not a regex this server serves: "
                                    f"{reason}", "pattern", f"{path}/pattern")
     m = re.search(r"\b(minimum|maximum|exclusiveMinimum|exclusiveMaximum|minLength|maxLength|minItems|maxItems|"
-                  r"multipleOf|minProperties|maxProperties|required|allOf|anyOf|oneOf|enum|const|type)\b", message)
-    keyword = m.group(1) if m else ""
+                  r"multipleOf|minProperties|maxProperties|required|allOf|anyOf|oneOf|enum|const|type)\b", first)
+    keyword = m.group(1) if m else "multipleOf" if "multiple of" in first else ""
     path = _locate(schema, keyword) if keyword else "#"
     return SchemaError(f"{_at(where)}the schema at {path} cannot be served: {first}", keyword, path)
 

@@ -15,6 +15,7 @@ or two newlines and up to 20 spaces or tabs (common/json-schema-to-grammar's SPA
 """
 from __future__ import annotations
 
+import copy
 import json
 import re
 
@@ -108,6 +109,18 @@ def _schema_refusal(schema: object, message: str, where: str) -> SchemaError:
     return SchemaError(f"{_at(where)}the schema at {path} cannot be served: {first}", keyword, path)
 
 
+def _closed_objects(schema: dict) -> dict:
+    """A copy where an object schema that lists `properties` and says nothing of additionalProperties takes
+    no other property: llama-server's converter writes such objects so ("additional properties default
+    to false for generation"), where JSON Schema allows any. Not inside allOf, whose parts add up."""
+    schema = copy.deepcopy(schema)
+    for path, node in _paths(schema):
+        if ("properties" in node and "additionalProperties" not in node and "unevaluatedProperties" not in node
+                and "patternProperties" not in node and not re.search(r"/allOf/\d+$", path)):
+            node["additionalProperties"] = False
+    return schema
+
+
 def schema_rule(schema: object, where: str = "") -> str:
     """A Lark right-hand side that writes one document of the schema (`%json {...}`)."""
     if schema is True or schema is None:
@@ -122,6 +135,7 @@ def schema_rule(schema: object, where: str = "") -> str:
             # llguidance writes a fractional step with a fixed number of decimals ("0.50", never "0.5")
             raise SchemaError(f"{_at(where)}'multipleOf' {step} at {path}/multipleOf is not served (only whole-number "
                               f"steps are)", "multipleOf", f"{path}/multipleOf")
+    schema = _closed_objects(schema)
     opts = dict(JSON_OPTIONS, **(schema.get("x-guidance") or {}))
     text = json.dumps({**schema, "x-guidance": opts}, ensure_ascii=False)
     err = llg.LLMatcher.validate_grammar(llg.LLMatcher.grammar_from_lark(f"start: %json {text}\n"))
@@ -195,6 +209,14 @@ def gbnf_to_lark(text: str) -> str:
     for r in rules.values():
         r.alternatives = _NonTerminal(r.alternatives)
     _g2l.resolve(rules)
+
+    def bracket_nested(node) -> None:      # ([x]*)* would be written /[x]/**, which Lark does not read
+        for c in node.children():
+            bracket_nested(c)
+        if isinstance(node, _g2l.RepetitionNode) and isinstance(node.node, _g2l.RepetitionNode):
+            node.node = _g2l.SequenceNode([node.node])
+    for r in rules.values():
+        bracket_nested(r)
     return "%llguidance {}\n\n" + "\n".join(str(r) for r in sorted(rules.values(), key=lambda r: r.order)) + "\n"
 
 

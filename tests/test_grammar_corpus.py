@@ -116,3 +116,22 @@ def _grammar(schema_text: str) -> str:
     if schema_text not in _GRAMMARS:
         _GRAMMARS[schema_text] = schema_grammar(json.loads(schema_text))
     return _GRAMMARS[schema_text]
+
+
+def test_auto_call_grammar_with_the_real_call_tag(tok, vocab):
+    """tool_choice auto with a strict tool: text, then <tool_call> as the model writes it (its one special
+    id), then the call, accepted id by id; a wrong argument refused where it goes wrong."""
+    from bloomery.api.toolcalls import read_tool_request
+    from bloomery.api.toolcalls.forced import auto_call_grammar
+    params = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "maximum": 7}},
+              "required": ["city", "days"]}
+    g = auto_call_grammar("hermes", read_tool_request({"tools": [
+        {"type": "function", "function": {"name": "get_forecast", "parameters": params, "strict": True}}]}))
+    call = '<tool_call>\n{"name": "get_forecast", "arguments": {"city": "Oslo", "days": 3}}\n</tool_call>'
+    assert tok.encode(call, add_special=False)[0] == tok.encode("<tool_call>", add_special=False)[0] == 151657
+    for text in ("Checking the forecast now.\n" + call, call, "No call here: <b>bold</b> and </tool_call>"):
+        n, n_ids, whole = run(tok, vocab, g, text)
+        assert (n, whole) == (n_ids, True), text
+    prefix = 'Sure.\n<tool_call>\n{"name": "get_forecast", "arguments": {"city": "Oslo", "days": '
+    n, _, _ = run(tok, vocab, g, prefix + '9}}\n</tool_call>')
+    assert n == first_bad_id(tok, prefix, '9}}\n</tool_call>')

@@ -80,3 +80,4 @@ def test_every_document_written_validates(server, name, schema):
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "stop", choice
     V(schema, format_checker=V.FORMAT_CHECKER).validate(json.loads(choice["message"]["content"]))
+

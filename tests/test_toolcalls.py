@@ -114,6 +114,7 @@ def test_reply_message_shape():
     ({"tool_choice": "sometimes"}, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
     ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]}, "strict"),
 ])
 def test_bad_tool_fields_named(body, word):
     with pytest.raises(ApiError) as e:
@@ -142,14 +143,21 @@ def test_tools_render_as_llama_servers_apply_template(real_model_path):
 
 @pytest.mark.parametrize("parallel", [True, False])
 def test_auto_calls_are_held_to_the_schema_once_opened(parallel):
-    """tool_choice auto: free text, or text then a call whose arguments follow the tool's schema."""
-    g = auto_call_grammar("hermes", treq(parallel_tool_calls=parallel))
+    """tool_choice auto with a strict tool: free text, or text then a call whose arguments follow the
+    tool's schema."""
+    assert auto_call_grammar("hermes", treq(parallel_tool_calls=parallel)) is None    # no strict tool: free
+    strict = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]
+    g = auto_call_grammar("hermes", read_tool_request({"tools": strict, "parallel_tool_calls": parallel}))
     assert ok(g, "Hello, <b>no call</b> here") and ok(g, "Let me check.\n" + HERMES) and ok(g, HERMES)
     assert ok(g, HERMES + "\n" + HERMES) is parallel
     n, whole = feed(g, "x" + HERMES.replace('"c"', '"k"'))
     assert not whole and n == len("x" + HERMES[:HERMES.index('"c"')]) + 1       # stops at the k
     assert not ok(g, '<tool_call>\n{"name": "other"')
-    assert ok(auto_call_grammar("qwen3_coder", treq()), "Sure. " + CODER)
-    assert auto_call_grammar(None, treq()) is None
-    bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}]
+    assert ok(auto_call_grammar("qwen3_coder", read_tool_request({"tools": strict})), "Sure. " + CODER)
+    assert auto_call_grammar(None, read_tool_request({"tools": strict})) is None
+    loose = strict + [{"type": "function", "function": {"name": "g", "parameters": {"type": "object"}}}]
+    assert ok(auto_call_grammar("hermes", read_tool_request({"tools": loose})),
+              '<tool_call>\n{"name": "g", "arguments": {"any": [1]}}\n</tool_call>')
+    bad = [{"type": "function", "function": {"name": "f", "strict": True,
+                                             "parameters": {"type": "object", "not": {}}}}]
     assert auto_call_grammar("hermes", read_tool_request({"tools": bad})) is None    # read as before, unheld

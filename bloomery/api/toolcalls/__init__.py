@@ -5,7 +5,7 @@ grammar that forces a call.
   framing = framing_of(template_source)          # "hermes" | "qwen3_coder" | None
   treq = read_tool_request(body_fields)          # ToolRequest: tools, choice, parallel
   grammar = forced_call_grammar(framing, treq)   # tool_choice required / named -> grammar text
-  grammar = auto_call_grammar(framing, treq)     # auto: the calls the model opens held to their schemas
+  grammar = auto_call_grammar(framing, treq)     # auto + strict tools: the calls opened held to their schemas
   parser = make_parser(framing, treq)            # CallParser (None framing: content only)
   events = parser.feed(text) + parser.finish(cut=finish_reason == "length")
     # ContentDelta(text) | CallStart(index, id, name) | ArgsDelta(index, text) | CallEnd(index)

@@ -2,9 +2,11 @@
 parameters embedded as a JSON schema (bloomery.grammar):
 
   forced_call_grammar   tool_choice required / named (Anthropic any / tool): the reply is the call(s);
-  auto_call_grammar     tool_choice auto: free text, and once the model opens a call (the opener
-                        `<tool_call>`), the call's arguments are held to the tool's schema, as
-                        llama-server's lazy grammar does.
+  auto_call_grammar     tool_choice auto with a strict tool (OpenAI's function.strict): free text,
+                        and once the model opens a call (`<tool_call>`), the call's name is one of
+                        the tools and a strict tool's arguments follow its schema (llama-server's
+                        lazy grammar, which it applies to every tool). Without a strict tool the
+                        reply is not held (the model's own greedy pick stays the fast path).
 
 Hermes:      <tool_call>\\n{"name": "f", "arguments": ARGS}\\n</tool_call>
 Qwen3-Coder: <tool_call>\\n<function=f>\\n<parameter=p>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>
@@ -26,15 +28,15 @@ from bloomery.grammar import SchemaError, lark_grammar, lark_literal, schema_rul
 OPENER = "<tool_call>"
 
 
-def _hermes_call(i: int, tool: Tool) -> list[str]:
-    """Rule call_i: one call of the tool, after its opener."""
-    args = schema_rule(tool.parameters, f"tools[{tool.name}].parameters")
+def _hermes_call(i: int, tool: Tool, loose: bool = False) -> list[str]:
+    """Rule call_i: one call of the tool, after its opener (loose: any JSON object as its arguments)."""
+    args = schema_rule({"type": "object"} if loose else tool.parameters, f"tools[{tool.name}].parameters")
     head = '\n{"name": ' + json.dumps(tool.name, ensure_ascii=False) + ', "arguments": '
     return [f"call_{i}: {lark_literal(head)} args_{i} {lark_literal(chr(125) + chr(10) + '</tool_call>')}",
             f"args_{i}: {args}"]
 
 
-def _coder_call(i: int, tool: Tool) -> list[str]:
+def _coder_call(i: int, tool: Tool, loose: bool = False) -> list[str]:
     params = tool.parameters
     where = f"tools[{tool.name}].parameters"
     schema_rule(params, where)                 # the whole schema, checked once
@@ -62,10 +64,11 @@ def _coder_call(i: int, tool: Tool) -> list[str]:
     return rules
 
 
-def _call_rules(framing: str, tools) -> list[str]:
-    """Rule call: one call of any of the tools, after its opener."""
+def _call_rules(framing: str, tools, loose_unless_strict: bool = False) -> list[str]:
+    """Rule call: one call of any of the tools, after its opener (a Hermes call of a tool that is not
+    strict takes any object as its arguments when loose_unless_strict)."""
     one = _hermes_call if framing == "hermes" else _coder_call
-    rules = [r for i, t in enumerate(tools) for r in one(i, t)]
+    rules = [r for i, t in enumerate(tools) for r in one(i, t, loose_unless_strict and not t.strict)]
     return ["call: " + " | ".join(f"call_{i}" for i in range(len(tools)))] + rules
 
 
@@ -83,13 +86,13 @@ def auto_call_grammar(framing: str | None, treq: ToolRequest) -> str | None:
     """tool_choice auto: text without a call opener, or text up to the first opener and then the call(s).
     None where there is nothing to hold (no framing) or a tool's schema is one the engine does not serve
     (the reply is then read as before, unconstrained)."""
-    if framing is None or not treq.tools:
+    if framing is None or not any(t.strict for t in treq.tools):
         return None
     more = f' ("\\n" {lark_literal(OPENER)} call)*' if treq.parallel else ""
     rules = ["start: FREE | before call" + more,
              f"FREE: /(?s:.*)/ & ~/(?s:.*){OPENER}(?s:.*)/",
              f"before[lazy]: /(?s:.*){OPENER}/"]
     try:
-        return lark_grammar("\n".join(rules + _call_rules(framing, treq.tools)) + "\n", "tools")
+        return lark_grammar("\n".join(rules + _call_rules(framing, treq.tools, True)) + "\n", "tools")
     except SchemaError:
         return None

@@ -64,8 +64,10 @@ def test_tool_result_input_and_tools(client):
     ({"messages": Q}, "max_tokens"),
     ({"messages": Q, "max_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}], "max_tokens": 1}, "image"),
-    ({"messages": Q, "max_tokens": 1, "tool_choice": {"type": "any"},
+    ({"messages": Q, "max_tokens": 1, "tool_choice": {"type": "all"},
       "tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "tool_choice"),
+    ({"messages": Q, "max_tokens": 1, "tool_choice": {"type": "any"},
+      "tools": [{"name": "f", "input_schema": {"type": "object", "properties": {"x": {"not": {}}}}}]}, "#/properties/x/not"),
 ])
 def test_errors_are_anthropics_object(server, client, body, words):
     r = requests.post(server.url + "/v1/messages", json=body)

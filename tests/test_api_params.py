@@ -72,9 +72,9 @@ def test_wrong_types_and_bounds_name_the_field(body, name):
 
 
 @pytest.mark.parametrize("body,name", [
-    ({"grammar": "root ::= \"a\""}, "grammar"), ({"mirostat": 2}, "mirostat"), ({"typical_p": 0.5}, "typical_p"),
+    ({"grammar": "root ::= \"a"}, "grammar"), ({"mirostat": 2}, "mirostat"), ({"typical_p": 0.5}, "typical_p"),
     ({"dry_multiplier": 0.8}, "dry_multiplier"), ({"xtc_probability": 0.5}, "xtc_probability"),
-    ({"json_schema": {"type": "object"}}, "json_schema"), ({"id_slot": 1}, "id_slot"), ({"lora": [{"id": 0}]}, "lora"),
+    ({"json_schema": {"type": "object", "not": {}}}, "json_schema"), ({"id_slot": 1}, "id_slot"), ({"lora": [{"id": 0}]}, "lora"),
     ({"post_sampling_probs": True}, "post_sampling_probs"), ({"n_indent": 4}, "n_indent"),
     ({"return_progress": True}, "return_progress"),
 ])
@@ -85,6 +85,17 @@ def test_known_but_unsupported_fields_are_refused_by_name(body, name):
 def test_unsupported_fields_at_their_off_values_are_accepted():
     parse({"grammar": "", "mirostat": 0, "typical_p": 1, "dry_multiplier": 0, "xtc_probability": 0, "id_slot": -1,
            "lora": [], "post_sampling_probs": False, "n_indent": 0, "return_progress": False})
+
+
+def test_grammar_and_json_schema_reach_the_sampling_params():
+    """llama-server's grammar (GBNF) and json_schema fields become the engine's grammar text; both at once,
+    a bad GBNF (line and column) and a keyword the engine does not serve (its JSON path) are refused."""
+    assert "lark_grammar" in parse({"grammar": 'root ::= "a" [0-9]+'}).sampling.grammar
+    assert "%json" in parse({"json_schema": {"type": "integer", "minimum": 1}}).sampling.grammar
+    assert parse({}).sampling.grammar == ""
+    assert "not both" in refused({"grammar": 'root ::= "a"', "json_schema": {}}).message
+    assert "line 2, column 1" in refused({"grammar": 'root ::= "a" [0-9+\n'}).message
+    assert "#/properties/x/not" in refused({"json_schema": {"properties": {"x": {"not": {}}}}}).message
 
 
 def test_stop_takes_a_string_or_a_list():

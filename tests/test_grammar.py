@@ -1,105 +1,148 @@
-"""The schema subset -> program, the byte automaton, and the token mask (pure, CPU)."""
+"""The constraint engine on the CPU: schemas, GBNF and refusals (front side), and the token mask
+(engine side) over a small byte-level vocabulary. The real tokenizer: test_grammar_corpus.py."""
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
 
-from bloomery.grammar import Matcher, Program, SchemaError, Vocab, json_object_nodes, schema_nodes
+from byte_vocab import EOS, PIECES, VOCAB, ok
+from bloomery.grammar import (GrammarError, GrammarSyntaxError, Matcher, SchemaError, after_prefix, gbnf_grammar,
+                              json_object_grammar, schema_grammar)
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 5}, "age": {"type": "integer"},
                                           "tags": {"type": "array", "items": {"enum": ["a", "b"]}}},
           "required": ["name", "age"], "additionalProperties": False}
 
 
-def accepts(prog: Program, text: str) -> bool:
-    sid = prog.walk(prog.start, text.encode())
-    return sid >= 0 and prog.complete(sid)
-
-
-@pytest.mark.parametrize("text,ok", [
-    ('{"name": "bob", "age": 12}', True),
-    ('{"name": "bob", "age": 12, "tags": ["a", "b"]}', True),
-    ('{"name": "bob", "age": 12, "tags": []}', True),
-    ('{"name": "bobbyx", "age": 1}', False),         # maxLength 5
-    ('{"name": "b", "age": 012}', False),            # JSON integers have no leading zero
-    ('{"name": "b","age": 1}', False),               # one space after ','
-    ('{"age": 1, "name": "b"}', False),              # required properties in order
-    ('{"name": "b\\n", "age": 1}', False),           # a free string takes no escape
+@pytest.mark.parametrize("schema,good,bad", [
+    (PERSON, ['{"name": "bob", "age": 12}', '{"name":"bob","age":12,"tags":["a","b"]}',
+              '{\n  "name": "\\n\\"\\\\\\u00e9é",\n  "age": -1\n}'],
+     ['{"name": "bobbyx", "age": 1}', '{"name": "b", "age": 012}', '{"name": "b"}', '{"name": "b", "age": 1, "x": 1}']),
+    ({"type": "integer", "minimum": 3, "maximum": 17}, ["3", "17", "10"], ["2", "18", "-3", "3.0"]),
+    ({"type": "integer", "exclusiveMinimum": 3, "exclusiveMaximum": 17}, ["4", "16"], ["3", "17"]),
+    ({"type": "number", "minimum": -1.5, "maximum": 2}, ["-1.5", "0.25", "2"], ["-1.6", "2.01"]),
+    ({"type": "integer", "multipleOf": 5}, ["0", "15", "-20"], ["7"]),
+    ({"type": "string", "minLength": 2, "maxLength": 3}, ['"ab"', '"abc"', '"\\n\\t"'], ['"a"', '"abcd"']),
+    ({"type": "string", "pattern": "^[a-z]+-[0-9]{2}$"}, ['"ab-12"'], ['"ab-1x"', '"AB-12"']),
+    ({"type": "string", "format": "date"}, ['"2024-02-29"'], ['"2024-13-01"', '"24-01-01"']),
+    ({"type": "string", "format": "time"}, ['"12:30:00Z"', '"23:59:59+02:00"'], ['"25:00:00Z"']),
+    ({"type": "string", "format": "date-time"}, ['"2024-02-29T12:30:00Z"'], ['"2024-02-29 12:30"']),
+    ({"type": "string", "format": "uuid"}, ['"123e4567-e89b-12d3-a456-426614174000"'], ['"123e4567"']),
+    ({"type": "string", "format": "email"}, ['"a.b@example.com"'], ['"no-at-sign"']),
+    ({"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 2}, ["[1]", "[1, 2]"],
+     ["[]", "[1, 2, 3]"]),
+    ({"type": "array", "prefixItems": [{"type": "string"}, {"type": "integer"}], "items": False},
+     ['["a", 1]'], ['[1, "a"]', '["a", 1, 2]']),
+    ({"type": ["string", "null"]}, ['"x"', "null"], ["1"]),
+    ({"oneOf": [{"type": "integer"}, {"type": "boolean"}]}, ["1", "true"], ['"x"']),
+    ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                {"properties": {"b": {"type": "string"}}, "required": ["b"]}]}, ['{"a": 1, "b": "x"}'], ['{"a": 1}']),
+    ({"$defs": {"node": {"type": "object", "properties": {"v": {"type": "integer"},
+                                                          "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}},
+                         "required": ["v", "next"], "additionalProperties": False}}, "$ref": "#/$defs/node"},
+     ['{"v": 1, "next": {"v": 2, "next": null}}'], ['{"v": 1, "next": {"v": 2}}']),
+    ({"type": "object", "additionalProperties": {"type": "integer"}}, ['{"a": 1, "b": 2}', "{}"], ['{"a": "x"}']),
+    ({"type": "object", "properties": {"a": {"type": "null"}, "b": {"type": "boolean"}}, "additionalProperties": False},
+     ["{}", '{"a": null}', '{"b": true}', '{"a": null, "b": false}'], ['{, "b": true}']),
+    ({"enum": ["red", 1, None, {"k": [1]}]}, ['"red"', "1", "null", '{"k": [1]}'], ['"blue"', "2"]),
+    ({"const": "say \"hi\"\n"}, ['"say \\"hi\\"\\n"'], ['"say hi"']),
 ])
-def test_schema_texts(text, ok):
-    assert accepts(Program(schema_nodes(PERSON)), text) is ok
+def test_schema_accepts_and_refuses_documents(schema, good, bad):
+    g = schema_grammar(schema)
+    for text in good:
+        assert ok(g, text), text
+    for text in bad:
+        assert not ok(g, text), text
 
 
-def test_optional_only_object_places_commas():
-    prog = Program(schema_nodes({"type": "object", "properties": {"a": {"type": "null"}, "b": {"type": "boolean"}}}))
-    for text in ("{}", '{"a": null}', '{"b": true}', '{"a": null, "b": false}'):
-        assert accepts(prog, text), text
-    assert not accepts(prog, '{, "b": true}')
+def test_json_object_and_whitespace_bound():
+    g = json_object_grammar()
+    assert ok(g, '{"a": [1, {"b": null}, -2.5e3]}') and ok(g, "{}")
+    assert not ok(g, "[1]")
+    assert not ok(g, "{" + " " * 2 + "}")             # one space at most, or newlines with up to 20 blanks
+    assert ok(g, '{\n' + " " * 20 + '"a": 1\n}') and not ok(g, '{\n' + " " * 21 + '"a": 1}')
 
 
-def test_json_object_needs_a_member_and_nests():
-    prog = Program(json_object_nodes())
-    assert not accepts(prog, "{}")
-    assert accepts(prog, '{"a": [1, {"b": null}, -2.5e3]}')
-
-
-def test_refs_and_anyof():
-    schema = {"$defs": {"p": {"type": "integer"}}, "anyOf": [{"$ref": "#/$defs/p"}, {"const": "x"}]}
-    prog = Program(schema_nodes(schema))
-    assert accepts(prog, "7") and accepts(prog, '"x"') and not accepts(prog, '"y"')
-
-
-@pytest.mark.parametrize("schema,word", [
-    ({"type": "string", "minLength": 2}, "minLength"),
-    ({"oneOf": [{"type": "string"}]}, "oneOf"),
-    ({"type": ["string", "null"]}, "list of types"),
-    ({"type": "integer", "minimum": 0}, "minimum"),
-    ({"type": "string", "pattern": "a+"}, "pattern"),
-    ({"$ref": "https://x/y"}, "outside"),
-    ({"$defs": {"n": {"$ref": "#/$defs/n"}}, "$ref": "#/$defs/n"}, "recursive"),
+@pytest.mark.parametrize("schema,keyword,path", [
+    ({"type": "object", "properties": {"not": {"type": "integer", "not": {"const": 1}}}}, "not",
+     "#/properties/not/not"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems", "#/uniqueItems"),
+    ({"type": "object", "properties": {"d": {"type": "string", "format": "zip-code"}}}, "format",
+     "#/properties/d/format"),
+    ({"items": {"type": "string", "pattern": "(?<=a)b"}}, "pattern", "#/items/pattern"),
+    ({"$ref": "#/$defs/missing"}, "$ref", "#/$ref"),
+    ({"type": "integer", "minimum": 5, "maximum": 3}, "minimum", "#/minimum"),
+    ({"type": "object", "properties": {"price": {"type": "number", "multipleOf": 0.01}}}, "multipleOf",
+     "#/properties/price/multipleOf"),
+    (False, "false", "#"),
 ])
-def test_refused_by_name(schema, word):
+def test_schema_refused_by_keyword_and_path(schema, keyword, path):
     with pytest.raises(SchemaError) as e:
-        schema_nodes(schema)
-    assert word in str(e.value)
+        schema_grammar(schema, "response_format")
+    assert (e.value.keyword, e.value.path) == (keyword, path)
+    assert keyword in str(e.value) and path in str(e.value)
 
 
-def test_program_round_trips_as_json():
-    prog = Program(schema_nodes(PERSON))
-    again = Program.from_json(prog.to_json())
-    assert accepts(again, '{"name": "x", "age": 3}')
+@pytest.mark.parametrize("text,line,col", [
+    ('root ::= "a" [0-9+\n', 2, 1),
+    ('root ::= "a"\nitem ::= "b" missing-rule\n', 2, 14),
+    ('x ::= "a"\n', 1, 1),
+    ('root ::= "\\q"\n', 1, 12),
+])
+def test_gbnf_refused_with_line_and_column(text, line, col):
+    with pytest.raises(GrammarSyntaxError) as e:
+        gbnf_grammar(text)
+    assert (e.value.line, e.value.column) == (line, col), str(e.value)
+    assert f"line {line}, column {col}" in str(e.value)
 
 
-TOKENS = [b"{", b'{"', b"name", b'"', b'": "', b"bob", b'", "', b"age", b'": ', b"1", b"2", b"}", b" ", b"", b"hello"]
-TOKENS += [bytes([c]) for c in range(0x20, 0x7F) if bytes([c]) not in TOKENS]   # every byte, as a BPE vocab has
-EOS = TOKENS.index(b"")        # an empty (control) id used as the stop id
+def test_gbnf_grammar_constrains():
+    g = gbnf_grammar('root ::= item ("," item)*\nitem ::= [a-c]+ | "\\"q\\""\n')
+    assert ok(g, 'ab,"q",c') and not ok(g, "ab,,c") and not ok(g, "d")
 
 
-def test_greedy_takes_the_first_allowed_in_descending_order_and_ends():
-    prog = Program(schema_nodes({"type": "object", "properties": {"name": {"type": "string"},
-                                                                  "age": {"type": "integer"}},
-                                 "required": ["name", "age"]}))
-    m = Matcher(prog, Vocab(TOKENS), stop_ids=[EOS])
+def test_after_prefix_closes_a_think_span_first():
+    g = after_prefix(schema_grammar({"type": "integer"}), "</think>\n\n")
+    assert ok(g, "</think>\n\n42") and not ok(g, "42")
+
+
+def test_greedy_pick_is_the_masked_argmax_and_the_stop_id_waits_for_a_whole_document():
+    m = Matcher(schema_grammar({"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"],
+                                "additionalProperties": False}), VOCAB, stop_ids=[EOS])
     rng = np.random.default_rng(1)
     text = b""
-    for _ in range(200):
-        logits = rng.standard_normal(len(TOKENS)).astype(np.float32)
-        logits[TOKENS.index(b"x")] = 10.0          # the model's favourite is allowed only inside a string
-        logits[TOKENS.index(b'", "')] += 11.0       # ... until the string may end
-        logits[TOKENS.index(b"}")] += 3.0
+    for step in range(60):
+        logits = rng.standard_normal(len(PIECES)).astype(np.float32)
+        logits[EOS] = 50.0                           # the model wants to stop at once
+        n_nl = text.count(b"\\n")
+        logits[PIECES.index(b"\\n")] = 20.0 if n_nl < 3 else -50.0   # ... and to write newline escapes
+        logits[[ord('"'), ord("}")]] += 0.0 if n_nl < 3 else 30.0        # ... then to close
+        logits[PIECES.index(b'", "')] = -50.0
+        allowed = m.allowed()
         t = m.pick_greedy(logits)
-        allowed = [i for i in range(len(TOKENS)) if m.allows(i)]
-        assert t == max(allowed, key=lambda i: (logits[i], -i))   # the masked row's argmax
+        assert t == int(np.argmax(np.where(allowed, logits, -np.inf)))
+        assert allowed[EOS] == m.complete
+        assert t != EOS
         m.accept(t)
-        text += TOKENS[t]
+        text += PIECES[t]
         if m.done:
             break
-    assert m.done and text.startswith(b'{"name": "') and text.endswith(b"}")
+    assert m.done and json.loads(text)["name"].count("\n") == 3
 
 
-def test_sampled_mask_keeps_only_allowed_ids():
-    m = Matcher(Program(json_object_nodes()), Vocab(TOKENS), stop_ids=[EOS])
-    logits = np.zeros(len(TOKENS), dtype=np.float32)
-    row = m.mask(logits, top_k=0)
-    assert {TOKENS[i] for i in range(len(TOKENS)) if np.isfinite(row[i])} == {b"{", b'{"'}
-    assert np.isfinite(m.mask(logits, top_k=1)).sum() == 1
+def test_an_id_outside_the_mask_is_an_error():
+    m = Matcher(schema_grammar({"type": "integer"}), VOCAB, stop_ids=[EOS])
+    assert not m.allows(ord("x"))
+    with pytest.raises(GrammarError):
+        m.accept(ord("x"))
+    with pytest.raises(GrammarError):
+        Matcher(schema_grammar({"type": "integer"}), VOCAB, stop_ids=[EOS]).accept(EOS)   # nothing written yet
+
+
+def test_done_once_nothing_may_follow():
+    m = Matcher(schema_grammar({"const": 7}), VOCAB, stop_ids=[EOS])
+    m.accept(ord("7"))
+    assert m.complete and m.done
+

@@ -92,6 +92,8 @@ def test_background_then_cancel(server, client):
     ({"conversation": "conv_1"}, "conversation"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"text": {"format": {"type": "xml"}}}, "text"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"not": {}}}}}, "text"),
 ])
 def test_refused_by_name(server, body, field):
     r = requests.post(server.url + "/v1/responses", json={"input": "hi", "max_output_tokens": 1, **body})

@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from bloomery.api.toolcalls import (ArgsDelta, CallError, CallStart, ContentDelta, forced_call_nodes, framing_of,
-                                    make_parser, read_tool_request)
+from byte_vocab import feed, ok
+from bloomery.api.toolcalls import (ArgsDelta, CallError, CallStart, ContentDelta, auto_call_grammar,
+                                    forced_call_grammar, framing_of, make_parser, read_tool_request)
 from bloomery.api.toolcalls.reply import Reply
-from bloomery.grammar import Program
 from bloomery.http.types import ApiError
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -29,16 +29,33 @@ def test_framing_read_from_the_template():
 
 @pytest.mark.parametrize("framing,text", [("hermes", HERMES), ("qwen3_coder", CODER)])
 def test_forced_grammar_accepts_the_framed_call(framing, text):
-    prog = Program(forced_call_nodes(framing, treq(tool_choice="required", parallel_tool_calls=False)))
-    sid = prog.walk(prog.start, text.encode())
-    assert sid >= 0 and prog.done(sid)
-    assert prog.walk(prog.start, text.replace("get_weather", "other").encode()) < 0
+    g = forced_call_grammar(framing, treq(tool_choice="required", parallel_tool_calls=False))
+    assert ok(g, text)
+    assert not ok(g, text.replace("get_weather", "other"))
+
+
+CODE = 'if a < b:\n    print("x\\ty")\n'      # two lines of Python with '<', quotes and a backslash
+
+
+@pytest.mark.parametrize("framing,text", [
+    ("hermes", '<tool_call>\n{"name": "write", "arguments": {"path": "a.py", "code": ' + json.dumps(CODE) + '}}\n'
+               '</tool_call>'),
+    ("qwen3_coder", "<tool_call>\n<function=write>\n<parameter=path>\na.py\n</parameter>\n<parameter=code>\n"
+                    + CODE + "\n</parameter>\n</function>\n</tool_call>"),
+])
+def test_forced_call_arguments_keep_newlines_quotes_and_escapes(framing, text):
+    tools = [{"type": "function", "function": {"name": "write", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}, "code": {"type": "string"}},
+        "required": ["path", "code"]}}}]
+    g = forced_call_grammar(framing, read_tool_request({"tools": tools, "tool_choice": "required",
+                                                        "parallel_tool_calls": False}))
+    assert ok(g, text)
 
 
 def test_parallel_calls_may_follow():
-    prog = Program(forced_call_nodes("hermes", treq(tool_choice="required")))
-    sid = prog.walk(prog.start, (HERMES + "\n" + HERMES).encode())
-    assert sid >= 0 and prog.complete(sid) and not prog.done(sid)
+    g = forced_call_grammar("hermes", treq(tool_choice="required"))
+    n, whole = feed(g, HERMES + "\n" + HERMES)
+    assert whole and n == len(HERMES) * 2 + 1
 
 
 @pytest.mark.parametrize("framing,text,args", [
@@ -97,6 +114,7 @@ def test_reply_message_shape():
     ({"tool_choice": "sometimes"}, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
     ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]}, "strict"),
 ])
 def test_bad_tool_fields_named(body, word):
     with pytest.raises(ApiError) as e:
@@ -121,3 +139,25 @@ def test_tools_render_as_llama_servers_apply_template(real_model_path):
     got = ChatTemplate(source).render(req["messages"], tools=req["tools"], add_generation_prompt=True).text
     assert got == want
     assert framing_of(source) == "hermes"
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_auto_calls_are_held_to_the_schema_once_opened(parallel):
+    """tool_choice auto with a strict tool: free text, or text then a call whose arguments follow the
+    tool's schema."""
+    assert auto_call_grammar("hermes", treq(parallel_tool_calls=parallel)) is None    # no strict tool: free
+    strict = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]
+    g = auto_call_grammar("hermes", read_tool_request({"tools": strict, "parallel_tool_calls": parallel}))
+    assert ok(g, "Hello, <b>no call</b> here") and ok(g, "Let me check.\n" + HERMES) and ok(g, HERMES)
+    assert ok(g, HERMES + "\n" + HERMES) is parallel
+    n, whole = feed(g, "x" + HERMES.replace('"c"', '"k"'))
+    assert not whole and n == len("x" + HERMES[:HERMES.index('"c"')]) + 1       # stops at the k
+    assert not ok(g, '<tool_call>\n{"name": "other"')
+    assert ok(auto_call_grammar("qwen3_coder", read_tool_request({"tools": strict})), "Sure. " + CODER)
+    assert auto_call_grammar(None, read_tool_request({"tools": strict})) is None
+    loose = strict + [{"type": "function", "function": {"name": "g", "parameters": {"type": "object"}}}]
+    assert ok(auto_call_grammar("hermes", read_tool_request({"tools": loose})),
+              '<tool_call>\n{"name": "g", "arguments": {"any": [1]}}\n</tool_call>')
+    bad = [{"type": "function", "function": {"name": "f", "strict": True,
+                                             "parameters": {"type": "object", "not": {}}}}]
+    assert auto_call_grammar("hermes", read_tool_request({"tools": bad})) is None    # read as before, unheld

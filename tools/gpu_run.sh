@@ -10,9 +10,11 @@
 #   variants  with bench: decode at depth 512 for each decode-step switch
 #   profile   with bench: per-kernel times of the captured step and of a prompt
 #   llama     with bench: llama.cpp's llama-bench on the same file, same run
+#   grammar   tools/bench_grammar.py on the same file: decode under a JSON schema against free decode
+#             through HTTP, grammar.json (with $dev/llama/llama-server carried: llama-server's too)
 #
 # Carried beside the tree in $BLOOMERY_DEVICE_DIR (default .device, git-ignored):
-#   whl/*.whl            pyzmq, structlog, gguf (the device image lacks them)
+#   whl/*.whl            pyzmq, structlog, gguf, llguidance (the device image lacks them)
 #   tokenizer.gguf       tools/make_synthetic.py --tokenizer-only -o .device/tokenizer.gguf
 #   (any of these may be carried as NAME.xz: it is unpacked first)
 #   llama/llama-bench    llama.cpp's CUDA llama-bench (tools/ref/build-llama.sh --cuda-static),
@@ -35,7 +37,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 BLOOMERY_TOKENIZER_GGUF=$PWD
 nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm,clocks.max.sm --format=csv,noheader
 
 big=$work/qwen3moe-30b-a3b-shape-q4_k_m-L48.gguf
-if has bench && [ ! -s "$big" ]; then        # the same file bench_cuda.py would write, started early
+if { has bench || has grammar; } && [ ! -s "$big" ]; then        # the same file bench_cuda.py would write, started early
   (python3 - "$work" "$BLOOMERY_TOKENIZER_GGUF" > "$out/write.log" 2>&1 <<'EOF'
 import sys, time
 from pathlib import Path
@@ -78,4 +80,13 @@ if has bench; then
   t0=$SECONDS
   timeout "${BENCH_S:-420}" python3 tools/bench_cuda.py "${args[@]}" 2>&1 | tee "$out/bench.log" | tail -n 70
   echo "bench: $((SECONDS - t0)) s"
+fi
+
+if has grammar; then
+  [ -n "${writer:-}" ] && wait "$writer" 2>/dev/null
+  args=(--synthetic 30b --work "$work" --device cuda --out "$out/grammar.json")
+  [ -x "$dev/llama/llama-server" ] && args+=(--llama-server "$dev/llama/llama-server")
+  t0=$SECONDS
+  timeout "${GRAMMAR_S:-600}" python3 tools/bench_grammar.py "${args[@]}" 2>&1 | tee "$out/grammar.log" | tail -n 20
+  echo "grammar: $((SECONDS - t0)) s"
 fi

@@ -22,7 +22,7 @@ from bloomery.api.input_tokens import prompt_ids_of, rendered_of
 from bloomery.api.params import Fields, field_error, parse_gen_params
 from bloomery.api.reasoning import ThinkParser, prompt_opens_think
 from bloomery.api.responses import new_id
-from bloomery.api.responses_calls import ReplyCalls, tool_request
+from bloomery.api.responses_calls import ReplyCalls, structured, tool_request
 from bloomery.api.toolcalls import framing_of
 from bloomery.http.types import ApiError, Request, Response, StreamResponse
 
@@ -108,6 +108,7 @@ async def handle_messages(app: "App", req: Request) -> Response | StreamResponse
     p = parse_gen_params(Fields(chat), **app.gen_defaults(), allow_n_probs=False)
     rendered, ids = rendered_of(app, chat)
     rs = read_chat_reasoning(app, Fields(chat))
+    p = structured(app, p, chat, treq, rs, rendered.text)
     p = with_think_watch(app, p, rs, rendered.text, framing_of(app.template.source))
     think = ThinkParser(rs.extract, rs.extract and prompt_opens_think(rendered.text))
     gen = app.start(req.path, ids, p)

@@ -136,7 +136,8 @@ def to_chat_body(body: dict, *, need_max_tokens: bool = True) -> dict:
                                            f"by this server")
             chat["tools"].append({"type": "function", "function": {
                 "name": t["name"], "description": t.get("description", ""),
-                "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}})
+                "parameters": t.get("input_schema") or {"type": "object", "properties": {}},
+                **({"strict": t["strict"]} if "strict" in t else {})}})
     tc = _tool_choice(body.get("tool_choice"))
     if tc is not None:
         chat["tool_choice"] = tc

@@ -124,11 +124,6 @@ def refuse_unsupported(f: Fields) -> None:
         v = f.float(name)
         if v is not None and ((v > off) if above else (v != off)):
             raise field_error(name, f"{v:g} is not supported by this server (only {off:g}, which turns it off)")
-    grammar = f.raw("grammar")
-    if grammar is not None and grammar[1] != "":
-        raise field_error("grammar", "grammars are not supported by this server")
-    if f.raw("json_schema") is not None:
-        raise field_error("json_schema", "structured output is not supported by this server yet")
     if f.bool("return_progress"):   # the engine takes a prompt in one pass: there is no progress to report
         raise field_error("return_progress", "prompt progress events are not supported by this server")
     if f.bool("post_sampling_probs"):
@@ -247,6 +242,7 @@ def parse_gen_params(f: Fields, *, n_predict_default: int, n_vocab: int, eog_ids
         seed=d.seed if seed is None else DEFAULT_SEED if seed == -1 else seed,
         n_probs=n_probs,
         logit_bias=tuple(bias),
+        grammar=read_grammar(f),
     )
     sp = _apply_samplers(sp, samplers)
     f.int("min_keep", lo=0)
@@ -256,6 +252,23 @@ def parse_gen_params(f: Fields, *, n_predict_default: int, n_vocab: int, eog_ids
         return_tokens=bool(f.bool("return_tokens")), n_probs=n_probs, samplers=samplers,
         timings_per_token=bool(f.bool("timings_per_token")),
     )
+
+
+def read_grammar(f: Fields) -> str:
+    """llama-server's `grammar` (GBNF) and `json_schema` fields -> the engine's grammar text ("" for none)."""
+    from bloomery.grammar import GrammarSyntaxError, SchemaError, gbnf_grammar, schema_grammar
+    gbnf = f.str("grammar")
+    schema = f.raw("json_schema")
+    if gbnf and schema is not None:
+        raise field_error("grammar", 'Either "json_schema" or "grammar" can be specified, but not both')
+    try:
+        if schema is not None:
+            return schema_grammar(schema[1])
+        return gbnf_grammar(gbnf) if gbnf else ""
+    except SchemaError as e:
+        raise field_error("json_schema", str(e)) from None
+    except GrammarSyntaxError as e:
+        raise field_error("grammar", str(e)) from None
 
 
 def _apply_samplers(sp: SamplingParams, samplers: tuple[str, ...]) -> SamplingParams:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from bloomery.api.chat import read_chat_reasoning, with_think_watch
 from bloomery.api.input_tokens import rendered_of
 from bloomery.api.params import Fields, field_error, parse_gen_params
-from bloomery.api.responses_calls import ReplyCalls, tool_request
+from bloomery.api.responses_calls import ReplyCalls, structured, tool_request
 from bloomery.api.responses_convert import input_messages, to_chat_body
 from bloomery.api.responses_store import ResponseStore, Stored
 from bloomery.api.shapes import sse
@@ -60,8 +60,9 @@ class Run:
         self.p = parse_gen_params(Fields(chat), **app.gen_defaults(), allow_n_probs=False)
         rendered, ids = rendered_of(app, chat)
         # reasoning_loop (and the server's --reasoning-budget) watch the think span as on chat
-        self.p = with_think_watch(app, self.p, read_chat_reasoning(app, Fields(chat)), rendered.text,
-                                  framing_of(app.template.source))
+        rs = read_chat_reasoning(app, Fields(chat))
+        self.p = structured(app, self.p, chat, self.treq, rs, rendered.text, route_format="text.format")
+        self.p = with_think_watch(app, self.p, rs, rendered.text, framing_of(app.template.source))
         prev = body.get("previous_response_id")
         self.conversation_in = (app.responses.conversation(prev) if prev else []) + input_messages(body)
         self.gen = app.start(path, ids, self.p)
@@ -82,7 +83,8 @@ class Run:
             "parallel_tool_calls": b.get("parallel_tool_calls", True),
             "previous_response_id": b.get("previous_response_id"),
             "reasoning": {"effort": (b.get("reasoning") or {}).get("effort"), "summary": None},
-            "store": self.store, "temperature": sp.temperature, "text": {"format": {"type": "text"}},
+            "store": self.store, "temperature": sp.temperature,
+            "text": {"format": ((b.get("text") or {}).get("format") or {"type": "text"})},
             "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [], "top_p": sp.top_p,
             "truncation": "disabled", "usage": usage, "metadata": b.get("metadata") or {},
         }

@@ -3,12 +3,13 @@
 These routes read a finished reply: content plus the calls the model wrote
 (function_call items, tool_use blocks); their streams send a call when it closes.
 A call can only be watched for where the template has a framing; a forced call
-(tool_choice required / named, Anthropic any / tool) needs the grammar path,
-which these routes do not run yet: refused by name.
+(tool_choice required / named, Anthropic any / tool) and a JSON output format
+(Responses' text.format) run through the chat route's grammar path (structured()).
 """
 from __future__ import annotations
 
 from bloomery.api.params import field_error
+from bloomery.http.types import ApiError
 
 
 def _toolcalls():
@@ -26,11 +27,27 @@ def tool_request(app, chat_body: dict, route: str):
     tc = _toolcalls()
     if tc is None:
         raise field_error("tools", f"tool calls are not served on {route} in this version")
-    treq = tc.read_tool_request(chat_body)
-    if treq.forced:
-        raise field_error("tool_choice", f"a forced tool call ({treq.choice}) is not served on {route} in this "
-                                         f"version; use auto")
-    return treq
+    return tc.read_tool_request(chat_body)
+
+
+def structured(app, p, chat_body: dict, treq, rs, prompt_text: str, route_format: str = ""):
+    """GenParams with the request's grammar (forced call, response_format), as the chat route sets it;
+    a refusal of the format names the route's own field (route_format: Responses' text.format)."""
+    from bloomery.api.reasoning import prompt_opens_think
+    from bloomery.api.toolcalls.structured import apply_structured
+    tc = _toolcalls()
+    if tc is None:
+        return p
+    treq = treq if treq is not None else tc.read_tool_request({})
+    think_open = rs.extract and prompt_opens_think(prompt_text)
+    try:
+        return apply_structured(p, chat_body, treq, tc.framing_of(getattr(app.template, "source", "") or ""), rs,
+                                think_open, chat_body.get("temperature") is not None)
+    except ApiError as e:
+        if e.param != "response_format" or not route_format:
+            raise
+        # the route's own field: Responses' text.format
+        raise field_error(route_format, e.message.split(": ", 1)[-1]) from None
 
 
 class ReplyCalls:

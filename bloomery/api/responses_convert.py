@@ -151,8 +151,15 @@ def to_chat_body(body: dict, store, *, for_count: bool = False) -> dict:
     if text is not None and not for_count:
         fmt = text.get("format") if isinstance(text, dict) else None
         kind = fmt.get("type") if isinstance(fmt, dict) else None
-        if fmt is not None and kind != "text":
-            raise field_error("text", f"text.format type {kind!r} is not supported on /v1/responses yet (only 'text')")
+        if kind == "json_schema":
+            if "schema" not in fmt:
+                raise field_error("text", "text.format json_schema needs a 'schema'")
+            chat["response_format"] = {"type": "json_schema",
+                                       "json_schema": {"name": fmt.get("name", ""), "schema": fmt["schema"]}}
+        elif kind == "json_object":
+            chat["response_format"] = {"type": "json_object"}
+        elif fmt is not None and kind != "text":
+            raise field_error("text", f"text.format type must be 'text', 'json_schema' or 'json_object', got {kind!r}")
     top = body.get("top_logprobs")
     if top not in (None, 0) and not for_count:
         raise field_error("top_logprobs", "logprobs are not rendered on /v1/responses by this server")

@@ -22,7 +22,7 @@ from bloomery.engine.limits import finish_reason
 from bloomery.engine.sampler import Sample, Sampler, SamplerError
 from bloomery.engine.scheduler import Scheduler, Slot
 from bloomery.engine.types import EngineRequest, TokenOut
-from bloomery.grammar import Matcher, ProgramCache, ProgramError, Vocab
+from bloomery.grammar import GrammarError, Matcher, Vocab
 
 
 @dataclass
@@ -42,8 +42,7 @@ class Engine:
         self._cancels: list[str] = []
         # per slot, its current or last request's counts (llama-server's /slots keeps task_prev too)
         self._last: dict[int, dict] = {}
-        self._grammar_vocab: Vocab | None = None     # the vocabulary's bytes, built on the first schema request
-        self._programs = ProgramCache()
+        self._grammar_vocab: Vocab | None = None     # the vocabulary's bytes, built on the first grammar request
 
     # -- called from any thread ------------------------------------------------
     def add(self, req: EngineRequest) -> None:
@@ -212,17 +211,17 @@ class Engine:
                         prompt_ms=st.prompt_ms if first else 0.0, slot=slot.id)
 
     def _matcher(self, req: EngineRequest) -> Matcher | None:
-        """The request's structured-output state: its program compiled once (cached by text)
-        against the vocabulary's token bytes."""
+        """The request's structured-output state: its grammar against the vocabulary's token bytes (the
+        first mask is computed while the prompt runs)."""
         if not req.sampling.grammar:
             return None
         if self._grammar_vocab is None:
             gf = getattr(self.model, "gf", None)
             if gf is None:
-                raise ProgramError("this model carries no vocabulary to run structured output against")
+                raise GrammarError("this model carries no vocabulary to run structured output against")
             from bloomery.tokenizer import Tokenizer
-            self._grammar_vocab = Vocab.from_tokenizer(Tokenizer.from_gguf(gf.metadata))
-        return Matcher(self._programs.get(req.sampling.grammar), self._grammar_vocab, req.stop_ids)
+            self._grammar_vocab = Vocab.from_tokenizer(Tokenizer.from_gguf(gf.metadata), self.n_vocab)
+        return Matcher(req.sampling.grammar, self._grammar_vocab, req.stop_ids)
 
     def _note_done(self, slot_id: int, req_id: str, n_decoded: int) -> None:
         """Keep the finished request's counts for /slots (the lock is held)."""

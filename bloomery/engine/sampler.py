@@ -18,8 +18,8 @@ libstdc++'s uniform_real_distribution<double> for the draw.
 
 Structured output (SamplingParams.grammar): the engine hands the Sampler a
 bloomery.grammar Matcher; after the bias and the penalties the row is masked to
-the ids the schema allows (greedy: the first allowed id in descending order), and
-accept_generated() advances it.
+the ids the grammar allows (the mask was computed while the model ran), and
+accept_generated() advances it (and starts the next mask).
 
 V = vocab size, C = candidates left.
 """

@@ -26,7 +26,7 @@ class SamplingParams:
     seed: int = 0xFFFFFFFF        # LLAMA_DEFAULT_SEED: a random seed per request
     n_probs: int = 0              # > 0: report the top n_probs candidates of each step
     logit_bias: tuple[tuple[int, float], ...] = ()   # (id, bias); -inf bans the id
-    grammar: str = ""             # structured output: a bloomery.grammar Program's JSON text; "" = free
+    grammar: str = ""             # structured output: llguidance grammar text (bloomery.grammar); "" = free
     n_drawn: int = 0              # draws the seeded stream made already (a continuation starts past them)
 
 

@@ -61,11 +61,6 @@ REFUSED_TESTS: dict[str, str] = {
     **{f"unit/test_chat_completion.py::{t}": "--chat-template NAME (llama.cpp's built-in C++ templates) is refused "
        "at start by name; --chat-template-file is served" for t in (
            "test_apply_chat_template", "test_chat_template_continue_final_message_mutual_exclusion")},
-    "unit/test_chat_completion.py::test_completion_with_grammar": "grammar (GBNF) is refused by name; "
-        "response_format / json_schema are served",
-    "unit/test_chat_completion.py::test_completion_with_response_format[response_format1-10-[ -3000 ]]":
-        "a schema outside the served JSON-schema subset (serving guide 11.4: here 'items' as a tuple, with no "
-        "'type') is refused by name",
     "unit/test_chat_completion.py::test_chat_completions_multiple_choices": "id_slot (choosing a slot) is refused "
         "by name; n choices are served (tests/test_routes_openai.py::test_chat_n_choices_with_logprobs)",
     **{f"unit/test_compat_anthropic.py::{t}": "images are refused by name with a 400 naming the block (this server "

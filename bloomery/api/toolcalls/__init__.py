@@ -4,7 +4,8 @@ grammar that forces a call.
 
   framing = framing_of(template_source)          # "hermes" | "qwen3_coder" | None
   treq = read_tool_request(body_fields)          # ToolRequest: tools, choice, parallel
-  nodes = forced_call_nodes(framing, treq)       # tool_choice required / named -> grammar nodes
+  grammar = forced_call_grammar(framing, treq)   # tool_choice required / named -> grammar text
+  grammar = auto_call_grammar(framing, treq)     # auto + strict tools: the calls opened held to their schemas
   parser = make_parser(framing, treq)            # CallParser (None framing: content only)
   events = parser.feed(text) + parser.finish(cut=finish_reason == "length")
     # ContentDelta(text) | CallStart(index, id, name) | ArgsDelta(index, text) | CallEnd(index)
@@ -20,11 +21,11 @@ onto Responses' function_call items. A call cut by the token limit (finish(cut=T
 a call once its name is whole (arguments so far) and turns back into content before; a
 generation that ends on its own inside a call raises CallError naming it (a 500).
 """
-from bloomery.api.toolcalls.forced import forced_call_nodes
+from bloomery.api.toolcalls.forced import auto_call_grammar, forced_call_grammar
 from bloomery.api.toolcalls.framing import framing_of
 from bloomery.api.toolcalls.parser import (ArgsDelta, CallEnd, CallError, CallParser, CallStart, ContentDelta,
                                            ToolCall, make_parser)
 from bloomery.api.toolcalls.request import ToolRequest, read_tool_request
 
 __all__ = ["ArgsDelta", "CallEnd", "CallError", "CallParser", "CallStart", "ContentDelta", "ToolCall",
-           "ToolRequest", "forced_call_nodes", "framing_of", "make_parser", "read_tool_request"]
+           "ToolRequest", "auto_call_grammar", "forced_call_grammar", "framing_of", "make_parser", "read_tool_request"]

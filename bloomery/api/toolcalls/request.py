@@ -14,6 +14,7 @@ def _err(name: str, problem: str) -> ApiError:
 class Tool:
     name: str
     parameters: dict
+    strict: bool = False              # OpenAI's function.strict: its calls follow the schema under tool_choice auto too
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,10 @@ def read_tools(raw: object) -> tuple[Tool, ...]:
             params = {"type": "object", "properties": {}}
         if not isinstance(params, dict):
             raise _err(f"{where}.function.parameters", "must be a JSON schema object")
-        out.append(Tool(name, params))
+        strict = fn.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise _err(f"{where}.function.strict", "type must be boolean")
+        out.append(Tool(name, params, bool(strict)))
     return tuple(out)
 
 

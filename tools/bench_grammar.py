@@ -8,10 +8,10 @@ timings.predicted_per_second. With --llama-server, runs llama-server on the same
 requests, so the table also holds llama-server's constrained decode.
 
   # on the card: the Qwen3-30B-A3B-shaped file (as tools/bench_cuda.py makes it)
-  python3 tools/bench_grammar.py --synthetic 30b --work /tmp/bench --device cuda \\
+  python3 tools/bench_grammar.py --synthetic 30b --work /tmp/bench --backend cuda \\
       [--llama-server <bin>/llama-server] [--out result.json]
   # anywhere: a tiny synthetic file on the CPU (checks the tool, not a speed)
-  python3 tools/bench_grammar.py --synthetic tiny --work /tmp/bench-tiny --device cpu --n-predict 16 --rounds 1
+  python3 tools/bench_grammar.py --synthetic tiny --work /tmp/bench-tiny --backend cpu --n-predict 16 --rounds 1
 """
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ def main() -> None:
     src.add_argument("--synthetic", choices=sorted(SHAPES), help="make (once) and use a synthetic file of this shape")
     src.add_argument("--model", help="a GGUF file to use instead")
     ap.add_argument("--work", default="/tmp/bench-grammar", help="folder for the synthetic file and the logs")
-    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    ap.add_argument("--backend", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--n-predict", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--ctx-size", type=int, default=4096)
@@ -142,10 +142,10 @@ def main() -> None:
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     path = Path(a.model) if a.model else make_file(a.synthetic, work)
-    result = {"file": str(path), "schema": SCHEMA, "n_predict": a.n_predict, "device": a.device}
+    result = {"file": str(path), "schema": SCHEMA, "n_predict": a.n_predict, "backend": a.backend}
     port = free_port()
-    srv = Server([sys.executable, "-m", "bloomery.supervisor", "-m", str(path), "--port", str(port), "--device",
-                  a.device, "-c", str(a.ctx_size), "-np", "1"], port, work / "bloomery.log", a.ready_timeout_s)
+    srv = Server([sys.executable, "-m", "bloomery.supervisor", "-m", str(path), "--port", str(port), "--backend",
+                  a.backend, "-c", str(a.ctx_size), "-np", "1"], port, work / "bloomery.log", a.ready_timeout_s)
     try:
         result["bloomery"] = measure(srv, a.n_predict, a.rounds)
     finally:
@@ -153,7 +153,7 @@ def main() -> None:
     if a.llama_server:
         port = free_port()
         srv = Server([a.llama_server, "-m", str(path), "--port", str(port), "-c", str(a.ctx_size), "-np", "1",
-                      "-ngl", "99" if a.device != "cpu" else "0", "-fa", "on"], port, work / "llama.log",
+                      "-ngl", "99" if a.backend != "cpu" else "0", "-fa", "on"], port, work / "llama.log",
                      a.ready_timeout_s)
         try:
             result["llama_server"] = measure(srv, a.n_predict, a.rounds)
@@ -166,7 +166,7 @@ def main() -> None:
 
 
 def print_table(r: dict) -> None:
-    print(f"file {r['file']}  n_predict {r['n_predict']}  device {r['device']}")
+    print(f"file {r['file']}  n_predict {r['n_predict']}  backend {r['backend']}")
     print(f"{'server':<14}{'free tok/s':>12}{'schema tok/s':>14}{'schema/free':>13}")
     for name in ("bloomery", "llama_server"):
         if name in r:

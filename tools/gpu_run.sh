@@ -84,7 +84,7 @@ fi
 
 if has grammar; then
   [ -n "${writer:-}" ] && wait "$writer" 2>/dev/null
-  args=(--synthetic 30b --work "$work" --device cuda --out "$out/grammar.json")
+  args=(--synthetic 30b --work "$work" --backend cuda --out "$out/grammar.json")
   [ -x "$dev/llama/llama-server" ] && args+=(--llama-server "$dev/llama/llama-server")
   t0=$SECONDS
   timeout "${GRAMMAR_S:-600}" python3 tools/bench_grammar.py "${args[@]}" 2>&1 | tee "$out/grammar.log" | tail -n 20

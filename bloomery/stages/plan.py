@@ -10,7 +10,8 @@ after them) and the facts the engine stage needs, the model facts of
 from __future__ import annotations
 
 from bloomery import records
-from bloomery.messages import stage as sm
+from bloomery.messages import codec, stage as sm
+from bloomery.placement_flags import PlacementAsk
 from bloomery.engine.models.registry import ARCHS as SEATS
 from bloomery.stages.common import StageRefusal, run_stage
 from bloomery.stages.meta import model_meta
@@ -64,7 +65,8 @@ def make(args: dict, gf, census):
     parallel = args.get("parallel", 1)
     n_parallel = "auto" if parallel == "auto" else int(parallel)
     try:
-        plan = make_plan(facts, census, backend, args.get("ctx_size") or 0, n_parallel, args.get("slot_ctx") or 0)
+        plan = make_plan(facts, census, backend, args.get("ctx_size") or 0, n_parallel, args.get("slot_ctx") or 0,
+                         codec.build(PlacementAsk, args.get("placement_ask") or {}, "placement_ask"))
     except PlanError as e:
         raise StageRefusal(str(e)) from None
     return plan, why

@@ -167,7 +167,8 @@ def _said(field: str, v) -> str:
     if field == "cpu_moe":
         return "every routed expert tensor on the host" if v else "off"
     if field == "n_cpu_moe":
-        return f"the routed experts of layers 0 .. {v - 1} on the host" if v else "no layer's experts on the host"
+        return ("no layer's routed experts on the host" if not v else "layer 0's routed experts on the host"
+                if v == 1 else f"the routed experts of layers 0 .. {v - 1} on the host (all, where the file has fewer)")
     if field == "overrides":
         return "; ".join(f"tensors matching {o.pattern!r} on {o.device}" for o in v)
     if field == "fit":

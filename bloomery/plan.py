@@ -241,7 +241,7 @@ class Plan:
             kept = "reserve" if d.device == "host" else "margin kept free"
             need = t.total if d.device == "host" else t.total - t.margin
             dense = t.weights - sum(k * b for k, b in zip(d.experts, _expert_bytes(p, self)))
-            weights = ([f"dense weights {gib(dense)}", f"routed experts {gib(t.weights - dense)}"] if p.n_expert
+            weights = ([f"dense weights {gib(dense)}", f"routed experts {gib(t.weights - dense)}"] if d.experts
                        else [f"weights {gib(t.weights)}"])
             parts = [*weights, *([f"decoded forms {gib(t.decoded)}"] if t.decoded else []),
                      f"KV {gib(t.kv)}", f"scratch {gib(t.scratch)}", f"pinned staging {gib(t.pinned)}",

@@ -230,3 +230,25 @@ def test_the_placement_travels_typed_and_a_load_refuses_host_experts():
         load_model("/nonexistent/never-read.gguf", pl)
     whole = plan(100 * GIB).placement
     assert not whole.off_card
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_plan_run_reads_each_placement_flag_and_refuses_a_card_buffer_on_cpu(real_model_path, synthetic_dir):
+    """bloomery-serve --plan on a synthetic qwen3moe file: one record per placement flag, no weight read."""
+    import subprocess
+    import sys
+
+    from conftest import load_tool
+    path = synthetic_dir / "offload_moe.gguf"
+    if not path.exists():
+        load_tool("make_synthetic").write_synthetic(path, arch="qwen3moe", tokenizer_from=str(real_model_path))
+    run = [sys.executable, "-m", "bloomery.supervisor", "-m", str(path), "--plan", "--backend", "cpu", "-c", "512"]
+    r = subprocess.run([*run, "-ncmoe", "1", "-ot", r"blk\.1\.ffn_up_exps=CPU", "-fitt", "512", "-sm", "layer"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    read = [line for line in r.stderr.splitlines() if "placement flag read" in line]
+    assert len(read) == 4 and "layer 0's routed experts on the host" in read[0], read
+    assert "every card keeps 512 MiB free" in r.stderr and "loading weights" not in r.stderr
+    r = subprocess.run([*run, "-ot", "exps=CUDA0"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "-ot exps=CUDA0: the CPU backend holds every tensor on the host" in r.stderr

@@ -50,7 +50,8 @@ def check_ngl(ngl: str | None, n_layer: int) -> None:
     if ngl is None or ngl in ("all", "auto") or int(ngl) < 0 or int(ngl) >= n_layer + 1:
         return
     raise StageRefusal(f"-ngl {ngl}: a count below the file's layers + 1 ({n_layer + 1}) is refused; "
-                       f"every layer runs on the device (use all, auto or a count >= {n_layer + 1})")
+                       f"every layer runs on the device (use all, auto or a count >= {n_layer + 1}; "
+                       f"-ncmoe N or --cpu-moe put routed experts on the host instead)")
 
 
 def make(args: dict, gf, census):

@@ -84,8 +84,8 @@ def _placement_rows() -> tuple[Flag, ...]:
              "card (one value: every card; default 1024)"),
             ("--fit-ctx", ("-fitc",), "LLAMA_ARG_FIT_CTX", "str", "the smallest context the fitted rule chooses "
              "(default 4096)"),
-            ("--tensor-split", ("-ts",), "LLAMA_ARG_TENSOR_SPLIT", "str", "N0,N1,...: each card's share of the "
-             "routed experts placed on cards"),
+            ("--tensor-split", ("-ts",), "LLAMA_ARG_TENSOR_SPLIT", "str", "N0,N1,...: one share per card; the cards "
+             "beside the main one take the routed experts it does not hold in these shares"),
             ("--main-gpu", ("-mg",), "LLAMA_ARG_MAIN_GPU", "str", "the card that runs every layer (default: the "
              "largest)"),
             ("--split-mode", ("-sm",), "LLAMA_ARG_SPLIT_MODE", "str", "none (one card) or layer (default)"))

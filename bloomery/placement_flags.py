@@ -14,7 +14,8 @@ margin that leaves no usable byte, a count at or above the layers) is checked by
                                    to the host by itself (a model over the card is refused)
   --fit-target / -fitt MiB[,...]   the margin kept free per card (one value: every card); split on , and /
   --fit-ctx / -fitc N              the smallest context the fitted rule may choose
-  --tensor-split / -ts N0,N1,...   each card's share (of the routed experts placed on cards)
+  --tensor-split / -ts N0,N1,...   one share per card: the cards other than the main one take the routed
+                                   experts the main card does not hold in these shares (0: the card is left out)
   --main-gpu / -mg I               the card that runs every layer (default: the largest)
   --split-mode / -sm none|layer    none: one card only; row and tensor are refused (not served)
 """
@@ -179,7 +180,8 @@ def _said(field: str, v) -> str:
     if field == "fit_ctx":
         return f"the fitted context goes no lower than {v}"
     if field == "tensor_split":
-        return "cards' shares of the routed experts " + ":".join(f"{x:g}" for x in v)
+        return ("the other cards' shares of the routed experts the main card does not hold "
+                + ":".join(f"{x:g}" for x in v) + " (the main card's own share is what its bytes hold)")
     if field == "main_gpu":
         return f"CUDA{v} runs every layer"
     return "one card only" if v == "none" else "layers on one card, routed experts over the others"

@@ -252,3 +252,18 @@ def test_plan_run_reads_each_placement_flag_and_refuses_a_card_buffer_on_cpu(rea
     assert "every card keeps 512 MiB free" in r.stderr and "loading weights" not in r.stderr
     r = subprocess.run([*run, "-ot", "exps=CUDA0"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "-ot exps=CUDA0: the CPU backend holds every tensor on the host" in r.stderr
+
+
+def test_the_plan_stage_reads_the_ask_and_refuses_another_main_card(monkeypatch):
+    """stages/plan.make: the supervisor's plain PlacementAsk is rebuilt and planned; -mg 1 is refused by name."""
+    import bloomery.plan as plan_mod
+    from bloomery.stages.common import StageRefusal
+    from bloomery.stages.plan import make as stage_make
+
+    monkeypatch.setattr(plan_mod, "model_facts", lambda gf: FACTS)     # the facts above stand for the file
+    args = {"device": "cuda", "placement_ask": codec.to_plain(PlacementAsk(main_gpu=1))}
+    with pytest.raises(StageRefusal, match=r"-mg 1: this build runs every layer on the first card \(CUDA0\)"):
+        stage_make(args, None, Census(HOST, (100 * GIB, 100 * GIB)))
+    args["placement_ask"] = codec.to_plain(PlacementAsk(n_cpu_moe=2))
+    p, _ = stage_make(args, None, Census(HOST, (100 * GIB,)))
+    assert p.placement.case == "flags" and p.placement.experts_on_card == (0, 0, E, E)

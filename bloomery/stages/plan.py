@@ -65,9 +65,12 @@ def make(args: dict, gf, census):
                                   args.get("backend_from", "") if args.get("backend_from") != "default" else "")
     parallel = args.get("parallel", 1)
     n_parallel = "auto" if parallel == "auto" else int(parallel)
+    ask = codec.build(PlacementAsk, args.get("placement_ask") or {}, "placement_ask")
+    if backend == "cuda" and ask.main_gpu not in (None, 0):
+        raise StageRefusal(f"-mg {ask.main_gpu}: this build runs every layer on the first card (CUDA0) only")
     try:
         plan = make_plan(facts, census, backend, args.get("ctx_size") or 0, n_parallel, args.get("slot_ctx") or 0,
-                         codec.build(PlacementAsk, args.get("placement_ask") or {}, "placement_ask"))
+                         ask)
     except PlanError as e:
         raise StageRefusal(str(e)) from None
     return plan, why

@@ -72,6 +72,27 @@ def _llama_refused() -> tuple[Flag, ...]:
     return tuple(out)
 
 
+def _placement_rows() -> tuple[Flag, ...]:
+    """llama-server's placement flags: read as given, then by bloomery.placement_flags (one reader, one record)."""
+    rows = (("--cpu-moe", ("-cmoe",), "LLAMA_ARG_CPU_MOE", "switch", "every routed expert tensor on the host"),
+            ("--n-cpu-moe", ("-ncmoe",), "LLAMA_ARG_N_CPU_MOE", "str",
+             "the routed experts of the first N layers on the host (N >= the layers: every layer)"),
+            ("--override-tensor", ("-ot",), "LLAMA_ARG_OVERRIDE_TENSOR", "str",
+             "<tensor name pattern>=<buffer type>,...: matching tensors on CPU or CUDA<N> (may be repeated)"),
+            ("--fit", ("-fit",), "LLAMA_ARG_FIT", "str", "on|off: fit the card by moving routed experts to the host"),
+            ("--fit-target", ("-fitt",), "LLAMA_ARG_FIT_TARGET", "str", "MiB0,MiB1,...: the margin kept free per "
+             "card (one value: every card; default 1024)"),
+            ("--fit-ctx", ("-fitc",), "LLAMA_ARG_FIT_CTX", "str", "the smallest context the fitted rule chooses "
+             "(default 4096)"),
+            ("--tensor-split", ("-ts",), "LLAMA_ARG_TENSOR_SPLIT", "str", "N0,N1,...: one share per card; the cards "
+             "beside the main one take the routed experts it does not hold in these shares"),
+            ("--main-gpu", ("-mg",), "LLAMA_ARG_MAIN_GPU", "str", "the card that runs every layer (default: the "
+             "largest)"),
+            ("--split-mode", ("-sm",), "LLAMA_ARG_SPLIT_MODE", "str", "none (one card) or layer (default)"))
+    return tuple(Flag(long, shorts, env, kind, None, text, dest="placement_given") for long, shorts, env, kind, text
+                 in rows)
+
+
 TABLE: tuple[Flag, ...] = (
     Flag("--model", ("-m", "--model-file"), "LLAMA_ARG_MODEL", "path", None,
          "GGUF file to serve (first shard of a split set); a seat word (" + ", ".join(SEATS) + ") where no "
@@ -178,17 +199,13 @@ TABLE: tuple[Flag, ...] = (
     _noop("--cache-ram", ("-cram",), "LLAMA_ARG_CACHE_RAM", "int", why="no host prompt cache in this build"),
     _noop("--mmproj-auto", (), "LLAMA_ARG_MMPROJ_AUTO", negs=("--no-mmproj", "--no-mmproj-auto"),
           why="no image encoder is loaded"),
-    _noop("--fit", ("-fit",), "LLAMA_ARG_FIT", "choice", choices=("on",), why="the plan always fits"),
-    _noop("--split-mode", ("-sm",), "LLAMA_ARG_SPLIT_MODE", "choice", choices=("layer", "none"),
-          why="one device runs every layer"),
+    *_placement_rows(),
     Flag("--hf-repo", ("-hf", "-hfr", "--hf"), "LLAMA_ARG_HF_REPO", "str", None,
          "<user>/<model>[@<rev>][:<quant>]: the GGUF of that quant (default Q4_K_M, then Q8_0, then the first) "
          "from the Hugging Face hub (HF_ENDPOINT) into $BLOOMERY_CACHE/hf (~/.cache/bloomery/hf)"),
     Flag("--hf-file", ("-hff",), "LLAMA_ARG_HF_FILE", "str", None,
          "the repo's file to serve (overrides the quant of --hf-repo)"),
     Flag("--hf-token", ("-hft",), "HF_TOKEN", "str", None, "Hugging Face access token (default: HF_TOKEN)"),
-    _refuse("--tensor-split", ("-ts",), "LLAMA_ARG_TENSOR_SPLIT", why="one device only"),
-    _refuse("--main-gpu", ("-mg",), "LLAMA_ARG_MAIN_GPU", why="one device only"),
     _refuse("--lora", (), why="no LoRA adapters"), _refuse("--lora-scaled", (), why="no LoRA adapters"),
     _refuse("--mmproj", ("-mm",), "LLAMA_ARG_MMPROJ", why="no image encoder"),
     _refuse("--embeddings", ("--embedding",), "LLAMA_ARG_EMBEDDINGS", "switch", why="no embedding model"),
@@ -207,9 +224,6 @@ TABLE: tuple[Flag, ...] = (
     _refuse("--rope-scale", (), "LLAMA_ARG_ROPE_SCALE", why="RoPE comes from the file"),
     _refuse("--rope-freq-base", (), "LLAMA_ARG_ROPE_FREQ_BASE", why="RoPE comes from the file"),
     _refuse("--rope-freq-scale", (), "LLAMA_ARG_ROPE_FREQ_SCALE", why="RoPE comes from the file"),
-    _refuse("--cpu-moe", ("-cmoe",), "LLAMA_ARG_CPU_MOE", "switch", why="the plan places the routed experts itself"),
-    _refuse("--n-cpu-moe", ("-ncmoe",), "LLAMA_ARG_N_CPU_MOE", why="the plan places the routed experts itself"),
-    _refuse("--override-tensor", ("-ot",), "LLAMA_ARG_OVERRIDE_TENSOR", why="the plan places every tensor itself"),
     _refuse("--ignore-eos", (), None, "switch", why="a server-wide ignore_eos is not served (a request field only)"),
     *_llama_refused(),
 )

@@ -150,8 +150,6 @@ ROWS: tuple[tuple[str, str, str, str, str | None], ...] = (
     ("load", "-lm --load-mode", "", "1", "LLAMA_ARG_LOAD_MODE"),
     ("load", "-lzm --lazy-mode", "", "1", "LLAMA_ARG_LAZY_MODE"),
     ("load", "-ncffn --n-cpu-ffn", "", "1", "LLAMA_ARG_N_CPU_FFN"),
-    ("load", "-fitt --fit-target", "", "1", "LLAMA_ARG_FIT_TARGET"),
-    ("load", "-fitc --fit-ctx", "", "1", "LLAMA_ARG_FIT_CTX"),
     ("load", "--check-tensors", "", "switch", None),
     ("load", "--override-kv", "", "1", None),
     ("load", "--op-offload", "--no-op-offload", "switch", None),

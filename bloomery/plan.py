@@ -28,16 +28,19 @@ from functools import lru_cache
 from bloomery.engine.cpu import sizes as cpu_sizes
 from bloomery.engine.cuda import sizes as cuda_sizes
 from bloomery.engine.cuda.sizes import DECODE_ROWS as CUDA_DECODE_ROWS, SCORE_BYTES as CUDA_SCORE_BYTES, UBATCH as CUDA_UBATCH
+from bloomery import offload
 from bloomery.placement import DeviceNeed, Placement, Terms, gib
+from bloomery.placement_flags import FIT_CTX, FIT_TARGET_MIB, PlacementAsk
 
 
 MIB = 1024 * 1024
 KV_BYTES_PER_ELEM = {"numpy": cpu_sizes.KV_BYTES, "cuda": cuda_sizes.KV_BYTES}   # as each backend allocates
 N_UBATCH = cpu_sizes.UBATCH                      # positions in one numpy prompt pass (scratch sizing)
-CARD_MARGIN_BYTES = 1024 * MIB                   # kept free on the card (llama-server's -fitt default)
+CARD_MARGIN_BYTES = FIT_TARGET_MIB * MIB         # kept free on the card (llama-server's -fitt default)
 HOST_RESERVE_BYTES = 256 * MIB                   # interpreter, tokenizer tables, sockets beside the plan
 CTX_PAD = 256                                    # llama.cpp pads n_ctx and each slot's share to 256
-FIT_STEP, FIT_FLOOR = 1024, 4096                 # the fitted rule's grid and its floor
+FIT_STEP, FIT_FLOOR = 1024, FIT_CTX              # the fitted rule's grid and its floor (-fitc sets it)
+NO_ASK = PlacementAsk()
 
 
 class PlanError(Exception):
@@ -67,6 +70,8 @@ class ModelFacts:
     max_tensor_elems: int = 0       # elements of the largest tensor (a stacked expert tensor in MoE files)
     # every tensor as (name, ggml type, GGUF shape): what the numpy backend's decoded forms are counted from
     tensors: tuple[tuple[str, int, tuple[int, ...]], ...] = field(default=(), compare=False, repr=False)
+    sizes: tuple[int, ...] = field(default=(), compare=False, repr=False)   # each tensor's stored bytes, same order
+    n_expert: int = 0               # routed experts per layer (0: dense)
 
 
 def _pad(n: int, to: int) -> int:
@@ -119,9 +124,18 @@ def model_facts(gguf_file) -> ModelFacts:
         n_weights += n
         max_elems = max(max_elems, n)
     tensors = tuple((name, int(t.ggml_type), tuple(int(s) for s in t.shape)) for name, t in gguf_file.tensors.items())
+    sizes = tuple(int(t.n_bytes) for t in gguf_file.tensors.values())
     return ModelFacts(arch, n_layer, _int_key(meta, f"{arch}.context_length"), n_embd, n_head,
                       n_head_kv, dk, dv, n_ff, n_vocab, dict(sorted(by_type.items())), n_weights, max_elems,
-                      tensors)
+                      tensors, sizes, int(n_expert))
+
+
+def layout_of(facts: ModelFacts) -> offload.Layout:
+    """The facts as the offload arithmetic reads them; facts built without their tensors are one block."""
+    if facts.tensors and len(facts.sizes) == len(facts.tensors):
+        return offload.layout(facts.tensors, facts.sizes, facts.n_layer, facts.n_expert)
+    return offload.Layout(facts.n_layer, 0, {"weights": sum(facts.tensor_bytes.values())},
+                          ((),) * facts.n_layer, (0,) * facts.n_layer)
 
 
 @lru_cache(maxsize=8)
@@ -162,6 +176,34 @@ def scratch_bytes_for(facts: ModelFacts, n_ctx_slot: int, backend: str = "numpy"
     return 4 * N_UBATCH * per_row
 
 
+CASES = {"whole": "the model fits the card: every tensor there",
+         "budget": "the model does not fit the card: it holds every tensor but the routed experts, the KV cache, "
+                   "scratch and the pinned staging, then as many routed experts as its bytes hold, spread over the "
+                   "layers; the rest are in host RAM",
+         "flags": "the placement flags place the tensors they name; every other tensor is on the main card"}
+
+
+def _expert_bytes(p: Placement, plan: "Plan") -> tuple[int, ...]:
+    return plan.expert_bytes if p.n_expert else ()
+
+
+def placement_lines(p: Placement) -> list[tuple[str, str, dict]]:
+    """The placement case, and per run of layers alike how many routed experts sit on a card, and why."""
+    off = sum(1 for t in p.tensors if t.device == "host")
+    lines = [("info", f"placement \"{p.case}\": {CASES[p.case]}", {"case": p.case, "host_tensors": off})]
+    runs: list[list] = []
+    for layer, (k, why) in enumerate(zip(p.experts_on_card, p.layer_why)):
+        if runs and runs[-1][2:] == [k, why]:
+            runs[-1][1] = layer
+        else:
+            runs.append([layer, layer, k, why])
+    for a, b, k, why in runs:
+        span = f"layer {a}" if a == b else f"layers {a}-{b}"
+        lines.append(("info", f"{span}: {k} of {p.n_expert} routed experts on a card ({why})",
+                      {"layers": f"{a}-{b}", "experts_on_card": k, "why": why}))
+    return lines
+
+
 @dataclass(frozen=True)
 class Plan:
     backend: str
@@ -183,6 +225,7 @@ class Plan:
     placement: Placement | None = None
     ctx_size: int = 0               # what was asked: -c (0: not given) and --slot-ctx
     slot_ctx: int = 0
+    expert_bytes: tuple[int, ...] = ()   # per layer, one routed expert's stored bytes (MoE)
 
     def explain(self) -> list[tuple[str, str, dict]]:
         """The plan in words, for people (--plan prints these): (level, sentence, fields) per line.
@@ -197,14 +240,20 @@ class Plan:
                 continue
             kept = "reserve" if d.device == "host" else "margin kept free"
             need = t.total if d.device == "host" else t.total - t.margin
-            parts = [f"weights {gib(t.weights)}", *([f"decoded forms {gib(t.decoded)}"] if t.decoded else []),
-                     f"KV {gib(t.kv)}", f"scratch {gib(t.scratch)}", f"{kept} {gib(t.margin)}"]
+            dense = t.weights - sum(k * b for k, b in zip(d.experts, _expert_bytes(p, self)))
+            weights = ([f"dense weights {gib(dense)}", f"routed experts {gib(t.weights - dense)}"] if d.experts
+                       else [f"weights {gib(t.weights)}"])
+            parts = [*weights, *([f"decoded forms {gib(t.decoded)}"] if t.decoded else []),
+                     f"KV {gib(t.kv)}", f"scratch {gib(t.scratch)}", f"pinned staging {gib(t.pinned)}",
+                     f"{kept} {gib(t.margin)}"]
             parts = [s for s in parts if not s.endswith(" 0.000 GiB")]
             have = f"{gib(d.available)} available" if d.device == "host" else f"{gib(d.available)} free"
             fits = t.total <= d.available
             lines.append(("info" if fits else "warning",
                           f"{d.device} needs {gib(need)} of {have}: {' + '.join(parts)}",
                           {"device": d.device, "need_bytes": need, "available_bytes": d.available}))
+        if p and p.backend == "cuda":
+            lines += placement_lines(p)
         slots = f"{self.n_slots} slot{'s' if self.n_slots != 1 else ''}"
         if self.ctx_rule == "target":
             why = (f"no -c given: each slot gets the model's trained context, {self.n_ctx_train} positions, "
@@ -251,7 +300,13 @@ def _terms(facts: ModelFacts, backend: str, n_slots: int, n_ctx_slot: int) -> di
             "scratch": scratch_bytes_for(facts, n_ctx_slot, backend)}
 
 
-def _shortfall(facts, backend, census, n_slots, n_ctx_slot) -> str | None:
+def _place(facts, census, n_slots, n_ctx_slot, ask, fit_experts) -> offload.Result:
+    t = _terms(facts, "cuda", n_slots, n_ctx_slot)
+    return offload.place(layout_of(facts), census.card_free_bytes, census.host_avail_bytes, ask, t["kv"],
+                         t["scratch"], HOST_RESERVE_BYTES, fit_experts)
+
+
+def _shortfall(facts, backend, census, n_slots, n_ctx_slot, ask=NO_ASK, fit_experts=False) -> str | None:
     """None when the plan fits; else the sentence naming what it needs and what is there."""
     t = _terms(facts, backend, n_slots, n_ctx_slot)
     need = t["weights"] + t["decoded"] + t["kv"] + t["scratch"]
@@ -264,22 +319,19 @@ def _shortfall(facts, backend, census, n_slots, n_ctx_slot) -> str | None:
             return (f"host needs {host} bytes ({terms} + reserve {HOST_RESERVE_BYTES}), "
                     f"{census.host_avail_bytes} available")
         return None
-    card = max(range(len(census.card_free_bytes)), key=lambda i: census.card_free_bytes[i])
-    free = census.card_free_bytes[card]
-    if need + CARD_MARGIN_BYTES > free:
-        return (f"card {card} needs {need + CARD_MARGIN_BYTES} bytes ({terms} + margin "
-                f"{CARD_MARGIN_BYTES}), {free} free")
-    if HOST_RESERVE_BYTES > census.host_avail_bytes:
-        return f"host needs {HOST_RESERVE_BYTES} bytes (reserve), {census.host_avail_bytes} available"
+    try:
+        _place(facts, census, n_slots, n_ctx_slot, ask, fit_experts)
+    except offload.OffloadError as e:
+        return str(e)
     return None
 
 
-def _largest_slot(facts, backend, census, n_slots, hi: int, step: int) -> int:
+def _largest_slot(facts, backend, census, n_slots, hi: int, step: int, ask=NO_ASK) -> int:
     """The largest multiple of `step` <= hi whose plan fits (0 if none); the need grows with it."""
     lo, hi = 0, hi // step
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if _shortfall(facts, backend, census, n_slots, mid * step) is None:
+        if _shortfall(facts, backend, census, n_slots, mid * step, ask) is None:
             lo = mid
         else:
             hi = mid - 1
@@ -308,48 +360,71 @@ def _check_settings(facts, census, backend, ctx_size, n_parallel, slot_ctx) -> N
                         f"the total, the other a slot's share")
 
 
-def _choose_ctx(facts, census, backend, n: int, ctx_size: int, slot_ctx: int) -> tuple[int, str]:
-    """(n_ctx_slot, rule) for n slots, or a PlanError naming every term."""
+def _choose_ctx(facts, census, backend, n: int, ctx_size: int, slot_ctx: int,
+                ask=NO_ASK) -> tuple[int, str, bool]:
+    """(n_ctx_slot, rule, experts moved off the card) for n slots, or a PlanError naming every term.
+    As llama-server's fit: the context shrinks first (down to the floor, -fitc); only a model that
+    does not fit the card even then has routed experts moved to the host (the "budget" case)."""
+    try:
+        return (*_choose_fixed_ctx(facts, census, backend, n, ctx_size, slot_ctx, ask), False)
+    except PlanError as e:
+        if backend != "cuda" or ask.explicit or not ask.fit or not facts.n_expert:
+            raise
+        first = e
+    n_ctx_slot = (_pad(slot_ctx, CTX_PAD) if slot_ctx else _pad(_pad(ctx_size, CTX_PAD) // n, CTX_PAD)
+                  if ctx_size else min(ask.fit_ctx or FIT_FLOOR, facts.n_ctx_train))
+    why = _shortfall(facts, backend, census, n, n_ctx_slot, ask, fit_experts=True)
+    if why:
+        raise PlanError(f"{first}; with routed experts moved to the host at {n} slot(s) x {n_ctx_slot}: {why}")
+    return n_ctx_slot, "set" if ctx_size or slot_ctx else "fitted", True
+
+
+def _choose_fixed_ctx(facts, census, backend, n: int, ctx_size: int, slot_ctx: int, ask) -> tuple[int, str]:
     if ctx_size or slot_ctx:
         n_ctx_slot = _pad(slot_ctx, CTX_PAD) if slot_ctx else _pad(_pad(ctx_size, CTX_PAD) // n, CTX_PAD)
         if n_ctx_slot == 0:
             raise PlanError(f"--ctx-size {ctx_size} gives {n} slots no position each")
-        why = _shortfall(facts, backend, census, n, n_ctx_slot)
+        why = _shortfall(facts, backend, census, n, n_ctx_slot, ask)
         if why:
-            best = _largest_slot(facts, backend, census, n, n_ctx_slot, CTX_PAD)
+            best = _largest_slot(facts, backend, census, n, n_ctx_slot, CTX_PAD, ask)
             asked = f"--slot-ctx {slot_ctx}" if slot_ctx else f"--ctx-size {ctx_size}"
             fits = (f"the largest context that fits is {best * n} ({n} slots x {best})" if best
                     else "no context fits")
             raise PlanError(f"{asked} ({n} slots x {n_ctx_slot}) does not fit: {why}; {fits}")
         return n_ctx_slot, "set"
-    if _shortfall(facts, backend, census, n, facts.n_ctx_train) is None:
+    if _shortfall(facts, backend, census, n, facts.n_ctx_train, ask) is None:
         return facts.n_ctx_train, "target"
     top = facts.n_ctx_train - 1 if facts.n_ctx_train % FIT_STEP == 0 else facts.n_ctx_train
-    best = _largest_slot(facts, backend, census, n, top, FIT_STEP)
-    if best < FIT_FLOOR:
-        floor = min(FIT_FLOOR, facts.n_ctx_train)
-        why = _shortfall(facts, backend, census, n, floor)
+    best = _largest_slot(facts, backend, census, n, top, FIT_STEP, ask)
+    floor_ctx = ask.fit_ctx or FIT_FLOOR
+    if best < floor_ctx or best == 0:
+        floor = min(floor_ctx, facts.n_ctx_train)
+        why = _shortfall(facts, backend, census, n, floor, ask)
         raise PlanError(f"no context fits {n} slot(s): the trained limit {facts.n_ctx_train} "
                         f"and the floor {floor} do not ({why})")
     return best, "fitted"
 
 
-def _auto_slots(facts, census, backend, slot_ctx: int) -> int:
+def _auto_slots(facts, census, backend, slot_ctx: int, ask=NO_ASK) -> int:
     """--parallel auto: the most slots, up to 8, whose plan holds one request's context;
     one slot where that context already had to be fitted under the model's limit."""
-    n_ctx_slot, rule = _choose_ctx(facts, census, backend, 1, 0, slot_ctx)
-    if rule == "fitted":
+    n_ctx_slot, rule, moved = _choose_ctx(facts, census, backend, 1, 0, slot_ctx, ask)
+    if rule == "fitted" or moved:
         return 1
     return max(n for n in range(1, MAX_AUTO_SLOTS + 1)
-               if n == 1 or _shortfall(facts, backend, census, n, n_ctx_slot) is None)
+               if n == 1 or _shortfall(facts, backend, census, n, n_ctx_slot, ask) is None)
 
 
 def make_plan(facts: ModelFacts, census: Census, backend: str = "numpy", ctx_size: int = 0,
-              n_parallel: int | str = 1, slot_ctx: int = 0) -> Plan:
-    """The plan for these settings; n_parallel is a count or "auto"."""
+              n_parallel: int | str = 1, slot_ctx: int = 0, ask: PlacementAsk = NO_ASK) -> Plan:
+    """The plan for these settings; n_parallel is a count or "auto"; ask: the placement flags."""
     _check_settings(facts, census, backend, ctx_size, n_parallel, slot_ctx)
-    n = _auto_slots(facts, census, backend, slot_ctx) if n_parallel == "auto" else n_parallel
-    n_ctx_slot, rule = _choose_ctx(facts, census, backend, n, ctx_size, slot_ctx)
+    if backend == "numpy":
+        on_card = [f"-ot {o.pattern}={o.buft}" for o in ask.overrides if o.buft != "CPU"]
+        if on_card:
+            raise PlanError(f"{on_card[0]}: the CPU backend holds every tensor on the host; no card is used")
+    n = _auto_slots(facts, census, backend, slot_ctx, ask) if n_parallel == "auto" else n_parallel
+    n_ctx_slot, rule, moved = _choose_ctx(facts, census, backend, n, ctx_size, slot_ctx, ask)
     t = _terms(facts, backend, n, n_ctx_slot)
     need = t["weights"] + t["decoded"] + t["kv"] + t["scratch"]
     placed = Terms(weights=t["weights"], decoded=t["decoded"], kv=t["kv"], scratch=t["scratch"])
@@ -357,17 +432,19 @@ def make_plan(facts: ModelFacts, census: Census, backend: str = "numpy", ctx_siz
         host, cards = need + HOST_RESERVE_BYTES, tuple(0 for _ in census.card_free_bytes)
         devices = (DeviceNeed("host", census.host_avail_bytes, dataclasses.replace(placed, margin=HOST_RESERVE_BYTES)),
                    *(DeviceNeed(f"cuda:{i}", free, Terms()) for i, free in enumerate(census.card_free_bytes)))
-        default = "host"
+        placement = Placement(backend, n, n_ctx_slot, "host", devices=devices, n_expert=facts.n_expert)
     else:
-        card = max(range(len(census.card_free_bytes)), key=lambda i: census.card_free_bytes[i])
-        host = HOST_RESERVE_BYTES
-        cards = tuple(need if i == card else 0 for i in range(len(census.card_free_bytes)))
-        default = f"cuda:{card}"
-        devices = (DeviceNeed("host", census.host_avail_bytes, Terms(margin=HOST_RESERVE_BYTES)),
-                   *(DeviceNeed(f"cuda:{i}", free, dataclasses.replace(placed, margin=CARD_MARGIN_BYTES) if i == card
-                                else Terms()) for i, free in enumerate(census.card_free_bytes)))
-    placement = Placement(backend, n, n_ctx_slot, default, devices=devices)
+        try:
+            r = _place(facts, census, n, n_ctx_slot, ask, moved)
+        except offload.OffloadError as e:        # _choose_ctx checked it fits; kept for a plain error all the same
+            raise PlanError(str(e)) from None
+        host = r.devices[0].terms.total
+        cards = tuple(d.terms.total - d.terms.margin for d in r.devices[1:])
+        placement = Placement(backend, n, n_ctx_slot, f"cuda:{r.main}", devices=r.devices, tensors=r.tensors,
+                              experts_on_card=r.experts_on_card if facts.n_expert else (), case=r.case,
+                              layer_why=r.layer_why if facts.n_expert else (), n_expert=facts.n_expert)
     return Plan(backend, facts.arch, n * n_ctx_slot, n_ctx_slot, n, rule, facts.n_ctx_train,
                 dict(facts.tensor_bytes), t["weights"], t["kv"], t["scratch"], host, cards, t,
                 parallel_from="auto" if n_parallel == "auto" else "set", decoded_bytes=t["decoded"],
-                placement=placement, ctx_size=ctx_size, slot_ctx=slot_ctx)
+                placement=placement, ctx_size=ctx_size, slot_ctx=slot_ctx,
+                expert_bytes=layout_of(facts).expert_bytes if facts.n_expert else ())

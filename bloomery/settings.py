@@ -10,9 +10,11 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from bloomery import placement_flags
 from bloomery.engine.types import SamplingParams
 from bloomery.flags import (ACTION_KEYS, BACKENDS, BY_ENV, BY_KEY, SAMPLING_FLAGS, SEATS, SPELLINGS,  # noqa: F401
                             TABLE, Flag, SettingsError, convert, help_text)
+from bloomery.placement_flags import PlacementAsk
 
 DEFAULT_SEED = 0xFFFFFFFF       # LLAMA_DEFAULT_SEED: --seed -1 asks for a random seed per request
 
@@ -56,6 +58,8 @@ class Settings:
     log_timestamps: bool = True        # --no-log-timestamps: no time on records
     log_file: str | None = None        # --log-file: every record appended there too
     ngl: str | None = None
+    placement_given: dict[str, tuple[str, object]] = field(default_factory=dict)   # placement flags as given
+    placement_ask: PlacementAsk = field(default_factory=PlacementAsk)   # how they were read (placement_flags)
     endpoint_slots: bool = True        # --no-slots: GET /slots answers 501
     warmup: bool = True                # --no-warmup: the first request prepares the weights
     metrics: bool = False              # --metrics: GET /metrics serves Prometheus text (without it: 501)
@@ -250,7 +254,7 @@ def parse(argv: list[str], env: dict[str, str] | None = None) -> Settings:
     cmd = _model_readings(_from_argv(argv))
     seen: dict[str, str] = {}
     for e in cmd:
-        if e.flag.long in seen:
+        if e.flag.long in seen and e.flag.long != "--override-tensor":   # -ot may repeat, as in llama-server
             raise SettingsError(f"{e.flag.long} is given twice ({seen[e.flag.long]} and {e.name})")
         seen[e.flag.long] = e.name
     cfg_path = next((str(e.raw) for e in cmd if e.flag.long == "--config"), None)
@@ -284,6 +288,12 @@ def parse(argv: list[str], env: dict[str, str] | None = None) -> Settings:
                 continue
             if f.type == "keys":
                 keys.extend(value)
+                continue
+            if f.field == "placement_given":   # read in _check, one record each (placement_flags)
+                name, had = s.placement_given.get(f.long, ("", None))
+                joined = f"{had},{value}" if had is not None and f.long == "--override-tensor" else value
+                s.placement_given[f.long] = (f"{name} {e.name}".strip() if had is not None else e.name, joined)
+                s.sources[f.field] = e.source
                 continue
             if e.source == "command line" and f.long not in ("--api-key", "--device"):   # -dev: its own line
                 s.notes.append(_read_note(e, value))
@@ -360,6 +370,11 @@ def _check(s: Settings, keys: list[str]) -> None:
         s.notes.append(("flag read, no effect here", {"flag": "--no-jinja", "why": "jinja templates are always on"}))
     _check_backend(s)
     _check_logs(s)
+    try:
+        s.placement_ask, read = placement_flags.read(s.placement_given)
+    except placement_flags.PlacementFlagError as e:
+        raise SettingsError(str(e)) from None
+    s.notes.extend(read)
     if s.help or s.version or s.list_devices:
         return
     _check_model_source(s)

@@ -104,7 +104,7 @@ def test_cuda_puts_weights_and_f16_kv_on_the_largest_card():
     assert (p.card_bytes, p.host_bytes, p.ctx_rule) == ((0, need), 256 * 2**20, "target")
     p = make_plan(QWEN25, Census(2**30, (need + margin - 1,)), backend="cuda")
     assert (p.n_ctx_slot, p.ctx_rule) == (31744, "fitted")
-    with pytest.raises(PlanError, match=f"card 0 needs {need + margin} bytes.*margin {margin}"):
+    with pytest.raises(PlanError, match=f"cuda:0 needs {need + margin} bytes.*margin {margin}"):
         make_plan(QWEN25, Census(2**30, (need + margin - 1,)), backend="cuda", ctx_size=32768)
     with pytest.raises(PlanError, match="census lists none"):
         make_plan(QWEN25, BIG, backend="cuda")

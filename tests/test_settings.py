@@ -93,7 +93,7 @@ def test_no_note_prints_a_key(tmp_path):
     (["-dev", "none", "--backend", "cuda"], "-dev none beside --backend cuda"),
     (["-hf", "org/repo"], "give one model source"),
     (["-dev", "CUDA0,CUDA1"], "-dev CUDA0,CUDA1: several devices are not served yet"),
-    (["-sm", "row"], "--split-mode takes one of layer, none, got 'row'"),
+    (["-sm", "row"], "-sm row: splitting one layer's weights over cards is not served"),
     (["--lora", "a.gguf"], "--lora is refused"),
     (["--mmproj", "x"], "--mmproj is refused"),
     (["--embeddings"], "--embeddings is refused"),

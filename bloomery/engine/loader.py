@@ -32,9 +32,8 @@ def load_model(gguf: "str | GGUFFile", placement: Placement, backend: Ops | None
     away from the default device: the offload tier) is refused by name. `progress(done, total)`
     is called with the stored bytes handed to the backend after each tensor, and once at the end
     with done == total (the file's tensors the architecture does not read count as done)."""
-    if placement.tensors or placement.experts_on_card:
-        raise ModelError("this placement puts tensors on more than one device; the offload tier that "
-                         "would carry it out is not built")
+    if placement.off_card:
+        raise ModelError(f"host experts are not served yet: {placement.summary()}")
     ops = backend if backend is not None else make_ops(placement.backend)
     gf = gguf if isinstance(gguf, GGUFFile) else open_gguf(str(gguf))
     arch = gf.arch()

@@ -10,7 +10,8 @@ after them) and the facts the engine stage needs, the model facts of
 from __future__ import annotations
 
 from bloomery import records
-from bloomery.messages import stage as sm
+from bloomery.messages import codec, stage as sm
+from bloomery.placement_flags import PlacementAsk
 from bloomery.engine.models.registry import ARCHS as SEATS
 from bloomery.stages.common import StageRefusal, run_stage
 from bloomery.stages.meta import model_meta
@@ -49,7 +50,8 @@ def check_ngl(ngl: str | None, n_layer: int) -> None:
     if ngl is None or ngl in ("all", "auto") or int(ngl) < 0 or int(ngl) >= n_layer + 1:
         return
     raise StageRefusal(f"-ngl {ngl}: a count below the file's layers + 1 ({n_layer + 1}) is refused; "
-                       f"every layer runs on the device (use all, auto or a count >= {n_layer + 1})")
+                       f"every layer runs on the device (use all, auto or a count >= {n_layer + 1}; "
+                       f"-ncmoe N or --cpu-moe put routed experts on the host instead)")
 
 
 def make(args: dict, gf, census):
@@ -63,8 +65,12 @@ def make(args: dict, gf, census):
                                   args.get("backend_from", "") if args.get("backend_from") != "default" else "")
     parallel = args.get("parallel", 1)
     n_parallel = "auto" if parallel == "auto" else int(parallel)
+    ask = codec.build(PlacementAsk, args.get("placement_ask") or {}, "placement_ask")
+    if backend == "cuda" and ask.main_gpu not in (None, 0):
+        raise StageRefusal(f"-mg {ask.main_gpu}: this build runs every layer on the first card (CUDA0) only")
     try:
-        plan = make_plan(facts, census, backend, args.get("ctx_size") or 0, n_parallel, args.get("slot_ctx") or 0)
+        plan = make_plan(facts, census, backend, args.get("ctx_size") or 0, n_parallel, args.get("slot_ctx") or 0,
+                         ask)
     except PlanError as e:
         raise StageRefusal(str(e)) from None
     return plan, why

@@ -1,0 +1,85 @@
+"""Adaptive residency: which routed experts hold the card's expert slots, as pure functions.
+
+The host keeps every routed expert; the card holds a fixed number of slots per layer (the plan's
+experts_on_card). Between steps the engine counts how often each expert was routed, per layer, and
+asks `moves` which experts to copy in: the hottest host experts swap with the coldest card
+experts of the same layer, the largest gains first, while the bytes copied to the card stay within
+a per-step budget (a step never waits on copies; what does not fit waits for the next step). An
+evicted expert costs nothing to move (its slot is overwritten; the host copy stays).
+
+Ties never move: an expert swaps in only when routed strictly more often than the one it replaces,
+so equal counts leave the residency as it is, and the same counts always give the same moves.
+No device code here; the engine carries the moves out and rewrites the table the kernels read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class Move:
+    layer: int
+    into_card: int      # the host expert copied into the slot
+    out_of_card: int    # the card expert whose slot it takes
+    gain: int           # routing count of the one in minus the one out (> 0)
+    nbytes: int         # bytes copied to the card
+
+
+def _check(counts: Sequence[Sequence[int]], on_card: Sequence[frozenset[int]], expert_bytes: Sequence[int],
+           budget: int) -> None:
+    if len(on_card) != len(counts) or len(expert_bytes) != len(counts):
+        raise ValueError(f"residency: {len(counts)} layers of counts, {len(on_card)} of card slots and "
+                         f"{len(expert_bytes)} expert sizes; they must match")
+    if budget < 0:
+        raise ValueError(f"residency: a byte budget of {budget} (must be >= 0)")
+    for layer, (row, held) in enumerate(zip(counts, on_card)):
+        if any(c < 0 for c in row):
+            raise ValueError(f"residency: layer {layer} has a negative routing count")
+        bad = [e for e in held if not 0 <= e < len(row)]
+        if bad:
+            raise ValueError(f"residency: layer {layer} holds expert {bad[0]}, which is not one of its {len(row)}")
+
+
+def layer_swaps(layer: int, row: Sequence[int], held: frozenset[int], nbytes: int) -> list[Move]:
+    """One layer's useful swaps, the largest gain first: i-th hottest host expert for the i-th coldest card one."""
+    hot = sorted((e for e in range(len(row)) if e not in held), key=lambda e: (-row[e], e))
+    cold = sorted(held, key=lambda e: (row[e], e))
+    out = []
+    for h, c in zip(hot, cold):
+        if row[h] <= row[c]:
+            break
+        out.append(Move(layer, h, c, row[h] - row[c], nbytes))
+    return out
+
+
+def moves(counts: Sequence[Sequence[int]], on_card: Sequence[frozenset[int]], expert_bytes: Sequence[int],
+          budget: int) -> tuple[Move, ...]:
+    """The swaps to make before the next step: counts[layer][expert] routed, on_card[layer] the experts
+    in card slots, expert_bytes[layer] one expert's bytes, budget the bytes the step may copy."""
+    _check(counts, on_card, expert_bytes, budget)
+    every = [m for layer, (row, held) in enumerate(zip(counts, on_card))
+             for m in layer_swaps(layer, row, frozenset(held), expert_bytes[layer])]
+    every.sort(key=lambda m: (-m.gain, m.layer, m.into_card))
+    chosen, spent = [], 0
+    for m in every:
+        if spent + m.nbytes <= budget:
+            chosen.append(m)
+            spent += m.nbytes
+    return tuple(chosen)
+
+
+def apply(on_card: Sequence[frozenset[int]], chosen: Sequence[Move]) -> tuple[frozenset[int], ...]:
+    """The card slots after the moves."""
+    out = [set(s) for s in on_card]
+    for m in chosen:
+        if m.out_of_card not in out[m.layer] or m.into_card in out[m.layer]:
+            raise ValueError(f"residency: move {m} does not fit layer {m.layer}'s slots")
+        out[m.layer].remove(m.out_of_card)
+        out[m.layer].add(m.into_card)
+    return tuple(frozenset(s) for s in out)
+
+
+def decay(counts: Sequence[Sequence[int]], shift: int = 1) -> tuple[tuple[int, ...], ...]:
+    """Halve (shift 1) every count, so old routing weighs less than new."""
+    return tuple(tuple(c >> shift for c in row) for row in counts)

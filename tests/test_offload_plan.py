@@ -1,0 +1,269 @@
+"""The plan across card and host (bloomery/offload.py through bloomery.plan.make_plan), with a fake census.
+
+A qwen3moe-shaped model built as facts: 4 layers of 8 routed experts, each expert 3 MiB (gate, up and
+down stacks of 8 MiB each), 4 MiB of attention and norms a layer, 16 MiB embedding and output head.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bloomery.engine.loader import load_model
+from bloomery.engine.models.base import ModelError
+from bloomery.messages import codec
+from bloomery.placement import Placement
+from bloomery.placement_flags import Override, PlacementAsk
+from bloomery.plan import (HOST_RESERVE_BYTES, Census, ModelFacts, PlanError, kv_bytes_for, make_plan,
+                           scratch_bytes_for)
+
+MIB = 1 << 20
+GIB = 1 << 30
+L, E = 4, 8
+EXPERT = 3 * MIB                          # one routed expert: 1 MiB in each of gate, up, down
+
+
+def moe_facts() -> ModelFacts:
+    tensors, sizes = [("token_embd.weight", 12, (64, 1000)), ("output.weight", 14, (64, 1000))], [16 * MIB, 16 * MIB]
+    for i in range(L):
+        tensors.append((f"blk.{i}.attn_q.weight", 12, (64, 64)))
+        sizes.append(4 * MIB)
+        tensors.append((f"blk.{i}.ffn_gate_inp.weight", 0, (64, E)))
+        sizes.append(0)
+        for part in ("gate", "up", "down"):
+            tensors.append((f"blk.{i}.ffn_{part}_exps.weight", 12, (64, 32, E)))
+            sizes.append(E * MIB)
+    return ModelFacts("qwen3moe", L, 4096, 64, 4, (2,) * L, 16, 16, 64, 1000,
+                      {"Q4_K": sum(sizes)}, 10**6, 64 * 32 * E, tuple(tensors), tuple(sizes), E)
+
+
+FACTS = moe_facts()
+DENSE = 32 * MIB + L * 4 * MIB            # everything but the routed experts
+EXPERTS = L * E * EXPERT
+KV = kv_bytes_for(FACTS, 4096, 2)
+SCRATCH = scratch_bytes_for(FACTS, 4096, "cuda")
+MARGIN = 1024 * MIB
+HOST = 64 * GIB
+
+
+def plan(card_free, ask=PlacementAsk(), host=HOST, **kw):
+    cards = card_free if isinstance(card_free, tuple) else (card_free,)
+    return make_plan(FACTS, Census(host, cards), "cuda", ask=ask, **kw)
+
+
+def card(p, i=0):
+    return p.placement.device(f"cuda:{i}")
+
+
+def test_a_model_that_fits_goes_whole_on_the_card():
+    p = plan(DENSE + EXPERTS + KV + SCRATCH + MARGIN)
+    pl = p.placement
+    assert (pl.case, pl.tensors, pl.experts_on_card, p.ctx_rule) == ("whole", (), (E,) * L, "target")
+    assert card(p).terms.weights == DENSE + EXPERTS and card(p).terms.pinned == 0
+    assert pl.device("host").terms.weights == 0
+
+
+def test_over_the_card_the_context_shrinks_first_as_llama_server_fits():
+    """At the trained 4096 it does not fit; at the 1024-step below it, with -fitc 2048 as the floor, it does."""
+    need_at = {c: DENSE + EXPERTS + kv_bytes_for(FACTS, c, 2) + scratch_bytes_for(FACTS, c, "cuda") + MARGIN
+               for c in (3072, 4096)}
+    p = plan(need_at[3072], PlacementAsk(fit_ctx=2048))
+    assert (p.placement.case, p.n_ctx_slot, p.ctx_rule) == ("whole", 3072, "fitted")
+
+
+@pytest.mark.parametrize("room_experts", [0, 1, 5, 13, 29])
+def test_budget_puts_as_many_experts_as_the_card_holds_spread_evenly(room_experts):
+    """The card holds dense, KV, scratch, margin and staging, then as many experts as fit; the rest on the host."""
+    host_layer = E - room_experts // L          # the most host experts in any layer
+    stage = 2 * host_layer * EXPERT
+    free = DENSE + KV + SCRATCH + MARGIN + room_experts * EXPERT + stage
+    p = plan(free)
+    pl = p.placement
+    assert pl.case == "budget" and p.ctx_rule == "fitted" and p.n_ctx_slot == 4096
+    on = pl.experts_on_card
+    assert sum(on) == room_experts and max(on) - min(on) <= 1 and list(on) == sorted(on)   # extras: later layers
+    t = card(p).terms
+    assert (t.weights, t.kv, t.scratch, t.pinned, t.margin) == (DENSE + room_experts * EXPERT, KV, SCRATCH,
+                                                                2 * (E - min(on)) * EXPERT, MARGIN)
+    assert t.total <= free
+    h = pl.device("host").terms
+    assert (h.weights, h.pinned, h.margin) == ((L * E - room_experts) * EXPERT, t.pinned, HOST_RESERVE_BYTES)
+    host_slices = [x for x in pl.tensors if x.device == "host"]
+    assert len(host_slices) == 3 * sum(k < E for k in on) and all((x.first, x.stop) == (on[int(x.name.split(".")[1])], E)
+                                             for x in host_slices)
+    assert set(pl.layer_why) <= {"budget: what the card bytes hold, spread evenly", "budget: every expert fits"}
+    assert p.card_bytes == (t.total - t.margin,) and p.host_bytes == h.total
+
+
+def test_budget_is_the_largest_that_fits():
+    free = DENSE + KV + SCRATCH + MARGIN + 10 * EXPERT + 2 * 6 * EXPERT   # 12 on the card: 12 + 2 x 5 host a layer
+    p = plan(free)
+    assert sum(p.placement.experts_on_card) == 12 and card(p).terms.total == free
+    assert sum(plan(free - 1).placement.experts_on_card) == 9    # 11 and 10 need 2 x 6 host experts staged
+    assert card(p).terms.total <= free < card(p).terms.total + EXPERT
+
+
+@pytest.mark.parametrize("n,host_layers", [(0, 0), (1, 1), (3, 3), (4, 4), (100, 4)])
+def test_ncmoe_puts_the_first_layers_experts_on_the_host(n, host_layers):
+    p = plan(100 * GIB, PlacementAsk(n_cpu_moe=n))
+    pl = p.placement
+    assert pl.case == "flags"
+    assert pl.experts_on_card == (0,) * host_layers + (E,) * (L - host_layers)
+    assert pl.layer_why[:host_layers] == (f"-ncmoe {n}",) * host_layers
+    assert pl.device("host").terms.weights == host_layers * E * EXPERT
+    assert card(p).terms.weights == DENSE + (L - host_layers) * E * EXPERT
+    assert card(p).terms.pinned == (2 * E * EXPERT if host_layers else 0)
+    assert {t.name for t in pl.tensors} == {f"blk.{i}.ffn_{x}_exps.weight" for i in range(host_layers)
+                                            for x in ("gate", "up", "down")}
+
+
+def test_cpu_moe_puts_every_routed_expert_on_the_host():
+    p = plan(100 * GIB, PlacementAsk(cpu_moe=True))
+    assert p.placement.experts_on_card == (0,) * L and card(p).terms.weights == DENSE
+    assert p.placement.device("host").terms.weights == EXPERTS
+    assert plan(100 * GIB, PlacementAsk(n_cpu_moe=L)).placement.devices == p.placement.devices
+
+
+def test_override_tensor_places_single_tensors():
+    ask = PlacementAsk(overrides=(Override(r"blk\.1\.ffn_down_exps", "CPU"), Override("output", "CPU")))
+    p = plan(100 * GIB, ask)
+    pl = p.placement
+    assert {(t.name, t.device) for t in pl.tensors} == {("blk.1.ffn_down_exps.weight", "host"),
+                                                         ("output.weight", "host")}
+    assert pl.experts_on_card == (E, 0, E, E)          # layer 1's experts are not whole on a card
+    assert pl.device("host").terms.weights == E * MIB + 16 * MIB
+    assert card(p).terms.weights == DENSE - 16 * MIB + EXPERTS - E * MIB
+    assert pl.layer_why[1] == r"-ot blk\.1\.ffn_down_exps=CPU"
+
+
+def test_flags_are_not_fitted_around():
+    small = DENSE + KV + SCRATCH + MARGIN + EXPERT
+    with pytest.raises(PlanError, match="the placement flags' rules does not fit: cuda:0 needs"):
+        plan(small, PlacementAsk(n_cpu_moe=1), ctx_size=4096)
+
+
+def test_fit_off_refuses_a_model_over_the_card():
+    with pytest.raises(PlanError, match="the whole model on the card does not fit.*-fit off keeps every expert"):
+        plan(DENSE + KV + SCRATCH + MARGIN + 5 * EXPERT, PlacementAsk(fit=False), ctx_size=4096)
+
+
+def test_a_start_that_fits_neither_card_nor_host_names_every_term():
+    with pytest.raises(PlanError) as e:
+        plan(DENSE + KV + SCRATCH + MARGIN + 2 * 8 * EXPERT, host=100 * MIB)
+    msg = str(e.value)
+    for part in ("with routed experts moved to the host", "host needs", "weights", "pinned staging",
+                 f"reserve {HOST_RESERVE_BYTES}", f"{100 * MIB} available"):
+        assert part in msg, (part, msg)
+    with pytest.raises(PlanError, match="cuda:0 needs .*kv .*scratch .*pinned staging .*margin"):
+        plan(MARGIN + DENSE, host=HOST)
+
+
+def test_several_cards_the_largest_runs_every_layer_the_others_hold_experts():
+    main_free = DENSE + KV + SCRATCH + MARGIN + 24 * EXPERT   # 16 experts + staging of 4 host experts a layer
+    p = plan((MARGIN + 8 * EXPERT, main_free))
+    pl = p.placement
+    assert pl.default_device == "cuda:1" and pl.case == "budget"
+    c0, c1 = card(p, 0), card(p, 1)
+    assert c1.terms.kv == KV and c0.terms.kv == 0 and c0.terms.scratch == 0
+    assert sum(c0.experts) == 8 and c0.terms.weights == 8 * EXPERT and c0.terms.total <= MARGIN + 8 * EXPERT
+    assert [a + b for a, b in zip(c0.experts, c1.experts)] == list(pl.experts_on_card)
+    slices = [t for t in pl.tensors if t.device == "cuda:0"]
+    assert slices and all(t.first == c1.experts[int(t.name.split(".")[1])] for t in slices)
+    host = pl.device("host").terms.weights
+    assert host == (L * E - sum(pl.experts_on_card)) * EXPERT
+
+
+def test_tensor_split_shares_and_split_mode_none():
+    room = MARGIN + 32 * EXPERT
+    main_free = DENSE + KV + SCRATCH + MARGIN + 2 * E * EXPERT
+    big = plan((room, room, main_free), PlacementAsk(tensor_split=(3, 1, 1)))
+    assert sum(card(big, 0).experts) == 3 * sum(card(big, 1).experts) > 0
+    one = plan((room, main_free), PlacementAsk(split_mode="none"))
+    assert card(one, 0).terms.total == 0 and sum(card(one, 1).experts) == sum(one.placement.experts_on_card)
+    assert plan((main_free, 100 * GIB), PlacementAsk(main_gpu=0)).placement.default_device == "cuda:0"
+    assert plan((main_free, 100 * GIB)).placement.default_device == "cuda:1"
+
+
+@pytest.mark.parametrize("cards,ask,match", [
+    ((10 * GIB,), PlacementAsk(tensor_split=(1, 1)), r"-ts lists 2 shares; the census lists 1 card\(s\) \(CUDA0\)"),
+    ((10 * GIB, 10 * GIB), PlacementAsk(tensor_split=(1, 1, 1)), "-ts lists 3 shares"),
+    ((10 * GIB,), PlacementAsk(main_gpu=1), "-mg 1: no such card"),
+    ((10 * GIB,), PlacementAsk(overrides=(Override("exps", "CUDA1"),)), "unknown buffer type CUDA1; this host has CPU, CUDA0"),
+    ((2 * GIB,), PlacementAsk(fit_target_mib=(2048,)), "-fitt 2048 leaves no usable byte on CUDA0"),
+    ((10 * GIB, 2 * GIB), PlacementAsk(fit_target_mib=(100, 4096)), "-fitt 4096 leaves no usable byte on CUDA1"),
+    ((10 * GIB,), PlacementAsk(fit_target_mib=(1, 2)), "-fitt lists 2 margins; give one"),
+])
+def test_bad_placement_input_is_refused_by_name(cards, ask, match):
+    with pytest.raises(PlanError, match=match):
+        plan(cards, ask)
+
+
+def test_fitt_sets_the_margin():
+    p = plan(100 * GIB, PlacementAsk(fit_target_mib=(5000,)))
+    assert card(p).terms.margin == 5000 * MIB
+
+
+def test_cpu_backend_refuses_a_card_buffer_type():
+    with pytest.raises(PlanError, match="-ot exps=CUDA0: the CPU backend holds every tensor on the host"):
+        make_plan(FACTS, Census(HOST), "numpy", ask=PlacementAsk(overrides=(Override("exps", "CUDA0"),)))
+
+
+def test_plan_prints_case_terms_and_layers():
+    p = plan(DENSE + KV + SCRATCH + MARGIN + 21 * EXPERT)     # 9 on the card, 6 host a layer staged
+    text = [t for _, t, _ in p.explain()]
+    assert any(t.startswith('placement "budget": the model does not fit the card') for t in text)
+    line = next(t for t in text if t.startswith("cuda:0 needs"))
+    for part in ("dense weights", "routed experts 0.026 GiB", "KV", "scratch", "pinned staging", "margin kept free"):
+        assert part in line, (part, line)
+    assert "layers 0-2: 2 of 8 routed experts on a card (budget: what the card bytes hold, spread evenly)" in text
+    assert "layer 3: 3 of 8 routed experts on a card (budget: what the card bytes hold, spread evenly)" in text
+    flags = [t for _, t, _ in plan(100 * GIB, PlacementAsk(n_cpu_moe=1)).explain()]
+    assert "layer 0: 0 of 8 routed experts on a card (-ncmoe 1)" in flags
+
+
+def test_the_placement_travels_typed_and_a_load_refuses_host_experts():
+    pl = plan(100 * GIB, PlacementAsk(n_cpu_moe=2)).placement
+    back = codec.build(Placement, json.loads(json.dumps(codec.to_plain(pl))), "placement")
+    assert back == pl and back.tensors[0].device == "host"
+    with pytest.raises(ModelError, match=r'host experts are not served yet: the plan placed it "flags" with 6 '
+                                         r"tensor\(s\) or expert slices on host, away from cuda:0; 16 of 32 routed"):
+        load_model("/nonexistent/never-read.gguf", pl)
+    whole = plan(100 * GIB).placement
+    assert not whole.off_card
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_plan_run_reads_each_placement_flag_and_refuses_a_card_buffer_on_cpu(real_model_path, synthetic_dir):
+    """bloomery-serve --plan on a synthetic qwen3moe file: one record per placement flag, no weight read."""
+    import subprocess
+    import sys
+
+    from conftest import load_tool
+    path = synthetic_dir / "offload_moe.gguf"
+    if not path.exists():
+        load_tool("make_synthetic").write_synthetic(path, arch="qwen3moe", tokenizer_from=str(real_model_path))
+    run = [sys.executable, "-m", "bloomery.supervisor", "-m", str(path), "--plan", "--backend", "cpu", "-c", "512"]
+    r = subprocess.run([*run, "-ncmoe", "1", "-ot", r"blk\.1\.ffn_up_exps=CPU", "-fitt", "512", "-sm", "layer"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    read = [line for line in r.stderr.splitlines() if "placement flag read" in line]
+    assert len(read) == 4 and "layer 0's routed experts on the host" in read[0], read
+    assert "every card keeps 512 MiB free" in r.stderr and "loading weights" not in r.stderr
+    r = subprocess.run([*run, "-ot", "exps=CUDA0"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "-ot exps=CUDA0: the CPU backend holds every tensor on the host" in r.stderr
+
+
+def test_the_plan_stage_reads_the_ask_and_refuses_another_main_card(monkeypatch):
+    """stages/plan.make: the supervisor's plain PlacementAsk is rebuilt and planned; -mg 1 is refused by name."""
+    import bloomery.plan as plan_mod
+    from bloomery.stages.common import StageRefusal
+    from bloomery.stages.plan import make as stage_make
+
+    monkeypatch.setattr(plan_mod, "model_facts", lambda gf: FACTS)     # the facts above stand for the file
+    args = {"device": "cuda", "placement_ask": codec.to_plain(PlacementAsk(main_gpu=1))}
+    with pytest.raises(StageRefusal, match=r"-mg 1: this build runs every layer on the first card \(CUDA0\)"):
+        stage_make(args, None, Census(HOST, (100 * GIB, 100 * GIB)))
+    args["placement_ask"] = codec.to_plain(PlacementAsk(n_cpu_moe=2))
+    p, _ = stage_make(args, None, Census(HOST, (100 * GIB,)))
+    assert p.placement.case == "flags" and p.placement.experts_on_card == (0, 0, E, E)

@@ -1,0 +1,56 @@
+"""The adaptive residency policy (bloomery/residency.py): counts in, moves out, budget kept."""
+import pytest
+
+from bloomery.residency import Move, apply, decay, moves
+
+MB = 1 << 20
+
+
+def test_hottest_host_expert_swaps_with_coldest_card_expert():
+    counts = [[9, 0, 1, 7]]                   # expert 0 and 3 hot; 1 and 2 on the card
+    got = moves(counts, [frozenset({1, 2})], [3 * MB], budget=10 * MB)
+    assert got == (Move(0, 0, 1, 9, 3 * MB), Move(0, 3, 2, 6, 3 * MB))
+    assert apply([frozenset({1, 2})], got) == (frozenset({0, 3}),)
+
+
+def test_budget_is_kept_and_largest_gains_go_first():
+    counts = [[10, 0, 0, 0], [0, 0, 50, 0], [0, 5, 0, 0]]
+    held = [frozenset({3}), frozenset({0}), frozenset({0})]
+    got = moves(counts, held, [2 * MB, 2 * MB, 2 * MB], budget=4 * MB)
+    assert [(m.layer, m.into_card) for m in got] == [(1, 2), (0, 0)]
+    assert sum(m.nbytes for m in got) <= 4 * MB
+    assert moves(counts, held, [2 * MB] * 3, budget=2 * MB - 1) == ()
+
+
+def test_a_smaller_expert_that_fits_is_still_moved():
+    counts = [[9, 0], [0, 3]]
+    got = moves(counts, [frozenset({1}), frozenset({0})], [5 * MB, 1 * MB], budget=2 * MB)
+    assert [(m.layer, m.into_card) for m in got] == [(1, 1)]
+
+
+def test_no_move_when_the_card_holds_the_hottest():
+    counts = [[0, 8, 8, 1], [4, 4, 4, 4]]
+    assert moves(counts, [frozenset({1, 2}), frozenset({0, 3})], [MB, MB], budget=100 * MB) == ()
+
+
+def test_ties_are_stable_and_repeatable():
+    counts = [[3, 3, 3, 3, 3]]
+    assert moves(counts, [frozenset({4})], [MB], 10 * MB) == ()
+    counts = [[5, 5, 1, 1]]                    # two equally hot host experts, two equally cold card ones
+    a = moves(counts, [frozenset({2, 3})], [MB], 1 * MB)
+    assert a == moves(counts, [frozenset({3, 2})], [MB], 1 * MB) == (Move(0, 0, 2, 4, MB),)
+
+
+def test_decay_halves():
+    assert decay([[9, 4, 1]]) == ((4, 2, 0),)
+
+
+@pytest.mark.parametrize("args,match", [
+    (([[1, 2]], [frozenset(), frozenset()], [MB], MB), "must match"),
+    (([[1, -2]], [frozenset()], [MB], MB), "negative routing count"),
+    (([[1, 2]], [frozenset({5})], [MB], MB), "holds expert 5"),
+    (([[1, 2]], [frozenset({0})], [MB], -1), "byte budget of -1"),
+])
+def test_bad_input_is_refused(args, match):
+    with pytest.raises(ValueError, match=match):
+        moves(*args)

@@ -143,6 +143,8 @@ TABLE: tuple[Flag, ...] = (
          "default think-span budget in generated ids (-1: unrestricted, 0: the span is closed at once)"),
     Flag("--reasoning-budget-message", (), "LLAMA_ARG_THINK_BUDGET_MESSAGE", "str", None,
          "text forced before the end-of-thinking tag when a budget runs out (default: none)"),
+    Flag("--spm-infill", (), None, "switch", False,
+         "/infill puts the suffix before the prefix (suffix/prefix/middle), as some models prefer"),
     _noop("--timeout", ("-to",), "LLAMA_ARG_TIMEOUT", "int"), _noop("--sleep-idle-seconds", (), None, "int"),
     Flag("--cors-origins", (), "LLAMA_ARG_CORS_ORIGINS", "str", "*",
          'origins answered with CORS headers: "*", "localhost", or a comma list of origins'), 

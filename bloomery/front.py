@@ -75,7 +75,8 @@ def make_app(s: Settings, tokenizer, template, client, info):
     return App(tokenizer, template, client, info, sampling_defaults=s.sampling(), n_predict_default=s.n_predict,
                alias=s.alias, tags=s.tags, endpoint_slots=s.endpoint_slots, metrics_requested=s.metrics,
                verbose_default=s.verbose, reasoning=s.reasoning, reasoning_format=s.reasoning_format,
-               reasoning_budget=s.reasoning_budget, reasoning_budget_message=s.reasoning_budget_message)
+               reasoning_budget=s.reasoning_budget, reasoning_budget_message=s.reasoning_budget_message,
+               spm_infill=s.spm_infill)
 
 
 def choice_records(s: Settings, facts: dict) -> None:

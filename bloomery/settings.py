@@ -54,6 +54,7 @@ class Settings:
     reasoning_format: str = "auto"     # --reasoning-format: a request's default reasoning_format
     reasoning_budget: int = -1         # --reasoning-budget: a request's default think-span budget
     reasoning_budget_message: str | None = None   # --reasoning-budget-message
+    spm_infill: bool = False           # --spm-infill: /infill's suffix/prefix/middle order
     need_hook: str | None = None       # --need-hook PATH (None: $BLOOMERY_NEED_HOOK, else the broker's hook if any)
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)   # SamplingParams field -> flag value
     sources: dict[str, str] = field(default_factory=dict)             # field -> where its value came from

@@ -14,7 +14,8 @@ from typing import Awaitable, Callable
 
 from collections import OrderedDict
 
-from bloomery.api import anthropic, chat, completion, input_tokens, models, ollama, props, responses, slots, tokenize
+from bloomery.api import (anthropic, chat, completion, infill, input_tokens, models, ollama, props, responses, slots,
+                          tokenize)
 from bloomery.api.metrics import Metrics
 from bloomery.api.generate import Generation
 from bloomery.api.params import GenParams
@@ -67,6 +68,22 @@ for _path in ("/v1/responses", "/responses"):
     ROUTES["POST", _path] = responses.handle_create
 for _path in ("/v1/responses/input_tokens", "/responses/input_tokens"):
     ROUTES["POST", _path] = input_tokens.handle_responses_input_tokens
+ROUTES["POST", "/infill"] = infill.handle_infill
+
+
+def not_served(message: str) -> Route:
+    """A route llama-server has that this build does not serve: 501 with llama-server's sentence, then ours."""
+    async def refuse(app: "App", req: Request) -> Response:
+        raise ApiError(501, message, "not_supported_error")
+    return refuse
+
+
+for _path in ("/embedding", "/embeddings", "/v1/embeddings"):
+    ROUTES["POST", _path] = not_served("This server does not support embeddings: it serves generative models only "
+                                       "(--embeddings is refused at start)")
+for _path in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking"):
+    ROUTES["POST", _path] = not_served("This server does not support reranking: it serves generative models only "
+                                       "(--reranking is refused at start)")
 ROUTES["POST", "/v1/messages"] = anthropic.handle_messages
 ROUTES["POST", "/v1/messages/count_tokens"] = anthropic.handle_count_tokens
 
@@ -101,7 +118,7 @@ class App:
                  metrics_requested: bool = False, verbose_default: bool = False,
                  endpoint_props: bool = False, reasoning: str = "auto", reasoning_format: str = "auto",
                  reasoning_budget: int = -1, reasoning_budget_message: str | None = None,
-                 log: Callable[[str], None] = _stderr):
+                 spm_infill: bool = False, log: Callable[[str], None] = _stderr):
         self.tok = tokenizer
         self.template = template
         self.client = client
@@ -122,6 +139,7 @@ class App:
         self.reasoning_format_default = reasoning_format     # --reasoning-format
         self.reasoning_budget_default = reasoning_budget     # --reasoning-budget
         self.reasoning_budget_message = reasoning_budget_message or ""
+        self.spm_infill = spm_infill                  # --spm-infill: /infill puts the suffix before the prefix
         self.metrics = Metrics()
         self.responses = responses.ResponseStore()    # /v1/responses kept for GET / previous_response_id
         self.log = log

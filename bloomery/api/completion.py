@@ -85,11 +85,17 @@ async def handle_completion(app: "App", req: Request) -> Response | StreamRespon
     all_ids = read_prompts(app.tok, raw[1] if raw else None)
     if len(all_ids) > choices.MAX_CHOICES:   # they go to the engine together, as n choices do
         raise field_error("prompt", f"{len(all_ids)} prompts in one request; at most {choices.MAX_CHOICES}")
-    p = parse_gen_params(f, **app.gen_defaults())
-    fields = response_fields(f)
     prompt = raw[1]
     # the prompt echoed back: the string as sent, else the ids decoded (one per prompt)
     texts = [prompt if isinstance(prompt, str) else app.tok.decode(ids) for ids in all_ids]
+    return await answer_llama(app, req, f, all_ids, texts)
+
+
+async def answer_llama(app: "App", req: Request, f: Fields, all_ids: list[list[int]],
+                       texts: list[str]) -> Response | StreamResponse:
+    """/completion's answer (also /infill's) for prompts already made into ids; texts are echoed as `prompt`."""
+    p = parse_gen_params(f, **app.gen_defaults())
+    fields = response_fields(f)
     rs = read_reasoning(f)       # reasoning_budget / reasoning_loop over the raw prompt's <think> span
     gens = [app.start(req.path, ids, with_think(app, p, rs, texts[i])) for i, ids in enumerate(all_ids)]
     several = len(gens) > 1

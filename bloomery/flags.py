@@ -74,6 +74,9 @@ TABLE: tuple[Flag, ...] = (
     Flag("--api-key-file", (), "LLAMA_ARG_API_KEY_FILE", "path", None, "file of API keys, one a line"),
     Flag("--chat-template-file", (), "LLAMA_ARG_CHAT_TEMPLATE_FILE", "path", None,
          "jinja chat template file (default: the GGUF's template)"),
+    Flag("--chat-template", (), "LLAMA_ARG_CHAT_TEMPLATE", "str", None,
+         "chat template: a llama.cpp built-in name (chatml, llama3, command-r, ...; one not served here is "
+         "refused listing those that are) or the jinja text itself"),
     Flag("--n-predict", ("-n", "--predict"), "LLAMA_ARG_N_PREDICT", "int", -1,
          "default token limit of a request (-1: the context)"),
     Flag("--jinja", (), "LLAMA_ARG_JINJA", "switch", True, "jinja templates (always on)", negs=("--no-jinja",)),
@@ -168,8 +171,6 @@ TABLE: tuple[Flag, ...] = (
     _refuse("--reranking", ("--rerank",), "LLAMA_ARG_RERANKING", "switch", why="no reranking"),
     _refuse("--grammar", ("--grammar-file",), why="no grammar sampler"),
     _refuse("--json-schema", ("-j", "--json-schema-file", "-jf"), why="no default schema"),
-    _refuse("--chat-template", (), "LLAMA_ARG_CHAT_TEMPLATE", why="built-in template names are not served; "
-            "use --chat-template-file"),
     _refuse("--model-draft", ("-md", "--spec-draft-model"), "LLAMA_ARG_SPEC_DRAFT_MODEL", why="no draft model"),
     _refuse("--cache-type-k", ("-ctk",), "LLAMA_ARG_CACHE_TYPE_K", why="the KV cache is float32"),
     _refuse("--cache-type-v", ("-ctv",), "LLAMA_ARG_CACHE_TYPE_V", why="the KV cache is float32"),

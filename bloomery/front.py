@@ -87,7 +87,8 @@ def choice_records(s: Settings, facts: dict) -> None:
            source="--alias" if s.alias else "general.name" if facts.get("general_name") else "file name")
     record("start", "n_predict", default=s.n_predict, source=s.sources.get("n_predict", "default"))
     record("start", "api keys", n_keys=len(s.api_keys), public=list(PUBLIC_PATHS) if s.api_keys else "all")
-    record("start", "chat template", source=s.chat_template_file or "the GGUF's tokenizer.chat_template")
+    record("start", "chat template", source=s.chat_template_file or (s.chat_template is not None and
+           f"--chat-template {s.chat_template[:40]!r}") or "the GGUF's tokenizer.chat_template")
     if s.sampling_defaults:
         record("start", "sampling defaults: requests that leave these out get them", **s.sampling_defaults)
     record("start", "endpoints", slots=s.endpoint_slots, metrics="not served (501)")
@@ -105,6 +106,9 @@ def build_front(path: str, s: Settings):
         tok = Tokenizer.from_gguf(md)
         if s.chat_template_file:
             source, origin = open(s.chat_template_file, encoding="utf-8").read(), s.chat_template_file
+        elif s.chat_template is not None:
+            from bloomery.chat_template.builtin import template_source
+            source, origin = template_source(s.chat_template)
         else:
             source, origin = md.get("tokenizer.chat_template"), "the GGUF's tokenizer.chat_template"
         if not isinstance(source, str):

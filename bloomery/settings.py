@@ -38,6 +38,7 @@ class Settings:
     api_keys: tuple[str, ...] = ()     # every source added; never printed
     api_key_file: str | None = None
     chat_template_file: str | None = None
+    chat_template: str | None = None   # --chat-template: a built-in name or jinja text
     n_predict: int = -1
     jinja: bool = True
     config: str | None = None
@@ -311,6 +312,14 @@ def _check(s: Settings, keys: list[str]) -> None:
             raise SettingsError(f"-ngl {s.ngl!r}: takes all, auto or a count") from None
     if s.chat_template_file and not os.access(s.chat_template_file, os.R_OK):
         raise SettingsError(f"--chat-template-file {s.chat_template_file}: cannot read it")
+    if s.chat_template is not None:
+        from bloomery.chat_template.builtin import UnknownBuiltin, template_source
+        if s.chat_template_file:
+            raise SettingsError("--chat-template and --chat-template-file both name the chat template; give one")
+        try:
+            template_source(s.chat_template)
+        except UnknownBuiltin as e:
+            raise SettingsError(str(e)) from None
     seed = s.sampling_defaults.get("seed")
     if seed is not None and not -1 <= seed <= 0xFFFFFFFF:
         raise SettingsError(f"--seed {seed}: must be in -1 .. {0xFFFFFFFF}")

@@ -70,13 +70,14 @@ class Gate:
 
 def make_app(s: Settings, tokenizer, template, client, info):
     """The API App with the server's request defaults and endpoint switches from the settings."""
+    from bloomery.api import gcp
     from bloomery.api.app import App
 
     return App(tokenizer, template, client, info, sampling_defaults=s.sampling(), n_predict_default=s.n_predict,
                alias=s.alias, tags=s.tags, endpoint_slots=s.endpoint_slots, metrics_requested=s.metrics,
                verbose_default=s.verbose, reasoning=s.reasoning, reasoning_format=s.reasoning_format,
                reasoning_budget=s.reasoning_budget, reasoning_budget_message=s.reasoning_budget_message,
-               spm_infill=s.spm_infill)
+               spm_infill=s.spm_infill, gcp_mode=gcp.from_env(dict(os.environ)))
 
 
 def choice_records(s: Settings, facts: dict) -> None:

@@ -254,8 +254,29 @@ def parse(argv: list[str], env: dict[str, str] | None = None) -> Settings:
             else:
                 setattr(s, f.field, value)
             s.sources[f.field] = e.source
+    _gcp_port(s, env)
     _check(s, keys)
     return s
+
+
+def _gcp_port(s: Settings, env: dict[str, str]) -> None:
+    """Vertex AI's prediction mode (AIP_MODE=PREDICTION, api/gcp.py): AIP_HTTP_PORT (default 8080) replaces --port,
+    as llama-server; a predict route that is one of the served routes is refused."""
+    if env.get("AIP_MODE") != "PREDICTION":
+        return
+    raw = env.get("AIP_HTTP_PORT") or "8080"
+    try:
+        port = int(raw)
+    except ValueError:
+        raise SettingsError(f"AIP_HTTP_PORT={raw!r}: must be a port number") from None
+    if port != s.port:
+        s.notes.append(("Vertex AI prediction mode: AIP_HTTP_PORT replaces the port", {"port": port, "was": s.port}))
+    s.port, s.sources["port"] = port, "AIP_HTTP_PORT"
+    from bloomery.api.app import ROUTES
+    from bloomery.api.gcp import from_env
+    predict = from_env(env).predict_path
+    if ("POST", predict) in ROUTES:
+        raise SettingsError(f"AIP_PREDICT_ROUTE={predict} is one of this server's routes; choose another path")
 
 
 def _check_model_source(s: Settings) -> None:

@@ -14,7 +14,7 @@ from typing import Awaitable, Callable
 
 from collections import OrderedDict
 
-from bloomery.api import (anthropic, chat, completion, infill, input_tokens, models, ollama, props, responses, slots,
+from bloomery.api import (anthropic, chat, completion, gcp, infill, input_tokens, models, ollama, props, responses, slots,
                           tokenize)
 from bloomery.api.metrics import Metrics
 from bloomery.api.generate import Generation
@@ -118,7 +118,7 @@ class App:
                  metrics_requested: bool = False, verbose_default: bool = False,
                  endpoint_props: bool = False, reasoning: str = "auto", reasoning_format: str = "auto",
                  reasoning_budget: int = -1, reasoning_budget_message: str | None = None,
-                 spm_infill: bool = False, log: Callable[[str], None] = _stderr):
+                 spm_infill: bool = False, gcp_mode: "gcp.GcpMode | None" = None, log: Callable[[str], None] = _stderr):
         self.tok = tokenizer
         self.template = template
         self.client = client
@@ -140,6 +140,7 @@ class App:
         self.reasoning_budget_default = reasoning_budget     # --reasoning-budget
         self.reasoning_budget_message = reasoning_budget_message or ""
         self.spm_infill = spm_infill                  # --spm-infill: /infill puts the suffix before the prefix
+        self.gcp_mode = gcp_mode                      # AIP_MODE=PREDICTION: Vertex AI's predict (and health) route
         self.metrics = Metrics()
         self.responses = responses.ResponseStore()    # /v1/responses kept for GET / previous_response_id
         self.log = log
@@ -149,8 +150,21 @@ class App:
         self.recent: OrderedDict[str, Generation] = OrderedDict()   # req_id -> its Generation (for /slots)
         self.last_of_slot: dict[int, Generation] = {}               # what fell out of `recent`, per slot
 
+    def routes(self):
+        """(method, path) of every fixed route, in registration order."""
+        return ROUTES.keys()
+
+    def _find(self, method: str, path: str) -> Route | None:
+        mode = self.gcp_mode
+        if mode is not None:
+            if method == "POST" and path == mode.predict_path:
+                return gcp.handle_predict
+            if method == "GET" and path == mode.health_path:
+                return props.handle_health
+        return find_route(method, path)
+
     async def dispatch(self, req: Request) -> Response | StreamResponse:
-        handler = find_route(req.method.upper(), req.path)
+        handler = self._find(req.method.upper(), req.path)
         if handler is None:
             err = ApiError(404, f"File Not Found: {req.method} {req.path}", "not_found_error")
             return Response.json(err.body(), status=404)

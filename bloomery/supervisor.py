@@ -185,6 +185,7 @@ class Supervisor:
                 return await self._stopped()
         self.life.advance(Phase.LOAD)
         engine_args = {"model_file": fetched.path, "alias": s.alias, "facts": planned.facts, "warmup": s.warmup,
+                       "n_batch": s.batch_size,
                        "req_addr": f"ipc://{rt}/req", "out_addr": f"ipc://{rt}/out"}
         engine = await runner.start("engine", engine_args)
         front = asyncio.create_task(asyncio.to_thread(build_front, fetched.path, s))

@@ -118,7 +118,7 @@ class App:
                  metrics_requested: bool = False, verbose_default: bool = False,
                  endpoint_props: bool = False, reasoning: str = "auto", reasoning_format: str = "auto",
                  reasoning_budget: int = -1, reasoning_budget_message: str | None = None,
-                 spm_infill: bool = False, gcp_mode: "gcp.GcpMode | None" = None, log: Callable[[str], None] = _stderr):
+                 spm_infill: bool = False, n_batch: int = 2048, gcp_mode: "gcp.GcpMode | None" = None, log: Callable[[str], None] = _stderr):
         self.tok = tokenizer
         self.template = template
         self.client = client
@@ -140,6 +140,7 @@ class App:
         self.reasoning_budget_default = reasoning_budget     # --reasoning-budget
         self.reasoning_budget_message = reasoning_budget_message or ""
         self.spm_infill = spm_infill                  # --spm-infill: /infill puts the suffix before the prefix
+        self.n_batch = n_batch                        # -b: /infill's prefix/suffix budget
         self.gcp_mode = gcp_mode                      # AIP_MODE=PREDICTION: Vertex AI's predict (and health) route
         self.metrics = Metrics()
         self.responses = responses.ResponseStore()    # /v1/responses kept for GET / previous_response_id

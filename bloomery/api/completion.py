@@ -115,10 +115,12 @@ async def answer_llama(app: "App", req: Request, f: Fields, all_ids: list[list[i
                     # llama-server's partial chunks say -1; the final one names the slot
                     chunk = {"index": i, "content": piece.text, "tokens": piece.ids, "stop": False, "id_slot": -1,
                              "tokens_predicted": n_sent[i], "tokens_evaluated": gens[i].outcome.n_prompt}
-                    if p.n_probs > 0:
+                    if p.n_probs > 0 and piece.progress is None:
                         chunk["completion_probabilities"] = piece.probs
                     if p.timings_per_token:
                         chunk["timings"] = gens[i].outcome.timings()
+                    if piece.progress is not None:
+                        chunk["prompt_progress"] = piece.progress
                     yield sse(chunk)
             for i, g in enumerate(gens):
                 yield sse(pick_fields(fields, {**llama_final(app, g.outcome, p, texts[i], streamed=True), "index": i}))
@@ -164,8 +166,10 @@ async def handle_v1_completions(app: "App", req: Request) -> Response | StreamRe
         try:
             async with aclosing(choices.merge_pieces(gens)) as pieces:
                 async for i, piece in pieces:
-                    if piece.text:
+                    if piece.text or piece.progress is not None:
                         extra = {"timings": gens[i].outcome.timings()} if p.timings_per_token else {}
+                        if piece.progress is not None:
+                            extra["prompt_progress"] = piece.progress
                         yield sse({"choices": [choice(piece.text, None, i)], **head, "id": cid, **extra})
             outs = [g.outcome for g in gens]
             yield sse({"choices": [choice("", o.finish_reason, i) for i, o in enumerate(outs)], **head,

@@ -32,6 +32,7 @@ class Piece:
     text: str
     ids: list[int]
     probs: list[dict]
+    progress: dict | None = None    # a prompt-progress piece (no text): llama-server's prompt_progress object
 
 
 @dataclass
@@ -48,6 +49,7 @@ class Outcome:
     predicted_ms: float = 0.0
     cancelled: bool = False
     slot: int = -1                                      # the slot that ran it (llama-server's id_slot)
+    progress_n: int | None = None                       # prompt ids processed so far, while the prompt runs
 
     @property
     def n_gen(self) -> int:
@@ -65,7 +67,7 @@ class Outcome:
         return self.n_prompt + max(self.n_gen - 1, 0)
 
     def timings(self) -> dict:
-        n_prompt_done = self.n_prompt - self.n_cached
+        n_prompt_done = self.n_prompt - self.n_cached if self.progress_n is None else self.progress_n
         n_steps = max(self.n_gen - 1, 0)      # the first id comes from the prompt pass, as llama-server counts
         return {
             "cache_n": self.n_cached,
@@ -162,12 +164,21 @@ class Generation:
                 # sampler draws once per generated id, a forced one included
                 leg_sampling = sampling if n_legs == 0 else replace(sampling, n_drawn=out.n_gen)
                 req = EngineRequest(req_id, tuple(self.prompt_ids) + tuple(out.ids), n_left, leg_sampling, stop_ids,
-                                    p.cache_prompt or n_legs > 0, id_task=self.task_id)
+                                    p.cache_prompt or n_legs > 0, id_task=self.task_id,
+                                    return_progress=p.return_progress and n_legs == 0)
                 n_legs += 1
                 stream = self.client.generate(req)
                 force = False
                 async for o in stream:
                     o: TokenOut
+                    if o.is_progress:   # the prompt pass so far (asked by return_progress on a stream)
+                        out.n_cached, out.prompt_ms = o.n_cached, o.prompt_ms
+                        out.progress_n = o.n_processed - o.n_cached
+                        if o.slot >= 0:
+                            out.slot = o.slot
+                        yield Piece("", [], [], progress={"total": o.n_prompt, "cache": o.n_cached,
+                                                          "processed": o.n_processed, "time_ms": int(o.prompt_ms)})
+                        continue
                     now = time.perf_counter()
                     if t_first is None:
                         t_first = now
@@ -176,6 +187,7 @@ class Generation:
                             self.metrics.on_first(self)
                         out.n_prompt = len(self.prompt_ids) if o.n_prompt else out.n_prompt
                         out.n_cached, out.prompt_ms = min(o.n_cached, len(self.prompt_ids)), o.prompt_ms
+                        out.progress_n = None
                     elif o.prompt_ms and o.n_prompt:
                         out.prompt_ms += o.prompt_ms       # a later leg's prompt pass (the forced ids)
                     if o.slot >= 0:

@@ -22,7 +22,7 @@ from bloomery.http.types import ApiError, Request, Response, StreamResponse
 if TYPE_CHECKING:
     from bloomery.api.app import App
 
-N_BATCH = 2048          # llama-server's default -b: the prefix/suffix budget of its FIM prompt
+N_BATCH = 2048          # llama-server's default -b (the server's -b sets it): the budget of its FIM prompt
 REPO_NAME = "myproject\n"
 FILE_NAME = "filename\n"       # llama-server names the file being edited so
 # without a file separator token, chunks are joined by this line (as llama-server's bytes)
@@ -122,5 +122,6 @@ async def handle_infill(app: "App", req: Request) -> Response | StreamResponse:
     typed_ids = app.tok.encode(typed[1], add_special=False, parse_special=True) if typed else []
     ids = fim_prompt(app.tok, fim, _text_ids(app.tok, f.body["input_prefix"], "input_prefix"),
                      _text_ids(app.tok, f.body["input_suffix"], "input_suffix"), extra, typed_ids,
-                     n_ctx=app.info.n_ctx_slot, n_predict=app.n_predict_default, spm=app.spm_infill)
+                     n_ctx=app.info.n_ctx_slot, n_predict=app.n_predict_default, n_batch=app.n_batch,
+                     spm=app.spm_infill)
     return await answer_llama(app, req, f, [ids], [app.tok.decode(ids)])

@@ -113,6 +113,7 @@ class GenParams:
     return_tokens: bool = False
     n_probs: int = 0
     timings_per_token: bool = False
+    return_progress: bool = False               # a stream reports the prompt pass (prompt_progress chunks)
     samplers: tuple[str, ...] = DEFAULT_SAMPLERS
     extra: dict = field(default_factory=dict)   # echoed in generation_settings
     think: object = None                        # api/reasoning.ThinkSpec: the span's budget / loop watch
@@ -129,8 +130,6 @@ def refuse_unsupported(f: Fields) -> None:
         raise field_error("grammar", "grammars are not supported by this server")
     if f.raw("json_schema") is not None:
         raise field_error("json_schema", "structured output is not supported by this server yet")
-    if f.bool("return_progress"):   # the engine takes a prompt in one pass: there is no progress to report
-        raise field_error("return_progress", "prompt progress events are not supported by this server")
     if f.bool("post_sampling_probs"):
         raise field_error("post_sampling_probs", "probabilities after the sampling chain are not supported by this server")
     id_slot = f.int("id_slot", lo=-1)
@@ -254,7 +253,7 @@ def parse_gen_params(f: Fields, *, n_predict_default: int, n_vocab: int, eog_ids
         n_predict=n_predict, sampling=sp, stop=parse_stop(f), ignore_eos=ignore_eos,
         cache_prompt=pick(f.bool("cache_prompt"), True), stream=bool(f.bool("stream")),
         return_tokens=bool(f.bool("return_tokens")), n_probs=n_probs, samplers=samplers,
-        timings_per_token=bool(f.bool("timings_per_token")),
+        timings_per_token=bool(f.bool("timings_per_token")), return_progress=bool(f.bool("return_progress") and f.bool("stream")),
     )
 
 

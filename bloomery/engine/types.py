@@ -39,6 +39,7 @@ class EngineRequest:
     stop_ids: tuple[int, ...] = ()            # end-of-generation ids (EOS/EOT); empty under ignore_eos
     cache_prompt: bool = True                 # reuse the slot's cached prefix when it matches
     id_task: int = -1                         # the front's task number (what /slots reports as id_task)
+    return_progress: bool = False             # report the prompt pass batch by batch (progress TokenOuts)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,12 @@ class TokenOut:
     prompt_ms: float = 0.0                    # prompt pass wall time (first output)
     error: str | None = None                  # message when finish is "error" or "shutdown"
     slot: int = -1                            # the slot that ran the request; -1 when none did (queued, refused)
+    n_processed: int = -1                     # >= 0 only on a prompt-progress output (token and finish None):
+                                              # prompt ids in the slot so far, the cached ones included
+
+    @property
+    def is_progress(self) -> bool:
+        return self.n_processed >= 0
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,8 @@ def model_info(args: dict, facts: dict, model) -> ModelInfo:
 def serve(engine, inbox: queue.Queue, push: zmq.Socket, ppid: int) -> str:
     """The busy loop; returns why it ended."""
     last_slots = None
+    # prompt progress leaves as it happens, between the passes of one step
+    engine.emit = lambda outs: push.send(em.encode(em.Tokens(tuple(outs))))
     while True:
         msgs = []
         if not engine.has_work():     # idle: sleep on the queue, not a spin
@@ -141,7 +143,7 @@ def main(args: dict) -> int:
         t_warm = time.monotonic()
         model.prefill(0, np.zeros(1, np.int32), 0)
         records.record("load", "warmup", component="engine", took_s=round(time.monotonic() - t_warm, 3))
-    engine = Engine(model, facts["n_slots"], facts["n_ctx_slot"])
+    engine = Engine(model, facts["n_slots"], facts["n_ctx_slot"], n_batch=args.get("n_batch", 2048))
     info = model_info(args, facts, model)
     load_s = round(time.monotonic() - t0, 3)
     records.record("load", "model loaded", component="engine", load_s=load_s, n_params=info.n_params)

@@ -74,7 +74,7 @@ def test_wrong_types_and_bounds_name_the_field(body, name):
 @pytest.mark.parametrize("body,name", [
     ({"grammar": "root ::= \"a\""}, "grammar"), ({"mirostat": 2}, "mirostat"), ({"typical_p": 0.5}, "typical_p"),
     ({"dry_multiplier": 0.8}, "dry_multiplier"), ({"xtc_probability": 0.5}, "xtc_probability"),
-    ({"json_schema": {"type": "object"}}, "json_schema"), ({"id_slot": 1}, "id_slot"), ({"lora": [{"id": 0}]}, "lora"),
+    ({"json_schema": {"type": "object"}}, "json_schema"), ({"lora": [{"id": 0}]}, "lora"),
     ({"post_sampling_probs": True}, "post_sampling_probs"), ({"n_indent": 4}, "n_indent"),
 ])
 def test_known_but_unsupported_fields_are_refused_by_name(body, name):

@@ -469,3 +469,19 @@ def test_without_return_progress_the_prompt_is_one_pass():
     engine.add(greq("p", list(range(1, 11))))
     assert not any(o.is_progress for o in drain(engine)["p"])
     assert [c for c in model.calls if c[0] == "prefill"] == [("prefill", 0, 10, 0)]
+
+
+def test_id_slot_waits_for_its_slot_while_others_go_ahead():
+    model = StandInModel(2, 64)
+    engine = Engine(model, 2, 64)
+    engine.add(greq("a", [1, 2, 3], id_slot=0))
+    engine.add(greq("b", [4, 5, 6], id_slot=0))      # slot 0 is taken: b waits
+    engine.add(greq("c", [7, 8, 9]))                 # c takes slot 1 meanwhile
+    outs = drain(engine)
+    assert {o.slot for o in outs["a"]} == {0} and {o.slot for o in outs["b"]} == {0} and {o.slot for o in outs["c"]} == {1}
+    prefills = [c for c in model.calls if c[0] == "prefill"]
+    assert [c[1] for c in prefills] == [0, 1, 0]
+    for rid, p in (("a", [1, 2, 3]), ("b", [4, 5, 6]), ("c", [7, 8, 9])):
+        assert [o.token for o in outs[rid]] == model.reference(p, 6)
+    with pytest.raises(Exception, match="id_slot 2 is not a slot: this server has slots 0..1"):
+        engine.add(greq("d", [1], id_slot=2))

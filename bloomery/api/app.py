@@ -195,6 +195,9 @@ class App:
         n_ctx = self.info.n_ctx_slot
         if len(prompt_ids) >= n_ctx:
             raise ExceedContextError(len(prompt_ids), n_ctx)
+        if params.id_slot >= self.info.n_slots:
+            raise ApiError(400, f"Field 'id_slot': slot {params.id_slot} does not exist; this server has slots "
+                                f"0..{self.info.n_slots - 1}", param="id_slot")
         task_id = next(self._task_ids)
         gen = Generation(tok=self.tok, client=self.client, req_id=f"cmpl-{task_id}-{uuid.uuid4().hex[:8]}",
                          task_id=task_id, path=path, prompt_ids=prompt_ids, params=params,

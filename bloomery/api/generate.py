@@ -165,7 +165,7 @@ class Generation:
                 leg_sampling = sampling if n_legs == 0 else replace(sampling, n_drawn=out.n_gen)
                 req = EngineRequest(req_id, tuple(self.prompt_ids) + tuple(out.ids), n_left, leg_sampling, stop_ids,
                                     p.cache_prompt or n_legs > 0, id_task=self.task_id,
-                                    return_progress=p.return_progress and n_legs == 0)
+                                    return_progress=p.return_progress and n_legs == 0, id_slot=p.id_slot)
                 n_legs += 1
                 stream = self.client.generate(req)
                 force = False

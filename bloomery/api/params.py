@@ -114,6 +114,7 @@ class GenParams:
     n_probs: int = 0
     timings_per_token: bool = False
     return_progress: bool = False               # a stream reports the prompt pass (prompt_progress chunks)
+    id_slot: int = -1                           # the slot to run in (app.start checks it names one); -1: any
     samplers: tuple[str, ...] = DEFAULT_SAMPLERS
     extra: dict = field(default_factory=dict)   # echoed in generation_settings
     think: object = None                        # api/reasoning.ThinkSpec: the span's budget / loop watch
@@ -132,9 +133,6 @@ def refuse_unsupported(f: Fields) -> None:
         raise field_error("json_schema", "structured output is not supported by this server yet")
     if f.bool("post_sampling_probs"):
         raise field_error("post_sampling_probs", "probabilities after the sampling chain are not supported by this server")
-    id_slot = f.int("id_slot", lo=-1)
-    if id_slot is not None and id_slot != -1:
-        raise field_error("id_slot", f"choosing a slot is not supported by this server, but got {id_slot}")
     lora = f.raw("lora")
     if lora is not None and lora[1] != []:
         raise field_error("lora", "LoRA adapters are not supported by this server")
@@ -253,7 +251,8 @@ def parse_gen_params(f: Fields, *, n_predict_default: int, n_vocab: int, eog_ids
         n_predict=n_predict, sampling=sp, stop=parse_stop(f), ignore_eos=ignore_eos,
         cache_prompt=pick(f.bool("cache_prompt"), True), stream=bool(f.bool("stream")),
         return_tokens=bool(f.bool("return_tokens")), n_probs=n_probs, samplers=samplers,
-        timings_per_token=bool(f.bool("timings_per_token")), return_progress=bool(f.bool("return_progress") and f.bool("stream")),
+        timings_per_token=bool(f.bool("timings_per_token")), id_slot=pick(f.int("id_slot", lo=-1), -1),
+        return_progress=bool(f.bool("return_progress") and f.bool("stream")),
     )
 
 

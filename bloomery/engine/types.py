@@ -40,6 +40,7 @@ class EngineRequest:
     cache_prompt: bool = True                 # reuse the slot's cached prefix when it matches
     id_task: int = -1                         # the front's task number (what /slots reports as id_task)
     return_progress: bool = False             # report the prompt pass batch by batch (progress TokenOuts)
+    id_slot: int = -1                         # run in this slot (waiting while it is busy); -1: any free slot
 
 
 @dataclass(frozen=True)

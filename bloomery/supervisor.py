@@ -201,6 +201,7 @@ class Supervisor:
             raise StageFailed("load", f"{type(e).__name__}: {e}") from None
         self.client.info = ready.info
         self.gate.app = make_app(s, tokenizer, template, self.client, ready.info)
+        self.gate.app.residency.start()     # --sleep-idle-seconds: the idle watch
         self.life.advance(Phase.READY, name=ready.info.name, n_ctx=ready.info.n_ctx, slots=ready.info.n_slots)
         return await self._serve(engine)
 

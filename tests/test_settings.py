@@ -233,3 +233,10 @@ def test_every_row_is_consistent():
         assert f.action in ("set", "noop", "refuse") and f.help
         assert f.type in ("str", "int", "float", "switch", "keys", "choice", "int_or_auto", "path")
         assert not f.choices or f.type == "choice"
+
+
+def test_sleep_idle_seconds_as_llama_server():
+    assert parse(M, {}).sleep_idle_seconds == -1
+    assert parse(M + ["--sleep-idle-seconds", "30"], {}).sleep_idle_seconds == 30
+    for bad in ("0", "-2"):
+        refused(M + ["--sleep-idle-seconds", bad], match="cannot be 0 or less than -1")

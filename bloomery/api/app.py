@@ -15,7 +15,7 @@ from typing import Awaitable, Callable
 from collections import OrderedDict
 
 from bloomery.api import (anthropic, chat, completion, gcp, infill, input_tokens, models, ollama, props, responses, slots,
-                          tokenize)
+                          sleep, tokenize)
 from bloomery.api.metrics import Metrics
 from bloomery.api.generate import Generation
 from bloomery.api.params import GenParams
@@ -118,7 +118,7 @@ class App:
                  metrics_requested: bool = False, verbose_default: bool = False,
                  endpoint_props: bool = False, reasoning: str = "auto", reasoning_format: str = "auto",
                  reasoning_budget: int = -1, reasoning_budget_message: str | None = None,
-                 spm_infill: bool = False, n_batch: int = 2048, gcp_mode: "gcp.GcpMode | None" = None, log: Callable[[str], None] = _stderr):
+                 spm_infill: bool = False, n_batch: int = 2048, sleep_idle_s: int = -1, gcp_mode: "gcp.GcpMode | None" = None, log: Callable[[str], None] = _stderr):
         self.tok = tokenizer
         self.template = template
         self.client = client
@@ -142,6 +142,7 @@ class App:
         self.spm_infill = spm_infill                  # --spm-infill: /infill puts the suffix before the prefix
         self.n_batch = n_batch                        # -b: /infill's prefix/suffix budget
         self.gcp_mode = gcp_mode                      # AIP_MODE=PREDICTION: Vertex AI's predict (and health) route
+        self.residency = sleep.Residency(client, sleep_idle_s, log)   # --sleep-idle-seconds (-1: never)
         self.metrics = Metrics()
         self.responses = responses.ResponseStore()    # /v1/responses kept for GET / previous_response_id
         self.log = log
@@ -169,6 +170,26 @@ class App:
         if handler is None:
             err = ApiError(404, f"File Not Found: {req.method} {req.path}", "not_found_error")
             return Response.json(err.body(), status=404)
+        waking = self.residency.enabled and req.method.upper() == "POST"
+        if not waking:
+            return await self._run(handler, req)
+        try:
+            await self.residency.enter()
+        except Exception as e:   # the engine could not load again (or is gone): this request says why
+            self.residency.leave()
+            err = ApiError(500, f"waking the server failed: {type(e).__name__}: {e}", "server_error")
+            return Response.json(err.body(), status=500)
+        res = None
+        try:
+            res = await self._run(handler, req)
+        finally:
+            if isinstance(res, StreamResponse):
+                res.chunks = sleep.released(res.chunks, self.residency.leave)
+            else:
+                self.residency.leave()
+        return res
+
+    async def _run(self, handler: Route, req: Request) -> Response | StreamResponse:
         try:
             return await handler(self, req)
         except ApiError as e:

@@ -85,6 +85,16 @@ class Engine:
                 out.append(entry)
             return out
 
+    def swap_model(self, model) -> None:
+        """--sleep-idle-seconds: None frees the model (its weights and KV) while the engine is idle; a freshly
+        loaded model wakes it. Either way the slots' cached prompts are gone with the old KV."""
+        with self._lock:
+            if model is None and self.scheduler.has_work():
+                raise RuntimeError("the engine has work: it cannot sleep now")
+            self.model = model
+            for slot in self.scheduler.slots:
+                slot.cached_ids.clear()
+
     def abort_all(self, message: str) -> list[TokenOut]:
         """Finish every queued and running request with "error" (after a fault in step)."""
         with self._lock:

@@ -10,8 +10,10 @@ supervisor answers 500 to them and exits 70.
 """
 from __future__ import annotations
 
+import gc
 import os
 import queue
+import sys
 import threading
 import time
 from pathlib import Path
@@ -60,8 +62,30 @@ def model_info(args: dict, facts: dict, model) -> ModelInfo:
                      ftype=str(facts.get("ftype", "")))
 
 
-def serve(engine, inbox: queue.Queue, push: zmq.Socket, ppid: int) -> str:
-    """The busy loop; returns why it ended."""
+def set_residency(engine, msg: em.Residency, load) -> em.ResidencyReply:
+    """--sleep-idle-seconds: free the model (weights, KV, and on a card CuPy's cached blocks) or load it again."""
+    t0 = time.monotonic()
+    try:
+        engine.swap_model(None if msg.sleep else load())
+        gc.collect()
+        if msg.sleep:
+            _free_card_pool()
+    except Exception as e:
+        return em.ResidencyReply(msg.query_id, engine.model is None, error=f"{type(e).__name__}: {e}")
+    records.record("serve", "asleep: weights and KV freed" if msg.sleep else "awake: weights loaded again",
+                   component="engine", took_s=round(time.monotonic() - t0, 3))
+    return em.ResidencyReply(msg.query_id, msg.sleep, round(time.monotonic() - t0, 3))
+
+
+def _free_card_pool() -> None:
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        cupy.get_default_memory_pool().free_all_blocks()
+        cupy.get_default_pinned_memory_pool().free_all_blocks()
+
+
+def serve(engine, inbox: queue.Queue, push: zmq.Socket, ppid: int, load=None) -> str:
+    """The busy loop; returns why it ended. load: the model again, for a wake after --sleep-idle-seconds."""
     last_slots = None
     # prompt progress leaves as it happens, between the passes of one step
     engine.emit = lambda outs: push.send(em.encode(em.Tokens(tuple(outs))))
@@ -89,6 +113,8 @@ def serve(engine, inbox: queue.Queue, push: zmq.Socket, ppid: int) -> str:
                 push.send(em.encode(em.SlotsReply(msg.query_id, tuple(engine.slots()))))
             elif isinstance(msg, em.Shutdown):
                 return f"shutdown: {msg.reason}"
+            elif isinstance(msg, em.Residency):
+                push.send(em.encode(set_residency(engine, msg, load)))
         if not parent_alive(ppid):
             return "the supervisor is gone"
         if not engine.has_work():
@@ -134,8 +160,10 @@ def main(args: dict) -> int:
         from bloomery.engine import cpu_kernels
         records.record("load", "lever", component="engine", name="BLOOMERY_CPU_KERNELS",
                        value="off" if cpu_kernels.lib() is None else "on", means=cpu_kernels.status())
-    model = load_model(args["model_file"], backend=facts["backend"], n_slots=facts["n_slots"],
-                       n_ctx_slot=facts["n_ctx_slot"])
+    def load():
+        return load_model(args["model_file"], backend=facts["backend"], n_slots=facts["n_slots"],
+                          n_ctx_slot=facts["n_ctx_slot"])
+    model = load()
     if args.get("warmup", True):
         # As llama-server's warmup: one id through every layer prepares each weight's decoded
         # form now, in the load phase, instead of in the first request. The slot's bookkeeping
@@ -145,11 +173,12 @@ def main(args: dict) -> int:
         records.record("load", "warmup", component="engine", took_s=round(time.monotonic() - t_warm, 3))
     engine = Engine(model, facts["n_slots"], facts["n_ctx_slot"], n_batch=args.get("n_batch", 2048))
     info = model_info(args, facts, model)
+    del model                 # the engine holds the only reference: a sleep frees it
     load_s = round(time.monotonic() - t0, 3)
     records.record("load", "model loaded", component="engine", load_s=load_s, n_params=info.n_params)
     records.send(sm.Ready(info, {"load_s": load_s, "pid": os.getpid()}))
     try:
-        why = serve(engine, inbox, push, ppid)
+        why = serve(engine, inbox, push, ppid, load)
     finally:
         stop.set()
         reader.join(2)

@@ -104,6 +104,8 @@ TABLE: tuple[Flag, ...] = (
     Flag("--batch-size", ("-b",), "LLAMA_ARG_BATCH", "int", 2048,
          "prompt ids per pass for a request with return_progress (one progress event each) and /infill's budget"),
     _noop("--ubatch-size", ("-ub",), "LLAMA_ARG_UBATCH", "int"),
+    _noop("--backend-sampling", ("-bs",), "LLAMA_ARG_BACKEND_SAMPLING",
+          why="the sampler chain runs where the engine places it; the probabilities are the same"),
     _noop("--flash-attn", ("-fa",), "LLAMA_ARG_FLASH_ATTN", "choice", choices=("on", "off", "auto")),
     _noop("--mlock", why="weights are read through mmap"),
     _noop("--mmap", negs=("--no-mmap",), why="weights are read through mmap"),

@@ -92,6 +92,8 @@ def _from_argv(argv: list[str]) -> list[_Entry]:
     while i < len(argv):
         tok = argv[i]
         spelling, eq, inline = tok.partition("=") if tok.startswith("--") else (tok, "", "")
+        if spelling.startswith("--"):       # llama-server reads --flag_name as --flag-name
+            spelling = spelling.replace("_", "-")
         if spelling not in SPELLINGS:
             raise SettingsError(f"unknown flag {tok!r}" + ("" if tok.startswith("-") else
                                 " (a value with no flag before it)") + "; bloomery-serve --help lists the flags")

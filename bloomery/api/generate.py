@@ -7,6 +7,7 @@ n_predict bound is reached, or when the consumer stops iterating (the client lef
 """
 from __future__ import annotations
 
+import math
 import secrets
 import time
 from contextlib import aclosing
@@ -16,7 +17,7 @@ from typing import AsyncIterator, Callable
 from bloomery.api.params import GenParams
 from bloomery.api.reasoning import ThinkWatch
 from bloomery.api.stops import TextAssembler
-from bloomery.engine.sampler import LLAMA_DEFAULT_SEED
+from bloomery.engine.sampler import FLOAT32_LOWEST, LLAMA_DEFAULT_SEED
 from bloomery.engine.types import EngineRequest, TokenOut
 from bloomery.http.types import ApiError
 
@@ -82,12 +83,14 @@ class Outcome:
         }
 
 
-def prob_entry(tok, token_id: int, logprob: float, top) -> dict:
-    def one(i: int, lp: float) -> dict:
+def prob_entry(tok, token_id: int, logprob: float, top, post: bool = False) -> dict:
+    """A completion_probabilities entry; post (post_sampling_probs): "prob" / "top_probs", as llama-server."""
+    def one(i: int, lp: float, p: float) -> dict:
         b = tok.token_to_piece(i, special=False)
-        return {"id": i, "token": b.decode("utf-8", errors="replace"), "bytes": list(b), "logprob": lp}
-    entry = one(token_id, logprob)
-    entry["top_logprobs"] = [one(p.token, p.logprob) for p in top]
+        return {"id": i, "token": b.decode("utf-8", errors="replace"), "bytes": list(b),
+                **({"prob": p} if post else {"logprob": lp})}
+    entry = one(token_id, logprob, math.exp(logprob) if logprob > FLOAT32_LOWEST else 0.0)
+    entry["top_probs" if post else "top_logprobs"] = [one(p.token, p.logprob, p.prob) for p in top]
     return entry
 
 
@@ -203,7 +206,7 @@ class Generation:
                     if o.token is not None and not (p.n_predict >= 0 and out.n_gen >= p.n_predict):
                         pending_ids.append(o.token)
                         if p.n_probs > 0 and o.logprob is not None:
-                            entry = prob_entry(self.tok, o.token, o.logprob, o.top)
+                            entry = prob_entry(self.tok, o.token, o.logprob, o.top, p.sampling.post_sampling_probs)
                             out.probs.append(entry)
                             pending_probs.append(entry)
                         out.predicted_ms = (now - t_first) * 1e3

@@ -131,8 +131,6 @@ def refuse_unsupported(f: Fields) -> None:
         raise field_error("grammar", "grammars are not supported by this server")
     if f.raw("json_schema") is not None:
         raise field_error("json_schema", "structured output is not supported by this server yet")
-    if f.bool("post_sampling_probs"):
-        raise field_error("post_sampling_probs", "probabilities after the sampling chain are not supported by this server")
     lora = f.raw("lora")
     if lora is not None and lora[1] != []:
         raise field_error("lora", "LoRA adapters are not supported by this server")
@@ -225,6 +223,10 @@ def parse_gen_params(f: Fields, *, n_predict_default: int, n_vocab: int, eog_ids
         n_probs = f.int("n_probs", "logprobs", lo=0, hi=n_vocab) or 0   # llama-server's alias order
     elif f.raw("n_probs") is not None:
         raise field_error("n_probs", "this route renders no probabilities (use /completion)")
+    post = bool(f.bool("post_sampling_probs"))
+    if post and not allow_n_probs:
+        raise field_error("post_sampling_probs", "probabilities after the sampling chain are served on /completion "
+                                                 "(with n_probs) only")
     ignore_eos = bool(f.bool("ignore_eos"))
     bias = parse_logit_bias(f, n_vocab)
     if ignore_eos:   # as llama-server: the stop ids can never be picked
@@ -242,7 +244,7 @@ def parse_gen_params(f: Fields, *, n_predict_default: int, n_vocab: int, eog_ids
         presence_penalty=pick(f.float("presence_penalty"), d.presence_penalty),
         frequency_penalty=pick(f.float("frequency_penalty"), d.frequency_penalty),
         seed=d.seed if seed is None else DEFAULT_SEED if seed == -1 else seed,
-        n_probs=n_probs,
+        n_probs=n_probs, post_sampling_probs=post,
         logit_bias=tuple(bias),
     )
     sp = _apply_samplers(sp, samplers)

@@ -25,6 +25,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int = 0xFFFFFFFF        # LLAMA_DEFAULT_SEED: a random seed per request
     n_probs: int = 0              # > 0: report the top n_probs candidates of each step
+    post_sampling_probs: bool = False   # the n_probs candidates after the chain (their pick probabilities)
     logit_bias: tuple[tuple[int, float], ...] = ()   # (id, bias); -inf bans the id
     grammar: str = ""             # structured output: a bloomery.grammar Program's JSON text; "" = free
     n_drawn: int = 0              # draws the seeded stream made already (a continuation starts past them)

@@ -60,7 +60,11 @@ class Residency:
             async with self._lock:
                 if self.sleeping or self._active or getattr(self.client, "n_in_flight", 0):
                     continue
-                await self.client.set_residency(sleep=True)
+                try:
+                    await self.client.set_residency(sleep=True)
+                except Exception as e:   # the engine is gone or refused: stay awake, say why, stop watching
+                    self.log(f"bloomery-serve: sleep failed, staying awake: {type(e).__name__}: {e}")
+                    return
                 self.sleeping = True
                 self.log(f"bloomery-serve: asleep after {self.idle_s} s idle: the engine freed its weights and KV")
 

@@ -110,8 +110,9 @@ def test_bad_infill_requests_are_named(server, body, says):
 @pytest.mark.parametrize("path, what", [
     *((p, "embeddings") for p in ("/embedding", "/embeddings", "/v1/embeddings")),
     *((p, "reranking") for p in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking")),
+    ("/slots/0?action=save", "slots action"),
 ])
-def test_embeddings_and_rerank_answer_501(server, path, what):
+def test_routes_not_served_answer_501(server, path, what):
     r = requests.post(server.url + path, json={"input": "hello", "query": "q", "documents": ["d"]}, timeout=60)
     assert r.status_code == 501
     err = r.json()["error"]

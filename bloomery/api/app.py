@@ -93,6 +93,8 @@ PATTERN_ROUTES: list[tuple[str, "re.Pattern[str]", Route]] = [
     ("GET", re.compile(r"/(?:v1/)?responses/[^/]+"), responses.handle_get),
     ("DELETE", re.compile(r"/(?:v1/)?responses/[^/]+"), responses.handle_delete),
     ("POST", re.compile(r"/(?:v1/)?responses/[^/]+/cancel"), responses.handle_cancel),
+    ("POST", re.compile(r"/slots/[^/]+"), not_served("This server does not support slots action: slot save, "
+                                                     "restore and erase (--slot-save-path) are not in this build")),
 ]
 
 

@@ -70,12 +70,15 @@ class Gate:
 
 def make_app(s: Settings, tokenizer, template, client, info, **kw):
     """The API App with the server's request defaults and endpoint switches from the settings."""
+    from bloomery.api import gcp
     from bloomery.api.app import App
 
     return App(tokenizer, template, client, info, **kw, sampling_defaults=s.sampling(), n_predict_default=s.n_predict,
                alias=s.alias, tags=s.tags, endpoint_slots=s.endpoint_slots, metrics_requested=s.metrics,
                verbose_default=s.verbose, reasoning=s.reasoning, reasoning_format=s.reasoning_format,
-               reasoning_budget=s.reasoning_budget, reasoning_budget_message=s.reasoning_budget_message)
+               reasoning_budget=s.reasoning_budget, reasoning_budget_message=s.reasoning_budget_message,
+               spm_infill=s.spm_infill, n_batch=s.batch_size,
+               sleep_idle_s=s.sleep_idle_seconds, gcp_mode=gcp.from_env(dict(os.environ)))
 
 
 def choice_records(s: Settings, facts: dict) -> None:
@@ -86,7 +89,8 @@ def choice_records(s: Settings, facts: dict) -> None:
            source="--alias" if s.alias else "general.name" if facts.get("general_name") else "file name")
     record("start", "n_predict", default=s.n_predict, source=s.sources.get("n_predict", "default"))
     record("start", "api keys", n_keys=len(s.api_keys), public=list(PUBLIC_PATHS) if s.api_keys else "all")
-    record("start", "chat template", source=s.chat_template_file or "the GGUF's tokenizer.chat_template")
+    record("start", "chat template", source=s.chat_template_file or (s.chat_template is not None and
+           f"--chat-template {s.chat_template[:40]!r}") or "the GGUF's tokenizer.chat_template")
     if s.sampling_defaults:
         record("start", "sampling defaults: requests that leave these out get them", **s.sampling_defaults)
     record("start", "endpoints", slots=s.endpoint_slots, metrics="served" if s.metrics else "not served (501 without --metrics)")
@@ -104,6 +108,9 @@ def build_front(path: str, s: Settings):
         tok = Tokenizer.from_gguf(md)
         if s.chat_template_file:
             source, origin = open(s.chat_template_file, encoding="utf-8").read(), s.chat_template_file
+        elif s.chat_template is not None:
+            from bloomery.chat_template.builtin import template_source
+            source, origin = template_source(s.chat_template)
         else:
             source, origin = md.get("tokenizer.chat_template"), "the GGUF's tokenizer.chat_template"
         if not isinstance(source, str):

@@ -41,6 +41,7 @@ class Settings:
     api_keys: tuple[str, ...] = ()     # every source added; never printed
     api_key_file: str | None = None
     chat_template_file: str | None = None
+    chat_template: str | None = None   # --chat-template: a built-in name or jinja text
     n_predict: int = -1
     jinja: bool = True
     config: str | None = None
@@ -68,6 +69,9 @@ class Settings:
     reasoning_format: str = "auto"     # --reasoning-format: a request's default reasoning_format
     reasoning_budget: int = -1         # --reasoning-budget: a request's default think-span budget
     reasoning_budget_message: str | None = None   # --reasoning-budget-message
+    spm_infill: bool = False           # --spm-infill: /infill's suffix/prefix/middle order
+    batch_size: int = 2048             # -b: prompt-pass size under return_progress, /infill's budget
+    sleep_idle_seconds: int = -1       # --sleep-idle-seconds: free the weights after this idle time (-1: never)
     need_hook: str | None = None       # --need-hook PATH (None: $BLOOMERY_NEED_HOOK, else the broker's hook if any)
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)   # SamplingParams field -> flag value
     sources: dict[str, str] = field(default_factory=dict)             # field -> where its value came from
@@ -308,8 +312,29 @@ def parse(argv: list[str], env: dict[str, str] | None = None) -> Settings:
             else:
                 setattr(s, f.field, value)
             s.sources[f.field] = e.source
+    _gcp_port(s, env)
     _check(s, keys)
     return s
+
+
+def _gcp_port(s: Settings, env: dict[str, str]) -> None:
+    """Vertex AI's prediction mode (AIP_MODE=PREDICTION, api/gcp.py): AIP_HTTP_PORT (default 8080) replaces --port,
+    as llama-server; a predict route that is one of the served routes is refused."""
+    if env.get("AIP_MODE") != "PREDICTION":
+        return
+    raw = env.get("AIP_HTTP_PORT") or "8080"
+    try:
+        port = int(raw)
+    except ValueError:
+        raise SettingsError(f"AIP_HTTP_PORT={raw!r}: must be a port number") from None
+    if port != s.port:
+        s.notes.append(("Vertex AI prediction mode: AIP_HTTP_PORT replaces the port", {"port": port, "was": s.port}))
+    s.port, s.sources["port"] = port, "AIP_HTTP_PORT"
+    from bloomery.api.app import ROUTES
+    from bloomery.api.gcp import from_env
+    predict = from_env(env).predict_path
+    if ("POST", predict) in ROUTES:
+        raise SettingsError(f"AIP_PREDICT_ROUTE={predict} is one of this server's routes; choose another path")
 
 
 def _check_model_source(s: Settings) -> None:
@@ -395,6 +420,10 @@ def _check(s: Settings, keys: list[str]) -> None:
         raise SettingsError(f"--port {s.port}: must be in 0 .. 65535 (0 takes a free port)")
     if s.reasoning_budget < -1:
         raise SettingsError(f"--reasoning-budget {s.reasoning_budget}: must be >= -1 (-1: unrestricted)")
+    if s.sleep_idle_seconds == 0 or s.sleep_idle_seconds < -1:
+        raise SettingsError(f"--sleep-idle-seconds {s.sleep_idle_seconds}: cannot be 0 or less than -1 (-1: never)")
+    if s.batch_size < 1:
+        raise SettingsError(f"--batch-size {s.batch_size}: must be >= 1")
     if s.n_predict < -1:
         raise SettingsError(f"--n-predict {s.n_predict}: must be >= -1 (-1: until the context is full)")
     if s.ngl is not None and s.ngl not in ("all", "auto"):
@@ -404,6 +433,14 @@ def _check(s: Settings, keys: list[str]) -> None:
             raise SettingsError(f"-ngl {s.ngl!r}: takes all, auto or a count") from None
     if s.chat_template_file and not os.access(s.chat_template_file, os.R_OK):
         raise SettingsError(f"--chat-template-file {s.chat_template_file}: cannot read it")
+    if s.chat_template is not None:
+        from bloomery.chat_template.builtin import UnknownBuiltin, template_source
+        if s.chat_template_file:
+            raise SettingsError("--chat-template and --chat-template-file both name the chat template; give one")
+        try:
+            template_source(s.chat_template)
+        except UnknownBuiltin as e:
+            raise SettingsError(str(e)) from None
     seed = s.sampling_defaults.get("seed")
     if seed is not None and not -1 <= seed <= 0xFFFFFFFF:
         raise SettingsError(f"--seed {seed}: must be in -1 .. {0xFFFFFFFF}")

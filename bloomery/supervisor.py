@@ -189,6 +189,7 @@ class Supervisor:
         self.life.advance(Phase.LOAD)
         engine_args = {"model_file": fetched.path, "alias": s.alias, "facts": planned.facts, "warmup": s.warmup,
                        "placement": to_plain(planned.placement),
+                       "n_batch": s.batch_size,
                        "req_addr": f"ipc://{rt}/req", "out_addr": f"ipc://{rt}/out"}
         engine = await runner.start("engine", engine_args)
         front = asyncio.create_task(asyncio.to_thread(build_front, fetched.path, s))
@@ -205,6 +206,7 @@ class Supervisor:
         self.client.info = ready.info
         self.gate.app = make_app(s, tokenizer, template, self.client, ready.info,
                                  log=lambda line: record(self.life.phase.value, line))   # the per-request records
+        self.gate.app.residency.start()     # --sleep-idle-seconds: the idle watch
         self.life.advance(Phase.READY, name=ready.info.name, n_ctx=ready.info.n_ctx, slots=ready.info.n_slots)
         return await self._serve(engine)
 

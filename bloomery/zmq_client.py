@@ -86,6 +86,10 @@ class ZmqEngineClient:
                 fut = self._queries.pop(msg.query_id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(self._slots)
+            elif isinstance(msg, em.ResidencyReply):
+                fut = self._queries.pop(msg.query_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
 
     async def _send(self, msg) -> None:
         if self.dead is not None:
@@ -139,6 +143,20 @@ class ZmqEngineClient:
             return await asyncio.wait_for(fut, timeout_s)
         finally:
             self._queries.pop(qid, None)
+
+    async def set_residency(self, sleep: bool, timeout_s: float = 600.0) -> float:
+        """Put the engine to sleep (weights and KV freed) or wake it (loaded again); the seconds it took."""
+        qid = f"r{next(self._query_ids)}"
+        fut = asyncio.get_running_loop().create_future()
+        self._queries[qid] = fut
+        try:
+            await self._send(em.Residency(qid, sleep))
+            reply = await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self._queries.pop(qid, None)
+        if reply.error:
+            raise EngineGone(reply.error)
+        return reply.took_s
 
     # -- the supervisor's side ---------------------------------------------------------
     @property

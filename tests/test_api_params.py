@@ -74,9 +74,8 @@ def test_wrong_types_and_bounds_name_the_field(body, name):
 @pytest.mark.parametrize("body,name", [
     ({"grammar": "root ::= \"a"}, "grammar"), ({"mirostat": 2}, "mirostat"), ({"typical_p": 0.5}, "typical_p"),
     ({"dry_multiplier": 0.8}, "dry_multiplier"), ({"xtc_probability": 0.5}, "xtc_probability"),
-    ({"json_schema": {"type": "object", "not": {}}}, "json_schema"), ({"id_slot": 1}, "id_slot"), ({"lora": [{"id": 0}]}, "lora"),
-    ({"post_sampling_probs": True}, "post_sampling_probs"), ({"n_indent": 4}, "n_indent"),
-    ({"return_progress": True}, "return_progress"),
+    ({"json_schema": {"type": "object", "not": {}}}, "json_schema"), ({"lora": [{"id": 0}]}, "lora"),
+    ({"n_indent": 4}, "n_indent"),
 ])
 def test_known_but_unsupported_fields_are_refused_by_name(body, name):
     assert f"'{name}'" in refused(body).message
@@ -132,3 +131,8 @@ def test_a_body_that_is_not_an_object_is_refused():
     with pytest.raises(ApiError) as e:
         Fields([1, 2])
     assert e.value.status == 400 and "object" in e.value.message
+
+
+def test_post_sampling_probs_where_probabilities_are_rendered():
+    assert parse({"n_probs": 3, "post_sampling_probs": True}).sampling.post_sampling_probs
+    assert "post_sampling_probs" in refused({"post_sampling_probs": True}, allow_n_probs=False).message

@@ -440,3 +440,49 @@ def test_a_greedy_pick_outside_the_vocabulary_fails_that_request_by_name():
     engine.add(greq("x", [1, 2], n_predict=4))
     outs = drain(engine)
     assert outs["x"][-1].finish == "error" and "not a token id" in outs["x"][-1].error
+
+
+def test_return_progress_runs_the_prompt_in_batches_and_reports_each():
+    model = StandInModel(1, 64)
+    engine = Engine(model, 1, 64, n_batch=4)
+    prompt = list(range(1, 11))
+    engine.add(greq("p", prompt, return_progress=True))
+    outs = drain(engine)["p"]
+    progress = [o for o in outs if o.is_progress]
+    assert [o.n_processed for o in progress] == [0, 4, 8, 10]          # before the first pass, then after each
+    assert all(o.token is None and o.finish is None and o.n_prompt == 10 and o.slot == 0 for o in progress)
+    assert progress[0].prompt_ms == 0.0 and 0 < progress[1].prompt_ms <= progress[2].prompt_ms <= progress[3].prompt_ms
+    assert [c for c in model.calls if c[0] == "prefill"] == [("prefill", 0, 4, 0), ("prefill", 0, 4, 4),
+                                                             ("prefill", 0, 2, 8)]
+    assert [o.token for o in outs if not o.is_progress] == model.reference(prompt, 6)
+    # a cached prefix counts as processed from the first report; emit sends each report as it happens
+    sent = []
+    engine.emit = sent.append
+    engine.add(greq("q", prompt[:8] + [30, 31], return_progress=True))
+    outs = drain(engine)["q"]
+    assert not any(o.is_progress for o in outs)
+    assert [(b[0].n_cached, b[0].n_processed) for b in sent] == [(8, 8), (8, 10)]
+
+
+def test_without_return_progress_the_prompt_is_one_pass():
+    model = StandInModel(1, 64)
+    engine = Engine(model, 1, 64, n_batch=4)
+    engine.add(greq("p", list(range(1, 11))))
+    assert not any(o.is_progress for o in drain(engine)["p"])
+    assert [c for c in model.calls if c[0] == "prefill"] == [("prefill", 0, 10, 0)]
+
+
+def test_id_slot_waits_for_its_slot_while_others_go_ahead():
+    model = StandInModel(2, 64)
+    engine = Engine(model, 2, 64)
+    engine.add(greq("a", [1, 2, 3], id_slot=0))
+    engine.add(greq("b", [4, 5, 6], id_slot=0))      # slot 0 is taken: b waits
+    engine.add(greq("c", [7, 8, 9]))                 # c takes slot 1 meanwhile
+    outs = drain(engine)
+    assert {o.slot for o in outs["a"]} == {0} and {o.slot for o in outs["b"]} == {0} and {o.slot for o in outs["c"]} == {1}
+    prefills = [c for c in model.calls if c[0] == "prefill"]
+    assert [c[1] for c in prefills] == [0, 1, 0]
+    for rid, p in (("a", [1, 2, 3]), ("b", [4, 5, 6]), ("c", [7, 8, 9])):
+        assert [o.token for o in outs[rid]] == model.reference(p, 6)
+    with pytest.raises(Exception, match="id_slot 2 is not a slot: this server has slots 0..1"):
+        engine.add(greq("d", [1], id_slot=2))

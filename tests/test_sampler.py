@@ -269,3 +269,27 @@ def test_which_chains_the_top_k_can_serve():
     for extra in (dict(temperature=0.0), dict(top_k=0), dict(repeat_penalty=1.1), dict(presence_penalty=0.5),
                   dict(n_probs=3), dict(logit_bias=((5, 1.0),))):
         assert Sampler(SamplingParams(**{**base, **extra}), 100, 64).candidates_k == 0, extra
+
+
+def test_post_sampling_probs_are_the_chains_candidates():
+    """llama-server's post_sampling_probs: the candidates left after top_k / top_p / min_p, by the dist
+    stage's softmax of logits / temperature; the pick is among them."""
+    logits = row(3)
+    s = sampler(temperature=0.7, top_k=8, top_p=0.9, min_p=0.05, n_probs=20, post_sampling_probs=True, seed=5)
+    got = s.sample(logits)
+    kept = np.argsort(-logits, kind="stable")[:8]                     # top_k
+    p = np.exp((logits[kept] - logits[kept].max()) / 0.7)
+    p /= p.sum()
+    ids = [t.token for t in got.top]
+    assert ids == list(kept[:len(ids)]) and 0 < len(ids) <= 8
+    assert sum(t.prob for t in got.top) == pytest.approx(1.0, abs=1e-6)   # the kept ones, renormalized
+    assert got.token in ids and math.exp(got.logprob) == pytest.approx(got.top[ids.index(got.token)].prob, rel=1e-6)
+    assert got.top[0].prob >= p[0] - 1e-6                               # top_p / min_p only cut the tail
+    # the same seed picks the same id without the field: the probabilities change nothing in the chain
+    plain = sampler(temperature=0.7, top_k=8, top_p=0.9, min_p=0.05, n_probs=20, seed=5).sample(logits)
+    assert plain.token == got.token and plain.top[0].prob < got.top[0].prob
+
+
+def test_post_sampling_probs_greedy_is_one_candidate():
+    got = sampler(temperature=0.0, n_probs=5, post_sampling_probs=True).sample(row(4))
+    assert [(t.token, t.prob) for t in got.top] == [(got.token, 1.0)] and got.logprob == 0.0

@@ -128,9 +128,10 @@ def test_noop_flags_are_read_and_recorded():
     s = parse(M + ["-t", "4", "-b", "512", "-fa", "on", "--no-mmap", "--no-webui", "-cb",
                    "--no-warmup", "-v", "--kv-unified", "--context-shift", "--cache-reuse", "256", "--no-jinja"], {})
     flags = [kv["flag"] for msg, kv in s.notes if msg == "flag read, no effect here"]
-    assert flags == ["-t", "-b", "-fa", "--no-mmap", "--no-webui", "-cb",
+    assert flags == ["-t", "-fa", "--no-mmap", "--no-webui", "-cb",
                      "--kv-unified", "--context-shift", "--cache-reuse", "--no-jinja"]
     assert s.jinja and not s.warmup          # --no-warmup has an effect: it is honoured, not noted
+    assert s.batch_size == 512               # -b too: return_progress's pass size, /infill's budget
     assert s.verbose                         # -v has one too: answers carry __verbose
     refused(M + ["-t", "x"], {}, "--threads takes an integer")
 
@@ -254,3 +255,10 @@ def test_metrics_text_says_it_is_served_with_the_flag():
         records.configure("bloomery-serve", stream=None)
     ends = [ln for ln in out.getvalue().splitlines() if "endpoints" in ln]
     assert "metrics=served" in ends[0] and 'metrics="not served (501 without --metrics)"' in ends[1], ends
+
+
+def test_sleep_idle_seconds_as_llama_server():
+    assert parse(M, {}).sleep_idle_seconds == -1
+    assert parse(M + ["--sleep-idle-seconds", "30"], {}).sleep_idle_seconds == 30
+    for bad in ("0", "-2"):
+        refused(M + ["--sleep-idle-seconds", bad], match="cannot be 0 or less than -1")

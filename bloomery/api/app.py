@@ -13,7 +13,8 @@ from typing import Awaitable, Callable
 
 from collections import OrderedDict
 
-from bloomery.api import anthropic, chat, completion, input_tokens, models, ollama, props, responses, slots, tokenize
+from bloomery.api import (anthropic, chat, completion, gcp, infill, input_tokens, models, ollama, props, responses, slots,
+                          sleep, tokenize)
 from bloomery.api.metrics import Metrics
 from bloomery.api.generate import Generation
 from bloomery.api.params import GenParams
@@ -69,6 +70,22 @@ for _path in ("/v1/responses", "/responses"):
     ROUTES["POST", _path] = responses.handle_create
 for _path in ("/v1/responses/input_tokens", "/responses/input_tokens"):
     ROUTES["POST", _path] = input_tokens.handle_responses_input_tokens
+ROUTES["POST", "/infill"] = infill.handle_infill
+
+
+def not_served(message: str) -> Route:
+    """A route llama-server has that this build does not serve: 501 with llama-server's sentence, then ours."""
+    async def refuse(app: "App", req: Request) -> Response:
+        raise ApiError(501, message, "not_supported_error")
+    return refuse
+
+
+for _path in ("/embedding", "/embeddings", "/v1/embeddings"):
+    ROUTES["POST", _path] = not_served("This server does not support embeddings: it serves generative models only "
+                                       "(--embeddings is refused at start)")
+for _path in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking"):
+    ROUTES["POST", _path] = not_served("This server does not support reranking: it serves generative models only "
+                                       "(--reranking is refused at start)")
 ROUTES["POST", "/v1/messages"] = anthropic.handle_messages
 ROUTES["POST", "/v1/messages/count_tokens"] = anthropic.handle_count_tokens
 
@@ -78,6 +95,8 @@ PATTERN_ROUTES: list[tuple[str, "re.Pattern[str]", Route]] = [
     ("GET", re.compile(r"/(?:v1/)?responses/[^/]+"), responses.handle_get),
     ("DELETE", re.compile(r"/(?:v1/)?responses/[^/]+"), responses.handle_delete),
     ("POST", re.compile(r"/(?:v1/)?responses/[^/]+/cancel"), responses.handle_cancel),
+    ("POST", re.compile(r"/slots/[^/]+"), not_served("This server does not support slots action: slot save, "
+                                                     "restore and erase (--slot-save-path) are not in this build")),
 ]
 
 
@@ -103,7 +122,7 @@ class App:
                  metrics_requested: bool = False, verbose_default: bool = False,
                  endpoint_props: bool = False, reasoning: str = "auto", reasoning_format: str = "auto",
                  reasoning_budget: int = -1, reasoning_budget_message: str | None = None,
-                 log: Callable[[str], None] = _record):
+                 spm_infill: bool = False, n_batch: int = 2048, sleep_idle_s: int = -1, gcp_mode: "gcp.GcpMode | None" = None, log: Callable[[str], None] = _record):
         self.tok = tokenizer
         self.template = template
         self.client = client
@@ -124,6 +143,10 @@ class App:
         self.reasoning_format_default = reasoning_format     # --reasoning-format
         self.reasoning_budget_default = reasoning_budget     # --reasoning-budget
         self.reasoning_budget_message = reasoning_budget_message or ""
+        self.spm_infill = spm_infill                  # --spm-infill: /infill puts the suffix before the prefix
+        self.n_batch = n_batch                        # -b: /infill's prefix/suffix budget
+        self.gcp_mode = gcp_mode                      # AIP_MODE=PREDICTION: Vertex AI's predict (and health) route
+        self.residency = sleep.Residency(client, sleep_idle_s, log)   # --sleep-idle-seconds (-1: never)
         self.metrics = Metrics()
         self.responses = responses.ResponseStore()    # /v1/responses kept for GET / previous_response_id
         self.log = log
@@ -133,11 +156,44 @@ class App:
         self.recent: OrderedDict[str, Generation] = OrderedDict()   # req_id -> its Generation (for /slots)
         self.last_of_slot: dict[int, Generation] = {}               # what fell out of `recent`, per slot
 
+    def routes(self):
+        """(method, path) of every fixed route, in registration order."""
+        return ROUTES.keys()
+
+    def _find(self, method: str, path: str) -> Route | None:
+        mode = self.gcp_mode
+        if mode is not None:
+            if method == "POST" and path == mode.predict_path:
+                return gcp.handle_predict
+            if method == "GET" and path == mode.health_path:
+                return props.handle_health
+        return find_route(method, path)
+
     async def dispatch(self, req: Request) -> Response | StreamResponse:
-        handler = find_route(req.method.upper(), req.path)
+        handler = self._find(req.method.upper(), req.path)
         if handler is None:
             err = ApiError(404, f"File Not Found: {req.method} {req.path}", "not_found_error")
             return Response.json(err.body(), status=404)
+        waking = self.residency.enabled and req.method.upper() == "POST"
+        if not waking:
+            return await self._run(handler, req)
+        try:
+            await self.residency.enter()
+        except Exception as e:   # the engine could not load again (or is gone): this request says why
+            self.residency.leave()
+            err = ApiError(500, f"waking the server failed: {type(e).__name__}: {e}", "server_error")
+            return Response.json(err.body(), status=500)
+        res = None
+        try:
+            res = await self._run(handler, req)
+        finally:
+            if isinstance(res, StreamResponse):
+                res.chunks = sleep.released(res.chunks, self.residency.leave)
+            else:
+                self.residency.leave()
+        return res
+
+    async def _run(self, handler: Route, req: Request) -> Response | StreamResponse:
         try:
             return await handler(self, req)
         except ApiError as e:
@@ -164,6 +220,9 @@ class App:
         n_ctx = self.info.n_ctx_slot
         if not prompt_fits(len(prompt_ids), n_ctx):
             raise ExceedContextError(len(prompt_ids), n_ctx)
+        if params.id_slot >= self.info.n_slots:
+            raise ApiError(400, f"Field 'id_slot': slot {params.id_slot} does not exist; this server has slots "
+                                f"0..{self.info.n_slots - 1}", param="id_slot")
         task_id = next(self._task_ids)
         gen = Generation(tok=self.tok, client=self.client, req_id=f"cmpl-{task_id}-{uuid.uuid4().hex[:8]}",
                          task_id=task_id, path=path, prompt_ids=prompt_ids, params=params,

@@ -154,6 +154,11 @@ async def handle_chat(app: "App", req: Request) -> Response | StreamResponse:
                 yield chunk([{"finish_reason": None, "index": i, "delta": {"role": "assistant", "content": None}}])
             async with aclosing(choices.merge_pieces(gens)) as pieces:
                 async for i, piece in pieces:
+                    if piece.progress is not None:    # as llama-server: the opening delta again, with the progress
+                        extra = {"timings": gens[i].outcome.timings()} if p.timings_per_token else {}
+                        yield chunk([{"finish_reason": None, "index": i, "delta": {"role": "assistant",
+                                      "content": None}}], prompt_progress=piece.progress, **extra)
+                        continue
                     deltas = replies[i].feed(piece.text) if piece.text else []
                     if not deltas and n_top >= 0 and piece.probs:
                         deltas = [{}]

@@ -85,11 +85,17 @@ async def handle_completion(app: "App", req: Request) -> Response | StreamRespon
     all_ids = read_prompts(app.tok, raw[1] if raw else None)
     if len(all_ids) > choices.MAX_CHOICES:   # they go to the engine together, as n choices do
         raise field_error("prompt", f"{len(all_ids)} prompts in one request; at most {choices.MAX_CHOICES}")
-    p = parse_gen_params(f, **app.gen_defaults())
-    fields = response_fields(f)
     prompt = raw[1]
     # the prompt echoed back: the string as sent, else the ids decoded (one per prompt)
     texts = [prompt if isinstance(prompt, str) else app.tok.decode(ids) for ids in all_ids]
+    return await answer_llama(app, req, f, all_ids, texts)
+
+
+async def answer_llama(app: "App", req: Request, f: Fields, all_ids: list[list[int]],
+                       texts: list[str]) -> Response | StreamResponse:
+    """/completion's answer (also /infill's) for prompts already made into ids; texts are echoed as `prompt`."""
+    p = parse_gen_params(f, **app.gen_defaults())
+    fields = response_fields(f)
     rs = read_reasoning(f)       # reasoning_budget / reasoning_loop over the raw prompt's <think> span
     gens = [app.start(req.path, ids, with_think(app, p, rs, texts[i])) for i, ids in enumerate(all_ids)]
     several = len(gens) > 1
@@ -109,10 +115,12 @@ async def handle_completion(app: "App", req: Request) -> Response | StreamRespon
                     # llama-server's partial chunks say -1; the final one names the slot
                     chunk = {"index": i, "content": piece.text, "tokens": piece.ids, "stop": False, "id_slot": -1,
                              "tokens_predicted": n_sent[i], "tokens_evaluated": gens[i].outcome.n_prompt}
-                    if p.n_probs > 0:
+                    if p.n_probs > 0 and piece.progress is None:
                         chunk["completion_probabilities"] = piece.probs
                     if p.timings_per_token:
                         chunk["timings"] = gens[i].outcome.timings()
+                    if piece.progress is not None:
+                        chunk["prompt_progress"] = piece.progress
                     yield sse(chunk)
             for i, g in enumerate(gens):
                 yield sse(pick_fields(fields, {**llama_final(app, g.outcome, p, texts[i], streamed=True), "index": i}))
@@ -158,8 +166,10 @@ async def handle_v1_completions(app: "App", req: Request) -> Response | StreamRe
         try:
             async with aclosing(choices.merge_pieces(gens)) as pieces:
                 async for i, piece in pieces:
-                    if piece.text:
+                    if piece.text or piece.progress is not None:
                         extra = {"timings": gens[i].outcome.timings()} if p.timings_per_token else {}
+                        if piece.progress is not None:
+                            extra["prompt_progress"] = piece.progress
                         yield sse({"choices": [choice(piece.text, None, i)], **head, "id": cid, **extra})
             outs = [g.outcome for g in gens]
             yield sse({"choices": [choice("", o.finish_reason, i) for i, o in enumerate(outs)], **head,

@@ -7,6 +7,7 @@ n_predict bound is reached, or when the consumer stops iterating (the client lef
 """
 from __future__ import annotations
 
+import math
 import secrets
 import time
 from contextlib import aclosing
@@ -17,7 +18,7 @@ from bloomery.api.params import GenParams
 from bloomery.api.reasoning import ThinkWatch
 from bloomery.api.stops import TextAssembler
 from bloomery.engine.limits import finish_reason
-from bloomery.engine.sampler import LLAMA_DEFAULT_SEED
+from bloomery.engine.sampler import FLOAT32_LOWEST, LLAMA_DEFAULT_SEED
 from bloomery.engine.types import EngineRequest, TokenOut
 from bloomery.http.types import ApiError
 
@@ -33,6 +34,7 @@ class Piece:
     text: str
     ids: list[int]
     probs: list[dict]
+    progress: dict | None = None    # a prompt-progress piece (no text): llama-server's prompt_progress object
 
 
 @dataclass
@@ -49,6 +51,7 @@ class Outcome:
     predicted_ms: float = 0.0
     cancelled: bool = False
     slot: int = -1                                      # the slot that ran it (llama-server's id_slot)
+    progress_n: int | None = None                       # prompt ids processed so far, while the prompt runs
 
     @property
     def n_gen(self) -> int:
@@ -66,7 +69,7 @@ class Outcome:
         return self.n_prompt + max(self.n_gen - 1, 0)
 
     def timings(self) -> dict:
-        n_prompt_done = self.n_prompt - self.n_cached
+        n_prompt_done = self.n_prompt - self.n_cached if self.progress_n is None else self.progress_n
         n_steps = max(self.n_gen - 1, 0)      # the first id comes from the prompt pass, as llama-server counts
         return {
             "cache_n": self.n_cached,
@@ -81,12 +84,14 @@ class Outcome:
         }
 
 
-def prob_entry(tok, token_id: int, logprob: float, top) -> dict:
-    def one(i: int, lp: float) -> dict:
+def prob_entry(tok, token_id: int, logprob: float, top, post: bool = False) -> dict:
+    """A completion_probabilities entry; post (post_sampling_probs): "prob" / "top_probs", as llama-server."""
+    def one(i: int, lp: float, p: float) -> dict:
         b = tok.token_to_piece(i, special=False)
-        return {"id": i, "token": b.decode("utf-8", errors="replace"), "bytes": list(b), "logprob": lp}
-    entry = one(token_id, logprob)
-    entry["top_logprobs"] = [one(p.token, p.logprob) for p in top]
+        return {"id": i, "token": b.decode("utf-8", errors="replace"), "bytes": list(b),
+                **({"prob": p} if post else {"logprob": lp})}
+    entry = one(token_id, logprob, math.exp(logprob) if logprob > FLOAT32_LOWEST else 0.0)
+    entry["top_probs" if post else "top_logprobs"] = [one(p.token, p.logprob, p.prob) for p in top]
     return entry
 
 
@@ -163,12 +168,21 @@ class Generation:
                 # sampler draws once per generated id, a forced one included
                 leg_sampling = sampling if n_legs == 0 else replace(sampling, n_drawn=out.n_gen)
                 req = EngineRequest(req_id, tuple(self.prompt_ids) + tuple(out.ids), n_left, leg_sampling, stop_ids,
-                                    p.cache_prompt or n_legs > 0, id_task=self.task_id)
+                                    p.cache_prompt or n_legs > 0, id_task=self.task_id,
+                                    return_progress=p.return_progress and n_legs == 0, id_slot=p.id_slot)
                 n_legs += 1
                 stream = self.client.generate(req)
                 force = False
                 async for o in stream:
                     o: TokenOut
+                    if o.is_progress:   # the prompt pass so far (asked by return_progress on a stream)
+                        out.n_cached, out.prompt_ms = o.n_cached, o.prompt_ms
+                        out.progress_n = o.n_processed - o.n_cached
+                        if o.slot >= 0:
+                            out.slot = o.slot
+                        yield Piece("", [], [], progress={"total": o.n_prompt, "cache": o.n_cached,
+                                                          "processed": o.n_processed, "time_ms": int(o.prompt_ms)})
+                        continue
                     now = time.perf_counter()
                     if t_first is None:
                         t_first = now
@@ -177,6 +191,7 @@ class Generation:
                             self.metrics.on_first(self)
                         out.n_prompt = len(self.prompt_ids) if o.n_prompt else out.n_prompt
                         out.n_cached, out.prompt_ms = min(o.n_cached, len(self.prompt_ids)), o.prompt_ms
+                        out.progress_n = None
                     elif o.prompt_ms and o.n_prompt:
                         out.prompt_ms += o.prompt_ms       # a later leg's prompt pass (the forced ids)
                     if o.slot >= 0:
@@ -192,7 +207,7 @@ class Generation:
                     if o.token is not None and not (p.n_predict >= 0 and out.n_gen >= p.n_predict):
                         pending_ids.append(o.token)
                         if p.n_probs > 0 and o.logprob is not None:
-                            entry = prob_entry(self.tok, o.token, o.logprob, o.top)
+                            entry = prob_entry(self.tok, o.token, o.logprob, o.top, p.sampling.post_sampling_probs)
                             out.probs.append(entry)
                             pending_probs.append(entry)
                         out.predicted_ms = (now - t_first) * 1e3

@@ -113,6 +113,8 @@ class GenParams:
     return_tokens: bool = False
     n_probs: int = 0
     timings_per_token: bool = False
+    return_progress: bool = False               # a stream reports the prompt pass (prompt_progress chunks)
+    id_slot: int = -1                           # the slot to run in (app.start checks it names one); -1: any
     samplers: tuple[str, ...] = DEFAULT_SAMPLERS
     extra: dict = field(default_factory=dict)   # echoed in generation_settings
     think: object = None                        # api/reasoning.ThinkSpec: the span's budget / loop watch
@@ -124,13 +126,6 @@ def refuse_unsupported(f: Fields) -> None:
         v = f.float(name)
         if v is not None and ((v > off) if above else (v != off)):
             raise field_error(name, f"{v:g} is not supported by this server (only {off:g}, which turns it off)")
-    if f.bool("return_progress"):   # the engine takes a prompt in one pass: there is no progress to report
-        raise field_error("return_progress", "prompt progress events are not supported by this server")
-    if f.bool("post_sampling_probs"):
-        raise field_error("post_sampling_probs", "probabilities after the sampling chain are not supported by this server")
-    id_slot = f.int("id_slot", lo=-1)
-    if id_slot is not None and id_slot != -1:
-        raise field_error("id_slot", f"choosing a slot is not supported by this server, but got {id_slot}")
     lora = f.raw("lora")
     if lora is not None and lora[1] != []:
         raise field_error("lora", "LoRA adapters are not supported by this server")
@@ -223,6 +218,10 @@ def parse_gen_params(f: Fields, *, n_predict_default: int, n_vocab: int, eog_ids
         n_probs = f.int("n_probs", "logprobs", lo=0, hi=n_vocab) or 0   # llama-server's alias order
     elif f.raw("n_probs") is not None:
         raise field_error("n_probs", "this route renders no probabilities (use /completion)")
+    post = bool(f.bool("post_sampling_probs"))
+    if post and not allow_n_probs:
+        raise field_error("post_sampling_probs", "probabilities after the sampling chain are served on /completion "
+                                                 "(with n_probs) only")
     ignore_eos = bool(f.bool("ignore_eos"))
     bias = parse_logit_bias(f, n_vocab)
     if ignore_eos:   # as llama-server: the stop ids can never be picked
@@ -240,7 +239,7 @@ def parse_gen_params(f: Fields, *, n_predict_default: int, n_vocab: int, eog_ids
         presence_penalty=pick(f.float("presence_penalty"), d.presence_penalty),
         frequency_penalty=pick(f.float("frequency_penalty"), d.frequency_penalty),
         seed=d.seed if seed is None else DEFAULT_SEED if seed == -1 else seed,
-        n_probs=n_probs,
+        n_probs=n_probs, post_sampling_probs=post,
         logit_bias=tuple(bias),
         grammar=read_grammar(f),
     )
@@ -250,7 +249,8 @@ def parse_gen_params(f: Fields, *, n_predict_default: int, n_vocab: int, eog_ids
         n_predict=n_predict, sampling=sp, stop=parse_stop(f), ignore_eos=ignore_eos,
         cache_prompt=pick(f.bool("cache_prompt"), True), stream=bool(f.bool("stream")),
         return_tokens=bool(f.bool("return_tokens")), n_probs=n_probs, samplers=samplers,
-        timings_per_token=bool(f.bool("timings_per_token")),
+        timings_per_token=bool(f.bool("timings_per_token")), id_slot=pick(f.int("id_slot", lo=-1), -1),
+        return_progress=bool(f.bool("return_progress") and f.bool("stream")),
     )
 
 

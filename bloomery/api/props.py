@@ -61,7 +61,7 @@ async def handle_props(app: "App", req: Request) -> Response:
         "bos_token": _token_text(app.tok, getattr(app.tok, "bos_id", None)),
         "eos_token": _token_text(app.tok, getattr(app.tok, "eos_id", None)),
         "build_info": BUILD_INFO,
-        "is_sleeping": False,
+        "is_sleeping": app.residency.sleeping,
         "cors_proxy_enabled": False,
     })
 

@@ -14,6 +14,7 @@ import secrets
 import string
 import time
 from contextlib import aclosing
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from bloomery.api.chat import read_chat_reasoning, with_think_watch
@@ -58,6 +59,9 @@ class Run:
             chat["tool_choice"] = _chat_tool_choice(chat["tool_choice"])
         self.treq = tool_request(app, chat, "/v1/responses")
         self.p = parse_gen_params(Fields(chat), **app.gen_defaults(), allow_n_probs=False)
+        # the chat body never streams: return_progress and timings_per_token follow the Responses body's stream
+        streamed = body.get("stream") is True
+        self.p = replace(self.p, return_progress=streamed and body.get("return_progress") is True)
         rendered, ids = rendered_of(app, chat)
         # reasoning_loop (and the server's --reasoning-budget) watch the think span as on chat
         rs = read_chat_reasoning(app, Fields(chat))
@@ -209,12 +213,16 @@ async def _events(run: Run):
         calls_done: list = []
         async with aclosing(run.gen.pieces()) as pieces:
             async for piece in pieces:
+                timings = {"timings": run.gen.outcome.timings()} if run.p.timings_per_token else {}
+                if piece.progress is not None:
+                    yield ev("response.in_progress", response=run.obj, prompt_progress=piece.progress, **timings)
+                    continue
                 text, closed = run.calls.feed(piece.text)
                 if text:
                     for b in ([] if item_open else open_item()):
                         yield b
                     yield ev("response.output_text.delta", item_id=run.msg_id, output_index=0, content_index=0,
-                             delta=text, logprobs=[])
+                             delta=text, logprobs=[], **timings)
                 calls_done += closed
         _, closed = run.calls.finish(cut=run.gen.outcome.finish_reason == "length")
         calls_done += closed
@@ -238,7 +246,7 @@ async def _events(run: Run):
             yield ev("response.output_item.done", output_index=n_msg + k, item=item)
         run.keep(True)
         kind = "response.completed" if run.obj["status"] == "completed" else "response.incomplete"
-        yield ev(kind, response=run.obj)
+        yield ev(kind, response=run.obj, **({"timings": run.gen.outcome.timings()} if run.p.timings_per_token else {}))
     except ApiError as e:
         if run.store:
             run.app.responses.delete(run.id)

@@ -46,7 +46,8 @@ def _sampling_settings(sp: SamplingParams, *, n_predict: int, ignore_eos: bool, 
         "ignore_eos": ignore_eos, "stream": stream, "n_probs": sp.n_probs, "min_keep": 0,
         "chat_format": "Content-only", "reasoning_format": "none", "reasoning_in_content": False,
         "generation_prompt": "", "samplers": list(samplers), "speculative.types": "none",
-        "timings_per_token": False, "post_sampling_probs": False, "backend_sampling": False, "lora": [],
+        "timings_per_token": False, "post_sampling_probs": sp.post_sampling_probs, "backend_sampling": False,
+        "lora": [],
     }
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -33,8 +34,12 @@ class _ReqState:
 
 
 class Engine:
-    def __init__(self, model, n_slots: int, n_ctx_slot: int, max_queue: int | None = None):
+    def __init__(self, model, n_slots: int, n_ctx_slot: int, max_queue: int | None = None, n_batch: int = 2048):
         self.model = model
+        # a prompt asking for progress runs in passes of n_batch ids (llama-server's -b), each reported at once
+        # through `emit` when set (the engine process sends it on the socket), else with the step's outputs
+        self.n_batch = n_batch
+        self.emit: Callable[[list[TokenOut]], None] | None = None
         self.n_vocab = int(model.n_vocab)
         self.n_ctx_slot = n_ctx_slot
         self.scheduler = Scheduler(n_slots, n_ctx_slot, max_queue)
@@ -80,6 +85,16 @@ class Engine:
                 out.append(entry)
             return out
 
+    def swap_model(self, model) -> None:
+        """--sleep-idle-seconds: None frees the model (its weights and KV) while the engine is idle; a freshly
+        loaded model wakes it. Either way the slots' cached prompts are gone with the old KV."""
+        with self._lock:
+            if model is None and self.scheduler.has_work():
+                raise RuntimeError("the engine has work: it cannot sleep now")
+            self.model = model
+            for slot in self.scheduler.slots:
+                slot.cached_ids.clear()
+
     def abort_all(self, message: str) -> list[TokenOut]:
         """Finish every queued and running request with "error" (after a fault in step)."""
         with self._lock:
@@ -114,12 +129,34 @@ class Engine:
                                        "n_processed": len(req.prompt_ids) - slot.n_cached,
                                        "n_decoded": 0}
         for slot in admitted:
-            outs.append(self._prefill(slot))
+            outs.append(self._prefill(slot, outs))    # progress outputs (when not emitted) go first
         if decoding:
             outs.extend(self._decode(decoding))
         return outs
 
-    def _prefill(self, slot: Slot) -> TokenOut:
+    def _prefill_reporting(self, slot: Slot, ids: np.ndarray, n_cached: int, t0: float,
+                           progress: list[TokenOut]) -> np.ndarray:
+        """The prompt pass in batches of n_batch ids, one progress output before the first and after each
+        (llama-server's prompt_progress: processed counts the cached ids too)."""
+        req = slot.req
+
+        def report(n_done: int) -> None:   # prompt_ms: the passes so far (0 before the first, as llama-server)
+            ms = (time.perf_counter() - t0) * 1000.0 if n_done else 0.0
+            out = TokenOut(req.req_id, None, n_prompt=len(req.prompt_ids), n_cached=n_cached, slot=slot.id,
+                           prompt_ms=ms, n_processed=n_cached + n_done)
+            if self.emit is not None:
+                self.emit([out])
+            else:
+                progress.append(out)
+        report(0)
+        logits = None
+        for start in range(0, len(ids), max(self.n_batch, 1)):
+            chunk = ids[start:start + self.n_batch]
+            logits = self.model.prefill(slot.id, chunk, n_cached + start)     # [V] of the chunk's last id
+            report(start + len(chunk))
+        return logits
+
+    def _prefill(self, slot: Slot, progress: list[TokenOut]) -> TokenOut:
         req = slot.req
         n_prompt, n_cached = len(req.prompt_ids), slot.n_cached
         t0 = time.perf_counter()
@@ -127,7 +164,10 @@ class Engine:
             sampler = Sampler(req.sampling, self.n_vocab, self.n_ctx_slot, req.prompt_ids,
                               matcher=self._matcher(req))
             ids = np.asarray(req.prompt_ids[n_cached:], dtype=np.int32)          # [T]
-            logits = self.model.prefill(slot.id, ids, n_cached)                   # [V]
+            if req.return_progress:
+                logits = self._prefill_reporting(slot, ids, n_cached, t0, progress)
+            else:
+                logits = self.model.prefill(slot.id, ids, n_cached)               # [V]
         except Exception as e:   # one request's failure must not stop the others
             return self._fail(slot, e, n_prompt, n_cached)
         prompt_ms = (time.perf_counter() - t0) * 1000.0

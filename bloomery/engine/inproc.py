@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import AsyncIterator
+import time
+from typing import AsyncIterator, Callable
 
 from bloomery.engine.core import Engine
 from bloomery.engine.types import EngineRequest, ModelInfo, TokenOut
 
 
 class InProcessEngineClient:
-    def __init__(self, engine: Engine, info: ModelInfo):
+    def __init__(self, engine: Engine, info: ModelInfo, reload: Callable[[], object] | None = None):
         self.engine = engine
         self.info = info
+        self.reload = reload     # --sleep-idle-seconds: loads the model again on a wake
         self._wake = threading.Condition()
         self._routes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._routes_lock = threading.Lock()
@@ -57,6 +59,14 @@ class InProcessEngineClient:
 
     def slots(self) -> list[dict]:
         return self.engine.slots()
+
+    async def set_residency(self, sleep: bool, timeout_s: float = 600.0) -> float:
+        """Sleep or wake the in-process engine (`reload`: a callable that loads the model again)."""
+        if self.reload is None:
+            raise RuntimeError("this in-process engine client has no reload: it cannot sleep")
+        t0 = time.monotonic()
+        self.engine.swap_model(None if sleep else self.reload())
+        return time.monotonic() - t0
 
     async def query_slots(self, timeout_s: float = 5.0) -> list[dict]:
         """The same as slots() (the table is in this process); the zmq client asks the engine process."""

@@ -142,6 +142,7 @@ class Sampler:
         if self.seed == LLAMA_DEFAULT_SEED:
             self.seed = secrets.randbits(32)
         self.rng = MT19937(self.seed)
+        self._post: tuple[np.ndarray, np.ndarray] | None = None   # (ids, p) the chain's dist stage saw last
         if not self.greedy:
             self.rng.skip_uniforms(params.n_drawn)
         n_last = params.repeat_last_n if params.repeat_last_n >= 0 else n_ctx_slot
@@ -230,12 +231,24 @@ class Sampler:
         n_probs = self.params.n_probs
         if n_probs <= 0:
             return Sample(token)
+        if self.params.post_sampling_probs:
+            return self._post_sample(token, n_probs)
         p, order = top_probs(raw, n_probs)
         top = tuple(TokenProb(int(i), _logprob(p[i]), float(p[i])) for i in order)
         return Sample(token, _logprob(p[token]), top)
 
+    def _post_sample(self, token: int, n_probs: int) -> Sample:
+        """llama-server's post_sampling_probs: the candidates the chain left, by their pick probability
+        (the dist stage's softmax over them; greedy leaves one at 1), the top n_probs with p > 0."""
+        ids, p = self._post if self._post is not None else (np.array([token]), np.array([1.0], np.float32))
+        order = np.argsort(-p, kind="stable")
+        chosen = p[ids == token]
+        top = tuple(TokenProb(int(ids[i]), _logprob(p[i]), float(p[i])) for i in order[:n_probs] if p[i] > 0)
+        return Sample(token, _logprob(chosen[0] if chosen.shape[0] else np.float32(0.0)), top)
+
     # -- the chain ---------------------------------------------------------
     def _chain(self, logits: np.ndarray) -> int:
+        self._post = None
         prm = self.params
         if self._bias_ids is not None:
             np.add.at(logits, self._bias_ids, self._bias)        # duplicates add, as llama.cpp's loop
@@ -266,6 +279,9 @@ class Sampler:
         if prm.min_p > 0.0:
             ids, logits = self._min_p(ids, logits, is_sorted)
         logits = logits / np.float32(prm.temperature)             # [C]
+        if prm.post_sampling_probs and prm.n_probs > 0:
+            p = _expf(logits - logits.max())
+            self._post = (ids, p / np.cumsum(p, dtype=np.float32)[-1])
         return int(ids[self._dist(logits, is_sorted)])
 
     def _penalize(self, logits: np.ndarray) -> None:

@@ -79,6 +79,8 @@ class Scheduler:
             raise SchedulerError(f"req_id {req.req_id!r} is already queued or running")
         if n_prompt == 0:
             raise SchedulerError("prompt_ids is empty: at least 1 id is needed to compute logits")
+        if not -1 <= req.id_slot < len(self.slots):
+            raise SchedulerError(f"id_slot {req.id_slot} is not a slot: this server has slots 0..{len(self.slots) - 1}")
         if not prompt_fits(n_prompt, self.n_ctx_slot):
             raise SchedulerError(
                 f"prompt of {n_prompt} ids does not fit a slot of n_ctx_slot={self.n_ctx_slot} "
@@ -107,15 +109,22 @@ class Scheduler:
 
     # -- slots ---------------------------------------------------------------
     def schedule(self) -> list[Slot]:
-        """Move waiting requests into free slots, FIFO. Each admitted slot's
+        """Move waiting requests into free slots, FIFO (a request naming its slot, id_slot, waits for that
+        one while later requests go ahead, as llama-server defers it). Each admitted slot's
         cached_ids is cut to the reused prefix (n_cached); the engine must run
         prompt_ids[n_cached:] from position n_cached."""
         admitted = []
-        while self.waiting:
-            slot = self._pick_slot(self.waiting[0].prompt_ids)
-            if slot is None:
-                break
-            req = self.waiting.popleft()
+        for req in list(self.waiting):
+            if req.id_slot >= 0:     # its own slot or nothing; it waits without holding up the others
+                chosen = self.slots[req.id_slot]
+                slot = None if chosen.is_processing else chosen
+                if slot is None:
+                    continue
+            else:
+                slot = self._pick_slot(req.prompt_ids)
+                if slot is None:
+                    break
+            self.waiting.remove(req)
             n_cached = common_prefix_len(slot.cached_ids, req.prompt_ids) if req.cache_prompt else 0
             if n_cached == len(req.prompt_ids):
                 n_cached -= 1   # evaluate at least one prompt id, so there are logits to sample

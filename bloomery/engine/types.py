@@ -25,6 +25,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int = 0xFFFFFFFF        # LLAMA_DEFAULT_SEED: a random seed per request
     n_probs: int = 0              # > 0: report the top n_probs candidates of each step
+    post_sampling_probs: bool = False   # the n_probs candidates after the chain (their pick probabilities)
     logit_bias: tuple[tuple[int, float], ...] = ()   # (id, bias); -inf bans the id
     grammar: str = ""             # structured output: llguidance grammar text (bloomery.grammar); "" = free
     n_drawn: int = 0              # draws the seeded stream made already (a continuation starts past them)
@@ -39,6 +40,8 @@ class EngineRequest:
     stop_ids: tuple[int, ...] = ()            # end-of-generation ids (EOS/EOT); empty under ignore_eos
     cache_prompt: bool = True                 # reuse the slot's cached prefix when it matches
     id_task: int = -1                         # the front's task number (what /slots reports as id_task)
+    return_progress: bool = False             # report the prompt pass batch by batch (progress TokenOuts)
+    id_slot: int = -1                         # run in this slot (waiting while it is busy); -1: any free slot
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,12 @@ class TokenOut:
     prompt_ms: float = 0.0                    # prompt pass wall time (first output)
     error: str | None = None                  # message when finish is "error" or "shutdown"
     slot: int = -1                            # the slot that ran the request; -1 when none did (queued, refused)
+    n_processed: int = -1                     # >= 0 only on a prompt-progress output (token and finish None):
+                                              # prompt ids in the slot so far, the cached ones included
+
+    @property
+    def is_progress(self) -> bool:
+        return self.n_processed >= 0
 
 
 @dataclass(frozen=True)

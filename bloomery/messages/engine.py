@@ -1,8 +1,8 @@
 """Front <-> engine process: the whole conversation on the request and output sockets.
 
-front ROUTER -> engine DEALER: Generate, Cancel, SlotsQuery, Shutdown
+front ROUTER -> engine DEALER: Generate, Cancel, SlotsQuery, Shutdown, Residency
 engine DEALER -> front ROUTER: Hello (once, so the ROUTER knows the engine's id)
-engine PUSH  -> front PULL:    Tokens (one message per engine step), SlotsReply
+engine PUSH  -> front PULL:    Tokens (one message per engine step), SlotsReply, ResidencyReply
 """
 from __future__ import annotations
 
@@ -35,6 +35,23 @@ class Shutdown:
 
 
 @dataclass(frozen=True)
+class Residency:
+    """Sleep (sleep=True: free the weights and KV) or wake (load them again); the engine answers with a
+    ResidencyReply of the same query_id once done (--sleep-idle-seconds)."""
+
+    query_id: str
+    sleep: bool
+
+
+@dataclass(frozen=True)
+class ResidencyReply:
+    query_id: str
+    sleeping: bool
+    took_s: float = 0.0
+    error: str = ""               # the change failed (the weights could not be loaded again): why
+
+
+@dataclass(frozen=True)
 class Hello:
     pid: int
 
@@ -50,17 +67,17 @@ class SlotsReply:
     slots: tuple[dict[str, object], ...]
 
 
-TO_ENGINE: dict[str, type] = {c.__name__: c for c in (Generate, Cancel, SlotsQuery, Shutdown)}
-FROM_ENGINE: dict[str, type] = {c.__name__: c for c in (Hello, Tokens, SlotsReply)}
+TO_ENGINE: dict[str, type] = {c.__name__: c for c in (Generate, Cancel, SlotsQuery, Shutdown, Residency)}
+FROM_ENGINE: dict[str, type] = {c.__name__: c for c in (Hello, Tokens, SlotsReply, ResidencyReply)}
 
 
 def encode(msg: object) -> bytes:
     return codec.encode(msg, type(msg).__name__)
 
 
-def decode_to_engine(data: bytes) -> Generate | Cancel | SlotsQuery | Shutdown:
+def decode_to_engine(data: bytes) -> Generate | Cancel | SlotsQuery | Shutdown | Residency:
     return codec.decode(data, TO_ENGINE)
 
 
-def decode_from_engine(data: bytes) -> Hello | Tokens | SlotsReply:
+def decode_from_engine(data: bytes) -> Hello | Tokens | SlotsReply | ResidencyReply:
     return codec.decode(data, FROM_ENGINE)

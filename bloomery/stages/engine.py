@@ -10,8 +10,10 @@ supervisor answers 500 to them and exits 70.
 """
 from __future__ import annotations
 
+import gc
 import os
 import queue
+import sys
 import threading
 import time
 from pathlib import Path
@@ -99,9 +101,33 @@ class LoadProgress:
         self.send(sm.Progress("load", "engine", done, total))
 
 
-def serve(engine, inbox: queue.Queue, push: zmq.Socket, ppid: int) -> str:
-    """The busy loop; returns why it ended."""
+def set_residency(engine, msg: em.Residency, load) -> em.ResidencyReply:
+    """--sleep-idle-seconds: free the model (weights, KV, and on a card CuPy's cached blocks) or load it again."""
+    t0 = time.monotonic()
+    try:
+        engine.swap_model(None if msg.sleep else load())
+        gc.collect()
+        if msg.sleep:
+            _free_card_pool()
+    except Exception as e:
+        return em.ResidencyReply(msg.query_id, engine.model is None, error=f"{type(e).__name__}: {e}")
+    records.record("serve", "asleep: weights and KV freed" if msg.sleep else "awake: weights loaded again",
+                   component="engine", took_s=round(time.monotonic() - t0, 3))
+    return em.ResidencyReply(msg.query_id, msg.sleep, round(time.monotonic() - t0, 3))
+
+
+def _free_card_pool() -> None:
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        cupy.get_default_memory_pool().free_all_blocks()
+        cupy.get_default_pinned_memory_pool().free_all_blocks()
+
+
+def serve(engine, inbox: queue.Queue, push: zmq.Socket, ppid: int, load=None) -> str:
+    """The busy loop; returns why it ended. load: the model again, for a wake after --sleep-idle-seconds."""
     last_slots = None
+    # prompt progress leaves as it happens, between the passes of one step
+    engine.emit = lambda outs: push.send(em.encode(em.Tokens(tuple(outs))))
     while True:
         msgs = []
         if not engine.has_work():     # idle: sleep on the queue, not a spin
@@ -126,6 +152,8 @@ def serve(engine, inbox: queue.Queue, push: zmq.Socket, ppid: int) -> str:
                 push.send(em.encode(em.SlotsReply(msg.query_id, tuple(engine.slots()))))
             elif isinstance(msg, em.Shutdown):
                 return f"shutdown: {msg.reason}"
+            elif isinstance(msg, em.Residency):
+                push.send(em.encode(set_residency(engine, msg, load)))
         if not parent_alive(ppid):
             return "the supervisor is gone"
         if not engine.has_work():
@@ -173,9 +201,13 @@ def main(args: dict) -> int:
         records.record("load", "lever", component="engine", name="BLOOMERY_CPU_KERNELS",
                        value="off" if cpu_kernels.lib() is None else "on", means=cpu_kernels.status())
     from bloomery.gguf_file import open_gguf
-    gf = open_gguf(args["model_file"])                  # parsed once; the load takes the open file
     anon0 = anon_bytes()
-    model = load_model(gf, placement, progress=LoadProgress(float(args.get("progress_s", PROGRESS_S))))
+
+    def load(progress=None):
+        """The model as the placement says (again after a --sleep-idle-seconds sleep); the header is
+        parsed once per load and the load takes the open file."""
+        return load_model(open_gguf(args["model_file"]), placement, progress=progress)
+    model = load(LoadProgress(float(args.get("progress_s", PROGRESS_S))))
     if args.get("warmup", True):
         # As llama-server's warmup: one id through every layer prepares each weight's decoded
         # form now, in the load phase, instead of in the first request. The slot's bookkeeping
@@ -190,13 +222,14 @@ def main(args: dict) -> int:
             # process now holds; experts no warmup id routed to are decoded by later requests
             records.record("load", "held after warmup", component="engine", held_bytes=anon1 - anon0,
                            counted_bytes=host.terms.decoded + host.terms.kv)
-    engine = Engine(model, placement.n_slots, placement.n_ctx_slot)
+    engine = Engine(model, placement.n_slots, placement.n_ctx_slot, n_batch=args.get("n_batch", 2048))
     info = model_info(args, facts, placement, model)
+    del model                 # the engine holds the only reference: a sleep frees it
     load_s = round(time.monotonic() - t0, 3)
     records.record("load", "model loaded", component="engine", load_s=load_s, n_params=info.n_params)
     records.send(sm.Ready(info, {"load_s": load_s, "pid": os.getpid()}))
     try:
-        why = serve(engine, inbox, push, ppid)
+        why = serve(engine, inbox, push, ppid, load)
     finally:
         stop.set()
         reader.join(2)

@@ -43,6 +43,10 @@ class Tokenizer:
     def eog_ids(self) -> frozenset:
         return self.vocab.eog_ids
 
+    def fim_id(self, name: str) -> int | None:
+        """A fill-in-the-middle token: "pre", "suf", "mid", "pad", "rep" or "sep"; None where the vocab has none."""
+        return self.vocab.fim.get(name)
+
     @property
     def add_bos(self) -> bool:
         return self.vocab.add_bos

@@ -72,6 +72,8 @@ class Vocab:
     clean_spaces: bool
     eog_ids: frozenset = field(default_factory=frozenset)
     special_ids: list[int] = field(default_factory=list)   # longest spelling first
+    # fill-in-the-middle ids (stored, else found by spelling as llama.cpp does); None where the vocab has none
+    fim: dict[str, int | None] = field(default_factory=dict)   # "pre", "suf", "mid", "pad", "rep", "sep"
 
     @property
     def n_vocab(self) -> int:
@@ -174,11 +176,12 @@ def load_vocab(meta: dict) -> Vocab:
     fim_pad = detect(fim_pad, _FIM_PAD_TEXTS)
     fim_rep = detect(fim_rep, _FIM_REP_TEXTS)
     fim_sep = detect(fim_sep, _FIM_SEP_TEXTS)
-    for key, old_key, spellings in (("fim_pre_token_id", "prefix_token_id", _FIM_PRE_TEXTS),
-                                    ("fim_suf_token_id", "suffix_token_id", _FIM_SUF_TEXTS),
-                                    ("fim_mid_token_id", "middle_token_id", _FIM_MID_TEXTS)):
-        stored = _get_id(meta, old_key, _get_id(meta, key, None, n_vocab), n_vocab)
-        detect(stored, spellings)
+    fim = {"pad": fim_pad, "rep": fim_rep, "sep": fim_sep}
+    for name, old_key, spellings in (("pre", "prefix_token_id", _FIM_PRE_TEXTS),
+                                     ("suf", "suffix_token_id", _FIM_SUF_TEXTS),
+                                     ("mid", "middle_token_id", _FIM_MID_TEXTS)):
+        stored = _get_id(meta, old_key, _get_id(meta, f"fim_{name}_token_id", None, n_vocab), n_vocab)
+        fim[name] = detect(stored, spellings)
     for tid, t in enumerate(texts):   # control tokens named "unused" are unused
         if attrs[tid] & ATTR_CONTROL and "unused" in t:
             attrs[tid] |= ATTR_UNUSED
@@ -206,7 +209,7 @@ def load_vocab(meta: dict) -> Vocab:
                  attrs=attrs, text_to_id=text_to_id, merges=merges, bos_id=bos, eos_id=eos,
                  eot_id=eot, unk_id=unk, pad_id=pad, add_bos=add_bos, add_eos=add_eos,
                  add_space_prefix=add_space_prefix, clean_spaces=clean_spaces,
-                 eog_ids=frozenset(eog), special_ids=specials)
+                 eog_ids=frozenset(eog), special_ids=specials, fim=fim)
 
 
 def _drop_false_eogs(eog: set, texts: list[str], attrs: list[int]) -> None:

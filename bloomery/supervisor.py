@@ -29,7 +29,7 @@ import uvloop
 import zmq
 import zmq.asyncio
 
-from bloomery import need, records, settings as settings_mod
+from bloomery import need, offload, records, settings as settings_mod
 from bloomery.front import Gate, build_front, choice_records, make_app
 from bloomery.lifecycle import Lifecycle, Phase
 from bloomery.records import record
@@ -199,7 +199,9 @@ class Supervisor:
         except Exception as e:   # tokenizer / template refused: the server cannot answer; name it
             raise StageFailed("load", f"{type(e).__name__}: {e}") from None
         self.client.info = ready.info
+        tokenizer = offload.ProcessTokenizer(tokenizer, fetched.path)   # long texts: no GIL held on the loop's side
         self.gate.app = make_app(s, tokenizer, template, self.client, ready.info)
+        offload.warm()
         self.life.advance(Phase.READY, name=ready.info.name, n_ctx=ready.info.n_ctx, slots=ready.info.n_slots)
         return await self._serve(engine)
 
@@ -278,6 +280,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(0)
     for message, kv in s.notes:
         record("start", message, **kv)
+    sys.setswitchinterval(offload.SWITCH_INTERVAL_S)
     code = uvloop.run(Supervisor(s).run())
     sys.exit(code)
 

@@ -14,6 +14,8 @@ from typing import Awaitable, Callable
 
 from collections import OrderedDict
 
+from bloomery import offload
+from bloomery.api import limits
 from bloomery.api import anthropic, chat, completion, input_tokens, models, ollama, props, responses, slots, tokenize
 from bloomery.api.metrics import Metrics
 from bloomery.api.generate import Generation
@@ -35,6 +37,22 @@ class ExceedContextError(ApiError):
         out = super().body()
         out["error"].update(n_prompt_tokens=self.n_prompt, n_ctx=self.n_ctx)
         return out
+
+
+async def _parse_body(req: Request) -> None:
+    """The body's JSON, checked against the size limits (api/limits.py) before any handler reads it; a large
+    body in the parser process (bloomery/offload.py). A body that is not JSON is left to its handler, which
+    refuses it in its route's own shape."""
+    if len(req.body) < offload.PROCESS_BYTES:
+        kind, got = limits.parse_checked(req.body)
+    else:
+        kind, got = await offload.in_parser(limits.parse_checked, req.body)
+    if kind == "limit":
+        raise ApiError(400, str(got), "invalid_request_error")
+    if kind == "ok":
+        req.parsed = got
+    else:
+        req.parse_error = str(got)
 
 
 def _stderr(line: str) -> None:
@@ -137,6 +155,8 @@ class App:
             err = ApiError(404, f"File Not Found: {req.method} {req.path}", "not_found_error")
             return Response.json(err.body(), status=404)
         try:
+            if req.body and req.method.upper() == "POST":
+                await _parse_body(req)
             return await handler(self, req)
         except ApiError as e:
             return Response.json(e.body(), status=e.status)

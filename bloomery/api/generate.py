@@ -13,12 +13,15 @@ from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable
 
+from bloomery import offload
 from bloomery.api.params import GenParams
 from bloomery.api.reasoning import ThinkWatch
 from bloomery.api.stops import TextAssembler
 from bloomery.engine.sampler import LLAMA_DEFAULT_SEED
 from bloomery.engine.types import EngineRequest, TokenOut
 from bloomery.http.types import ApiError
+
+HEAVY_TOP = 256     # a longer candidate table is rendered off the loop (bloomery/offload.py)
 
 # llama-server's stop_type -> the reason word of the request log line (serving guide 8.2)
 LOG_REASON = {"eos": "eos", "word": "stop", "limit": "length", "none": "stop", "cancel": "cancel", "error": "error",
@@ -191,7 +194,8 @@ class Generation:
                     if o.token is not None and not (p.n_predict >= 0 and out.n_gen >= p.n_predict):
                         pending_ids.append(o.token)
                         if p.n_probs > 0 and o.logprob is not None:
-                            entry = prob_entry(self.tok, o.token, o.logprob, o.top)
+                            entry = prob_entry(self.tok, o.token, o.logprob, o.top) if len(o.top) <= HEAVY_TOP \
+                                else await offload.run(prob_entry, self.tok, o.token, o.logprob, o.top)
                             out.probs.append(entry)
                             pending_probs.append(entry)
                         out.predicted_ms = (now - t_first) * 1e3

@@ -195,3 +195,27 @@ def test_heavy_request_beside_a_stream_and_health(server, name):
     assert health < HEALTH_BOUND_S + server.quiet[0], f"/health took {health:.3f} s beside {name}"
     assert gap < STREAM_GAP_S + server.quiet[1], f"a stream waited {gap:.2f} s beside {name}"
     assert dog < WATCHDOG_S * 0.75, f"the watchdog ping waited {dog:.2f} s beside {name}"
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_memory_after_100_heavy_requests_returns_to_where_it_started(server):
+    """Each request asks for the largest probability tables and a long prompt; /slots keeps memos only."""
+    body = {"prompt": text_of(400), "n_probs": limits.MAX_N_PROBS, "n_predict": 8, "temperature": 0}
+    for _ in range(5):           # warm: the allocator's arenas, the pools' threads
+        assert post(server.url, "/completion", body)[0] == 200
+    start = rss_bytes(server.proc.pid)
+    for _ in range(100):
+        code, answer = post(server.url, "/completion", body)
+        assert code == 200, answer[:300]
+    with urllib.request.urlopen(server.url + "/slots", timeout=30) as r:
+        assert r.status == 200 and b"n_probs" in r.read()
+    end = rss_bytes(server.proc.pid)
+    print(f"supervisor RSS: {start / 2**20:.1f} MiB -> {end / 2**20:.1f} MiB after 100 requests")
+    assert end <= start * 1.10, f"RSS grew from {start / 2**20:.1f} to {end / 2**20:.1f} MiB"

@@ -12,14 +12,14 @@ import time
 import uuid
 from typing import Awaitable, Callable
 
-from collections import OrderedDict
-
 from bloomery import offload
 from bloomery.api import limits
 from bloomery.api import anthropic, chat, completion, input_tokens, models, ollama, props, responses, slots, tokenize
 from bloomery.api.metrics import Metrics
 from bloomery.api.generate import Generation
 from bloomery.api.params import GenParams
+from bloomery.api.recent import Memo, Recent
+from bloomery.api.shapes import slot_params
 from bloomery.engine.types import ModelInfo, SamplingParams
 from bloomery.flags import REASONING_OFF, REASONING_ON
 from bloomery.http.types import ApiError, Request, Response, StreamResponse
@@ -104,9 +104,6 @@ def find_route(method: str, path: str) -> Route | None:
     return handler
 
 
-N_RECENT = 64     # generations remembered for /slots (a slot's last request may be this far back)
-
-
 class App:
     """sampling_defaults / n_predict_default: what a request gets for a field it leaves out (the server's
     --temp, --top-k, ..., --seed and -n, as llama-server's flags set its request defaults).
@@ -146,8 +143,7 @@ class App:
         self.created = int(time.time())
         self.media_marker = f"<__media_{uuid.uuid4().hex}__>"
         self._task_ids = itertools.count()
-        self.recent: OrderedDict[str, Generation] = OrderedDict()   # req_id -> its Generation (for /slots)
-        self.last_of_slot: dict[int, Generation] = {}               # what fell out of `recent`, per slot
+        self.recent = Recent(slot_params)         # generations for /slots, done ones as memos in a byte budget
 
     async def dispatch(self, req: Request) -> Response | StreamResponse:
         handler = find_route(req.method.upper(), req.path)
@@ -186,19 +182,10 @@ class App:
         gen = Generation(tok=self.tok, client=self.client, req_id=f"cmpl-{task_id}-{uuid.uuid4().hex[:8]}",
                          task_id=task_id, path=path, prompt_ids=prompt_ids, params=params,
                          n_ctx_slot=n_ctx, log=self.log, metrics=self.metrics)
-        self.recent[gen.req_id] = gen
-        while len(self.recent) > N_RECENT:
-            _, old = self.recent.popitem(last=False)
-            kept = self.last_of_slot.get(old.outcome.slot)
-            if old.outcome.slot >= 0 and (kept is None or kept.task_id < old.task_id):
-                self.last_of_slot[old.outcome.slot] = old     # a slot idle since keeps its last request
+        self.recent.add(gen)
         return gen
 
-    def generation(self, req_id: str) -> Generation | None:
-        """A recent generation by its engine req_id (for /slots' params); a later leg's id ("<id>+<n>", after
-        forced reasoning-budget ids) names its generation too."""
-        req_id = req_id.split("+", 1)[0]
-        gen = self.recent.get(req_id)
-        if gen is None:
-            gen = next((g for g in self.last_of_slot.values() if g.req_id == req_id), None)
-        return gen
+    def generation(self, req_id: str) -> "Generation | Memo | None":
+        """A recent generation (or its memo, once done) by its engine req_id (for /slots' params); a later leg's
+        id ("<id>+<n>", after forced reasoning-budget ids) names its generation too."""
+        return self.recent.get(req_id.split("+", 1)[0])

@@ -144,8 +144,15 @@ TABLE: tuple[Flag, ...] = (
     Flag("--reasoning-budget-message", (), "LLAMA_ARG_THINK_BUDGET_MESSAGE", "str", None,
          "text forced before the end-of-thinking tag when a budget runs out (default: none)"),
     _noop("--timeout", ("-to",), "LLAMA_ARG_TIMEOUT", "int"), _noop("--sleep-idle-seconds", (), None, "int"),
-    Flag("--cors-origins", (), "LLAMA_ARG_CORS_ORIGINS", "str", "*",
-         'origins answered with CORS headers: "*", "localhost", or a comma list of origins'), 
+    Flag("--cors-origins", (), "LLAMA_ARG_CORS_ORIGINS", "str", None,
+         'origins answered with CORS headers: "*" (any, without credentials), "localhost" (an Origin on '
+         'localhost, 127.0.0.1 or [::1]), or a comma list of origins (default: "*" with an API key, '
+         'else "localhost")'),
+    Flag("--cors-methods", (), "LLAMA_ARG_CORS_METHODS", "str", "GET, POST, DELETE, OPTIONS",
+         "comma-separated methods a CORS preflight allows"),
+    Flag("--cors-headers", (), "LLAMA_ARG_CORS_HEADERS", "str", "*", "comma-separated headers a CORS preflight allows"),
+    Flag("--cors-credentials", (), "LLAMA_ARG_CORS_CREDENTIALS", "switch", True,
+         'allow credentials for CORS (never with --cors-origins "*")', negs=("--no-cors-credentials",)),
     _noop("--cache-ram", ("-cram",), "LLAMA_ARG_CACHE_RAM", "int", why="no host prompt cache in this build"),
     _noop("--no-mmproj", why="no image encoder is loaded"),
     _noop("--fit", ("-fit",), "LLAMA_ARG_FIT", "choice", choices=("on",), why="the plan always fits"),

@@ -31,6 +31,7 @@ import zmq.asyncio
 
 from bloomery import need, offload, records, settings as settings_mod
 from bloomery.front import Gate, build_front, choice_records, make_app
+from bloomery.http.guard import Cors
 from bloomery.lifecycle import Lifecycle, Phase
 from bloomery.records import record
 from bloomery.sdnotify import Notifier, pulse
@@ -79,7 +80,8 @@ class Supervisor:
         self.drain_s = drain_s
         self.notifier = Notifier()      # $NOTIFY_SOCKET / $WATCHDOG_USEC, read once
         self.life = Lifecycle(self.notifier)
-        self.gate = Gate(self.life, s.api_keys, s.cors_origins)
+        self.gate = Gate(self.life, s.api_keys, Cors(s.cors_origins, s.cors_methods, s.cors_headers,
+                                                     s.cors_credentials))
         self.client = None
         self.server = None
         self.stop = asyncio.Event()

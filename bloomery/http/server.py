@@ -124,8 +124,9 @@ class HttpServer:
             finally:
                 self._conns.discard(conn)
         except asyncio.CancelledError:
+            # the connection's own task, ended (close(), the drain bound): it ends here. Raising on would have
+            # asyncio's start_server callback print the CancelledError as a traceback at every shutdown.
             writer.close()
-            raise
         except Exception as e:   # a transport bug: this connection ends, the server keeps serving
             self.log("http connection error", level="error", error=repr(e), exc_info=e)
             writer.close()

@@ -82,6 +82,8 @@ def main(args: dict) -> int:
         plan, backend_why = make(args, gf, census)
         name = gf.get("general.name")
         meta = model_meta(gf)
+    except GGUFError as e:    # a header value the reader checks only when it is asked for (general.architecture)
+        raise StageRefusal(str(e)) from None
     finally:
         gf.close()
     recs = []

@@ -118,6 +118,9 @@ TABLE: tuple[Flag, ...] = (
     _noop("--log-colors", (), "LLAMA_ARG_LOG_COLORS", "str"),
     _noop("--log-prefix", (), "LLAMA_ARG_LOG_PREFIX", negs=("--no-log-prefix",)),
     _noop("--log-timestamps", (), "LLAMA_ARG_LOG_TIMESTAMPS", negs=("--no-log-timestamps",)),
+    Flag("--drain-timeout", (), None, "float", 25.0,
+         "seconds requests still generating may go on after SIGTERM/SIGINT before they are ended (the unit's "
+         "TimeoutStopSec=45 covers this, the engine's 10 s and the HTTP close's 5 s)"),
     Flag("--need-hook", (), None, "str", None,
          "program that grants the start after plan (the need record as JSON on stdin; exit 0: go on); "
          "default $BLOOMERY_NEED_HOOK, else hooks/bloomery-need when a broker socket exists; none/off: no hook"),

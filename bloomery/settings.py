@@ -38,6 +38,7 @@ class Settings:
     cors_methods: str = "GET, POST, DELETE, OPTIONS"
     cors_headers: str = "*"
     cors_credentials: bool = True
+    drain_timeout: float = 25.0        # --drain-timeout: how long a SIGTERM lets generations finish
     api_keys: tuple[str, ...] = ()     # every source added; never printed
     api_key_file: str | None = None
     chat_template_file: str | None = None
@@ -307,6 +308,8 @@ def _check(s: Settings, keys: list[str]) -> None:
         raise SettingsError("--parallel auto beside --ctx-size is refused (use --slot-ctx for one slot's context)")
     if isinstance(s.parallel, int) and s.parallel < 1:
         raise SettingsError(f"--parallel {s.parallel}: must be >= 1 (or auto)")
+    if not 0 <= s.drain_timeout <= 3600:
+        raise SettingsError(f"--drain-timeout {s.drain_timeout}: must be in 0..3600 seconds")
     if not 0 <= s.port <= 65535:
         raise SettingsError(f"--port {s.port}: must be in 0 .. 65535 (0 takes a free port)")
     if s.reasoning_budget < -1:

@@ -10,7 +10,7 @@ to ready.
 
 Stopping (SIGINT/SIGTERM): the phase goes to draining, so every new request is
 answered 503 "Server is shutting down" (the port stays open through the drain);
-requests still generating get up to DRAIN_S to finish, then end with a 503 error
+requests still generating get up to --drain-timeout (25 s) to finish, then end with a 503 error
 answer (an error event in a stream) naming the shutdown; then the engine stops
 between its calls and the HTTP server closes. A second signal ends at once.
 (llama-server ends its loop at once on the first signal; ours is the gentler order.)
@@ -42,7 +42,7 @@ from bloomery.stage_runner import StageFailed, StageRunner, runtime_dir  # noqa:
 EXIT_REFUSED = 1          # a stage refused the start (file, plan) or a flag was refused
 EXIT_ENGINE = 70          # the engine died (serving guide 8.3)
 VERSION = "0.1.0"
-DRAIN_S = 5.0             # on a signal: how long requests still generating may go on
+DRAIN_S = 5.0             # the HTTP server's own bound on answers still being written once it closes
 ENGINE_STOP_S = 10.0      # then how long the engine gets to end between its calls
 
 
@@ -75,9 +75,9 @@ def bind_port(host: str, port: int) -> socket.socket:
 
 
 class Supervisor:
-    def __init__(self, s: Settings, drain_s: float = DRAIN_S):
+    def __init__(self, s: Settings, drain_s: float | None = None):
         self.s = s
-        self.drain_s = drain_s
+        self.drain_s = s.drain_timeout if drain_s is None else drain_s   # how long generations may go on
         self.notifier = Notifier()      # $NOTIFY_SOCKET / $WATCHDOG_USEC, read once
         self.life = Lifecycle(self.notifier)
         self.gate = Gate(self.life, s.api_keys, Cors(s.cors_origins, s.cors_methods, s.cors_headers,

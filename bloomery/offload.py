@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing
+import os
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Callable, TypeVar
 
@@ -46,7 +47,8 @@ def parser() -> ProcessPoolExecutor:
     """One parser process, spawned (the supervisor holds threads and a ZeroMQ context: no fork)."""
     global _parser
     if _parser is None:
-        _parser = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+        _parser = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                                      initializer=_die_with_parent, initargs=(os.getpid(),))
     return _parser
 
 
@@ -104,8 +106,18 @@ _tok_pool: ProcessPoolExecutor | None = None
 _worker_tok = None              # in the tokenizer process: its own Tokenizer
 
 
-def _load_worker_tokenizer(path: str) -> None:
+def _die_with_parent(parent_pid: int) -> None:
+    """A worker ends with the supervisor, even a SIGKILLed one (a lease waits for every descendant); one
+    whose supervisor died while it was starting ends at once."""
+    from bloomery.stages.common import die_with_parent
+    die_with_parent()
+    if os.getppid() != parent_pid:
+        os._exit(0)
+
+
+def _load_worker_tokenizer(parent_pid: int, path: str) -> None:
     global _worker_tok
+    _die_with_parent(parent_pid)
     from bloomery.gguf_file import open_gguf
     from bloomery.tokenizer import Tokenizer
     with open_gguf(path) as gf:
@@ -125,7 +137,7 @@ class ProcessTokenizer:
     def __init__(self, tok, gguf_path: str):
         self._tok = tok
         self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                                         initializer=_load_worker_tokenizer, initargs=(gguf_path,))
+                                         initializer=_load_worker_tokenizer, initargs=(os.getpid(), gguf_path))
         self._pool.submit(int)     # start it (and load its tokenizer) now
 
     def __getattr__(self, name):

@@ -26,7 +26,7 @@ N_THREADS = 2                   # heavy requests beyond this wait their turn (th
 # busy worker thread; Python's 5 ms default made one /health answer wait 100-300 ms (about 20 hand-overs)
 SWITCH_INTERVAL_S = 0.0005
 
-PROCESS_BYTES = 1 << 20         # a body this large is parsed in the parser process
+PROCESS_BYTES = 256 << 10       # a body this large is parsed in the parser process
 _pool: ThreadPoolExecutor | None = None
 _parser: ProcessPoolExecutor | None = None
 

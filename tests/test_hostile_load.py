@@ -29,7 +29,8 @@ WATCHDOG_S = 2.0          # WATCHDOG_USEC for the server: a ping every 1 s is ex
 
 
 def post(url: str, path: str, obj: object, timeout: float = 300) -> tuple[int, bytes]:
-    req = urllib.request.Request(url + path, data=json.dumps(obj).encode(), method="POST",
+    data = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
+    req = urllib.request.Request(url + path, data=data, method="POST",
                                  headers={"content-type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -157,8 +158,11 @@ HEAVY = {
     "token ids under the limit": ("/completion", lambda: {"prompt": [1] * limits.MAX_IDS, "n_predict": 1},
                                   400, "exceeds"),
     "tokenize with pieces": ("/tokenize", lambda: {"content": text_of(UNDER), "with_pieces": True}, 200, "piece"),
-    "n_probs 151000": ("/completion", lambda: {"prompt": "hi", "n_probs": 151000, "n_predict": 2,
-                                               "temperature": 0}, 200, "completion_probabilities"),
+    "n_probs over the limit": ("/completion", lambda: {"prompt": "hi", "n_probs": 151000, "n_predict": 2},
+                               400, "MAX_N_PROBS"),
+    "n_probs at the limit": ("/completion", lambda: {"prompt": "hi", "n_probs": limits.MAX_N_PROBS, "n_predict": 16,
+                                                     "temperature": 0, "stream": True}, 200,
+                             "completion_probabilities"),
 }
 
 
@@ -185,7 +189,7 @@ def beside(server, work) -> tuple[float, float, object, float]:
 @pytest.mark.parametrize("name", list(HEAVY))
 def test_heavy_request_beside_a_stream_and_health(server, name):
     path, make, status, word = HEAVY[name]
-    body = make()
+    body = json.dumps(make()).encode()     # here, not beside the probe (json.dumps holds this process's GIL)
     t_start = time.monotonic()
     health, gap, (code, answer), took = beside(server, lambda: post(server.url, path, body))
     dog = server.dog.worst_gap(t_start)

@@ -174,6 +174,9 @@ TABLE: tuple[Flag, ...] = (
          "level (--no-log-prefix: the bare [phase] component: message k=v)", negs=("--no-log-prefix",)),
     Flag("--log-timestamps", (), "LLAMA_ARG_LOG_TIMESTAMPS", "switch", True, "put the time (UTC, ISO 8601) on "
          "every record (--no-log-timestamps: leave it out)", negs=("--no-log-timestamps",)),
+    Flag("--drain-timeout", (), None, "float", 25.0,
+         "seconds requests still generating may go on after SIGTERM/SIGINT before they are ended (the unit's "
+         "TimeoutStopSec=45 covers this, the engine's 10 s and the HTTP close's 5 s)"),
     Flag("--need-hook", (), None, "str", None,
          "program that grants the start after plan (the need record as JSON on stdin; exit 0: go on); "
          "default $BLOOMERY_NEED_HOOK, else hooks/bloomery-need when a broker socket exists; none/off: no hook"),
@@ -204,8 +207,15 @@ TABLE: tuple[Flag, ...] = (
     _noop("--timeout", ("-to",), "LLAMA_ARG_TIMEOUT", "int"),
     Flag("--sleep-idle-seconds", (), None, "int", -1,
          "after this many idle seconds the engine frees its weights and KV; a request loads them again (-1: never)"),
-    Flag("--cors-origins", (), "LLAMA_ARG_CORS_ORIGINS", "str", "*",
-         'origins answered with CORS headers: "*", "localhost", or a comma list of origins'), 
+    Flag("--cors-origins", (), "LLAMA_ARG_CORS_ORIGINS", "str", None,
+         'origins answered with CORS headers: "*" (any, without credentials), "localhost" (an Origin on '
+         'localhost, 127.0.0.1 or [::1]), or a comma list of origins (default: "*" with an API key, '
+         'else "localhost")'),
+    Flag("--cors-methods", (), "LLAMA_ARG_CORS_METHODS", "str", "GET, POST, DELETE, OPTIONS",
+         "comma-separated methods a CORS preflight allows"),
+    Flag("--cors-headers", (), "LLAMA_ARG_CORS_HEADERS", "str", "*", "comma-separated headers a CORS preflight allows"),
+    Flag("--cors-credentials", (), "LLAMA_ARG_CORS_CREDENTIALS", "switch", True,
+         'allow credentials for CORS (never with --cors-origins "*")', negs=("--no-cors-credentials",)),
     _noop("--cache-ram", ("-cram",), "LLAMA_ARG_CACHE_RAM", "int", why="no host prompt cache in this build"),
     _noop("--mmproj-auto", (), "LLAMA_ARG_MMPROJ_AUTO", negs=("--no-mmproj", "--no-mmproj-auto"),
           why="no image encoder is loaded"),

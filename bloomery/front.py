@@ -25,9 +25,9 @@ INVALID_KEY = {"error": {"code": 401, "message": "Invalid API Key", "type": "aut
 
 
 class Gate:
-    def __init__(self, life: Lifecycle, api_keys: tuple[str, ...], cors_origins: str = "*"):
+    def __init__(self, life: Lifecycle, api_keys: tuple[str, ...], cors: guard.Cors = guard.Cors()):
         self.life = life
-        self.cors_origins = cors_origins
+        self.cors = cors
         self.api_keys = api_keys
         self._key_bytes = tuple(k.encode("utf-8") for k in api_keys)
         self.app = None                 # the App, once the engine is READY
@@ -45,7 +45,7 @@ class Gate:
             return Response.json({"error": {"code": 403, "message": refusal, "type": "permission_error"}},
                                  status=403)
         if req.method == "OPTIONS":
-            return Response(200, b"", [("content-type", "text/html"), *guard.preflight_headers(req.headers, self.cors_origins)])
+            return Response(200, b"", [("content-type", "text/html"), *guard.preflight_headers(req.headers, self.cors)])
         early = self.phase_response()
         if early is None and self.api_keys and req.path not in PUBLIC_PATHS:
             if not guard.key_matches(guard.offered_key(req.headers), self._key_bytes):
@@ -53,7 +53,7 @@ class Gate:
                        method=req.method, path=req.path[:200])
                 early = Response.json(INVALID_KEY, status=401)
         if early is not None:
-            early.headers = [*early.headers, *guard.cors_headers(req.headers, self.cors_origins)]
+            early.headers = [*early.headers, *guard.cors_headers(req.headers, self.cors)]
         return early
 
     async def dispatch(self, req):
@@ -62,7 +62,7 @@ class Gate:
             response = early or Response.json(self.life.gate()[1], status=503)
         else:
             response = await self.app.dispatch(req)
-        cors = guard.cors_headers(req.headers, self.cors_origins)
+        cors = guard.cors_headers(req.headers, self.cors)
         if cors:   # a new list: a handler may answer one shared Response object
             response.headers = [*response.headers, *cors]
         return response
@@ -89,6 +89,11 @@ def choice_records(s: Settings, facts: dict) -> None:
            source="--alias" if s.alias else "general.name" if facts.get("general_name") else "file name")
     record("start", "n_predict", default=s.n_predict, source=s.sources.get("n_predict", "default"))
     record("start", "api keys", n_keys=len(s.api_keys), public=list(PUBLIC_PATHS) if s.api_keys else "all")
+    record("start", "cors", origins=s.cors_origins, credentials=s.cors_credentials and s.cors_origins.strip() != "*",
+           source=s.sources.get("cors_origins", "default"))
+    if s.cors_origins.strip() == "*" and not s.api_keys:
+        record("start", "no API key is set and CORS allows every origin: any web page a local browser opens can "
+                        "use this server", level="warning")
     record("start", "chat template", source=s.chat_template_file or (s.chat_template is not None and
            f"--chat-template {s.chat_template[:40]!r}") or "the GGUF's tokenizer.chat_template")
     if s.sampling_defaults:

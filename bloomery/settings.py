@@ -37,7 +37,11 @@ class Settings:
     port: int = 8080
     alias: str | None = None
     tags: str | None = None
-    cors_origins: str = "*"
+    cors_origins: str | None = None    # None: "*" with an API key, else "localhost" (_check resolves it)
+    cors_methods: str = "GET, POST, DELETE, OPTIONS"
+    cors_headers: str = "*"
+    cors_credentials: bool = True
+    drain_timeout: float = 25.0        # --drain-timeout: how long a SIGTERM lets generations finish
     api_keys: tuple[str, ...] = ()     # every source added; never printed
     api_key_file: str | None = None
     chat_template_file: str | None = None
@@ -292,6 +296,10 @@ def parse(argv: list[str], env: dict[str, str] | None = None) -> Settings:
                 continue
             if f.type == "keys":
                 keys.extend(value)
+                if e.source == "command line" and value:   # ps and /proc/PID/cmdline show argv to every local user
+                    s.notes.append(("--api-key on the command line is visible to every local user (ps, "
+                                    "/proc/PID/cmdline); give --api-key-file FILE or LLAMA_API_KEY instead",
+                                    {"level": "warning"}))
                 continue
             if f.field == "placement_given":   # read in _check, one record each (placement_flags)
                 name, had = s.placement_given.get(f.long, ("", None))
@@ -390,6 +398,9 @@ def _check(s: Settings, keys: list[str]) -> None:
     if s.api_key_file:
         keys.extend(_read_key_file(s.api_key_file))
     s.api_keys = tuple(dict.fromkeys(keys))
+    if s.cors_origins is None:   # llama-server's "*" would let any web page drive a server that has no key
+        s.cors_origins = "*" if s.api_keys else "localhost"
+        s.sources.setdefault("cors_origins", "default: " + ("an API key is set" if s.api_keys else "no API key"))
     if not s.jinja:
         s.jinja = True
         s.notes.append(("flag read, no effect here", {"flag": "--no-jinja", "why": "jinja templates are always on"}))
@@ -416,6 +427,8 @@ def _check(s: Settings, keys: list[str]) -> None:
         raise SettingsError("--parallel auto beside --ctx-size is refused (use --slot-ctx for one slot's context)")
     if isinstance(s.parallel, int) and s.parallel < 1:
         raise SettingsError(f"--parallel {s.parallel}: must be >= 1 (or auto)")
+    if not 0 <= s.drain_timeout <= 3600:
+        raise SettingsError(f"--drain-timeout {s.drain_timeout}: must be in 0..3600 seconds")
     if not 0 <= s.port <= 65535:
         raise SettingsError(f"--port {s.port}: must be in 0 .. 65535 (0 takes a free port)")
     if s.reasoning_budget < -1:

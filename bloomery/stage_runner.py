@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import os
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 
@@ -33,9 +35,54 @@ class StageFailed(Exception):
         self.stage, self.reason = stage, reason
 
 
+RUNTIME_NAME = re.compile(r"bloomery-(\d+)(-[A-Za-z0-9_]+)?")
+
+
+def clean_stale_runtime_dirs(base: str) -> list[str]:
+    """Removes the runtime folders a killed supervisor (kill -9: no cleanup ran) left in `base`; returns them.
+    Only a folder named as ours, owned by this user, mode 0700, holding nothing but sockets, whose pid is
+    not running; anything else is left alone."""
+    removed = []
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return removed
+    for name in names:
+        m = RUNTIME_NAME.fullmatch(name)
+        if m is None or int(m.group(1)) == os.getpid():
+            continue
+        path = os.path.join(base, name)
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) != 0o700:
+                continue
+            if not all(stat.S_ISSOCK(os.lstat(os.path.join(path, e)).st_mode) for e in os.listdir(path)):
+                continue
+        except OSError:
+            continue
+        if _pid_running(int(m.group(1))):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _pid_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:          # EPERM: another user's process
+        return True
+    return True
+
+
 def runtime_dir() -> str:
-    """A private 0700 folder for the ipc sockets: $XDG_RUNTIME_DIR/bloomery-<pid>, else a tempdir."""
+    """A private 0700 folder for the ipc sockets: $XDG_RUNTIME_DIR/bloomery-<pid>, else a tempdir. Folders a
+    killed supervisor left there are removed first (clean_stale_runtime_dirs)."""
     base = os.environ.get("XDG_RUNTIME_DIR")
+    for stale in clean_stale_runtime_dirs(base if base and os.path.isdir(base) else tempfile.gettempdir()):
+        record("start", "removed the runtime folder of a supervisor no longer running", path=stale)
     if base and os.path.isdir(base) and os.access(base, os.W_OK):
         path = os.path.join(base, f"bloomery-{os.getpid()}")
         shutil.rmtree(path, ignore_errors=True)   # a stale folder of a dead process with our pid

@@ -10,7 +10,7 @@ to ready.
 
 Stopping (SIGINT/SIGTERM): the phase goes to draining, so every new request is
 answered 503 "Server is shutting down" (the port stays open through the drain);
-requests still generating get up to DRAIN_S to finish, then end with a 503 error
+requests still generating get up to --drain-timeout (25 s) to finish, then end with a 503 error
 answer (an error event in a stream) naming the shutdown; then the engine stops
 between its calls and the HTTP server closes. A second signal ends at once.
 (llama-server ends its loop at once on the first signal; ours is the gentler order.)
@@ -30,8 +30,9 @@ import uvloop
 import zmq
 import zmq.asyncio
 
-from bloomery import need, records, settings as settings_mod
+from bloomery import need, records, workpool, settings as settings_mod
 from bloomery.front import Gate, build_front, choice_records, make_app
+from bloomery.http.guard import Cors
 from bloomery.lifecycle import Lifecycle, Phase
 from bloomery.messages.codec import to_plain
 from bloomery.records import record
@@ -43,7 +44,7 @@ from bloomery.stage_runner import StageFailed, StageRunner, runtime_dir  # noqa:
 EXIT_REFUSED = 1          # a stage refused the start (file, plan) or a flag was refused
 EXIT_ENGINE = 70          # the engine died (serving guide 8.3)
 VERSION = "0.1.0"
-DRAIN_S = 5.0             # on a signal: how long requests still generating may go on
+DRAIN_S = 5.0             # the HTTP server's own bound on answers still being written once it closes
 ENGINE_STOP_S = 10.0      # then how long the engine gets to end between its calls
 
 
@@ -76,12 +77,13 @@ def bind_port(host: str, port: int) -> socket.socket:
 
 
 class Supervisor:
-    def __init__(self, s: Settings, drain_s: float = DRAIN_S):
+    def __init__(self, s: Settings, drain_s: float | None = None):
         self.s = s
-        self.drain_s = drain_s
+        self.drain_s = s.drain_timeout if drain_s is None else drain_s   # how long generations may go on
         self.notifier = Notifier()      # $NOTIFY_SOCKET / $WATCHDOG_USEC, read once
         self.life = Lifecycle(self.notifier)
-        self.gate = Gate(self.life, s.api_keys, s.cors_origins)
+        self.gate = Gate(self.life, s.api_keys, Cors(s.cors_origins, s.cors_methods, s.cors_headers,
+                                                     s.cors_credentials))
         self.client = None
         self.server = None
         self.stop = asyncio.Event()
@@ -204,9 +206,11 @@ class Supervisor:
         except Exception as e:   # tokenizer / template refused: the server cannot answer; name it
             raise StageFailed("load", f"{type(e).__name__}: {e}") from None
         self.client.info = ready.info
+        tokenizer = workpool.ProcessTokenizer(tokenizer, fetched.path)   # long texts: no GIL held on the loop's side
         self.gate.app = make_app(s, tokenizer, template, self.client, ready.info,
                                  log=lambda line: record(self.life.phase.value, line))   # the per-request records
         self.gate.app.residency.start()     # --sleep-idle-seconds: the idle watch
+        workpool.warm()
         self.life.advance(Phase.READY, name=ready.info.name, n_ctx=ready.info.n_ctx, slots=ready.info.n_slots)
         return await self._serve(engine)
 
@@ -294,6 +298,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(subprocess.call([sys.executable, "-m", "bloomery.census"]))
     for message, kv in s.notes:
         record("start", message, **kv)
+    sys.setswitchinterval(workpool.SWITCH_INTERVAL_S)
     code = uvloop.run(Supervisor(s).run())
     sys.exit(code)
 

@@ -15,12 +15,14 @@ from typing import AsyncIterator
 import zmq
 import zmq.asyncio
 
+from bloomery import workpool
 from bloomery.engine.types import EngineRequest, ModelInfo, TokenOut
 from bloomery.messages import engine as em
 from bloomery.messages.codec import MessageError
 from bloomery.records import record
 
 ENGINE_ID = b"engine"
+HEAVY_MESSAGE_BYTES = 1 << 20   # a message this long is decoded in bloomery.workpool's threads
 
 
 class EngineGone(RuntimeError):
@@ -71,8 +73,9 @@ class ZmqEngineClient:
     async def _read_outputs(self) -> None:
         while True:
             data = await self.pull.recv()
-            try:
-                msg = em.decode_from_engine(data)
+            try:   # a step's probability tables (n_probs in the thousands) are megabytes of JSON: off the loop
+                msg = em.decode_from_engine(data) if len(data) < HEAVY_MESSAGE_BYTES else \
+                    await workpool.run(em.decode_from_engine, data)
             except MessageError as e:
                 record("serve", "engine message refused", component="front", level="error", error=str(e))
                 continue

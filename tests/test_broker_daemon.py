@@ -246,3 +246,28 @@ def test_a_second_broker_and_a_broken_state_are_refused_by_name(tmp_path):
     out = subprocess.run([sys.executable, "-m", "bloomery.broker.cli", "--config", str(b.cfg)], env=b.env,
                          cwd=REPO, capture_output=True, text=True, timeout=20)
     assert out.returncode == 1 and "state.json: unreadable (KeyError" in out.stderr and "move it aside" in out.stderr
+
+
+def test_a_process_of_another_session_cannot_take_or_release_a_lease_in_another_name(broker, holders):
+    """The broker reads the asker's pid from the socket (SO_PEERCRED, through libzmq's Peer-Address)."""
+    h = holders()
+    mine = broker.ask({"op": "need", "id": "mine", "need": {"pid": h.pid, "host_bytes": 5}})
+    assert mine["op"] == "granted"
+    other = holders(["sleep", "60"])
+    asker = [sys.executable, "-c", f"""
+import json, sys, zmq
+s = zmq.Context().socket(zmq.DEALER); s.setsockopt(zmq.LINGER, 0); s.connect("ipc://{broker.sock}")
+for req in ({{"op": "need", "id": "theirs", "need": {{"pid": {other.pid}, "host_bytes": 5}}}},
+            {{"op": "release", "id": "mine"}}):
+    s.send(json.dumps(req).encode()); print(s.recv().decode())
+"""]
+    out = subprocess.run(asker, capture_output=True, text=True, timeout=20, start_new_session=True)
+    answers = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(answers) == 2, out.stderr
+    for answer in answers:
+        assert answer["op"] == "refused" and "not in its session" in answer["reason"], answer
+    st = broker.status()
+    assert [e["id"] for e in st["leases"]] == ["mine"] and st["queue"] == []
+    # the same asker in this session (as a need hook in its server's) may
+    out = subprocess.run(asker, capture_output=True, text=True, timeout=20)
+    assert [json.loads(line)["op"] for line in out.stdout.splitlines()] == ["granted", "released"], out.stderr

@@ -348,18 +348,44 @@ def test_malformed_http_is_400_then_close(serve, data):
     assert app.n_dispatched == 0
 
 
-def test_connection_bound_answers_503(serve):
+def test_connection_bound_closes_the_longest_idle_connection_to_make_room(serve):
     st, _ = serve(max_connections=2)
     a = http.client.HTTPConnection(st.host, st.port, timeout=10)
     b = http.client.HTTPConnection(st.host, st.port, timeout=10)
-    assert get(st, "GET", "/1", conn=a)[0].status == 200 and get(st, "GET", "/2", conn=b)[0].status == 200
+    assert get(st, "GET", "/1", conn=a)[0].status == 200
+    time.sleep(0.05)
+    assert get(st, "GET", "/2", conn=b)[0].status == 200
+    out = raw(st, b"GET /3 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", shut=False)
+    assert out.startswith(b"HTTP/1.1 200 ")
+    assert a.sock.recv(1) == b""        # a, idle longest, was closed; b still serves
+    assert get(st, "GET", "/4", conn=b)[0].status == 200
+
+
+def test_busy_connections_past_the_bound_get_503_but_health_is_answered(serve):
+    st, _ = serve(max_connections=2, header_timeout_s=30)
+    busy = [socket.create_connection((st.host, st.port), timeout=10) for _ in range(2)]
+    for s in busy:                      # a head begun, not finished: not idle, not reclaimed
+        s.sendall(b"GET /slow HTTP/1.1\r\n")
+    time.sleep(0.2)
     out = raw(st, b"GET /3 HTTP/1.1\r\nHost: x\r\n\r\n", shut=False)
     assert out.startswith(b"HTTP/1.1 503 ") and b"max_connections=2" in out
-    a.close()
-    deadline = time.monotonic() + 5
-    while st.call(lambda: st.server.n_open) > 1 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert get(st, "GET", "/4")[0].status == 200
+    for path in (b"/health", b"/metrics"):
+        out = raw(st, b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n", shut=False)
+        assert out.startswith(b"HTTP/1.1 200 "), out[:200]
+    for s in busy:
+        s.close()
+
+
+def test_per_client_bound(serve):
+    st, _ = serve(max_per_client=2)
+    busy = [socket.create_connection((st.host, st.port), timeout=10) for _ in range(2)]
+    for s in busy:
+        s.sendall(b"GET /slow HTTP/1.1\r\n")
+    time.sleep(0.2)
+    out = raw(st, b"GET /3 HTTP/1.1\r\nHost: x\r\n\r\n", shut=False)
+    assert out.startswith(b"HTTP/1.1 503 ") and b"max_per_client=2" in out
+    for s in busy:
+        s.close()
 
 
 def test_query_path_and_repeated_headers(serve):
@@ -465,7 +491,7 @@ def test_http_1_0_stream_is_unframed_and_closed(serve):
 
 
 def test_many_idle_keep_alive_connections_do_not_block_service(serve):
-    st, _ = serve(max_connections=1024)
+    st, _ = serve(max_connections=1024, max_per_client=1024)
     idle = []
     try:
         for _ in range(300):

@@ -110,20 +110,20 @@ def test_keys_never_reach_the_records(server):
 
 
 @pytest.mark.parametrize("origin", ["localhost", "web.mydomain.fr", "http://127.0.0.1:3000"])
-def test_cors_preflight_as_llama_server(server, origin):
+def test_cors_preflight_with_a_key_allows_any_origin_without_credentials(server, origin):
     status, headers, _ = request(server, "OPTIONS", "/completions", {
         "Origin": origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "Authorization"})
     assert status == 200
-    assert headers["access-control-allow-origin"] == origin
-    assert headers["access-control-allow-credentials"] == "true"
+    assert headers["access-control-allow-origin"] == "*"
+    assert headers["access-control-allow-credentials"] == "false"
     assert headers["access-control-allow-methods"] == "GET, POST, DELETE, OPTIONS"
     assert headers["access-control-allow-headers"] == "*"
 
 
-def test_every_answer_echoes_the_origin(server):
+def test_every_answer_carries_the_cors_origin(server):
     _, ok, _ = request(server, "GET", "/health", {"Origin": "http://a.example"})
     _, denied, _ = request(server, "GET", "/props", {"Origin": "http://a.example"})
-    assert ok["access-control-allow-origin"] == denied["access-control-allow-origin"] == "http://a.example"
+    assert ok["access-control-allow-origin"] == denied["access-control-allow-origin"] == "*"
 
 
 @pytest.mark.parametrize("host,status", [("evil.example", 403), ("evil.example:8080", 403), ("127.0.0.1.nip.io", 403),
@@ -201,7 +201,7 @@ def test_server_still_answers(server):
     assert status == 200 and body["tokens"]
 
 
-# --cors-origins: "*" (default), "localhost", or a list (llama.cpp's test_cors_origins_localhost_*)
+# --cors-origins: "*", "localhost", or a list (llama.cpp's test_cors_origins_localhost_*)
 @pytest.mark.parametrize("origin,origins,allowed", [
     ("http://evil.com", "*", True),
     ("http://localhost:8080", "localhost", True), ("http://127.0.0.1", "localhost", True),
@@ -212,6 +212,46 @@ def test_server_still_answers(server):
 ])
 def test_cors_origins_setting(origin, origins, allowed):
     from bloomery.http import guard
-    got = dict(guard.preflight_headers({"origin": origin}, origins))
+    got = dict(guard.preflight_headers({"origin": origin}, guard.Cors(origins)))
     assert ("access-control-allow-origin" in got) == allowed
-    assert got.get("access-control-allow-credentials") == "true"
+    if allowed:
+        assert got["access-control-allow-origin"] == ("*" if origins == "*" else origin)
+    # credentials are never allowed beside "*" (llama-server echoes the Origin with credentials there)
+    assert got["access-control-allow-credentials"] == ("false" if origins == "*" else "true")
+
+
+@pytest.mark.parametrize("argv,env,origins", [
+    ([], {}, "localhost"), (["--api-key", "k"], {}, "*"), (["--cors-origins", "*"], {}, "*"),
+    ([], {"LLAMA_ARG_CORS_ORIGINS": "https://a.example"}, "https://a.example"),
+    (["--api-key", "k", "--cors-origins", "localhost"], {}, "localhost"),
+])
+def test_cors_default_is_localhost_without_a_key(argv, env, origins, monkeypatch):
+    from bloomery import settings
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert settings.parse(["-m", "x.gguf", *argv]).cors_origins == origins
+
+
+def test_cors_methods_headers_and_credentials_flags(monkeypatch):
+    from bloomery import settings
+    from bloomery.http import guard
+    s = settings.parse(["-m", "x.gguf", "--cors-origins", "https://a.example", "--cors-methods", "GET, POST",
+                        "--cors-headers", "Authorization", "--no-cors-credentials"])
+    got = dict(guard.preflight_headers({"origin": "https://a.example"},
+                                       guard.Cors(s.cors_origins, s.cors_methods, s.cors_headers, s.cors_credentials)))
+    assert got == {"access-control-allow-origin": "https://a.example", "vary": "Origin",
+                   "access-control-allow-credentials": "false", "access-control-allow-methods": "GET, POST",
+                   "access-control-allow-headers": "Authorization"}
+    monkeypatch.setenv("LLAMA_ARG_CORS_CREDENTIALS", "0")
+    assert settings.parse(["-m", "x.gguf"]).cors_credentials is False
+
+
+def test_api_key_on_the_command_line_is_warned_about(tmp_path):
+    from bloomery import settings
+    warned = [m for m, kv in settings.parse(["-m", "x.gguf", "--api-key", "k"]).notes if "visible" in m]
+    assert warned and "--api-key-file" in warned[0]
+    (tmp_path / "keys").write_text("k\n")
+    assert not [m for m, kv in settings.parse(["-m", "x.gguf", "--api-key-file", str(tmp_path / "keys")]).notes
+                if "visible" in m]
+
+

@@ -16,6 +16,7 @@ import json
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
+from bloomery import workpool
 from bloomery.api.anthropic_convert import to_chat_body
 from bloomery.api.chat import read_chat_reasoning, with_think_watch
 from bloomery.api.input_tokens import prompt_ids_of, rendered_of
@@ -97,7 +98,7 @@ def _tool_use(call) -> dict:
 @anthropic_errors
 async def handle_count_tokens(app: "App", req: Request) -> Response:
     body = Fields(req.json()).body
-    return Response.json({"input_tokens": len(prompt_ids_of(app, _read(app, body, count_only=True)))})
+    return Response.json({"input_tokens": len(await prompt_ids_of(app, _read(app, body, count_only=True)))})
 
 
 @anthropic_errors
@@ -106,7 +107,7 @@ async def handle_messages(app: "App", req: Request) -> Response | StreamResponse
     chat = _read(app, body)
     treq = tool_request(app, chat, "/v1/messages")
     p = parse_gen_params(Fields(chat), **app.gen_defaults(), allow_n_probs=False)
-    rendered, ids = rendered_of(app, chat)
+    rendered, ids = await workpool.run(rendered_of, app, chat)
     rs = read_chat_reasoning(app, Fields(chat))
     p = structured(app, p, chat, treq, rs, rendered.text)
     p = with_think_watch(app, p, rs, rendered.text, framing_of(app.template.source))

@@ -11,13 +11,16 @@ import time
 import uuid
 from typing import Awaitable, Callable
 
-from collections import OrderedDict
 
+from bloomery import workpool
+from bloomery.api import limits
 from bloomery.api import (anthropic, chat, completion, gcp, infill, input_tokens, models, ollama, props, responses, slots,
                           sleep, tokenize)
 from bloomery.api.metrics import Metrics
 from bloomery.api.generate import Generation
 from bloomery.api.params import GenParams
+from bloomery.api.recent import Memo, Recent
+from bloomery.api.shapes import slot_params
 from bloomery.engine.limits import prompt_fits
 from bloomery.engine.types import ModelInfo, SamplingParams
 from bloomery.flags import REASONING_OFF, REASONING_ON
@@ -42,6 +45,23 @@ class ExceedContextError(ApiError):
 def _record(line: str) -> None:
     """A request's line as a record (the supervisor passes one that names the lifecycle's phase)."""
     record("ready", line)
+
+
+async def _parse_body(req: Request) -> None:
+    """The body's JSON, checked against the size limits (api/limits.py) before any handler reads it; a large
+    body in the parser process (bloomery/workpool.py). A body that is not JSON is left to its handler, which
+    refuses it in its route's own shape."""
+    if len(req.body) < workpool.PROCESS_BYTES:
+        kind, got = limits.parse_checked(req.body)
+    else:
+        kind, got = await workpool.in_parser(limits.parse_checked, req.body)
+    if kind == "limit":
+        raise ApiError(400, str(got), "invalid_request_error")
+    if kind == "ok":
+        req.parsed = got
+    else:
+        req.parse_error = str(got)
+
 
 
 Route = Callable[["App", Request], Awaitable["Response | StreamResponse"]]
@@ -107,9 +127,6 @@ def find_route(method: str, path: str) -> Route | None:
     return handler
 
 
-N_RECENT = 64     # generations remembered for /slots (a slot's last request may be this far back)
-
-
 class App:
     """sampling_defaults / n_predict_default: what a request gets for a field it leaves out (the server's
     --temp, --top-k, ..., --seed and -n, as llama-server's flags set its request defaults).
@@ -153,8 +170,7 @@ class App:
         self.created = int(time.time())
         self.media_marker = f"<__media_{uuid.uuid4().hex}__>"
         self._task_ids = itertools.count()
-        self.recent: OrderedDict[str, Generation] = OrderedDict()   # req_id -> its Generation (for /slots)
-        self.last_of_slot: dict[int, Generation] = {}               # what fell out of `recent`, per slot
+        self.recent = Recent(slot_params)         # generations for /slots, done ones as memos in a byte budget
 
     def routes(self):
         """(method, path) of every fixed route, in registration order."""
@@ -195,6 +211,8 @@ class App:
 
     async def _run(self, handler: Route, req: Request) -> Response | StreamResponse:
         try:
+            if req.body and req.method.upper() == "POST":
+                await _parse_body(req)
             return await handler(self, req)
         except ApiError as e:
             return Response.json(e.body(), status=e.status)
@@ -227,19 +245,10 @@ class App:
         gen = Generation(tok=self.tok, client=self.client, req_id=f"cmpl-{task_id}-{uuid.uuid4().hex[:8]}",
                          task_id=task_id, path=path, prompt_ids=prompt_ids, params=params,
                          n_ctx_slot=n_ctx, log=self.log, metrics=self.metrics)
-        self.recent[gen.req_id] = gen
-        while len(self.recent) > N_RECENT:
-            _, old = self.recent.popitem(last=False)
-            kept = self.last_of_slot.get(old.outcome.slot)
-            if old.outcome.slot >= 0 and (kept is None or kept.task_id < old.task_id):
-                self.last_of_slot[old.outcome.slot] = old     # a slot idle since keeps its last request
+        self.recent.add(gen)
         return gen
 
-    def generation(self, req_id: str) -> Generation | None:
-        """A recent generation by its engine req_id (for /slots' params); a later leg's id ("<id>+<n>", after
-        forced reasoning-budget ids) names its generation too."""
-        req_id = req_id.split("+", 1)[0]
-        gen = self.recent.get(req_id)
-        if gen is None:
-            gen = next((g for g in self.last_of_slot.values() if g.req_id == req_id), None)
-        return gen
+    def generation(self, req_id: str) -> "Generation | Memo | None":
+        """A recent generation (or its memo, once done) by its engine req_id (for /slots' params); a later leg's
+        id ("<id>+<n>", after forced reasoning-budget ids) names its generation too."""
+        return self.recent.get(req_id.split("+", 1)[0])

@@ -12,6 +12,7 @@ from contextlib import aclosing
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from bloomery import workpool
 from bloomery.api import choices
 from bloomery.api.completion import llama_final
 from bloomery.api.params import Fields, GenParams, field_error, parse_gen_params
@@ -106,8 +107,7 @@ async def handle_chat(app: "App", req: Request) -> Response | StreamResponse:
     p = parse_gen_params(f, **app.gen_defaults(), allow_n_probs=False, n_max=choices.MAX_CHOICES,
                          n_probs_set=max(n_top, 1) if n_top >= 0 else 0)
     n = choices.read_n(f)
-    rendered = render_chat(app, f)
-    ids = app.encode_chat(rendered)
+    rendered, ids = await workpool.run(render_and_encode, app, f)
     treq, rs = read_tool_request(f.body), read_chat_reasoning(app, f)
     framing = framing_of(app.template.source)
     think_open = rs.extract and prompt_opens_think(rendered.text)
@@ -209,8 +209,17 @@ def _finish_reply(reply: Reply, finish_reason: str) -> list[dict]:
 
 async def handle_apply_template(app: "App", req: Request) -> Response:
     f = Fields(req.json())
+
+    def work() -> Response:
+        rendered = render_chat(app, f)
+        body: dict = {"prompt": rendered.text}
+        if f.bool("return_prompt_ids"):
+            body["prompt_ids"] = app.encode_chat(rendered)
+        return Response.json(body)
+    return await workpool.run(work)
+
+
+def render_and_encode(app: "App", f: Fields):
+    """(the rendered prompt, its guarded ids): the heavy part of a chat request, run off the loop."""
     rendered = render_chat(app, f)
-    body: dict = {"prompt": rendered.text}
-    if f.bool("return_prompt_ids"):
-        body["prompt_ids"] = app.encode_chat(rendered)
-    return Response.json(body)
+    return rendered, app.encode_chat(rendered)

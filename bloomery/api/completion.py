@@ -6,8 +6,9 @@ from contextlib import aclosing
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from bloomery import workpool
 from bloomery.api import choices
-from bloomery.api.generate import Outcome
+from bloomery.api.generate import HEAVY_TOP, Outcome
 from bloomery.api.params import Fields, GenParams, field_error, parse_gen_params
 from bloomery.api.prompts import read_prompts
 from bloomery.api.reasoning import read_reasoning, think_spec
@@ -18,13 +19,20 @@ if TYPE_CHECKING:
     from bloomery.api.context import ApiContext as App
 
 
-def prompt_ids(app: "App", f: Fields) -> list[int]:
-    """The one prompt of a route that takes one (several are refused by name)."""
-    got = read_prompts(app.tok, f.raw("prompt")[1] if f.raw("prompt") else None)
+async def prompt_ids(app: "App", f: Fields) -> list[int]:
+    """The one prompt of a route that takes one (several are refused by name); tokenized off the loop."""
+    got = await workpool.run(read_prompts, app.tok, f.raw("prompt")[1] if f.raw("prompt") else None)
     if len(got) > 1:
         raise field_error("prompt", f"{len(got)} prompts in one request are not supported here; "
                                     "send one prompt a request")
     return got[0]
+
+
+async def heavy_sse(obj: dict, n_probs: int) -> bytes:
+    """An SSE event; one carrying long probability tables is encoded off the loop, a slice at a time."""
+    if n_probs <= HEAVY_TOP:
+        return sse(obj)
+    return b"data: " + (await workpool.run(workpool.json_text, obj)).encode("utf-8") + b"\n\n"
 
 
 def response_fields(f: Fields) -> list[str]:
@@ -82,12 +90,13 @@ def with_think(app: "App", p: GenParams, rs, prompt_text: str) -> GenParams:
 async def handle_completion(app: "App", req: Request) -> Response | StreamResponse:
     f = Fields(req.json())
     raw = f.raw("prompt")
-    all_ids = read_prompts(app.tok, raw[1] if raw else None)
+    all_ids = await workpool.run(read_prompts, app.tok, raw[1] if raw else None)
     if len(all_ids) > choices.MAX_CHOICES:   # they go to the engine together, as n choices do
         raise field_error("prompt", f"{len(all_ids)} prompts in one request; at most {choices.MAX_CHOICES}")
     prompt = raw[1]
     # the prompt echoed back: the string as sent, else the ids decoded (one per prompt)
-    texts = [prompt if isinstance(prompt, str) else app.tok.decode(ids) for ids in all_ids]
+    texts = [prompt] * len(all_ids) if isinstance(prompt, str) else \
+        await workpool.run(lambda: [app.tok.decode(ids) for ids in all_ids])
     return await answer_llama(app, req, f, all_ids, texts)
 
 
@@ -104,7 +113,10 @@ async def answer_llama(app: "App", req: Request, f: Fields, all_ids: list[list[i
         bodies = [pick_fields(fields, {**llama_final(app, o, p, texts[i], streamed=False), "index": i})
                   for i, o in enumerate(outs)]
         # as llama-server: one prompt answers an object, several an array in prompt order
-        return Response.json(bodies if several else bodies[0])
+        if p.n_probs <= HEAVY_TOP:
+            return Response.json(bodies if several else bodies[0])
+        text = await workpool.run(workpool.json_text, bodies if several else bodies[0])
+        return Response(200, text.encode("utf-8"), [("content-type", "application/json; charset=utf-8")])
 
     async def chunks():
         try:
@@ -121,9 +133,10 @@ async def answer_llama(app: "App", req: Request, f: Fields, all_ids: list[list[i
                         chunk["timings"] = gens[i].outcome.timings()
                     if piece.progress is not None:
                         chunk["prompt_progress"] = piece.progress
-                    yield sse(chunk)
+                    yield await heavy_sse(chunk, p.n_probs)
             for i, g in enumerate(gens):
-                yield sse(pick_fields(fields, {**llama_final(app, g.outcome, p, texts[i], streamed=True), "index": i}))
+                yield await heavy_sse(pick_fields(fields, {**llama_final(app, g.outcome, p, texts[i], streamed=True),
+                                                           "index": i}), p.n_probs)
         except ApiError as e:
             yield sse(e.body())
     return StreamResponse(200, chunks(), app.sse_headers())
@@ -145,10 +158,10 @@ def _refuse_oai_completion_fields(f: Fields) -> None:
 async def handle_v1_completions(app: "App", req: Request) -> Response | StreamResponse:
     f = Fields(req.json())
     _refuse_oai_completion_fields(f)
-    ids = prompt_ids(app, f)
+    ids = await prompt_ids(app, f)
     p = parse_gen_params(f, **app.gen_defaults(), allow_n_probs=False, n_max=choices.MAX_CHOICES)
     n = choices.read_n(f)
-    p = with_think(app, p, read_reasoning(f), app.tok.decode(ids))
+    p = with_think(app, p, read_reasoning(f), await workpool.run(app.tok.decode, ids))
     gens = [app.start(req.path, ids, choices.choice_params(p, i)) for i in range(n)]
     cid, created = completion_id(), int(time.time())
     head = {"created": created, "model": app.model_name, "system_fingerprint": BUILD_INFO,

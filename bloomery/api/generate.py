@@ -14,6 +14,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable
 
+from bloomery import workpool
 from bloomery.api.params import GenParams
 from bloomery.api.reasoning import ThinkWatch
 from bloomery.api.stops import TextAssembler
@@ -21,6 +22,8 @@ from bloomery.engine.limits import finish_reason
 from bloomery.engine.sampler import FLOAT32_LOWEST, LLAMA_DEFAULT_SEED
 from bloomery.engine.types import EngineRequest, TokenOut
 from bloomery.http.types import ApiError
+
+HEAVY_TOP = 256     # a longer candidate table is rendered off the loop (bloomery/workpool.py)
 
 # llama-server's stop_type -> the reason word of the request log line (serving guide 8.2)
 LOG_REASON = {"eos": "eos", "word": "stop", "limit": "length", "none": "stop", "cancel": "cancel", "error": "error",
@@ -207,7 +210,9 @@ class Generation:
                     if o.token is not None and not (p.n_predict >= 0 and out.n_gen >= p.n_predict):
                         pending_ids.append(o.token)
                         if p.n_probs > 0 and o.logprob is not None:
-                            entry = prob_entry(self.tok, o.token, o.logprob, o.top, p.sampling.post_sampling_probs)
+                            entry = prob_entry(self.tok, o.token, o.logprob, o.top, p.sampling.post_sampling_probs) \
+                                if len(o.top) <= HEAVY_TOP else await workpool.run(
+                                    prob_entry, self.tok, o.token, o.logprob, o.top, p.sampling.post_sampling_probs)
                             out.probs.append(entry)
                             pending_probs.append(entry)
                         out.predicted_ms = (now - t_first) * 1e3

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from bloomery import workpool
 from bloomery.api.params import Fields
 from bloomery.http.types import Request, Response
 
@@ -19,14 +20,13 @@ if TYPE_CHECKING:
 def rendered_of(app: "App", chat_body: dict):
     """(the rendered prompt, its guarded ids) of an OpenAI chat body (messages, tools, chat_template_kwargs,
     reasoning_effort)."""
-    from bloomery.api.chat import render_chat      # chat.py owns rendering; imported late (it imports us not)
-    rendered = render_chat(app, Fields(chat_body))
-    return rendered, app.encode_chat(rendered)
+    from bloomery.api.chat import render_and_encode   # chat.py owns rendering; imported late (it imports us not)
+    return render_and_encode(app, Fields(chat_body))
 
 
-def prompt_ids_of(app: "App", chat_body: dict) -> list[int]:
-    """The guarded prompt ids of an OpenAI chat body."""
-    return rendered_of(app, chat_body)[1]
+async def prompt_ids_of(app: "App", chat_body: dict) -> list[int]:
+    """The guarded prompt ids of an OpenAI chat body, off the loop."""
+    return (await workpool.run(rendered_of, app, chat_body))[1]
 
 
 def _answer(n: int) -> Response:
@@ -35,11 +35,11 @@ def _answer(n: int) -> Response:
 
 async def handle_chat_input_tokens(app: "App", req: Request) -> Response:
     body = Fields(req.json()).body
-    return _answer(len(prompt_ids_of(app, body)))
+    return _answer(len(await prompt_ids_of(app, body)))
 
 
 async def handle_responses_input_tokens(app: "App", req: Request) -> Response:
     from bloomery.api.responses_convert import to_chat_body
     body = Fields(req.json()).body
     chat_body = to_chat_body(body, app.responses, for_count=True)
-    return _answer(len(prompt_ids_of(app, chat_body)))
+    return _answer(len(await prompt_ids_of(app, chat_body)))

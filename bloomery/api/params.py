@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from bloomery.api import limits
 from bloomery.engine.types import SamplingParams
 from bloomery.http.types import ApiError
 
@@ -216,6 +217,9 @@ def parse_gen_params(f: Fields, *, n_predict_default: int, n_vocab: int, eog_ids
     n_probs = n_probs_set
     if allow_n_probs:
         n_probs = f.int("n_probs", "logprobs", lo=0, hi=n_vocab) or 0   # llama-server's alias order
+        if n_probs > limits.MAX_N_PROBS:
+            raise field_error("n_probs", f"{n_probs} candidates a token is over this server's limit of "
+                                         f"{limits.MAX_N_PROBS} (bloomery.api.limits.MAX_N_PROBS; docs/security.md)")
     elif f.raw("n_probs") is not None:
         raise field_error("n_probs", "this route renders no probabilities (use /completion)")
     post = bool(f.bool("post_sampling_probs"))

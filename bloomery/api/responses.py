@@ -17,6 +17,7 @@ from contextlib import aclosing
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from bloomery import workpool
 from bloomery.api.chat import read_chat_reasoning, with_think_watch
 from bloomery.api.input_tokens import rendered_of
 from bloomery.api.params import Fields, field_error, parse_gen_params
@@ -52,17 +53,24 @@ def _chat_tool_choice(tc: object) -> object:
 class Run:
     """One response being made: its object, its generation, its output items."""
 
-    def __init__(self, app: "App", body: dict, path: str, *, store: bool, background: bool):
-        self.app, self.body, self.store, self.background = app, body, store, background
+    @classmethod
+    async def make(cls, app: "App", body: dict, path: str, *, store: bool, background: bool) -> "Run":
+        """The prompt rendered and tokenized off the loop (bloomery/workpool.py), then the Run."""
         chat = to_chat_body(body, app.responses)
         if "tool_choice" in chat:
             chat["tool_choice"] = _chat_tool_choice(chat["tool_choice"])
+        return cls(app, body, path, chat, await workpool.run(rendered_of, app, chat), store=store,
+                   background=background)
+
+    def __init__(self, app: "App", body: dict, path: str, chat: dict, rendered_ids, *, store: bool,
+                 background: bool):
+        self.app, self.body, self.store, self.background = app, body, store, background
         self.treq = tool_request(app, chat, "/v1/responses")
         self.p = parse_gen_params(Fields(chat), **app.gen_defaults(), allow_n_probs=False)
         # the chat body never streams: return_progress and timings_per_token follow the Responses body's stream
         streamed = body.get("stream") is True
         self.p = replace(self.p, return_progress=streamed and body.get("return_progress") is True)
-        rendered, ids = rendered_of(app, chat)
+        rendered, ids = rendered_ids
         # reasoning_loop (and the server's --reasoning-budget) watch the think span as on chat
         rs = read_chat_reasoning(app, Fields(chat))
         self.p = structured(app, self.p, chat, self.treq, rs, rendered.text, route_format="text.format")
@@ -155,7 +163,7 @@ async def handle_create(app: "App", req: Request) -> Response | StreamResponse:
         if full:
             err = ApiError(503, f"too many background responses running: {full}; retry later", "unavailable_error")
             return Response.json(err.body(), status=503, headers=[("retry-after", "5")])
-    run = Run(app, f.body, req.path, store=store, background=background)
+    run = await Run.make(app, f.body, req.path, store=store, background=background)
     if background:
         return _start_background(app, run)
     if not stream:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from bloomery.api.recent import Memo
 from bloomery.api.shapes import slot_params
 from bloomery.http.types import ApiError, Request, Response
 
@@ -37,13 +38,18 @@ def render_slot(app: "App", entry: dict) -> dict:
     out.update(id_task=entry["id_task"], n_prompt_tokens=entry["n_prompt_tokens"],
                n_prompt_tokens_processed=entry["n_prompt_tokens_processed"],
                n_prompt_tokens_cache=entry["n_prompt_tokens_cache"])
-    if gen is not None:                      # the front forgot it (long gone): no params rather than made-up ones
-        out["params"] = slot_params(gen.params)
+    if isinstance(gen, Memo):                # done: what the front kept of it (api/recent.py)
+        params, has_new_line = gen.params, gen.has_new_line
+    elif gen is not None:
+        params, has_new_line = slot_params(gen.params), "\n" in gen.current_text()
+    else:                                    # the front forgot it (long gone): no params rather than made-up ones
+        params, has_new_line = None, False
+    if params is not None:
+        out["params"] = params
     nxt = dict(entry["next_token"][0]) if entry.get("next_token") else {}
-    text = gen.current_text() if gen is not None else ""
     # an idle slot shows no budget: llama-server resets it when the task ends (its captured slots_after)
     busy = bool(entry["is_processing"])
-    out["next_token"] = [{"has_next_token": bool(nxt.get("has_next_token", False)), "has_new_line": "\n" in text,
+    out["next_token"] = [{"has_next_token": bool(nxt.get("has_next_token", False)), "has_new_line": has_new_line,
                           "n_remain": nxt.get("n_remain", -1) if busy else -1,
                           "n_decoded": nxt.get("n_decoded", 0) if busy else 0}]
     return out
@@ -66,7 +72,7 @@ async def handle_metrics(app: "App", req: Request) -> Response:
     table = await _slot_table(app)
     n_processing = sum(1 for e in table if e.get("is_processing"))
     # requests sent to the engine that no slot holds yet wait in its queue (llama-server's deferred)
-    n_in_flight = sum(1 for g in list(app.recent.values()) if g.state in ("queued", "running"))
+    n_in_flight = app.recent.n_in_flight()
     body = app.metrics.render(n_processing, max(n_in_flight - n_processing, 0))
     return Response(200, body.encode("utf-8"), [("content-type", "text/plain; version=0.0.4"),
                                                  ("process-start-time-unix", str(app.metrics.t_start))])

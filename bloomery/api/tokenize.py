@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from bloomery import workpool
 from bloomery.api.params import Fields, field_error
 from bloomery.http.types import ApiError, Request, Response
 
@@ -28,18 +29,26 @@ async def handle_tokenize(app: "App", req: Request) -> Response:
     add_special = f.bool("add_special")
     parse_special = f.bool("parse_special")
     with_pieces = f.bool("with_pieces")
-    ids = app.tok.encode(got[1], add_special=bool(add_special),
-                         parse_special=True if parse_special is None else parse_special)
-    if with_pieces:
-        tokens: list = [{"id": i, "piece": _piece_json(app.tok.token_to_piece(i, special=True))} for i in ids]
-    else:
-        tokens = list(ids)
-    return Response.json({"tokens": tokens})
+
+    def work() -> Response:      # off the loop: a long content is seconds of tokenizer work
+        ids = app.tok.encode(got[1], add_special=bool(add_special),
+                             parse_special=True if parse_special is None else parse_special)
+        if with_pieces:
+            tokens: list = [{"id": i, "piece": _piece_json(app.tok.token_to_piece(i, special=True))} for i in ids]
+        else:
+            tokens = list(ids)
+        body = workpool.json_text({"tokens": tokens}).encode("utf-8")
+        return Response(200, body, [("content-type", "application/json; charset=utf-8")])
+    return await workpool.run(work)
 
 
 async def handle_detokenize(app: "App", req: Request) -> Response:
     f = Fields(req.json())
     got = f.raw("tokens")
+    return await workpool.run(_detokenize, app, got)
+
+
+def _detokenize(app: "App", got) -> Response:
     ids: list[int] = []
     if got is not None:
         if not isinstance(got[1], list):

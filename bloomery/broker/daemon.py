@@ -85,7 +85,9 @@ class Broker:
         return changed
 
     # -- requests --------------------------------------------------------------------------
-    def answer(self, frames: list[bytes]) -> dict:
+    def answer(self, frames: list[bytes], peer: int | None = None) -> dict:
+        """One request; `peer` is the asking process's pid as the kernel saw it (SO_PEERCRED), None when the
+        transport cannot say (then nothing is checked)."""
         try:
             req = protocol.decode_request(frames)
         except protocol.RequestError as e:
@@ -94,14 +96,35 @@ class Broker:
         if req["op"] == "status":
             return self.status()
         if req["op"] == "release":
+            refusal = self.not_on_behalf(req, peer)
+            if refusal:
+                record("broker", "request refused", level="warning", peer_pid=peer, reason=refusal)
+                return protocol.refused(refusal)
             was = self.book.remove(req["id"])
             if was:
                 self.save()
                 record("broker", "released" if was == "lease" else "withdrawn", id=req["id"])
             return {"op": "released", "id": req["id"], "was": was}
-        return self.answer_need(req["id"], req["need"])
+        return self.answer_need(req["id"], req["need"], lambda: self.not_on_behalf(req, peer))
 
-    def answer_need(self, entry_id: str, raw: object) -> dict:
+    def not_on_behalf(self, req: dict, peer: int | None) -> str:
+        """Why the asking process may not act for the pid the request names ("" when it may): a need's pid,
+        or the pid of the entry a release names, must be in the asker's session (systemd makes every service
+        its own session; the need hook runs in its server's)."""
+        if peer is None:
+            return ""
+        if req["op"] == "need":
+            raw = req.get("need")
+            pid = raw.get("pid") if isinstance(raw, dict) else None
+        else:
+            found = self.book.find(req["id"])
+            pid = found[1].need.pid if found is not None else None
+        if not isinstance(pid, int) or isinstance(pid, bool) or procs.same_session(peer, pid):
+            return ""
+        return (f"request {req['op']} {req['id']!r}: process {peer} asks for process {pid}, which is not in its "
+                "session; a lease is taken and released by its own process or its need hook")
+
+    def answer_need(self, entry_id: str, raw: object, on_behalf=lambda: "") -> dict:
         found = self.book.find(entry_id)
         if found is None:
             try:
@@ -109,6 +132,9 @@ class Broker:
                 started = procs.start_time(need.pid)
                 if started is None:
                     raise NeedError(f"need field 'pid': {need.pid} is not a live process")
+                refusal = on_behalf()      # the asker may name only a process of its own session
+                if refusal:
+                    raise NeedError(refusal)
                 self.book.enqueue(entry_id, need, started, time.time())
             except NeedError as e:
                 record("broker", "need refused", level="warning", id=entry_id, reason=str(e))
@@ -182,12 +208,12 @@ class Broker:
 
     def one_request(self, sock: zmq.Socket) -> None:
         try:
-            frames = sock.recv_multipart(zmq.NOBLOCK)
+            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return
-        ident, body = frames[0], frames[1:]
+        ident, body = frames[0].bytes, [f.bytes for f in frames[1:]]
         try:
-            reply = self.answer(body)
+            reply = self.answer(body, protocol.peer_pid(frames[-1]))
         except Exception as e:        # a bug must not take the broker down: name it, keep serving
             record("broker", "request failed", level="error", error=f"{type(e).__name__}: {e}")
             reply = protocol.refused(f"broker error: {type(e).__name__}: {e}")

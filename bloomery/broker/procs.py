@@ -10,6 +10,8 @@ holds the memory; it dies with the supervisor through PDEATHSIG, a moment later)
 """
 from __future__ import annotations
 
+import os
+
 import psutil
 
 START_TOLERANCE_S = 0.005     # psutil derives start times from clock ticks (10 ms); one process reads the same
@@ -55,3 +57,11 @@ def entry_alive(entry) -> bool:
     if same_process(entry.need.pid, entry.start_time):
         return True
     return any(same_process(p, t) for p, t in entry.kids)
+
+
+def same_session(pid_a: int, pid_b: int) -> bool:
+    """Both processes live and in one session (os.getsid)."""
+    try:
+        return os.getsid(pid_a) == os.getsid(pid_b)
+    except OSError:
+        return False

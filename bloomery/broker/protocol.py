@@ -54,3 +54,16 @@ def encode(obj: dict) -> bytes:
 
 def refused(reason: str) -> dict:
     return {"op": "refused", "reason": reason}
+
+
+def peer_pid(frame) -> int | None:
+    """The sending process's pid of a frame received on an ipc:// socket: libzmq reads SO_PEERCRED and puts
+    ":uid:gid:pid" at the end of the frame's Peer-Address; None where it does not (not Linux)."""
+    try:
+        address = frame.get("Peer-Address")
+    except Exception:        # no such property on this libzmq
+        return None
+    parts = str(address).rsplit(":", 3)
+    if len(parts) != 4 or not parts[3].isdigit():
+        return None
+    return int(parts[3])

@@ -17,7 +17,7 @@ import h11
 
 from .respond import PeerGone, ResponseWriter, where
 from .types import ApiError, Request, Response, StreamResponse
-from .wire import ACCEPTED_ENCODINGS, build_request, declared_length, decode_body, error_response, peer_text
+from .wire import ACCEPTED_ENCODINGS, build_request, client_of, declared_length, decode_body, error_response, peer_text
 
 READ_BYTES = 64 << 10
 LINGER_S = 5.0          # after an early answer, how long the unread rest of a request is discarded
@@ -53,8 +53,10 @@ class Connection(ResponseWriter):
         self.server = server
         self.reader, self.writer = reader, writer
         self.peer = peer_text(writer.get_extra_info("peername"))
+        self.client = client_of(writer)   # the address without the port (the per-client bound counts it)
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=server.max_header_bytes)
         self.idle = False            # waiting for a request with nothing buffered: close() may end it
+        self.idle_since = 0.0        # when it last became idle (the server reclaims the longest idle first)
         self.peer_gone = False
         self.task: asyncio.Task | None = None
         sock = writer.get_extra_info("socket")
@@ -129,6 +131,7 @@ class Connection(ResponseWriter):
                 return None
             deadline = header_deadline or idle_deadline
             self.idle = header_deadline is None
+            self.idle_since = time.monotonic()
             if self.idle and srv.closing:
                 return None
             data = await self._read(deadline - time.monotonic())

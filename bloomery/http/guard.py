@@ -13,14 +13,20 @@ elsewhere (--host 0.0.0.0, a LAN address) is meant to be reached by other names
 and is not checked. llama-server has no such check; a loopback client always
 sends one of these names unless it was configured to lie.
 
-CORS: llama-server's defaults (--cors-origins "*", credentials on): every
-answer echoes the request's Origin in Access-Control-Allow-Origin, and OPTIONS
-is answered 200 with an empty body and the allowed methods and headers.
+CORS (llama-server's flags --cors-origins, --cors-methods, --cors-headers,
+--cors-credentials): "*" answers `Access-Control-Allow-Origin: *` and never allows
+credentials (llama-server echoes the Origin with credentials there, which lets any page
+send the browser's credentials); "localhost" echoes an Origin on localhost, 127.0.0.1 or
+[::1]; a list echoes an Origin in it (with `Vary: Origin`). Without --cors-origins the
+default is "localhost" when no API key is set (any web page could otherwise drive a
+keyless server through the visitor's browser) and "*" with a key. OPTIONS is answered
+200 with an empty body and the allowed methods and headers.
 """
 from __future__ import annotations
 
 import hmac
 import ipaddress
+from dataclasses import dataclass
 
 CORS_METHODS = "GET, POST, DELETE, OPTIONS"
 CORS_HEADERS = "*"
@@ -75,6 +81,14 @@ def host_refusal(listen_host: str, headers: dict[str, str]) -> str | None:
             "start it with --host 0.0.0.0 (and an API key) to serve it under other names")
 
 
+@dataclass(frozen=True)
+class Cors:
+    origins: str = "localhost"
+    methods: str = CORS_METHODS
+    headers: str = CORS_HEADERS
+    credentials: bool = True
+
+
 def origin_allowed(origin: str, origins: str = "*") -> bool:
     """--cors-origins: "*" any origin; "localhost" an origin whose host is localhost, 127.0.0.1 or
     [::1] (any scheme and port); else a comma list of exact origins."""
@@ -90,16 +104,22 @@ def origin_allowed(origin: str, origins: str = "*") -> bool:
     return origin in {o.strip() for o in origins.split(",") if o.strip()}
 
 
-def cors_headers(headers: dict[str, str], origins: str = "*") -> list[tuple[str, str]]:
-    """What every answer carries: the Origin echoed when --cors-origins allows it (llama-server's
-    default "*", with credentials)."""
+def cors_headers(headers: dict[str, str], cors: Cors) -> list[tuple[str, str]]:
+    """What every answer carries: `*` under --cors-origins "*", else the Origin echoed when allowed."""
+    if cors.origins.strip() == "*":
+        return [("access-control-allow-origin", "*")]
     origin = headers.get("origin")
-    if not origin or not origin_allowed(origin, origins):
-        return []
-    return [("access-control-allow-origin", origin)]
+    if not origin or not origin_allowed(origin, cors.origins):
+        return [("vary", "Origin")]
+    return [("access-control-allow-origin", origin), ("vary", "Origin")]
 
 
-def preflight_headers(headers: dict[str, str], origins: str = "*") -> list[tuple[str, str]]:
-    """OPTIONS' answer headers, as llama-server writes them."""
-    return [*cors_headers(headers, origins), ("access-control-allow-credentials", "true"),
-            ("access-control-allow-methods", CORS_METHODS), ("access-control-allow-headers", CORS_HEADERS)]
+def credentials_allowed(cors: Cors) -> bool:
+    return cors.credentials and cors.origins.strip() != "*"
+
+
+def preflight_headers(headers: dict[str, str], cors: Cors) -> list[tuple[str, str]]:
+    """OPTIONS' answer headers, as llama-server writes them (credentials never beside `*`)."""
+    return [*cors_headers(headers, cors),
+            ("access-control-allow-credentials", "true" if credentials_allowed(cors) else "false"),
+            ("access-control-allow-methods", cors.methods), ("access-control-allow-headers", cors.headers)]

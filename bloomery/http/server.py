@@ -6,7 +6,11 @@
     server.close(); await server.wait_closed()           # in-flight answers finish, up to drain_timeout_s
 
 One task per connection (connection.py); an idle keep-alive connection is a
-task parked on a read. Past max_connections a new connection gets 503 at once.
+task parked on a read. Past max_connections a new connection closes the
+connection idle longest (so idle connections never lock anyone out); when none
+is idle, or past max_per_client connections from one address, the new one gets
+503, except a GET of a RESERVED_PATHS route (/health, /metrics), which is still
+answered, on up to n_reserved connections at once.
 The log hook is called as log(event, level=..., **kv) (level: "error" for handler
 bugs, "warning", else left out = info), e.g. functools.partial(record, phase).
 
@@ -25,8 +29,9 @@ from typing import Awaitable, Callable
 
 from .connection import LINGER_S, Connection
 from .types import Request, Response, StreamResponse
-from .wire import error_response, raw_response
+from .wire import client_of, error_response, peer_text, raw_response
 
+RESERVED_PATHS = ("/health", "/v1/health", "/metrics")
 Dispatch = Callable[[Request], Awaitable["Response | StreamResponse"]]
 Precheck = Callable[[Request], "Response | None | Awaitable[Response | None]"]
 
@@ -35,12 +40,13 @@ class HttpServer:
     def __init__(self, dispatch: Dispatch, *, max_body_bytes: int = 64 << 20, max_header_bytes: int = 64 << 10,
                  header_timeout_s: float = 30, idle_timeout_s: float = 60, body_timeout_s: float = 60,
                  write_timeout_s: float = 60, max_connections: int = 1024, drain_timeout_s: float = 30,
-                 precheck: Precheck | None = None, server_header: str = "llama.cpp",
+                 max_per_client: int = 256, n_reserved: int = 64, precheck: Precheck | None = None, server_header: str = "llama.cpp",
                  log: Callable[..., None] | None = None):
         for name, value in (("max_body_bytes", max_body_bytes), ("max_header_bytes", max_header_bytes),
                             ("header_timeout_s", header_timeout_s), ("idle_timeout_s", idle_timeout_s),
                             ("body_timeout_s", body_timeout_s), ("write_timeout_s", write_timeout_s),
-                            ("max_connections", max_connections), ("drain_timeout_s", drain_timeout_s)):
+                            ("max_connections", max_connections), ("drain_timeout_s", drain_timeout_s),
+                            ("max_per_client", max_per_client), ("n_reserved", n_reserved)):
             if not value > 0:
                 raise ValueError(f"HttpServer {name}={value!r}: it must be above 0")
         self.dispatch = dispatch
@@ -53,6 +59,10 @@ class HttpServer:
         self.body_timeout_s = body_timeout_s
         self.write_timeout_s = write_timeout_s
         self.max_connections = max_connections
+        self.max_per_client = max_per_client
+        self.n_reserved = n_reserved
+        self._n_reserved_open = 0
+        self._per_client: dict[str, int] = {}
         self.drain_timeout_s = drain_timeout_s
         self.server_header = server_header
         self._log = log
@@ -99,9 +109,12 @@ class HttpServer:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, listen: str = "") -> None:
         task = asyncio.current_task()
         self._tasks.add(task)
+        client = client_of(writer)
+        self._per_client[client] = self._per_client.get(client, 0) + 1
         try:
-            if len(self._tasks) > self.max_connections or self.closing:
-                await self._refuse(reader, writer)
+            over = self._over_bound(client)
+            if over or self.closing:
+                await self._refuse(reader, writer, over)
                 return
             conn = Connection(self, reader, writer)
             conn.listen_host = listen or self.listen_host
@@ -111,21 +124,51 @@ class HttpServer:
             finally:
                 self._conns.discard(conn)
         except asyncio.CancelledError:
+            # the connection's own task, ended (close(), the drain bound): it ends here. Raising on would have
+            # asyncio's start_server callback print the CancelledError as a traceback at every shutdown.
             writer.close()
-            raise
         except Exception as e:   # a transport bug: this connection ends, the server keeps serving
             self.log("http connection error", level="error", error=repr(e), exc_info=e)
             writer.close()
         finally:
             self._tasks.discard(task)
+            self._per_client[client] -= 1
+            if not self._per_client[client]:
+                del self._per_client[client]
 
-    async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _over_bound(self, client: str) -> str:
+        """Which bound a new connection from `client` is over ("" when none), once the connection idle
+        longest (of this client, when it is over its own bound) was closed to make room."""
+        if self._per_client[client] > self.max_per_client:
+            if self._reclaim_idle(client):
+                return ""
+            return f"max_per_client={self.max_per_client} (connections from one address)"
+        if len(self._tasks) > self.max_connections + self._n_reserved_open:
+            if self._reclaim_idle(None):
+                return ""
+            return f"max_connections={self.max_connections}"
+        return ""
+
+    def _reclaim_idle(self, client: str | None) -> bool:
+        idle = [c for c in self._conns if c.idle and c.task is not None and not c.task.done()
+                and (client is None or c.client == client)]
+        if not idle:
+            return False
+        oldest = min(idle, key=lambda c: c.idle_since)
+        oldest.idle = False
+        oldest.writer.close()           # its read sees the end of the stream; the connection ends as usual
+        self.log("http idle connection closed to make room", peer=oldest.peer, n_open=len(self._tasks))
+        return True
+
+    async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, over: str = "") -> None:
         if self.closing:
             response = error_response(503, "Server is shutting down", "unavailable_error")
         else:
-            response = error_response(503, f"Too many open connections: the bound is max_connections="
-                                           f"{self.max_connections}", "unavailable_error", [("retry-after", "1")])
-            self.log("http connection refused", n_open=len(self._tasks) - 1, max_connections=self.max_connections)
+            if self._n_reserved_open < self.n_reserved and await self._answer_reserved(reader, writer):
+                return
+            response = error_response(503, f"Too many open connections: the bound is {over}",
+                                      "unavailable_error", [("retry-after", "1")])
+            self.log("http connection refused", n_open=len(self._tasks) - 1, bound=over)
         try:
             async with asyncio.timeout(LINGER_S):
                 writer.write(raw_response(response, server_header=self.server_header))
@@ -138,6 +181,41 @@ class HttpServer:
             pass
         finally:
             writer.close()
+
+    async def _answer_reserved(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """Past the bounds, a GET of a RESERVED_PATHS route is still answered (then the connection closes);
+        False when the request is another (its head is then refused with the 503)."""
+        self._n_reserved_open += 1
+        try:
+            head = b""
+            async with asyncio.timeout(LINGER_S):
+                while b"\r\n\r\n" not in head and len(head) < 8192:
+                    data = await reader.read(8192)
+                    if not data:
+                        break
+                    head += data
+            request = parse_reserved(head, peer_text(writer.get_extra_info("peername")), self.listen_host)
+            if request is None:
+                return False
+            response = None
+            if self.precheck is not None:
+                response = self.precheck(request)
+                if asyncio.iscoroutine(response):
+                    response = await response
+            if response is None:
+                response = await self.dispatch(request)
+            if not isinstance(response, Response):
+                return False
+            async with asyncio.timeout(LINGER_S):
+                writer.write(raw_response(response, server_header=self.server_header))
+                await writer.drain()
+            writer.close()
+            return True
+        except (TimeoutError, ConnectionError):
+            writer.close()
+            return True
+        finally:
+            self._n_reserved_open -= 1
 
     def close(self) -> None:
         """Stop accepting; idle keep-alive connections close now, busy ones after their answer."""
@@ -164,3 +242,20 @@ class HttpServer:
                 await asyncio.wait(pending)
         for one in getattr(self, "_servers", []):
             await one.wait_closed()
+
+
+def parse_reserved(head: bytes, peer: str, listen: str) -> Request | None:
+    """A request head that is a GET of a RESERVED_PATHS route -> its Request (no body); else None."""
+    lines = head.split(b"\r\n\r\n", 1)[0].split(b"\r\n")
+    parts = lines[0].split(b" ")
+    if len(parts) != 3 or parts[0] not in (b"GET", b"HEAD"):
+        return None
+    path = parts[1].decode("latin-1").split("?", 1)[0]
+    if path not in RESERVED_PATHS:
+        return None
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(b":")
+        if sep:
+            headers[name.decode("latin-1").strip().lower()] = value.decode("latin-1").strip()
+    return Request("GET", path, {}, headers, b"", peer=peer, listen=listen)

@@ -45,9 +45,15 @@ class Request:
     body: bytes
     peer: str = ""                      # client address, for logs and loopback checks
     listen: str = ""                    # the address the server listens on (the Host guard's "bound to loopback")
+    parsed: object = field(default=None, repr=False)   # the body's JSON once parsed (bloomery/workpool.py)
+    parse_error: str | None = field(default=None, repr=False)   # why it is not JSON, once that is known
 
     def json(self) -> object:
         """The body as JSON, or ApiError 400 naming the problem."""
+        if self.parsed is not None:
+            return self.parsed
+        if self.parse_error is not None:
+            raise ApiError(400, self.parse_error, "invalid_request_error")
         try:
             obj = json.loads(self.body.decode("utf-8") if self.body else "")
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -56,8 +62,11 @@ class Request:
             raise ApiError(400, "Failed to parse the request body as JSON: it nests arrays or objects deeper "
                                 f"than this server reads (about {sys.getrecursionlimit() - 100} levels)",
                            "invalid_request_error") from None
+        except ValueError as e:  # an integer literal past sys.get_int_max_str_digits() (4,300 digits)
+            raise ApiError(400, f"Failed to parse the request body as JSON: {e}", "invalid_request_error") from None
         if _SURROGATE_ESCAPE.search(self.body):
             _refuse_lone_surrogates(obj)
+        self.parsed = obj
         return obj
 
 

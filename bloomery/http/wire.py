@@ -120,3 +120,9 @@ def decode_body(request: Request, max_body_bytes: int) -> None:
         del request.headers["content-encoding"]  # handlers see the body as sent plain
         return
     raise ApiError(400, f"Request body does not decode as Content-Encoding {codings[0]}: {last_error}")
+
+
+def client_of(writer) -> str:
+    """The peer's address without its port: what max_per_client counts ("" for a Unix socket)."""
+    peer = writer.get_extra_info("peername")
+    return str(peer[0]) if isinstance(peer, tuple) and peer else ""

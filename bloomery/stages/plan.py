@@ -57,8 +57,13 @@ def check_ngl(ngl: str | None, n_layer: int) -> None:
 def make(args: dict, gf, census):
     """(the Plan for these settings, why this backend); PlanError / StageRefusal name what does not fit.
     --parallel auto is bloomery.plan's own rule (make_plan takes n_parallel="auto")."""
+    from bloomery.header_check import HeaderError, check_header
     from bloomery.plan import PlanError, make_plan, model_facts
 
+    try:   # every hyperparameter's range and every tensor's presence, type and shape, before any allocation
+        check_header(gf.path, gf.metadata, gf.tensors)
+    except HeaderError as e:
+        raise StageRefusal(str(e)) from None
     facts = model_facts(gf)
     check_ngl(args.get("ngl"), facts.n_layer)
     backend, why = choose_backend(args.get("device", "auto"), census.card_free_bytes, args.get("card"),
@@ -91,6 +96,8 @@ def main(args: dict) -> int:
         plan, backend_why = make(args, gf, census)
         name = gf.get("general.name")
         meta = model_meta(gf)
+    except GGUFError as e:    # a header value the reader checks only when it is asked for (general.architecture)
+        raise StageRefusal(str(e)) from None
     finally:
         gf.close()
     recs = []

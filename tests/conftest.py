@@ -20,9 +20,10 @@ def load_tool(name: str):
     return mod
 
 
-# fixtures that read the real model file: a test using one is real_model, marked or not, so the fast
-# tier (-m "not slow and not real_model") never fetches the file; one that needs llama.cpp's source
-# tree (a 180 MB unpack on first use) is slow for the same reason
+# fixtures that read the real model file: a test using one is real_model, marked or not (the marker's
+# meaning), so the fast tier (-m "not slow and not real_model") leaves it out; one that needs llama.cpp's
+# source tree (a 180 MB unpack on first use) is slow. (make_synthetic still borrows the real file's
+# tokenizer keys where no tokenizer_from is given: test_models' synthetic files fetch it once.)
 REAL_MODEL_FIXTURES = {"real_model_path", "tokenizer_source"}
 DOWNLOAD_FIXTURES = {"llama_cpp_src"}
 

@@ -20,6 +20,8 @@ from test_systemd_units import ANALYZE, scratch_root, verify
 REPO = Path(__file__).resolve().parents[1]
 VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 VENV = "opt/bloomery/venv"
+# what the package's own python runs with: a caller's PYTHONPATH (a source tree) would be imported instead
+PACKAGE_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("dpkg-deb") is None, reason="dpkg-deb is not installed (a Debian host)")]
 
@@ -100,10 +102,10 @@ def test_serve_version_runs_from_the_scratch_root(scratch, tmp_path):
     """The package's own venv and script, its python reading the scratch tree's site-packages."""
     py = scratch / VENV / "bin/python"
     out = subprocess.run([str(py), str(scratch / "usr/bin/bloomery-serve"), "--version"], capture_output=True,
-                         text=True, cwd=tmp_path, timeout=60)
+                         text=True, cwd=tmp_path, timeout=60, env=PACKAGE_ENV)
     assert out.returncode == 0 and out.stdout == f"bloomery-serve {VERSION}\n", out.stderr
     where = subprocess.run([str(py), "-c", "import bloomery; print(bloomery.__file__)"], capture_output=True,
-                           text=True, cwd=tmp_path).stdout.strip()
+                           text=True, cwd=tmp_path, env=PACKAGE_ENV).stdout.strip()
     assert where.startswith(str(scratch / VENV))
 
 
@@ -111,7 +113,7 @@ def _in_namespace(scratch: Path, script: str) -> subprocess.CompletedProcess:
     """Run `script` where /opt/bloomery is the package's (a private mount namespace, as root)."""
     setup = f"mount -t tmpfs none /opt && mkdir /opt/bloomery && mount --bind {scratch}/opt/bloomery /opt/bloomery"
     out = subprocess.run(["unshare", "-m", "sh", "-c", f"{setup} || exit 99; {script}"], capture_output=True,
-                         text=True, timeout=60)
+                         text=True, timeout=60, env=PACKAGE_ENV)
     if out.returncode == 99 or "unshare failed" in out.stderr:
         pytest.skip(f"no private mount namespace here (unshare -m as root): {out.stderr.strip()[:200]}")
     return out

@@ -2,21 +2,25 @@
 # Build bloomery_<version>_<arch>.deb from the working tree with dpkg-deb (docs/service.md).
 #
 #   packaging/build-deb.sh [--out DIR] [--python PY] [--no-deps] [--system-site-packages] [--wheels DIR]
+#                          [--compress xz|gzip|none]
 #
 # The package carries:
 #   /opt/bloomery/venv                      the application in a virtualenv (pip, from this tree)
 #   /usr/bin/bloomery-serve, bloomery-broker   links into the venv
 #   /usr/lib/bloomery/bloomery-need         the need hook (hooks/bloomery-need, run by the venv's python)
 #   /lib/systemd/system/                    bloomery@.service, bloomery@.socket, bloomery-broker.service
+#   /usr/lib/bloomery/backoff/              the restart back-off drop-ins (systemd >= 254) and their installer
 #   /etc/bloomery/example.json              an example instance config (a conffile)
 #   /usr/share/doc/bloomery/service.md
-# postinst creates the static user and group bloomery and reloads systemd when it runs.
+# postinst creates the static user and group bloomery, installs the back-off drop-ins where systemd
+# knows their keys (again on a systemd upgrade: DEBIAN/triggers) and reloads systemd when it runs.
 #
 # --python PY: the venv's base interpreter (default /usr/bin/python3). The venv links to it,
 #   so the target host needs the same interpreter at the same path: use the distribution's.
-# --no-deps: install bloomery alone (fast; tests). Its dependencies must then come from
+# --no-deps: install bloomery alone (fast). Its dependencies must then come from
 #   --system-site-packages or be installed into /opt/bloomery/venv later.
 # --wheels DIR: install from the wheels in DIR only (an offline build).
+# --compress: dpkg-deb's compressor (default xz; none builds fastest, for tests).
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -25,6 +29,7 @@ PY=/usr/bin/python3
 NO_DEPS=0
 SYSTEM_SITE=0
 WHEELS=
+COMPRESS=xz
 PREFIX=/opt/bloomery
 VENV=$PREFIX/venv
 
@@ -37,11 +42,13 @@ while [ $# -gt 0 ]; do
         --no-deps) NO_DEPS=1; shift ;;
         --system-site-packages) SYSTEM_SITE=1; shift ;;
         --wheels) WHEELS=$2; shift 2 ;;
-        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+        --compress) COMPRESS=$2; shift 2 ;;
+        -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
         *) die "unknown argument '$1' (see --help)" ;;
     esac
 done
 
+case "$COMPRESS" in xz|gzip|none) ;; *) die "--compress $COMPRESS: one of xz, gzip, none" ;; esac
 command -v dpkg-deb >/dev/null || die "dpkg-deb not found (apt-get install dpkg)"
 [ -x "$PY" ] || die "--python $PY: not an executable interpreter"
 PY_MM=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
@@ -78,7 +85,9 @@ pip_flags=(--no-compile --disable-pip-version-check --no-warn-script-location -q
 [ "$NO_DEPS" = 1 ] && pip_flags+=(--no-deps)
 [ -n "$WHEELS" ] && pip_flags+=(--no-index --find-links "$WHEELS")
 "$PIP_PY" -m pip wheel -q --no-deps --disable-pip-version-check -w "$WORK/wheel" "$WORK/src" >&2
-"$PIP_PY" -m pip --python "$ROOT$VENV/bin/python" install "${pip_flags[@]}" "$WORK"/wheel/bloomery-*.whl >&2
+# the caller's PYTHONPATH (a source tree, its bloomery.egg-info) would make pip call bloomery installed
+(cd "$WORK" && env -u PYTHONPATH "$PIP_PY" -m pip --python "$ROOT$VENV/bin/python" install "${pip_flags[@]}" \
+    "$WORK"/wheel/bloomery-*.whl >&2)
 for script in bloomery-serve bloomery-broker; do
     [ -x "$ROOT$VENV/bin/$script" ] || die "the wheel installs no '$script' console script ([project.scripts] in pyproject.toml)"
 done
@@ -104,6 +113,10 @@ chmod 0755 "$ROOT/usr/lib/bloomery/bloomery-need"
 for unit in bloomery@.service bloomery@.socket bloomery-broker.service; do
     install -m 0644 "$REPO/units/$unit" "$ROOT/lib/systemd/system/$unit"
 done
+for unit in bloomery@.service bloomery-broker.service; do
+    install -D -m 0644 "$REPO/units/backoff/$unit.d/backoff.conf" "$ROOT/usr/lib/bloomery/backoff/$unit.d/backoff.conf"
+done
+install -m 0755 "$REPO/units/backoff/install" "$ROOT/usr/lib/bloomery/backoff/install"
 install -m 0644 "$REPO/packaging/example.json" "$ROOT/etc/bloomery/example.json"
 install -m 0644 "$REPO/docs/service.md" "$ROOT/usr/share/doc/bloomery/service.md"
 
@@ -111,6 +124,7 @@ install -m 0644 "$REPO/docs/service.md" "$ROOT/usr/share/doc/bloomery/service.md
 install -d "$ROOT/DEBIAN"
 install -m 0755 "$REPO/packaging/debian/postinst" "$REPO/packaging/debian/prerm" "$REPO/packaging/debian/postrm" \
     "$ROOT/DEBIAN/"
+install -m 0644 "$REPO/packaging/debian/triggers" "$ROOT/DEBIAN/triggers"
 echo /etc/bloomery/example.json > "$ROOT/DEBIAN/conffiles"
 SIZE_KB=$(du -sk --exclude=DEBIAN "$ROOT" | cut -f1)
 DEPENDS="python$PY_MM, adduser"
@@ -132,5 +146,5 @@ EOF
 
 mkdir -p "$OUT"
 DEB=$OUT/bloomery_${VERSION}_${ARCH}.deb
-dpkg-deb --root-owner-group -Zxz --build "$ROOT" "$DEB" >&2
+dpkg-deb --root-owner-group "-Z$COMPRESS" --build "$ROOT" "$DEB" >&2
 echo "$DEB"

@@ -20,8 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from serve_proc import Served
-
 GOLDEN = Path(__file__).parent / "golden" / "chat"
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 REQUESTS = json.loads((GOLDEN / "requests.json").read_text())
@@ -29,9 +27,8 @@ EXPECTED = json.loads((GOLDEN / "expected.json").read_text())
 
 
 @pytest.fixture(scope="module")
-def server(real_model_path):
-    with Served("-m", str(real_model_path), "-c", "4096") as s:
-        yield s
+def server(real_server):
+    return real_server        # the session's one server (conftest.py); the prompts are ~100 tokens
 
 
 def post(server, path: str, body: dict) -> dict:

@@ -6,16 +6,13 @@ import anthropic
 import pytest
 import requests
 
-from serve_proc import Served
-
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 Q = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
 
 
 @pytest.fixture(scope="module")
-def server(real_model_path):
-    with Served("-m", str(real_model_path), "-c", "1024") as s:
-        yield s
+def server(real_server):
+    return real_server        # the session's one server (conftest.py: -c 1024 --metrics)
 
 
 @pytest.fixture(scope="module")

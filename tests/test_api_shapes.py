@@ -10,25 +10,20 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from pathlib import Path
 
 import pytest
 
 from bloomery.api.app import App
 from bloomery.engine.types import ModelInfo, TokenOut, TokenProb
 from bloomery.http.types import Request, Response, StreamResponse
-
-REF = Path(__file__).resolve().parents[2] / "shared" / "reference" / "llama-server-qwen25"   # ../shared beside the repo
+from captures import CAPTURES, request, response, status as ref_status
 
 
 def load_case(name: str) -> tuple[dict, int, object]:
     """A reference case: (its request, its status, its body as JSON or a list of SSE events)."""
-    if not REF.is_dir():
-        pytest.skip(f"reference captures not found at {REF}")
-    req = json.loads((REF / f"{name}.request.json").read_text())
-    status = json.loads((REF / f"{name}.meta.json").read_text())["status"]
-    sse = REF / f"{name}.response.sse.txt"
-    body = parse_sse(sse.read_bytes()) if sse.exists() else json.loads((REF / f"{name}.response.json").read_text())
+    req, status = request(name), ref_status(name)
+    sse = CAPTURES / f"{name}.response.sse.txt"
+    body = parse_sse(sse.read_bytes()) if sse.exists() else response(name)
     return req, status, body
 
 

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import zmq
 
@@ -30,6 +31,7 @@ class BrokerProc:
         self.env = {**os.environ, "BLOOMERY_BROKER_DIR": str(tmp / "run"), "BLOOMERY_BROKER_STATE": str(tmp / "state")}
         self.sock = tmp / "run" / "broker.sock"
         self.proc = None
+        self.hooks: list[subprocess.Popen] = []
 
     def start(self) -> "BrokerProc":
         self.log = open(self.tmp / "broker.log", "ab")
@@ -64,6 +66,7 @@ class BrokerProc:
                              stderr=subprocess.PIPE, text=False)
         p.stdin.write(record if isinstance(record, bytes) else json.dumps(record).encode())
         p.stdin.close()
+        self.hooks.append(p)
         return p
 
     def stop(self, sig=signal.SIGTERM):
@@ -71,12 +74,38 @@ class BrokerProc:
             self.proc.send_signal(sig)
             self.proc.wait(10)
 
+    def close(self):
+        """stop() and reap every hook this broker was asked through: one still queued waits for a grant
+        forever (hooks outlive a broker restart), so it gets SIGTERM, as systemd would send it."""
+        self.stop()
+        for p in self.hooks:
+            if p.poll() is None:
+                p.terminate()
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            p.stderr.close()
+
 
 @pytest.fixture
 def broker(tmp_path):
     b = BrokerProc(tmp_path).start()
     yield b
-    b.stop()
+    b.close()
+
+
+@pytest.fixture(autouse=True)
+def no_process_left():
+    """Every process a test started is gone when it ends (a left hook would wait for its grant forever);
+    those alive before it (a session's shared server) are not its."""
+    def alive() -> dict[int, psutil.Process]:
+        return {c.pid: c for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE}
+    before = alive()
+    yield
+    left = [(pid, c.cmdline()) for pid, c in alive().items() if pid not in before]
+    assert not left, f"processes left behind: {left}"
 
 
 @pytest.fixture
@@ -189,7 +218,7 @@ def test_broker_sigkill_mid_queue_keeps_leases_and_queue_order(tmp_path, holders
         events = [e["event"] for e in lines(hx)]
         assert events[0] == "queued" and events[-1] == "granted" and "refused" not in events
     finally:
-        b.stop()
+        b.close()
 
 
 def test_a_reused_pid_does_not_keep_a_lease(tmp_path, holders):
@@ -207,7 +236,7 @@ def test_a_reused_pid_does_not_keep_a_lease(tmp_path, holders):
     try:
         wait_for(lambda: b.status()["leases"] == [], 5, "the stale lease to go")
     finally:
-        b.stop()
+        b.close()
 
 
 def test_hook_stopped_while_queued_withdraws_its_need(broker, holders):
@@ -241,7 +270,7 @@ def test_a_second_broker_and_a_broken_state_are_refused_by_name(tmp_path):
         assert out.returncode == 1 and f"another broker answers at {b.sock}" in out.stderr
         assert b.status()["op"] == "status"                    # the first one still serves
     finally:
-        b.stop()
+        b.close()
     (tmp_path / "state" / "state.json").write_text('{"version": 1, "leases": [{"id": "x"}]}')
     out = subprocess.run([sys.executable, "-m", "bloomery.broker.cli", "--config", str(b.cfg)], env=b.env,
                          cwd=REPO, capture_output=True, text=True, timeout=20)

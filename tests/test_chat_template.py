@@ -9,10 +9,10 @@ import pytest
 from bloomery import chat_template as ct
 from bloomery.chat_template import sandbox
 from bloomery.chat_template import ChatTemplate, TemplateError, encode_segments, template_args
+import captures
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "golden" / "templates"
-REFERENCE = REPO.parent / "shared" / "reference" / "llama-server-qwen25"
 IM_START, IM_END = 151644, 151645   # Qwen2.5's <|im_start|>, <|im_end|>
 
 
@@ -50,10 +50,7 @@ def _goldens(template: str) -> list[Path]:
 @pytest.mark.real_model
 @pytest.mark.parametrize("name", ["apply_template", "apply_template_tools_fewshot"])
 def test_reference_apply_template(model_template, name):
-    if not REFERENCE.exists():
-        pytest.skip("shared/reference is not beside the repo")
-    body = json.loads((REFERENCE / f"{name}.request.json").read_text())["body_json"]
-    want = json.loads((REFERENCE / f"{name}.response.json").read_text())["prompt"]
+    body, want = captures.request(name)["body_json"], captures.response(name)["prompt"]
     assert _render_request(model_template, body).text == want
 
 

@@ -156,6 +156,7 @@ def test_compiled_swiglu_equals_numpy(shape, monkeypatch):
     assert _bits_equal(got, NumpyOps().swiglu(g, up))
 
 
+@pytest.mark.slow                    # a second build of the kernels: 4-12 s on 2 cores
 @needs_c
 def test_portable_build_gives_the_same_bits(tmp_path):
     """The plain C loops (what a machine without AVX2 builds) pass the same comparisons."""

@@ -49,6 +49,7 @@ def test_every_launched_kernel_exists():
             "moe_route_w4", "moe_route_w8", "moe_route_w16", "moe_route_w32"} <= names
 
 
+@pytest.mark.slow                    # nvcc: 2-17 s a module on 2 cores
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 @pytest.mark.parametrize("mod", MODULES)
 def test_module_compiles_for_sm90(mod, tmp_path):

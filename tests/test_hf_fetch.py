@@ -229,3 +229,38 @@ def test_two_links_of_one_file_at_once_both_land(tmp_path, monkeypatch):
     assert errors == [] and len(out) == 2
     assert read(str(out[0])) == b"GGUF" and out[0] == out[1]
     assert [p.name for p in out[0].parent.iterdir()] == ["m-Q8_0.gguf"]   # no temp link left
+
+
+# -- huggingface_hub's own cache (hf download, vLLM, transformers) ---------------------------
+def hf_download(hub, tmp_path, filename: str) -> str:
+    """The file as `hf download` leaves it: huggingface_hub's own download into its own cache."""
+    from huggingface_hub import hf_hub_download
+    return hf_hub_download("org/m-GGUF", filename, cache_dir=str(tmp_path / "hfhub"), endpoint=hub.url)
+
+
+def test_a_file_in_the_hugging_face_cache_is_linked_not_downloaded_again(hub, env, tmp_path):
+    theirs = hf_download(hub, tmp_path, "m-Q4_K_M.gguf")
+    n_before, notes = len(hub.resolves()), []
+    got = get("org/m-GGUF:Q4_K_M", {**env, "HF_HUB_CACHE": str(tmp_path / "hfhub")},
+              note=lambda m, kv: notes.append(m))
+    assert len(hub.resolves()) == n_before and "found in the Hugging Face cache" in notes
+    assert read(got.paths[0]) == Q4 and got.source == "cache"
+    assert os.path.samefile(got.paths[0], theirs)          # a hard link: no second copy on the disk
+    assert len(hub.resolves()) == n_before and get("org/m-GGUF:Q4_K_M", env).source == "cache"
+
+
+def test_a_copy_there_with_other_bytes_is_downloaded_instead(hub, env, tmp_path):
+    theirs = os.path.realpath(hf_download(hub, tmp_path, "m-Q4_K_M.gguf"))
+    with open(theirs, "r+b") as f:
+        f.write(b"\0" * 16)                                # same size, other bytes
+    n_before, notes = len(hub.resolves()), []
+    got = get("org/m-GGUF:Q4_K_M", {**env, "HF_HOME": str(tmp_path / "hfhome")}, note=lambda m, kv: notes.append(m))
+    assert "found in the Hugging Face cache" not in notes      # HF_HOME/hub holds nothing: not looked up there
+    os.unlink(got.paths[0])
+    for blob in (tmp_path / "hf" / "models--org--m-GGUF" / "blobs").iterdir():
+        blob.unlink()
+    got = get("org/m-GGUF:Q4_K_M", {**env, "HF_HUB_CACHE": str(tmp_path / "hfhub")},
+              note=lambda m, kv: notes.append(m))
+    assert "the Hugging Face cache's copy does not match the hub's hash: downloading" in notes
+    assert read(got.paths[0]) == Q4 and got.source == "hub" and len(hub.resolves()) == n_before + 2
+    assert not os.path.samefile(got.paths[0], theirs)

@@ -87,6 +87,7 @@ def test_expf_libm_equals_the_library_bit_for_bit(libm_expf):
     assert (~_same_bits(rounded, want)).sum() > 100
 
 
+@pytest.mark.slow                    # every float of a band: ~8 s on 2 cores
 def test_expf_libm_every_float_of_a_band(libm_expf):
     """Every float32 in [-2, -1) (2^23 inputs): the range attention's weights live in."""
     if not shutil.which("gcc"):

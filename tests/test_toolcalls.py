@@ -10,6 +10,7 @@ from bloomery.api.toolcalls import (ArgsDelta, CallError, CallStart, ContentDelt
                                     forced_call_grammar, framing_of, make_parser, read_tool_request)
 from bloomery.api.toolcalls.reply import Reply
 from bloomery.http.types import ApiError
+import captures
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}}, "required": ["city"]}}}]
@@ -125,16 +126,11 @@ def test_bad_tool_fields_named(body, word):
 @pytest.mark.real_model
 def test_tools_render_as_llama_servers_apply_template(real_model_path):
     """The tools request's prompt equals llama-server's /apply-template answer on the same file
-    (the saved reference in ../shared/reference/llama-server-qwen25)."""
-    from pathlib import Path
-
+    (the recorded answer in tests/golden/llama_server)."""
     from bloomery.chat_template import ChatTemplate
     from bloomery.gguf_file import open_gguf
-    ref_dir = Path(__file__).resolve().parents[2] / "shared" / "reference" / "llama-server-qwen25"
-    if not ref_dir.is_dir():
-        pytest.skip(f"no llama-server reference at {ref_dir}")
-    req = json.loads((ref_dir / "apply_template_tools_fewshot.request.json").read_text())["body_json"]
-    want = json.loads((ref_dir / "apply_template_tools_fewshot.response.json").read_text())["prompt"]
+    req = captures.request("apply_template_tools_fewshot")["body_json"]
+    want = captures.response("apply_template_tools_fewshot")["prompt"]
     source = open_gguf(str(real_model_path)).get("tokenizer.chat_template")
     got = ChatTemplate(source).render(req["messages"], tools=req["tools"], add_generation_prompt=True).text
     assert got == want

@@ -10,8 +10,6 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from serve_proc import Served
-
 pytestmark = [pytest.mark.real_model]
 
 WEATHER = [{"type": "function", "function": {
@@ -23,9 +21,8 @@ ASK = [{"role": "user", "content": "What's the weather like in Paris right now?"
 
 
 @pytest.fixture(scope="module")
-def client(real_model_path):
-    with Served("-m", str(real_model_path), "-c", "2048") as s:
-        yield openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=600)
+def client(real_server):       # the session's one server (conftest.py)
+    return openai.OpenAI(base_url=real_server.url + "/v1", api_key="none", max_retries=0, timeout=600)
 
 
 def test_forced_call_not_streamed(client):

@@ -64,6 +64,11 @@ def _hash_prefix(path: str, f: RepoFile):
     return h
 
 
+def digest_of(path: str, f: RepoFile) -> str:
+    """The file's sha256 (or git blob id, for a file the hub keeps in git): what the hub's is checked against."""
+    return _hash_prefix(path, f).hexdigest()
+
+
 def _raise_for_status(r) -> None:
     if r.status_code >= 400:
         from huggingface_hub.utils import hf_raise_for_status

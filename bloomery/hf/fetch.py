@@ -5,7 +5,10 @@ Online: model_info(files_metadata=True) names the commit and every file's size a
 sha256; the ref and the manifest go to the cache, so a later offline start (HF_HUB_OFFLINE=1
 or --offline) resolves the same spec with no network. When the hub cannot be reached
 the cache serves what it holds (a record says so); with nothing cached the start is
-refused by name.
+refused by name. A file that huggingface_hub's own cache already holds (`hf download`,
+vLLM, transformers: HF_HUB_CACHE, default ~/.cache/huggingface/hub) is not downloaded
+again: found there by huggingface_hub's lookup, checked by its hash and hard-linked
+(a symlink across file systems) into ours.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from typing import Callable
 
 from bloomery.hf import errors as E
 from bloomery.hf.cache import RepoCache, cache_root
-from bloomery.hf.download import Progress, download
+from bloomery.hf.download import Progress, digest_of, download
 from bloomery.hf.select import RepoFile, pick
 from bloomery.hf.spec import HfSpec
 
@@ -109,6 +112,44 @@ def _check_disk(spec: HfSpec, cache: RepoCache, missing: list[RepoFile]) -> None
         raise E.DiskFull(f"--hf-repo {spec}: {need} more bytes to download, {free} bytes free under {blobs}")
 
 
+def hf_hub_cache(env: dict) -> str | None:
+    """huggingface_hub's cache folder as `env` names it; None: huggingface_hub's own default (its
+    reading of this process's environment)."""
+    if env.get("HF_HUB_CACHE"):
+        return env["HF_HUB_CACHE"]
+    return os.path.join(env["HF_HOME"], "hub") if env.get("HF_HOME") else None
+
+
+def _adopt_hf_cached(spec: HfSpec, commit: str, f: RepoFile, cache: RepoCache, env: dict, note: Note) -> bool:
+    """Link the copy of `f` in huggingface_hub's cache into ours when its hash is the hub's; False when
+    that cache has no copy at this commit or branch, or a copy with other bytes (then it is downloaded)."""
+    from huggingface_hub import try_to_load_from_cache
+    where = hf_hub_cache(env)
+    for revision in dict.fromkeys((commit, spec.revision)):
+        found = try_to_load_from_cache(spec.repo, f.path, cache_dir=where, revision=revision)
+        if isinstance(found, str) and os.path.isfile(found):
+            break
+    else:
+        return False
+    real = os.path.realpath(found)
+    note("checking the Hugging Face cache's copy", {"file": f.path, "path": found, "bytes": f.size})
+    if os.path.getsize(real) != f.size or digest_of(real, f) != (f.sha256 or f.blob_id):
+        note("the Hugging Face cache's copy does not match the hub's hash: downloading", {"file": f.path,
+                                                                                        "path": found})
+        return False
+    blob = cache.blob_path(f)
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    tmp = blob.with_name(f".tmp-{os.getpid()}-{blob.name}")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(real, tmp)
+    except OSError:                        # another file system (or no hard links there): point at it
+        os.symlink(real, tmp)
+    os.replace(tmp, blob)
+    note("found in the Hugging Face cache", {"file": f.path, "path": found, "bytes": f.size})
+    return True
+
+
 def fetch(spec: HfSpec, hf_file: str = "", token: str | None = None, offline: bool = False,
           progress: Progress | None = None, note: Note | None = None, env: dict | None = None) -> Fetched:
     """Every shard of the spec's GGUF in the cache, checked; the named HfError otherwise."""
@@ -137,6 +178,9 @@ def fetch(spec: HfSpec, hf_file: str = "", token: str | None = None, offline: bo
                               f"{spec.repo}@{spec.revision} under {cache.dir}; start once online")
     commit, files = listing
     chosen = pick(files, spec.repo, spec.quant, hf_file)
+    for f in chosen:
+        if not cache.has_blob(f):
+            _adopt_hf_cached(spec, commit, f, cache, env, note)
     _check_disk(spec, cache, [f for f in chosen if not cache.has_blob(f)])
     source = "cache"
     for f in chosen:

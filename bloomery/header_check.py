@@ -18,6 +18,7 @@ import math
 from typing import Mapping
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from bloomery.engine.models.registry import ARCHS
 
 MAX_LAYERS = 512                 # llama.cpp's LLAMA_MAX_LAYERS
 MAX_EMBD = 1 << 17
@@ -38,7 +39,7 @@ def check_header(path: str, metadata: Mapping[str, object], tensors: Mapping[str
     """Raises HeaderError for the first problem found; returns None for a header the plan may use."""
     check_strings(path, metadata, tensors)
     arch = metadata.get("general.architecture")
-    if arch not in ARCH_TENSORS:
+    if arch not in ARCHS:
         return                      # the seat check names an architecture without a seat
     hp = hyperparameters(path, arch, metadata, tensors)
     for name, shape, optional in expected_tensors(arch, hp):
@@ -148,10 +149,14 @@ def hyperparameters(path: str, arch: str, md: Mapping[str, object], tensors: Map
 
 
 def _declared(arch: str):
-    """(TOKEN_EMBD, OUTPUT_NORM, OUTPUT, LAYER, OPTIONAL) as the architecture's file declares them."""
-    from bloomery.engine.models import qwen2, qwen3, qwen3moe
-    module = {"qwen2": qwen2, "qwen3": qwen3, "qwen3moe": qwen3moe}[arch]
-    return (qwen2.TOKEN_EMBD, qwen2.OUTPUT_NORM, qwen2.OUTPUT, module.LAYER,
+    """(TOKEN_EMBD, OUTPUT_NORM, OUTPUT, LAYER, OPTIONAL) as the model files declare them: the shared
+    ones in models/base.py, the layer's in the architecture's own file (found through the registry)."""
+    import sys
+
+    from bloomery.engine.models import base
+    from bloomery.engine.models.registry import model_class
+    module = sys.modules[model_class(arch).__module__]
+    return (base.TOKEN_EMBD, base.OUTPUT_NORM, base.OUTPUT, module.LAYER,
             getattr(module, "OPTIONAL", frozenset()))
 
 
@@ -168,8 +173,6 @@ def _layer_shapes(hp: dict) -> dict[str, tuple[int, ...]]:
         shapes |= {"gate_inp": (d, e), "gate_exps": (d, fe, e), "up_exps": (d, fe, e), "down_exps": (fe, d, e)}
     return shapes
 
-
-ARCH_TENSORS = ("qwen2", "qwen3", "qwen3moe")
 
 
 def expected_tensors(arch: str, hp: dict) -> list[tuple[str, tuple[int, ...], bool]]:

@@ -16,6 +16,9 @@ import numpy as np
 from bloomery.engine.ops import AttnSpan, Ops, Rows
 from bloomery.gguf_file import GGUFFile
 
+# the tensors outside the layers, as every architecture here names them (llama.cpp's LLM_TENSOR_*)
+TOKEN_EMBD, OUTPUT_NORM, OUTPUT = "token_embd.weight", "output_norm.weight", "output.weight"
+
 class ModelError(ValueError):
     """A model file or a call the model cannot take; the message names the value and the bound."""
 
@@ -62,10 +65,10 @@ class CausalLM:
         has no output.weight), the attention scale and the KV cache."""
         self.hp = hp
         self.n_layer, self.n_ctx_train = hp.n_layer, hp.n_ctx_train
-        self.tok_embd = self.tensor("token_embd.weight")
-        self.n_vocab = int(self.gf.tensors["token_embd.weight"].shape[1])
-        self.output_norm = self.tensor("output_norm.weight")
-        self.output = self.tensor("output.weight", required=False) or self.tok_embd
+        self.tok_embd = self.tensor(TOKEN_EMBD)
+        self.n_vocab = int(self.gf.tensors[TOKEN_EMBD].shape[1])
+        self.output_norm = self.tensor(OUTPUT_NORM)
+        self.output = self.tensor(OUTPUT, required=False) or self.tok_embd
         self.layers = [{k: self.tensor(n.format(i=i), required=k not in optional) for k, n in layer_names.items()}
                        for i in range(hp.n_layer)]
         self.kq_scale = float(np.float32(1.0) / np.float32(math.sqrt(hp.head_dim)))

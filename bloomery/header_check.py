@@ -18,6 +18,7 @@ import math
 from typing import Mapping
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
 from bloomery.engine.models.registry import ARCHS
 
 MAX_LAYERS = 512                 # llama.cpp's LLAMA_MAX_LAYERS

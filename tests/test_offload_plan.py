@@ -6,6 +6,7 @@ down stacks of 8 MiB each), 4 MiB of attention and norms a layer, 16 MiB embeddi
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 
@@ -260,10 +261,13 @@ def test_the_plan_stage_reads_the_ask_and_refuses_another_main_card(monkeypatch)
     from bloomery.stages.common import StageRefusal
     from bloomery.stages.plan import make as stage_make
 
+    import bloomery.header_check as header_check
     monkeypatch.setattr(plan_mod, "model_facts", lambda gf: FACTS)     # the facts above stand for the file
+    monkeypatch.setattr(header_check, "check_header", lambda *a: None)  # (no file: its checks have tests of their own)
+    gf = types.SimpleNamespace(path="stand-in.gguf", metadata={}, tensors={})
     args = {"device": "cuda", "placement_ask": codec.to_plain(PlacementAsk(main_gpu=1))}
     with pytest.raises(StageRefusal, match=r"-mg 1: this build runs every layer on the first card \(CUDA0\)"):
-        stage_make(args, None, Census(HOST, (100 * GIB, 100 * GIB)))
+        stage_make(args, gf, Census(HOST, (100 * GIB, 100 * GIB)))
     args["placement_ask"] = codec.to_plain(PlacementAsk(n_cpu_moe=2))
-    p, _ = stage_make(args, None, Census(HOST, (100 * GIB,)))
+    p, _ = stage_make(args, gf, Census(HOST, (100 * GIB,)))
     assert p.placement.case == "flags" and p.placement.experts_on_card == (0, 0, E, E)

@@ -5,12 +5,12 @@ class, so app.py imports its handlers and no handler imports app.py back.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any, Callable, Protocol
 
 from bloomery.api.generate import Generation
 from bloomery.api.metrics import Metrics
 from bloomery.api.params import GenParams
+from bloomery.api.recent import Memo, Recent
 from bloomery.api.responses_store import ResponseStore
 from bloomery.engine.types import ModelInfo, SamplingParams
 
@@ -38,11 +38,15 @@ class ApiContext(Protocol):
     log: Callable[[str], None]
     created: int
     media_marker: str
-    recent: OrderedDict[str, Generation]
-    last_of_slot: dict[int, Generation]
+    spm_infill: bool              # /infill: the suffix before the prefix (--spm-infill)
+    n_batch: int                  # -b: the prompt's pass size where progress is reported
+    residency: Any                # --sleep-idle-seconds' idle watch (api/sleep.py)
+    recent: Recent                # generations for /slots (done ones as memos in a byte budget)
 
     def gen_defaults(self) -> dict: ...
     def sse_headers(self) -> list[tuple[str, str]]: ...
     def encode_chat(self, rendered) -> list[int]: ...
     def start(self, path: str, prompt_ids: list[int], params: GenParams) -> Generation: ...
-    def generation(self, req_id: str) -> Generation | None: ...
+    def generation(self, req_id: str) -> Generation | Memo | None: ...
+    def routes(self): ...
+    async def dispatch(self, req) -> Any: ...

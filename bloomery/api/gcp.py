@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from bloomery.http.types import ApiError, Request, Response, StreamResponse
 
 if TYPE_CHECKING:
-    from bloomery.api.app import App
+    from bloomery.api.context import ApiContext as App
 
 MAX_INSTANCES = 128
 

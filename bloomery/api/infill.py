@@ -20,7 +20,7 @@ from bloomery.api.params import Fields, field_error
 from bloomery.http.types import ApiError, Request, Response, StreamResponse
 
 if TYPE_CHECKING:
-    from bloomery.api.app import App
+    from bloomery.api.context import ApiContext as App
 
 N_BATCH = 2048          # llama-server's default -b (the server's -b sets it): the budget of its FIM prompt
 REPO_NAME = "myproject\n"

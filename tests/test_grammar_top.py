@@ -64,10 +64,12 @@ def _req(i: int, schema=None, temperature: float = 0.0, top_k: int = 40) -> Engi
                                                                    grammar=grammar), stop_ids=(EOS,))
 
 
-def _run(reqs, top_k: int, **model_kw):
+def _run(reqs, top_k: int, gate: bool = True, **model_kw):
     model = RowModel(**model_kw)
     engine = Engine(model, n_slots=len(reqs), n_ctx_slot=512)
     engine.greedy_top_k = top_k
+    if not gate:                       # every greedy step tries the largest logits first, however often they miss
+        engine.TOP_MISS_MAX = 2.0
     model.engine = engine
     engine._grammar_vocab = VOCAB
     for r in reqs:
@@ -84,7 +86,9 @@ def _run(reqs, top_k: int, **model_kw):
 
 def _same(reqs, **model_kw):
     whole, _, wm = _run(reqs, 0, **model_kw)
-    fast, engine, fm = _run(reqs, 64, **model_kw)
+    gated, _, _ = _run(reqs, 64, **model_kw)
+    assert gated == whole
+    fast, engine, fm = _run(reqs, 64, gate=False, **model_kw)
     assert fast == whole
     assert wm.calls["decode_topk"] == 0 or all(r.sampling.temperature > 0 and r.sampling.top_k > 0 and
                                                r.sampling.grammar is None for r in reqs)
@@ -99,6 +103,23 @@ def test_greedy_under_a_schema_matches_whole_rows(schema):
     engine, model = _same([_req(0, schema)])
     # random rows: where the schema allows one or two ids, the 64 largest of 263 often miss them
     assert model.calls["decode"] == engine.top_misses < engine.top_steps
+
+
+def test_a_slot_that_keeps_missing_takes_whole_rows_mostly():
+    class Refusing(RowModel):
+        def _row(self, slot, pos, tok):
+            m = self.engine.scheduler.slots[slot].state.sampler.matcher
+            row = np.random.default_rng([slot, pos, tok]).standard_normal(self.n_vocab).astype(np.float32)
+            return row if m._next is None else np.where(m.allowed(), row, row + np.float32(100.0))
+    model = Refusing()
+    engine = Engine(model, n_slots=1, n_ctx_slot=512)
+    model.engine, engine._grammar_vocab = engine, VOCAB
+    engine.add(_req(0, SCHEMAS[0]))
+    n = 0
+    while engine.has_work():
+        n += len(engine.step())
+    # every try misses: one try, then whole rows until the share eases below the bar (7 steps), again
+    assert 0 < engine.top_misses == engine.top_steps <= n // 7 + 1, (engine.top_misses, n)
 
 
 @pytest.mark.parametrize("schema", SCHEMAS)

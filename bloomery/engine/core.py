@@ -30,10 +30,14 @@ class _ReqState:
     sampler: Sampler
     stop_ids: frozenset[int]
     prompt_ms: float = 0.0
+    top_miss: float = 0.0     # running share of greedy picks each row's largest logits did not settle
 
 
 class Engine:
     greedy_top_k = 64      # a greedy slot under a mask picks from this many largest logits a row (0: whole rows)
+    # a rerun costs a whole step: a slot whose running miss share is above this takes whole rows, the share
+    # easing a little each such step until the slot tries its largest logits again
+    TOP_MISS_MAX, TOP_MISS_RATE, TOP_MISS_EASE = 0.125, 0.25, 0.9
     top_steps = 0          # decode steps that fetched each row's largest logits for a greedy pick
     top_misses = 0         # ... of which ran again with whole rows (no candidate settled a pick)
 
@@ -170,7 +174,11 @@ class Engine:
         topk = getattr(self.model, "decode_topk", None)
         k_max = getattr(self.model, "topk_max", 0) if topk is not None else 0
         k_greedy = min(self.greedy_top_k, k_max)
-        from_top = [k_greedy > 0 and s.state.sampler.greedy_from_top for s in slots]
+        from_top = [k_greedy > 0 and s.state.sampler.greedy_from_top and s.state.top_miss < self.TOP_MISS_MAX
+                    for s in slots]
+        for s, g in zip(slots, from_top):
+            if not g:
+                s.state.top_miss *= self.TOP_MISS_EASE
         if k_max and all(0 < kb <= k_max or g for kb, g in zip(ks, from_top)):
             k = max(ks + [k_greedy] * any(from_top))
             c_ids, c_vals, n_nan = (np.asarray(a) for a in topk(b_ids, ids, positions, k))   # [B, k] x2, [B]
@@ -180,6 +188,8 @@ class Engine:
             picks = []
             for b, (slot, kb, g) in enumerate(zip(slots, ks, from_top)):
                 token = slot.state.sampler.pick_from_top(c_ids[b], c_vals[b], int(n_nan[b])) if g else None
+                if g:
+                    slot.state.top_miss += self.TOP_MISS_RATE * ((token is None) - slot.state.top_miss)
                 if g and token is None:
                     break
                 picks.append(dict(token=token) if g else dict(candidates=(c_ids[b, :kb], c_vals[b, :kb], int(n_nan[b]))))

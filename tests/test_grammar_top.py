@@ -137,6 +137,7 @@ def test_mixed_batch_schema_free_and_sampled():
             _req(4, SCHEMAS[2])]
     _same(reqs, ties=True)
     _same(reqs, refuse=True)
+    _same([_req(0, None), _req(1, None, temperature=0.8)], ties=True)     # free greedy beside sampled top_k
 
 
 @pytest.mark.parametrize("bad", ["nan", "-inf"])

@@ -31,9 +31,17 @@ class _ReqState:
     sampler: Sampler
     stop_ids: frozenset[int]
     prompt_ms: float = 0.0
+    top_miss: float = 0.0     # running share of greedy picks each row's largest logits did not settle
 
 
 class Engine:
+    greedy_top_k = 64      # a greedy slot under a mask picks from this many largest logits a row (0: whole rows)
+    # a rerun costs a whole step: a slot whose running miss share is above this takes whole rows, the share
+    # easing a little each such step until the slot tries its largest logits again
+    TOP_MISS_MAX, TOP_MISS_RATE, TOP_MISS_EASE = 0.125, 0.25, 0.9
+    top_steps = 0          # decode steps that fetched each row's largest logits for a greedy pick
+    top_misses = 0         # ... of which ran again with whole rows (no candidate settled a pick)
+
     def __init__(self, model, n_slots: int, n_ctx_slot: int, max_queue: int | None = None, n_batch: int = 2048):
         self.model = model
         # a prompt asking for progress runs in passes of n_batch ids (llama-server's -b), each reported at once
@@ -204,13 +212,35 @@ class Engine:
             return [dict(token=int(t)) for t in picks]
         ks = [s.state.sampler.candidates_k for s in slots]
         topk = getattr(self.model, "decode_topk", None)
-        if topk is not None and all(0 < k <= getattr(self.model, "topk_max", 0) for k in ks):
-            k = max(ks)
+        k_max = getattr(self.model, "topk_max", 0) if topk is not None else 0
+        k_greedy = min(self.greedy_top_k, k_max)
+        from_top = [k_greedy > 0 and s.state.sampler.greedy_from_top and s.state.top_miss < self.TOP_MISS_MAX
+                    for s in slots]
+        for s, g in zip(slots, from_top):
+            if not g:
+                s.state.top_miss *= self.TOP_MISS_EASE
+        if k_max and all(0 < kb <= k_max or g for kb, g in zip(ks, from_top)):
+            # a greedy slot with no mask needs the largest alone
+            k = max(ks + [k_greedy if s.state.sampler.matcher is not None else 1 for s, g in zip(slots, from_top) if g])
             c_ids, c_vals, n_nan = (np.asarray(a) for a in topk(b_ids, ids, positions, k))   # [B, k] x2, [B]
             if c_ids.shape != (n, k) or c_vals.shape != c_ids.shape or n_nan.shape != (n,):
                 raise ValueError(f"model.decode_topk returned shapes {c_ids.shape}, {c_vals.shape}, {n_nan.shape}, "
                                  f"expected ({n}, {k}) twice and ({n},)")
-            return [dict(candidates=(c_ids[b, :kb], c_vals[b, :kb], int(n_nan[b]))) for b, kb in enumerate(ks)]
+            picks = []
+            for b, (slot, kb, g) in enumerate(zip(slots, ks, from_top)):
+                token = slot.state.sampler.pick_from_top(c_ids[b], c_vals[b], int(n_nan[b])) if g else None
+                if g:
+                    slot.state.top_miss += self.TOP_MISS_RATE * ((token is None) - slot.state.top_miss)
+                if g and token is None:
+                    break
+                picks.append(dict(token=token) if g else dict(candidates=(c_ids[b, :kb], c_vals[b, :kb], int(n_nan[b]))))
+            if any(from_top):
+                self.top_steps += 1
+            if len(picks) == n:
+                return picks
+            # a greedy pick the k largest cannot settle: the step again with whole rows (the same ids
+            # at the same positions write the same K/V again), every slot picking from those
+            self.top_misses += 1
         logits = self.model.decode(b_ids, ids, positions)                      # [B, V]
         if np.shape(logits) != (n, self.n_vocab):
             raise ValueError(f"model.decode returned shape {np.shape(logits)}, expected ({n}, {self.n_vocab})")

@@ -213,6 +213,38 @@ class Sampler:
         return Sample(self._after_top_k(ids, values.copy(), True))
 
     @property
+    def greedy_from_top(self) -> bool:
+        """A greedy pick that a row's largest logits can settle (no bias, penalties or probabilities
+        asked; a schema mask may be): pick_from_top, else the whole row."""
+        return (self.greedy and self._bias_ids is None and not self.penalties_on
+                and self.params.n_probs <= 0)
+
+    def pick_from_top(self, ids: np.ndarray, values: np.ndarray, n_nan: int = 0) -> int | None:
+        """The id sample() takes from the whole row, read off the row's k largest logits (descending,
+        ties to the lower id): the first the schema allows (the masked row's first largest). None
+        where they cannot settle it: no candidate allowed, a NaN in the row (sample() refuses it),
+        or the pick's logit is -inf (the masked row's argmax is then id 0, allowed or not)."""
+        if n_nan:
+            return None
+        ids = np.asarray(ids).reshape(-1)
+        values = np.asarray(values, dtype=np.float32).reshape(-1)
+        if not ids.shape[0] or ids.shape != values.shape or ids.min() < 0 or ids.max() >= self.n_vocab:
+            return None
+        if self.matcher is None:
+            first = 0
+        else:
+            try:
+                hit = np.flatnonzero(self.matcher.allowed()[ids])
+            except GrammarError:
+                return None            # the whole row's pick raises it, by name
+            if not hit.shape[0]:
+                return None
+            first = int(hit[0])
+        if values[first] == -np.inf:
+            return None
+        return int(ids[first])
+
+    @property
     def grammar_done(self) -> bool:
         """The structured output is whole and nothing may follow: the request ends with "stop"."""
         return self.matcher is not None and self.matcher.done

@@ -158,8 +158,9 @@ class Engine:
                 progress.append(out)
         report(0)
         logits = None
-        for start in range(0, len(ids), max(self.n_batch, 1)):
-            chunk = ids[start:start + self.n_batch]
+        step = max(self.n_batch, 1)
+        for start in range(0, len(ids), step):
+            chunk = ids[start:start + step]
             logits = self.model.prefill(slot.id, chunk, n_cached + start)     # [V] of the chunk's last id
             report(start + len(chunk))
         return logits

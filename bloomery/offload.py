@@ -13,8 +13,10 @@ Cases (Placement.case):
   "flags"   --cpu-moe, -ncmoe or -ot placed tensors: those rules decide the tensors they name,
             every other tensor is on the main card, and nothing is fitted around them.
 The main card is -mg, else the one with the most free bytes. A card keeps -fitt MiB free (1024).
-Pinned staging (counted once any routed expert is on the host): two buffers of the largest layer's
-host experts, on the host (pinned) and on the main card (where a prompt streams them to compute).
+Host experts (bloomery/engine/cuda/experts.py): a layer with any routed expert on the host keeps
+every one of its experts in pinned host RAM (the residency's home: an expert leaves the card by a
+table write, never by a copy back), and the main card keeps one staging buffer of the largest
+layer's host experts (a prompt pass streams the ones it uses there to compute them on the card).
 """
 from __future__ import annotations
 
@@ -111,8 +113,8 @@ def _spread(total: int, n_layer: int, n_expert: int) -> list[int]:
 
 
 def _staging(lay: Layout, host_per_layer: list[int]) -> int:
-    """Two buffers of the largest layer's host experts (0 where none is on the host)."""
-    return 2 * max((h * b for h, b in zip(host_per_layer, lay.expert_bytes)), default=0)
+    """The card's staging buffer: the largest layer's host experts (0 where none is on the host)."""
+    return max((h * b for h, b in zip(host_per_layer, lay.expert_bytes)), default=0)
 
 
 def place(lay: Layout, cards: tuple[int, ...], host_avail: int, ask: PlacementAsk, kv: int, scratch: int,
@@ -161,7 +163,7 @@ def place(lay: Layout, cards: tuple[int, ...], host_avail: int, ask: PlacementAs
                     tensors.append(TensorPlace(n, dev[n]))
             if len(devs) == 1 and (d := devs.pop()) != "host":
                 on[int(d[5:])][layer] = n_exp
-        stage = 2 * max(host_layer, default=0)
+        stage = max(host_layer, default=0)
         why = [next((flagged[n][1] for n in names if n in flagged), "on the main card") for names in lay.experts]
     else:
         case, why = "whole", ["the model fits the card"] * n_layer
@@ -180,10 +182,10 @@ def place(lay: Layout, cards: tuple[int, ...], host_avail: int, ask: PlacementAs
                 if i != main and k:
                     tensors += [TensorPlace(n, f"cuda:{i}", first, first + k) for n in names]
                 first += k
-            if first < n_exp:
+            if first < n_exp:         # the host holds every expert of the layer (the residency's home)
                 tensors += [TensorPlace(n, "host", first, n_exp) for n in names]
-                host_bytes += (n_exp - first) * lay.expert_bytes[layer]
-    devices = [DeviceNeed("host", host_avail, Terms(weights=host_bytes, pinned=stage, margin=host_reserve))]
+                host_bytes += n_exp * lay.expert_bytes[layer]
+    devices = [DeviceNeed("host", host_avail, Terms(weights=host_bytes, margin=host_reserve))]
     for i, free in enumerate(cards):
         if i not in on or (i != main and not weights[i]):     # a card the plan leaves empty
             devices.append(DeviceNeed(f"cuda:{i}", free, Terms()))

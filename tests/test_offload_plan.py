@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from bloomery.engine.loader import load_model
+from bloomery.engine.loader import host_experts, load_model, residency_on
 from bloomery.engine.models.base import ModelError
 from bloomery.messages import codec
 from bloomery.placement import Placement
@@ -76,7 +76,7 @@ def test_over_the_card_the_context_shrinks_first_as_llama_server_fits():
 def test_budget_puts_as_many_experts_as_the_card_holds_spread_evenly(room_experts):
     """The card holds dense, KV, scratch, margin and staging, then as many experts as fit; the rest on the host."""
     host_layer = E - room_experts // L          # the most host experts in any layer
-    stage = 2 * host_layer * EXPERT
+    stage = host_layer * EXPERT
     free = DENSE + KV + SCRATCH + MARGIN + room_experts * EXPERT + stage
     p = plan(free)
     pl = p.placement
@@ -85,10 +85,11 @@ def test_budget_puts_as_many_experts_as_the_card_holds_spread_evenly(room_expert
     assert sum(on) == room_experts and max(on) - min(on) <= 1 and list(on) == sorted(on)   # extras: later layers
     t = card(p).terms
     assert (t.weights, t.kv, t.scratch, t.pinned, t.margin) == (DENSE + room_experts * EXPERT, KV, SCRATCH,
-                                                                2 * (E - min(on)) * EXPERT, MARGIN)
+                                                                (E - min(on)) * EXPERT, MARGIN)
     assert t.total <= free
     h = pl.device("host").terms
-    assert (h.weights, h.pinned, h.margin) == ((L * E - room_experts) * EXPERT, t.pinned, HOST_RESERVE_BYTES)
+    # the host keeps every expert of a layer with any on the host, pinned (the residency's home)
+    assert (h.weights, h.pinned, h.margin) == (sum(E for k in on if k < E) * EXPERT, 0, HOST_RESERVE_BYTES)
     host_slices = [x for x in pl.tensors if x.device == "host"]
     assert len(host_slices) == 3 * sum(k < E for k in on) and all((x.first, x.stop) == (on[int(x.name.split(".")[1])], E)
                                              for x in host_slices)
@@ -97,10 +98,10 @@ def test_budget_puts_as_many_experts_as_the_card_holds_spread_evenly(room_expert
 
 
 def test_budget_is_the_largest_that_fits():
-    free = DENSE + KV + SCRATCH + MARGIN + 10 * EXPERT + 2 * 6 * EXPERT   # 12 on the card: 12 + 2 x 5 host a layer
+    free = DENSE + KV + SCRATCH + MARGIN + 13 * EXPERT + 5 * EXPERT   # 13 on the card + 5 host a layer staged
     p = plan(free)
-    assert sum(p.placement.experts_on_card) == 12 and card(p).terms.total == free
-    assert sum(plan(free - 1).placement.experts_on_card) == 9    # 11 and 10 need 2 x 6 host experts staged
+    assert sum(p.placement.experts_on_card) == 13 and card(p).terms.total == free
+    assert sum(plan(free - 1).placement.experts_on_card) == 12   # 12 on the card need only 5 staged too
     assert card(p).terms.total <= free < card(p).terms.total + EXPERT
 
 
@@ -113,7 +114,7 @@ def test_ncmoe_puts_the_first_layers_experts_on_the_host(n, host_layers):
     assert pl.layer_why[:host_layers] == (f"-ncmoe {n}",) * host_layers
     assert pl.device("host").terms.weights == host_layers * E * EXPERT
     assert card(p).terms.weights == DENSE + (L - host_layers) * E * EXPERT
-    assert card(p).terms.pinned == (2 * E * EXPERT if host_layers else 0)
+    assert card(p).terms.pinned == (E * EXPERT if host_layers else 0)
     assert {t.name for t in pl.tensors} == {f"blk.{i}.ffn_{x}_exps.weight" for i in range(host_layers)
                                             for x in ("gate", "up", "down")}
 
@@ -152,7 +153,7 @@ def test_a_start_that_fits_neither_card_nor_host_names_every_term():
     with pytest.raises(PlanError) as e:
         plan(DENSE + KV + SCRATCH + MARGIN + 2 * 8 * EXPERT, host=100 * MIB)
     msg = str(e.value)
-    for part in ("with routed experts moved to the host", "host needs", "weights", "pinned staging",
+    for part in ("with routed experts moved to the host", "host needs", "weights",
                  f"reserve {HOST_RESERVE_BYTES}", f"{100 * MIB} available"):
         assert part in msg, (part, msg)
     with pytest.raises(PlanError, match="cuda:0 needs .*kv .*scratch .*pinned staging .*margin"):
@@ -171,12 +172,12 @@ def test_several_cards_the_largest_runs_every_layer_the_others_hold_experts():
     slices = [t for t in pl.tensors if t.device == "cuda:0"]
     assert slices and all(t.first == c1.experts[int(t.name.split(".")[1])] for t in slices)
     host = pl.device("host").terms.weights
-    assert host == (L * E - sum(pl.experts_on_card)) * EXPERT
+    assert host == sum(E for k in pl.experts_on_card if k < E) * EXPERT   # every expert of a layer with host ones
 
 
 def test_tensor_split_shares_and_split_mode_none():
     room = MARGIN + 32 * EXPERT
-    main_free = DENSE + KV + SCRATCH + MARGIN + 2 * E * EXPERT
+    main_free = DENSE + KV + SCRATCH + MARGIN + E * EXPERT
     big = plan((room, room, main_free), PlacementAsk(tensor_split=(3, 1, 1)))
     assert sum(card(big, 0).experts) == 3 * sum(card(big, 1).experts) > 0
     one = plan((room, main_free), PlacementAsk(split_mode="none"))
@@ -210,27 +211,44 @@ def test_cpu_backend_refuses_a_card_buffer_type():
 
 
 def test_plan_prints_case_terms_and_layers():
-    p = plan(DENSE + KV + SCRATCH + MARGIN + 21 * EXPERT)     # 9 on the card, 6 host a layer staged
+    p = plan(DENSE + KV + SCRATCH + MARGIN + 21 * EXPERT)     # 17 on the card, 4 host a layer staged
     text = [t for _, t, _ in p.explain()]
     assert any(t.startswith('placement "budget": the model does not fit the card') for t in text)
     line = next(t for t in text if t.startswith("cuda:0 needs"))
-    for part in ("dense weights", "routed experts 0.026 GiB", "KV", "scratch", "pinned staging", "margin kept free"):
+    for part in ("dense weights", "routed experts 0.050 GiB", "KV", "scratch", "pinned staging", "margin kept free"):
         assert part in line, (part, line)
-    assert "layers 0-2: 2 of 8 routed experts on a card (budget: what the card bytes hold, spread evenly)" in text
-    assert "layer 3: 3 of 8 routed experts on a card (budget: what the card bytes hold, spread evenly)" in text
+    assert "layers 0-2: 4 of 8 routed experts on a card (budget: what the card bytes hold, spread evenly)" in text
+    assert "layer 3: 5 of 8 routed experts on a card (budget: what the card bytes hold, spread evenly)" in text
     flags = [t for _, t, _ in plan(100 * GIB, PlacementAsk(n_cpu_moe=1)).explain()]
     assert "layer 0: 0 of 8 routed experts on a card (-ncmoe 1)" in flags
 
 
-def test_the_placement_travels_typed_and_a_load_refuses_host_experts():
+def test_the_placement_travels_typed_and_the_load_reads_its_host_experts():
     pl = plan(100 * GIB, PlacementAsk(n_cpu_moe=2)).placement
     back = codec.build(Placement, json.loads(json.dumps(codec.to_plain(pl))), "placement")
     assert back == pl and back.tensors[0].device == "host"
-    with pytest.raises(ModelError, match=r'host experts are not served yet: the plan placed it "flags" with 6 '
-                                         r"tensor\(s\) or expert slices on host, away from cuda:0; 16 of 32 routed"):
-        load_model("/nonexistent/never-read.gguf", pl)
+    assert host_experts(pl) == {f"blk.{i}.ffn_{x}_exps.weight": (0, E) for i in (0, 1) for x in ("gate", "up", "down")}
+    assert not residency_on(pl)                           # a placement flag: fixed placement, repeatable tokens
+    budget = plan(DENSE + KV + SCRATCH + MARGIN + 21 * EXPERT).placement
+    assert host_experts(budget)["blk.3.ffn_up_exps.weight"] == (5, E) and residency_on(budget)
     whole = plan(100 * GIB).placement
-    assert not whole.off_card
+    assert not whole.off_card and host_experts(whole) == {}
+
+
+def test_a_load_refuses_what_this_build_cannot_carry_out_before_reading():
+    dense_away = plan(100 * GIB, PlacementAsk(overrides=(Override("attn_q", "CPU"),))).placement
+    with pytest.raises(ModelError, match=r"this build runs only routed experts away from cuda:0 \(on the host\); "
+                                         r"the placement also puts blk\.0\.attn_q\.weight on host"):
+        load_model("/nonexistent/never-read.gguf", dense_away)
+    half = plan(100 * GIB, PlacementAsk(overrides=(Override(r"blk\.0\.ffn_gate_exps", "CPU"),))).placement
+    with pytest.raises(ModelError, match=r"layer blk\.0: its gate, up and down experts must sit together"):
+        load_model("/nonexistent/never-read.gguf", half)
+
+
+def test_residency_is_off_by_env(monkeypatch):
+    budget = plan(DENSE + KV + SCRATCH + MARGIN + 21 * EXPERT).placement
+    monkeypatch.setenv("BLOOMERY_RESIDENCY", "off")
+    assert not residency_on(budget)
 
 
 @pytest.mark.slow

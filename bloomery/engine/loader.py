@@ -3,6 +3,7 @@ the backend's ops, the file, and the architecture's class from the registry
 (models/registry.py), with the placement's slots and context."""
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 from bloomery.engine.models.base import CausalLM, ModelError
@@ -25,22 +26,60 @@ def make_ops(backend: str) -> Ops:
     raise ModelError(f"backend {backend!r} is not available: choose 'numpy' or 'cuda'")
 
 
+def host_experts(placement: Placement) -> dict[str, tuple[int, int]]:
+    """The routed expert slices the placement keeps in host RAM: tensor name -> (first, stop) experts.
+    What this build cannot carry out is refused by name: a whole tensor on the host (-ot naming a
+    non-expert tensor), a tensor on a second card, host experts on a backend other than cuda."""
+    host, other = {}, []
+    for t in placement.tensors:
+        if t.device == "host" and (t.stop > t.first or t.name.endswith("_exps.weight")):
+            host[t.name] = (t.first, t.stop or placement.n_expert)
+        else:
+            other.append(t)
+    if other:
+        what = ", ".join(f"{t.name} on {t.device}" for t in other[:3]) + (" ..." if len(other) > 3 else "")
+        raise ModelError(f"this build runs only routed experts away from {placement.default_device} "
+                         f"(on the host); the placement also puts {what}: {placement.summary()}")
+    layers: dict[str, set] = {}
+    for name, rng in host.items():
+        layers.setdefault(name.rsplit(".ffn_", 1)[0], set()).add((name.rsplit("_exps", 1)[0].rsplit("_", 1)[-1], rng))
+    for layer, got in sorted(layers.items()):
+        if {r for _, r in got} != {next(iter(got))[1]} or len(got) != 3:
+            raise ModelError(f"layer {layer}: its gate, up and down experts must sit together (the host computes an "
+                             f"expert whole); the placement puts {', '.join(sorted(f'{k} {r}' for k, r in got))} "
+                             f"on the host")
+    if host and placement.backend != "cuda":
+        raise ModelError(f"host experts are the cuda backend's offload tier; the {placement.backend} backend "
+                         f"holds every tensor on the host already")
+    return host
+
+
+def residency_on(placement: Placement) -> bool:
+    """Adaptive residency: on under the automatic placement ("budget"), off for placement flags
+    (a fixed placement, repeatable tokens) or with BLOOMERY_RESIDENCY=off."""
+    env = os.environ.get("BLOOMERY_RESIDENCY", "on").strip().lower()
+    return placement.case == "budget" and env not in ("off", "0", "false", "no")
+
+
 def load_model(gguf: "str | GGUFFile", placement: Placement, backend: Ops | None = None,
-               progress: Callable[[int, int], None] | None = None) -> CausalLM:
+               progress: Callable[[int, int], None] | None = None, threads: int = 0) -> CausalLM:
     """The model of `gguf` (a path or an open file) placed as `placement` says, on `backend`
-    (default: the ops of placement.backend). A placement this load cannot carry out (tensors
-    away from the default device: the offload tier) is refused by name. `progress(done, total)`
-    is called with the stored bytes handed to the backend after each tensor, and once at the end
-    with done == total (the file's tensors the architecture does not read count as done)."""
-    if placement.off_card:
-        raise ModelError(f"host experts are not served yet: {placement.summary()}")
+    (default: the ops of placement.backend). Routed experts the placement keeps on the host run
+    through the backend's offload tier (cuda: engine/cuda/experts.py) with `threads` host threads
+    (-t; 0: every core); what this build cannot carry out is refused by name (host_experts).
+    `progress(done, total)` is called with the stored bytes handed to the backend after each
+    tensor, and once at the end with done == total (the file's tensors the architecture does not
+    read count as done)."""
+    away = host_experts(placement)
     ops = backend if backend is not None else make_ops(placement.backend)
+    if away:
+        ops.offload_experts(residency=residency_on(placement), threads=threads)
     gf = gguf if isinstance(gguf, GGUFFile) else open_gguf(str(gguf))
     arch = gf.arch()
     if arch not in ARCHS:
         gf.close()
         raise ModelError(f"{gf.path}: architecture {arch!r} is not supported: supported are {', '.join(ARCHS)}")
-    model = model_class(arch)(gf, ops, placement.n_slots, placement.n_ctx_slot, progress)
+    model = model_class(arch)(gf, ops, placement.n_slots, placement.n_ctx_slot, progress, away)
     if progress is not None:
         progress(model.bytes_total, model.bytes_total)
     return model

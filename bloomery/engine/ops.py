@@ -57,6 +57,18 @@ class Ops(Protocol):
     def weight(self, ggml_type: int, shape: Sequence[int], data: Any) -> Weight:
         """A handle for a stored tensor; shape in GGUF ne order (shape[0] is the row length)."""
 
+    def offloaded_weight(self, ggml_type: int, shape: Sequence[int], data: Any, host: tuple[int, int]) -> Weight:
+        """A stacked routed-expert tensor [K, N, E] whose experts host[0] .. host[1]-1 the placement
+        keeps in host RAM (after offload_experts); a backend without an offload tier refuses it."""
+
+    def offload_experts(self, residency: bool, threads: int) -> None:
+        """Before the load: routed experts will be split between the device and host RAM
+        (adaptive residency on or off, `threads` host threads, 0: every core)."""
+
+    def after_step(self, decode: bool) -> None:
+        """Between steps (after a decode step or a prompt pass): the backend's bookkeeping that
+        must not run inside one (the offload tier's residency moves)."""
+
     def get_rows(self, w: Weight, ids: Array) -> Array:
         """Rows `ids` [T] of a [N, K] table, dequantized -> [T, K] float32 (embedding lookup)."""
 

@@ -206,7 +206,8 @@ def main(args: dict) -> int:
     def load(progress=None):
         """The model as the placement says (again after a --sleep-idle-seconds sleep); the header is
         parsed once per load and the load takes the open file."""
-        return load_model(open_gguf(args["model_file"]), placement, progress=progress)
+        return load_model(open_gguf(args["model_file"]), placement, progress=progress,
+                          threads=max(0, int(args.get("threads", -1))))
     model = load(LoadProgress(float(args.get("progress_s", PROGRESS_S))))
     if args.get("warmup", True):
         # As llama-server's warmup: one id through every layer prepares each weight's decoded

@@ -135,6 +135,15 @@ class NumpyOps:
     def weight(self, ggml_type: int, shape: Sequence[int], data) -> NumpyWeight:
         return NumpyWeight(ggml_type, shape, np.asarray(data), self.cache_planes)
 
+    def offloaded_weight(self, ggml_type, shape, data, host):
+        raise ValueError("the numpy backend holds every tensor on the host: it has no offload tier")
+
+    def offload_experts(self, residency: bool, threads: int) -> None:
+        raise ValueError("the numpy backend holds every tensor on the host: it has no offload tier")
+
+    def after_step(self, decode: bool) -> None:
+        """Nothing to do between steps on the host."""
+
     def get_rows(self, w: NumpyWeight, ids) -> np.ndarray:
         """ggml_get_rows: dequantize_row_* of just the rows asked for."""
         ids = np.asarray(ids, dtype=np.int64)

@@ -95,6 +95,7 @@ class CudaOps:
         self.n_sm = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
         self._q8: OrderedDict[int, tuple] = OrderedDict()    # id(x) -> (x, xq, xd, xs)
         self._runners: dict[int, object] = {}
+        self.offload = None                                  # experts.Offload once host experts are loaded
         self._occupancy: dict[tuple, int] = {}
 
     def decode_runner(self, model):
@@ -107,6 +108,23 @@ class CudaOps:
     # --- weights ---
     def weight(self, ggml_type: int, shape: Sequence[int], data) -> CudaWeight:
         return CudaWeight(ggml_type, shape, data)
+
+    def offload_experts(self, residency: bool, threads: int) -> None:
+        from bloomery.engine.cuda.experts import Offload
+        self.offload = Offload(self, residency, threads)
+
+    def offloaded_weight(self, ggml_type: int, shape: Sequence[int], data, host: tuple[int, int]):
+        if self.offload is None:
+            raise ValueError("offloaded_weight before offload_experts")
+        if ggml_type not in BLOCKS or ggml_type in FLOAT_TYPES or len(shape) != 3:
+            raise ValueError(f"host experts are quantized stacked tensors [K, N, E]; got {NAMES.get(ggml_type, ggml_type)} "
+                             f"of shape {tuple(shape)}")
+        qk, nb = BLOCKS[ggml_type]
+        return self.offload.stack(ggml_type, shape, np.asarray(data), int(shape[0]) // qk * nb, host)
+
+    def after_step(self, decode: bool) -> None:
+        if self.offload is not None:
+            self.offload.after_step(decode)
 
     def get_rows(self, w: CudaWeight, ids):
         ids = self.from_host(ids).astype(cupy.int32, copy=False)

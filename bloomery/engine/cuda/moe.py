@@ -76,12 +76,18 @@ def ffn(ops, x, ids, wts, gate, up, down, residual=None):
     n_used, f = ids.shape[1], gate.n_rows
     if n_used > 32:
         raise ValueError(f"the cuda MoE kernels take at most 32 experts per token, the file uses {n_used}")
+    ids = cupy.ascontiguousarray(ids, dtype=cupy.int32)
+    wts = cupy.ascontiguousarray(wts, dtype=cupy.float32)
+    layer = ops.offload.layer(gate, up, down, n_used) if ops.offload is not None else None
+    host = None
+    if layer is not None:          # host experts: summed on the host meanwhile (experts.py), added below
+        ops.offload.count(layer, ids)
+        if layer.host_count:
+            host = ops.offload.host_start(layer, x, ids, wts)
     xq, xd, xs = ops.q8(x)
     aq = cupy.empty((t * n_used, f), cupy.int8)                           # [T*A, F]
     ad = cupy.empty((t * n_used, f // 32), cupy.float32)
     as_ = cupy.empty((t * n_used, f // 32), cupy.float32)
-    ids = cupy.ascontiguousarray(ids, dtype=cupy.int32)
-    wts = cupy.ascontiguousarray(wts, dtype=cupy.float32)
     n_warps = min(n_used, 8)
     smem_gu, smem_d = gate_up_smem(gate, up, d), down_smem(down, f, n_warps)
     stage = staged() and max(smem_gu, smem_d) <= SMEM_MAX
@@ -99,16 +105,20 @@ def ffn(ops, x, ids, wts, gate, up, down, residual=None):
         ops.k.moe_down_s((d // DOWN_R, t), (32 * n_warps,), down_args, shared_mem=smem_d)
     else:
         ops.k.moe_down((d // DOWN_R, t), (32 * n_warps,), down_args)
+    if host is not None:
+        done, host_out = host
+        cupy.cuda.get_current_stream().wait_event(done)
+        out += host_out
     return out
 
 
-def _dequant_sel(ops, w, sel):
-    """Experts sel (device int32) of a stacked expert tensor as f16 [len(sel) * N, K]."""
+def _dequant_sel(ops, w, sel, table):
+    """Experts sel (device int32) of a stacked expert tensor, read through `table`, as f16 [len(sel) * N, K]."""
     n_rows = int(sel.size) * w.n_rows
     out = cupy.empty((n_rows, w.n_cols), cupy.float16)
     n_items = n_rows * w.n_cols // 32                                     # an upper bound
     ops.k.dequant_f16_sel((max(1, min(-(-n_items // 256), 16384)),), (256,), (
-        w.table, sel, np.int32(sel.size), np.int32(w.ggml_type), np.int64(w.row_bytes), np.int64(w.n_rows),
+        table, sel, np.int32(sel.size), np.int32(w.ggml_type), np.int64(w.row_bytes), np.int64(w.n_rows),
         np.int32(w.n_cols), out))
     return out
 
@@ -118,7 +128,13 @@ def _grouped(ops, x, ids, wts, gate, up, down, residual):
     n_used, n_expert, f = ids.shape[1], gate.n_expert, gate.n_rows
     flat = cupy.ascontiguousarray(ids, dtype=cupy.int32).reshape(-1)     # [T*A]
     counts = cupy.bincount(flat, minlength=n_expert)                      # [E]
-    lay = moe_buckets.layout(cupy.asnumpy(counts))                        # one sync per layer
+    counts_host = cupy.asnumpy(counts)                                    # one sync per layer
+    lay = moe_buckets.layout(counts_host)
+    layer = ops.offload.layer(gate, up, down, n_used) if ops.offload is not None else None
+    tables, streamed = (gate.table, up.table, down.table), {}
+    if layer is not None:          # host experts this pass uses: streamed to the card's staging buffer
+        ops.offload.count(layer, flat)
+        tables, streamed = ops.offload.stage_tables(layer, counts_host > 0)
     order = cupy.argsort(flat).astype(cupy.int32)                         # pairs grouped by expert
     sorted_e = flat[order]
     offsets = cupy.cumsum(counts) - counts
@@ -134,18 +150,20 @@ def _grouped(ops, x, ids, wts, gate, up, down, residual):
     g = cupy.empty((n, f), cupy.float32)                                  # [n, F]
     u = cupy.empty((n, f), cupy.float32)
     for b, sel in zip(lay.buckets, sels):
-        for w, out in ((gate, g), (up, u)):
-            gemm_nt(xp[b.row0:], _dequant_sel(ops, w, sel), out[b.row0:], batch=len(b.experts),
+        for w, table, out in ((gate, tables[0], g), (up, tables[1], u)):
+            gemm_nt(xp[b.row0:], _dequant_sel(ops, w, sel, table), out[b.row0:], batch=len(b.experts),
                     stride_x=b.rows * d, stride_w=f * d, stride_out=b.rows * f, m=b.rows, n=f, k=d)
     h = cupy.empty((n, f), cupy.float16)
     ops.k.swiglu_f((4096,), (256,), (g, u, np.int64(g.size), _NULL, h))
     del g, u
     y = cupy.empty((n, d), cupy.float32)                                  # [n, D]
     for b, sel in zip(lay.buckets, sels):
-        gemm_nt(h[b.row0:], _dequant_sel(ops, down, sel), y[b.row0:], batch=len(b.experts),
+        gemm_nt(h[b.row0:], _dequant_sel(ops, down, sel, tables[2]), y[b.row0:], batch=len(b.experts),
                 stride_x=b.rows * f, stride_w=d * f, stride_out=b.rows * d, m=b.rows, n=d, k=f)
     out = cupy.empty((t, d), cupy.float32)
     res = cupy.ascontiguousarray(residual, dtype=cupy.float32) if residual is not None else _NULL
     ops.k.combine_rows((t,), (256,), (y, pos_of, cupy.ascontiguousarray(wts, dtype=cupy.float32),
                                       np.int32(n_used), np.int32(d), res, out))
+    if layer is not None:
+        ops.offload.adopt(layer, counts_host, streamed)
     return out

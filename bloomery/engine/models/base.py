@@ -37,7 +37,8 @@ class CausalLM:
     arch: str = ""
 
     def __init__(self, gf: GGUFFile, ops: Ops, n_slots: int, n_ctx_slot: int,
-                 progress: Callable[[int, int], None] | None = None):
+                 progress: Callable[[int, int], None] | None = None,
+                 host_experts: dict[str, tuple[int, int]] | None = None):
         if n_slots < 1:
             raise ModelError(f"n_slots must be at least 1, got {n_slots}")
         if n_ctx_slot < 1:
@@ -48,6 +49,7 @@ class CausalLM:
         self.n_ubatch = ops.caps.n_ubatch                                # rows per prompt batch
         self.progress = progress                                         # (bytes read, bytes in the file)
         self.bytes_read, self.bytes_total = 0, sum(t.n_bytes for t in gf.tensors.values())
+        self.host_experts = dict(host_experts or {})                     # name -> (first, stop) experts on the host
 
     # --- what an architecture provides ---
     n_vocab: int
@@ -100,7 +102,11 @@ class CausalLM:
             if required:
                 raise ModelError(f"{self.gf.path}: tensor {name!r} is missing ({self.arch})")
             return None
-        w = self.ops.weight(info.ggml_type, info.shape, self.gf.tensor_data(name))
+        host = self.host_experts.get(name)
+        if host is not None:            # routed experts partly in host RAM: the backend's offload tier
+            w = self.ops.offloaded_weight(info.ggml_type, info.shape, self.gf.tensor_data(name), host)
+        else:
+            w = self.ops.weight(info.ggml_type, info.shape, self.gf.tensor_data(name))
         self.bytes_read += info.n_bytes
         if self.progress is not None:
             self.progress(self.bytes_read, self.bytes_total)
@@ -154,6 +160,7 @@ class CausalLM:
         logits = self.ops.to_host(self.head(x[-1:]))[0]                 # [V]
         if self.ops.caps.prompt_scratch and ids.size > self.ops.caps.decode_rows:   # a prompt-path pass ran
             self.ops.release_scratch()
+        self.ops.after_step(decode=False)
         return logits
 
     def _decode_args(self, slots, ids, positions):
@@ -197,16 +204,21 @@ class CausalLM:
         slots, ids, positions = self._decode_args(slots, ids, positions)
         runner = self._graphs(len(slots))
         if runner is not None:
-            return runner.run_topk(slots, ids, positions, k)
-        spans = [AttnSpan(s, int(p), b, b + 1) for b, (s, p) in enumerate(zip(slots, positions))]
-        got = self.head_topk(self._run(ids, positions, spans), k)
-        return tuple(self.ops.to_host(a) for a in got)
+            out = runner.run_topk(slots, ids, positions, k)
+        else:
+            spans = [AttnSpan(s, int(p), b, b + 1) for b, (s, p) in enumerate(zip(slots, positions))]
+            out = tuple(self.ops.to_host(a) for a in self.head_topk(self._run(ids, positions, spans), k))
+        self.ops.after_step(decode=True)
+        return out
 
     def _step(self, slots, ids, positions, want_logits: bool) -> np.ndarray:
         slots, ids, positions = self._decode_args(slots, ids, positions)
         runner = self._graphs(len(slots))
         if runner is not None:
-            return runner.run(slots, ids, positions, want_logits=want_logits)
-        spans = [AttnSpan(s, int(p), b, b + 1) for b, (s, p) in enumerate(zip(slots, positions))]
-        x = self._run(ids, positions, spans)
-        return self.ops.to_host(self.head(x) if want_logits else self.head_argmax(x))   # [B, V] or [B]
+            out = runner.run(slots, ids, positions, want_logits=want_logits)
+        else:
+            spans = [AttnSpan(s, int(p), b, b + 1) for b, (s, p) in enumerate(zip(slots, positions))]
+            x = self._run(ids, positions, spans)
+            out = self.ops.to_host(self.head(x) if want_logits else self.head_argmax(x))   # [B, V] or [B]
+        self.ops.after_step(decode=True)
+        return out

@@ -16,8 +16,8 @@ LAYER = layers.ATTN | layers.QK_NORM | layers.DENSE_FFN
 class Qwen3(CausalLM):
     arch = "qwen3"
 
-    def __init__(self, gf, ops, n_slots: int, n_ctx_slot: int, progress=None):
-        super().__init__(gf, ops, n_slots, n_ctx_slot, progress)
+    def __init__(self, gf, ops, n_slots: int, n_ctx_slot: int, progress=None, host_experts=None):
+        super().__init__(gf, ops, n_slots, n_ctx_slot, progress, host_experts)
         self.load_decoder(layers.Hparams.from_gguf(gf, self.arch), LAYER)
 
     def block(self, il: int, x, rows):

@@ -17,8 +17,8 @@ LAYER = layers.ATTN | layers.QK_NORM | layers.MOE_FFN
 class Qwen3Moe(CausalLM):
     arch = "qwen3moe"
 
-    def __init__(self, gf, ops, n_slots: int, n_ctx_slot: int, progress=None):
-        super().__init__(gf, ops, n_slots, n_ctx_slot, progress)
+    def __init__(self, gf, ops, n_slots: int, n_ctx_slot: int, progress=None, host_experts=None):
+        super().__init__(gf, ops, n_slots, n_ctx_slot, progress, host_experts)
         self.load_decoder(layers.Hparams.from_gguf(gf, self.arch), LAYER)
         self.moe = layers.MoeParams.from_gguf(gf, self.arch)
 

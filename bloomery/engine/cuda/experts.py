@@ -1,0 +1,430 @@
+"""Routed experts split between the card and host RAM: the offload tier of the cuda backend.
+
+A layer whose placement keeps routed experts on the host holds every one of its experts in pinned
+host RAM (the residency's home: an expert leaves the card by a table write, never by a copy) and a
+fixed number of card slots. Each stacked tensor (gate, up, down) has a device table of expert
+addresses that the MoE kernels read: a resident expert points at its card slot, a host expert at a
+block of zero bytes, whose product is exactly zero. So the card kernels run unchanged and add
+nothing for host experts, and moving an expert is a table rewrite: no graph is recaptured.
+
+Decode-sized batches (moe.ffn's mat-vec path) compute the host experts on the host, in the same
+step: on a side stream the rows, ids and weights are copied to pinned buffers, a C host function
+(kernels/host_moe.c, launched with cuLaunchHostFunc so it is captured in the decode graph) sums
+the host experts' outputs, and the sum comes back and is added after the card's experts, which
+run meanwhile. Prompt batches stream the used host experts' bytes to a card staging buffer
+and compute every expert on the card (stage_tables); the prompt's most-used ones then take card
+slots from the staging copy (adopt), so decode starts warm.
+
+Residency (bloomery/residency.py decides, this file carries out): each step's routing is counted
+per expert on the card; between steps, every RESIDENCY_EVERY steps, the hottest host experts swap
+with the coldest resident ones within a byte budget per update; the copies run on a copy stream
+while the next steps compute, and an expert's table entry points at its slot once its copy is done.
+
+Legend: E = experts, S = card slots of a layer, T = rows, A = experts per token, D = hidden size.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass, field
+
+import cupy
+import numpy as np
+
+from bloomery import residency as policy
+from bloomery.engine.cuda.sizes import DECODE_ROWS
+
+H2D, D2H, D2D = 1, 2, 3
+RESIDENCY_EVERY = 16                     # decode steps between residency updates
+
+
+def _cuda():
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuLaunchHostFunc.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    lib.cuLaunchHostFunc.restype = ctypes.c_int
+    return lib
+
+
+_CUDA = None
+
+
+def launch_host_func(stream_ptr: int, fn: int, arg: int) -> None:
+    """cuLaunchHostFunc: `fn(arg)` runs on a driver thread once the stream reaches it (a host node
+    when the stream is being captured)."""
+    global _CUDA
+    if _CUDA is None:
+        _CUDA = _cuda()
+    rc = _CUDA.cuLaunchHostFunc(ctypes.c_void_p(stream_ptr), ctypes.c_void_p(fn), ctypes.c_void_p(arg))
+    if rc != 0:
+        raise RuntimeError(f"cuLaunchHostFunc failed (CUresult {rc})")
+
+
+def pinned(nbytes: int, dtype=np.uint8, shape=None) -> np.ndarray:
+    mem = cupy.cuda.alloc_pinned_memory(max(1, nbytes))
+    a = np.frombuffer(mem, dtype, nbytes // np.dtype(dtype).itemsize)
+    return a.reshape(shape) if shape is not None else a
+
+
+def _memcpy(dst: int, src: int, nbytes: int, kind: int, stream) -> None:
+    cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, kind, stream.ptr)
+
+
+class ExpertStack:
+    """One stacked expert tensor [K, N, E] of a layer with host experts: every expert in pinned host
+    RAM, `n_slots` card slots, and the device table the card kernels read. Looks like a CudaWeight
+    to moe.py (ggml_type, shape, n_cols, n_rows, n_expert, row_bytes, table, quantized)."""
+
+    def __init__(self, ggml_type: int, shape, data: np.ndarray, row_bytes: int, on_card: list[int], zero_ptr: int):
+        self.ggml_type, self.shape = int(ggml_type), tuple(int(s) for s in shape)
+        self.n_cols, self.n_rows, self.n_expert = self.shape[0], self.shape[1], self.shape[2]
+        self.row_bytes = row_bytes
+        self.expert_bytes = row_bytes * self.n_rows
+        raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        if raw.size != self.expert_bytes * self.n_expert:
+            raise ValueError(f"an expert stack of shape {self.shape} holds {raw.size} bytes, "
+                             f"not {self.expert_bytes * self.n_expert}")
+        self.host = pinned(raw.size)
+        self.host[:] = raw                                                   # every expert, host side
+        self.host_ptrs = (self.host.ctypes.data + self.expert_bytes * np.arange(self.n_expert, dtype=np.uint64)
+                          ).astype(np.uint64)                                 # [E] the host function reads these
+        self.slots = cupy.empty(len(on_card) * self.expert_bytes, cupy.uint8)   # [S * expert bytes]
+        self.zero_ptr = zero_ptr
+        self.mirror = np.full(self.n_expert, zero_ptr, np.uint64)           # [E] what `table` holds
+        for s, e in enumerate(on_card):
+            self.slots[s * self.expert_bytes:(s + 1) * self.expert_bytes].set(raw[e * self.expert_bytes:
+                                                                                  (e + 1) * self.expert_bytes])
+            self.mirror[e] = self.slot_ptr(s)
+        self.table = cupy.asarray(self.mirror)                               # [E] device addresses
+        self.on_card = list(on_card)
+
+    quantized = True
+
+    @property
+    def n_bytes(self) -> int:
+        return int(self.slots.size)
+
+    def slot_ptr(self, s: int) -> int:
+        return int(self.slots.data.ptr) + s * self.expert_bytes
+
+    def host_ptr(self, e: int) -> int:
+        return int(self.host_ptrs[e])
+
+
+@dataclass
+class _HostCall:
+    """One layer's pinned buffers and argument block for calls of T rows."""
+    x: np.ndarray
+    ids: np.ndarray
+    wts: np.ndarray
+    out: np.ndarray
+    args: object
+    keep: list = field(default_factory=list)
+
+
+class ExpertLayer:
+    """A layer's three stacks moved together: which expert holds which slot, the host function's
+    skip flags (1: on the card), and the layer's routing counts on the card."""
+
+    def __init__(self, index: int, gate: ExpertStack, up: ExpertStack, down: ExpertStack, counts, host_fn):
+        if not (gate.on_card == up.on_card == down.on_card):
+            raise ValueError(f"layer {index}: gate, up and down hold different experts on the card")
+        self.index, self.stacks = index, (gate, up, down)
+        self.n_expert = gate.n_expert
+        self.slot_of = np.full(self.n_expert, -1, np.int64)
+        for s, e in enumerate(gate.on_card):
+            self.slot_of[e] = s
+        self.n_slots = len(gate.on_card)
+        self.skip = pinned(self.n_expert)                                     # [E] read by the host function
+        self.skip[:] = self.slot_of >= 0
+        self.home = frozenset(gate.on_card)                                   # the load's placement
+        self.counts = counts                                                  # [E] int32 view on the card
+        self.host_fn = host_fn
+        self.calls: dict[int, _HostCall] = {}
+        self.expert_bytes = sum(s.expert_bytes for s in self.stacks)
+        self.pending: list[tuple[int, int, object]] = []                      # (expert, slot, copy done event)
+
+    @property
+    def on_card(self) -> frozenset[int]:
+        return frozenset(int(e) for e in np.nonzero(self.slot_of >= 0)[0])
+
+    @property
+    def host_count(self) -> int:
+        return int(self.n_expert - (self.slot_of >= 0).sum())
+
+    # --- table writes (between steps only: nothing in flight reads them) ---
+    def _upload(self) -> None:
+        for st in self.stacks:
+            st.table.set(st.mirror)
+
+    def evict(self, e: int) -> int:
+        s = int(self.slot_of[e])
+        self.slot_of[e] = -1
+        self.skip[e] = 0
+        for st in self.stacks:
+            st.mirror[e] = st.zero_ptr
+        return s
+
+    def seat(self, e: int, s: int) -> None:
+        self.slot_of[e] = s
+        self.skip[e] = 1
+        for st in self.stacks:
+            st.mirror[e] = st.slot_ptr(s)
+
+    # --- host calls ---
+    def host_call(self, t: int, d: int, n_used: int, threads: int) -> _HostCall:
+        c = self.calls.get(t)
+        if c is None:
+            from bloomery.engine.cpu.host_moe import HostMoeArgs
+            c = _HostCall(pinned(4 * t * d, np.float32, (t, d)), pinned(4 * t * n_used, np.int32, (t, n_used)),
+                          pinned(4 * t * n_used, np.float32, (t, n_used)), pinned(4 * t * d, np.float32, (t, d)), None)
+            gate, up, down = self.stacks
+            c.args = HostMoeArgs(
+                n_rows=t, n_used=n_used, d=d, f=gate.n_rows, gate_type=gate.ggml_type, up_type=up.ggml_type,
+                down_type=down.ggml_type, n_threads=threads, gate_row_bytes=gate.row_bytes,
+                up_row_bytes=up.row_bytes, down_row_bytes=down.row_bytes, ids=c.ids.ctypes.data,
+                wts=c.wts.ctypes.data, x=c.x.ctypes.data, out=c.out.ctypes.data, gate=gate.host_ptrs.ctypes.data,
+                up=up.host_ptrs.ctypes.data, down=down.host_ptrs.ctypes.data, skip=self.skip.ctypes.data,
+                counts_unused=0)
+            self.calls[t] = c
+        return c
+
+
+class Offload:
+    """Every offloaded layer of one model on the card, the side streams, the counts and residency."""
+
+    def __init__(self, ops, residency: bool, threads: int, budget: int | None = None):
+        self.ops, self.residency, self.threads = ops, residency, threads
+        self.layers: list[ExpertLayer] = []
+        self._by_gate: dict[int, ExpertLayer] = {}
+        self._pending_stacks: list[ExpertStack] = []
+        self.side = cupy.cuda.Stream(non_blocking=True)                      # host experts' copies and calls
+        self.copy = cupy.cuda.Stream(non_blocking=True)                      # residency copies
+        self.counts = None                                                    # [L, E] int32 on the card
+        self.seen = None                                                      # [L, E] counts at the last update
+        self.score = None                                                     # [L, E] decayed recent routing
+        self.steps = 0
+        self.budget = budget if budget is not None else int(os.environ.get("BLOOMERY_RESIDENCY_MIB", "256")) << 20
+        self.stats = {"moved_experts": 0, "moved_bytes": 0, "host_wait_s": 0.0, "updates": 0}
+        self.hits = self.misses = None
+        self._zero = None
+        self.staging = None                                                   # card buffer for streamed prompts
+        from bloomery.engine.cpu import host_moe
+        self.host_fn = host_moe.fn_pointer()
+
+    def zero_ptr(self, nbytes: int) -> int:
+        """A block of zero bytes at least `nbytes` long: a host expert's table entry."""
+        if self._zero is None or self._zero.size < nbytes:
+            self._zero = cupy.zeros(max(nbytes, 4 << 20), cupy.uint8)
+            for st in self._pending_stacks:                                   # re-point what was made before
+                st.mirror[st.mirror == st.zero_ptr] = int(self._zero.data.ptr)
+                st.zero_ptr = int(self._zero.data.ptr)
+                st.table.set(st.mirror)
+        return int(self._zero.data.ptr)
+
+    def stack(self, ggml_type, shape, data, row_bytes: int, host: tuple[int, int]) -> ExpertStack:
+        first, stop = host
+        n_exp = int(shape[2])
+        on_card = [e for e in range(n_exp) if not first <= e < stop]
+        st = ExpertStack(ggml_type, shape, data, row_bytes, on_card, self.zero_ptr(row_bytes * int(shape[1])))
+        self._pending_stacks.append(st)
+        return st
+
+    def layer(self, gate, up, down, n_used: int) -> ExpertLayer | None:
+        """The ExpertLayer of these stacks (made on first sight, in layer order, with the host calls of
+        every decode batch size, so no pinned buffer is made inside a captured step), or None for
+        card-only ones."""
+        if not isinstance(gate, ExpertStack):
+            return None
+        got = self._by_gate.get(id(gate))
+        if got is None:
+            i = len(self.layers)
+            n_exp = gate.n_expert
+            if self.counts is None or self.counts.shape[1] != n_exp:
+                self.counts = cupy.zeros((0, n_exp), cupy.int32)
+            # grow the [L, E] count matrix by one row: rows are views, so re-point the earlier layers
+            grown = cupy.zeros((i + 1, n_exp), cupy.int32)
+            grown[:i] = self.counts[:i]
+            self.counts = grown
+            for j, ly in enumerate(self.layers):
+                ly.counts = grown[j]
+            got = ExpertLayer(i, gate, up, down, grown[i], self.host_fn)
+            for t in range(1, DECODE_ROWS + 1):
+                got.host_call(t, gate.n_cols, n_used, self.threads)
+            self.layers.append(got)
+            self._by_gate[id(gate)] = got
+            self.seen = np.zeros((i + 1, n_exp), np.int64)
+            self.score = np.zeros((i + 1, n_exp), np.int64)
+            self.hits, self.misses = np.zeros(i + 1, np.int64), np.zeros(i + 1, np.int64)
+        return got
+
+    # --- the decode path: host experts computed on the host, in the step ---
+    def host_start(self, layer: ExpertLayer, x, ids, wts):
+        """Launch the host part on the side stream; returns (done event, device buffer it fills)."""
+        t, d = x.shape
+        c = layer.host_call(t, d, ids.shape[1], self.threads)
+        main = cupy.cuda.get_current_stream()
+        start = cupy.cuda.Event(disable_timing=True)
+        start.record(main)
+        side = self.side
+        side.wait_event(start)
+        _memcpy(c.x.ctypes.data, x.data.ptr, x.nbytes, D2H, side)
+        _memcpy(c.ids.ctypes.data, ids.data.ptr, ids.nbytes, D2H, side)
+        _memcpy(c.wts.ctypes.data, wts.data.ptr, wts.nbytes, D2H, side)
+        launch_host_func(side.ptr, self.host_fn, ctypes.addressof(c.args))
+        out = cupy.empty((t, d), cupy.float32)
+        _memcpy(out.data.ptr, c.out.ctypes.data, out.nbytes, H2D, side)
+        done = cupy.cuda.Event(disable_timing=True)
+        done.record(side)
+        return done, out
+
+    # --- the prompt path: used host experts streamed to the card ---
+    def stage_tables(self, layer: ExpertLayer, used: np.ndarray):
+        """Device tables (gate, up, down) in which the used host experts point at copies streamed into
+        the staging buffer (on the current stream, so the pass's kernels see them)."""
+        want = [int(e) for e in np.nonzero(used)[0] if layer.slot_of[e] < 0]
+        if not want:
+            return tuple(st.table for st in layer.stacks), {}
+        need = len(want) * layer.expert_bytes
+        if self.staging is None or self.staging.size < need:
+            self.staging = None
+            self.staging = cupy.empty(self.staging_bytes(need), cupy.uint8)
+        main = cupy.cuda.get_current_stream()
+        base, at, tables = int(self.staging.data.ptr), 0, []
+        where = {}
+        for st in layer.stacks:
+            mirror = st.mirror.copy()
+            for e in want:
+                _memcpy(base + at, st.host_ptr(e), st.expert_bytes, H2D, main)
+                mirror[e] = base + at
+                where.setdefault(e, []).append(base + at)
+                at += st.expert_bytes
+            tables.append(cupy.asarray(mirror))
+        return tuple(tables), where
+
+    def staging_bytes(self, need: int) -> int:
+        """The staging buffer holds the largest layer's host experts (what the plan counts)."""
+        most = max((ly.host_count * ly.expert_bytes for ly in self.layers), default=need)
+        return max(need, most)
+
+    def adopt(self, layer: ExpertLayer, counts: np.ndarray, where: dict[int, list[int]]) -> None:
+        """After a prompt pass: its most-used streamed experts take the coldest slots (a copy on the
+        card from the staging buffer), when residency is on."""
+        if not self.residency or not where or layer.n_slots == 0:
+            return
+        row = [int(c) for c in counts]
+        moves = [m for m in policy.layer_swaps(layer.index, row, layer.on_card, layer.expert_bytes)
+                 if m.into_card in where]
+        if not moves:
+            return
+        main = cupy.cuda.get_current_stream()
+        for m in moves:
+            s = layer.evict(m.out_of_card)
+            for st, src in zip(layer.stacks, where[m.into_card]):
+                _memcpy(st.slot_ptr(s), src, st.expert_bytes, D2D, main)
+            layer.seat(m.into_card, s)
+        layer._upload()
+        self.stats["moved_experts"] += len(moves)
+
+    # --- counting and residency between steps ---
+    def count(self, layer: ExpertLayer, ids) -> None:
+        _count_kernel()(ids.reshape(-1), layer.counts)
+
+    def after_step(self, decode: bool) -> None:
+        """Between steps: finish the copies that are done, and every RESIDENCY_EVERY decode steps (and
+        after every prompt pass) read the counts and start the moves the policy picks."""
+        if not self.layers:
+            return
+        self._finish(block=False)
+        self.steps += 1
+        if decode and self.steps % RESIDENCY_EVERY:
+            return
+        self._account()
+        if not self.residency:
+            return
+        on_card = [ly.on_card for ly in self.layers]
+        chosen = policy.moves(self.score.tolist(), on_card, [ly.expert_bytes for ly in self.layers], self.budget)
+        for m in chosen:
+            self._start_move(self.layers[m.layer], m.into_card, m.out_of_card)
+        if chosen:
+            for ly in {self.layers[m.layer].index: self.layers[m.layer] for m in chosen}.values():
+                ly._upload()
+            cupy.cuda.Device().synchronize()
+
+    def _account(self) -> None:
+        """Routing since the last look: hits (a card expert) and misses (a host one) per layer, and the
+        decayed score residency ranks by."""
+        now = cupy.asnumpy(self.counts).astype(np.int64)                      # [L, E] since load
+        delta = now - self.seen
+        self.seen = now
+        for ly in self.layers:
+            on = ly.slot_of >= 0
+            self.hits[ly.index] += int(delta[ly.index][on].sum())
+            self.misses[ly.index] += int(delta[ly.index][~on].sum())
+        self.score = (self.score >> 1) + delta
+        self.stats["updates"] += 1
+
+    def _start_move(self, layer: ExpertLayer, into: int, out: int) -> None:
+        if any(e == into for e, _, _ in layer.pending):
+            return
+        s = layer.evict(out)
+        for st in layer.stacks:
+            _memcpy(st.slot_ptr(s), st.host_ptr(into), st.expert_bytes, H2D, self.copy)
+        ev = cupy.cuda.Event(disable_timing=True)
+        ev.record(self.copy)
+        layer.pending.append((into, s, ev))
+        self.stats["moved_experts"] += 1
+        self.stats["moved_bytes"] += layer.expert_bytes
+
+    def _finish(self, block: bool) -> None:
+        for ly in self.layers:
+            if not ly.pending:
+                continue
+            left = []
+            for e, s, ev in ly.pending:
+                if block:
+                    ev.synchronize()
+                if block or ev.done:
+                    ly.seat(e, s)
+                else:
+                    left.append((e, s, ev))
+            if len(left) != len(ly.pending):
+                ly.pending = left
+                ly._upload()
+                cupy.cuda.Device().synchronize()
+
+    def reset(self) -> None:
+        """Back to the load's placement (POST /residency/reset): copies on the copy stream, waited for."""
+        self._finish(block=True)
+        for ly in self.layers:
+            extra = sorted(ly.on_card - ly.home)
+            missing = sorted(ly.home - ly.on_card)
+            for into, out in zip(missing, extra):
+                s = ly.evict(out)
+                for st in ly.stacks:
+                    _memcpy(st.slot_ptr(s), st.host_ptr(into), st.expert_bytes, H2D, self.copy)
+                ly.seat(into, s)
+            ly._upload()
+        self.copy.synchronize()
+        cupy.cuda.Device().synchronize()
+        self.score[:] = 0
+
+    def report(self) -> dict:
+        """What GET /residency and /metrics show (between steps)."""
+        if self.layers:
+            self._account()
+        counts = self.seen if self.seen is not None else np.zeros((0, 0), np.int64)
+        return {"residency": "on" if self.residency else "off",
+                "layers": [{"layer": ly.index, "counts": counts[ly.index].tolist(), "on_card": sorted(ly.on_card),
+                            "hits": int(self.hits[ly.index]), "misses": int(self.misses[ly.index])}
+                           for ly in self.layers],
+                **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.stats.items()}}
+
+
+_COUNT = None
+
+
+def _count_kernel():
+    global _COUNT
+    if _COUNT is None:
+        _COUNT = cupy.ElementwiseKernel("int32 e", "raw int32 counts", "atomicAdd(&counts[e], 1)", "bloomery_count_routes")
+    return _COUNT

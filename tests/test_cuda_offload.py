@@ -1,0 +1,125 @@
+"""The offload tier on the card (engine/cuda/experts.py): routed experts kept in host RAM, computed by
+the host kernel inside the (captured) decode step and streamed to the card for prompt passes, with
+adaptive residency moving the hot ones into card slots. Runs where CuPy sees a card; skips elsewhere.
+
+Against the whole-card load of the same synthetic qwen3moe file:
+- a prompt pass streams the host experts it uses and computes them with the card's own kernels, so its
+  logits equal the whole-card load's bit for bit;
+- a decode step computes host experts on the host, which rounds activations as llama.cpp's CPU does
+  (Q8_K per 256), not as the card (int8 per 32): logits stay within BAND of the whole-card step's;
+- with residency off, the tokens repeat run to run, and the captured step equals the eager one.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.conftest import load_tool
+
+SHAPE = dict(n_layer=4, n_embd=512, n_head=8, n_head_kv=2, head_dim=128, n_expert=16, n_expert_used=4, n_ff_exp=256)
+E, L = SHAPE["n_expert"], SHAPE["n_layer"]
+BAND = 0.6            # as tests/test_cuda_models.py's qwen3moe band: host and card round activations differently
+PROMPT = [151644, 872, 198, 7985, 264, 13027, 729, 13, 151645, 198, 151644, 77091, 198]
+
+
+@pytest.fixture(scope="module")
+def moe_file(gpu, tokenizer_source, synthetic_dir):
+    make = load_tool("make_synthetic")
+    return make.write_synthetic(synthetic_dir / "offload-qwen3moe.gguf", arch="qwen3moe", mode="blocks",
+                                mix="q4_k_m", seed=12, tokenizer_from=str(tokenizer_source), **SHAPE)
+
+
+def placement(on_card: list[int], case: str):
+    from bloomery.placement import Placement, TensorPlace
+    tensors = tuple(TensorPlace(f"blk.{i}.ffn_{x}_exps.weight", "host", k, E)
+                    for i, k in enumerate(on_card) for x in ("gate", "up", "down") if k < E)
+    return Placement("cuda", 2, 256, "cuda:0", tensors=tensors, experts_on_card=tuple(on_card), case=case,
+                     n_expert=E)
+
+
+def load(path, pl):
+    from bloomery.engine.loader import load_model
+    return load_model(path, pl, threads=2)
+
+
+def greedy(model, slot: int, n: int):
+    """Prompt logits, then n greedy steps through the captured step: (prompt logits, ids, each step's logits)."""
+    first = model.prefill(slot, PROMPT, 0)
+    ids, steps = [int(np.argmax(first))], []
+    for i in range(n):
+        logits = model.decode([slot], [ids[-1]], [len(PROMPT) + i])[0]
+        steps.append(logits)
+        ids.append(int(np.argmax(logits)))
+    return first, ids, steps
+
+
+@pytest.fixture(scope="module")
+def whole(moe_file):
+    from bloomery.placement import whole as whole_placement
+    model = load(moe_file, whole_placement("cuda", 2, 256))
+    return greedy(model, 0, 24)
+
+
+def test_every_expert_on_the_host_stays_within_the_band_of_the_whole_card(moe_file, whole):
+    model = load(moe_file, placement([0] * L, "flags"))
+    first, ids, steps = greedy(model, 0, 24)
+    np.testing.assert_array_equal(first, whole[0])            # the prompt pass streams them: the card's kernels
+    # teacher-forced: feed the whole-card ids, compare each step's logits
+    model2 = load(moe_file, placement([0] * L, "flags"))
+    model2.prefill(0, PROMPT, 0)
+    for k in range(24):
+        got = model2.decode([0], [whole[1][k]], [len(PROMPT) + k])[0]
+        assert np.max(np.abs(got - whole[2][k])) <= BAND, k
+    rep = model.ops.offload.report()
+    assert rep["residency"] == "off" and rep["moved_experts"] == 0
+    assert [sorted(x["on_card"]) for x in rep["layers"]] == [[]] * L
+
+
+def test_host_experts_repeat_run_to_run_and_the_captured_step_equals_the_eager_one(moe_file):
+    model = load(moe_file, placement([6] * L, "flags"))
+    a = greedy(model, 0, 16)
+    b = greedy(model, 1, 16)
+    assert a[1] == b[1]
+    for x, y in zip(a[2], b[2]):
+        np.testing.assert_array_equal(x, y)
+    from bloomery.engine.ops import AttnSpan
+    pos = len(PROMPT) + 16
+    ids = np.array([a[1][-1]], np.int32)
+    eager = model.ops.to_host(model.head(model._run(ids, np.array([pos], np.int32), [AttnSpan(0, pos, 0, 1)])))[0]
+    graph = model.decode([1], [a[1][-1]], [pos])[0]
+    assert np.max(np.abs(eager - graph)) <= 1e-3
+
+
+def test_a_short_prompt_takes_the_host_path_and_a_long_one_streams(moe_file, whole):
+    model = load(moe_file, placement([8] * L, "flags"))
+    short = model.prefill(0, PROMPT[:5], 0)                       # 5 rows: the decode-sized path, host experts
+    ref = load(moe_file, placement([E] * L, "flags")).prefill(0, PROMPT[:5], 0)
+    assert np.max(np.abs(short - ref)) <= BAND
+    np.testing.assert_array_equal(model.prefill(1, PROMPT, 0), whole[0])
+
+
+def test_residency_moves_hot_experts_in_and_reset_returns_to_the_load(moe_file, whole):
+    from bloomery.engine.cuda.experts import RESIDENCY_EVERY
+    model = load(moe_file, placement([4] * L, "budget"))
+    off = model.ops.offload
+    assert off.residency
+    home = [sorted(ly.on_card) for ly in off.layers] if off.layers else None
+    first, ids, steps = greedy(model, 0, 3 * RESIDENCY_EVERY)
+    np.testing.assert_array_equal(first, whole[0])
+    rep = off.report()
+    assert rep["moved_experts"] > 0 and rep["updates"] >= 3
+    for x in rep["layers"]:
+        assert len(x["on_card"]) == 4
+        assert x["hits"] + x["misses"] == sum(x["counts"])       # every routed (row, expert) counted once
+        routed = np.array(x["counts"])
+        cold_card = min(routed[x["on_card"]])
+        assert cold_card >= 0
+    home = [frozenset(range(4))] * L
+    assert [ly.on_card for ly in off.layers] != home
+    off.reset()
+    assert [ly.on_card for ly in off.layers] == home
+    # after the moves, a step still computes the same function: teacher-forced against the whole card
+    model.prefill(1, PROMPT, 0)
+    for k in range(8):
+        got = model.decode([1], [whole[1][k]], [len(PROMPT) + k])[0]
+        assert np.max(np.abs(got - whole[2][k])) <= BAND, k

@@ -113,8 +113,10 @@ def _spread(total: int, n_layer: int, n_expert: int) -> list[int]:
 
 
 def _staging(lay: Layout, host_per_layer: list[int]) -> int:
-    """The card's staging buffer: the largest layer's host experts (0 where none is on the host)."""
-    return max((h * b for h, b in zip(host_per_layer, lay.expert_bytes)), default=0)
+    """The card's staging buffer, the largest layer's host experts, and the block of zero bytes a host
+    expert's table entry points at (at most one expert's bytes); 0 where no expert is on the host."""
+    most = max((h * b for h, b in zip(host_per_layer, lay.expert_bytes)), default=0)
+    return most + max(lay.expert_bytes, default=0) if most else 0
 
 
 def place(lay: Layout, cards: tuple[int, ...], host_avail: int, ask: PlacementAsk, kv: int, scratch: int,
@@ -163,7 +165,7 @@ def place(lay: Layout, cards: tuple[int, ...], host_avail: int, ask: PlacementAs
                     tensors.append(TensorPlace(n, dev[n]))
             if len(devs) == 1 and (d := devs.pop()) != "host":
                 on[int(d[5:])][layer] = n_exp
-        stage = max(host_layer, default=0)
+        stage = max(host_layer, default=0) + (max(lay.expert_bytes, default=0) if any(host_layer) else 0)
         why = [next((flagged[n][1] for n in names if n in flagged), "on the main card") for names in lay.experts]
     else:
         case, why = "whole", ["the model fits the card"] * n_layer

@@ -76,7 +76,7 @@ def test_over_the_card_the_context_shrinks_first_as_llama_server_fits():
 def test_budget_puts_as_many_experts_as_the_card_holds_spread_evenly(room_experts):
     """The card holds dense, KV, scratch, margin and staging, then as many experts as fit; the rest on the host."""
     host_layer = E - room_experts // L          # the most host experts in any layer
-    stage = host_layer * EXPERT
+    stage = (host_layer + 1) * EXPERT          # the largest layer's host experts + the zero block
     free = DENSE + KV + SCRATCH + MARGIN + room_experts * EXPERT + stage
     p = plan(free)
     pl = p.placement
@@ -85,7 +85,7 @@ def test_budget_puts_as_many_experts_as_the_card_holds_spread_evenly(room_expert
     assert sum(on) == room_experts and max(on) - min(on) <= 1 and list(on) == sorted(on)   # extras: later layers
     t = card(p).terms
     assert (t.weights, t.kv, t.scratch, t.pinned, t.margin) == (DENSE + room_experts * EXPERT, KV, SCRATCH,
-                                                                (E - min(on)) * EXPERT, MARGIN)
+                                                                (E - min(on) + 1) * EXPERT, MARGIN)
     assert t.total <= free
     h = pl.device("host").terms
     # the host keeps every expert of a layer with any on the host, pinned (the residency's home)
@@ -98,7 +98,7 @@ def test_budget_puts_as_many_experts_as_the_card_holds_spread_evenly(room_expert
 
 
 def test_budget_is_the_largest_that_fits():
-    free = DENSE + KV + SCRATCH + MARGIN + 13 * EXPERT + 5 * EXPERT   # 13 on the card + 5 host a layer staged
+    free = DENSE + KV + SCRATCH + MARGIN + 13 * EXPERT + 6 * EXPERT   # 13 on the card + 5 host a layer staged + zero
     p = plan(free)
     assert sum(p.placement.experts_on_card) == 13 and card(p).terms.total == free
     assert sum(plan(free - 1).placement.experts_on_card) == 12   # 12 on the card need only 5 staged too
@@ -114,7 +114,7 @@ def test_ncmoe_puts_the_first_layers_experts_on_the_host(n, host_layers):
     assert pl.layer_why[:host_layers] == (f"-ncmoe {n}",) * host_layers
     assert pl.device("host").terms.weights == host_layers * E * EXPERT
     assert card(p).terms.weights == DENSE + (L - host_layers) * E * EXPERT
-    assert card(p).terms.pinned == (E * EXPERT if host_layers else 0)
+    assert card(p).terms.pinned == ((E + 1) * EXPERT if host_layers else 0)
     assert {t.name for t in pl.tensors} == {f"blk.{i}.ffn_{x}_exps.weight" for i in range(host_layers)
                                             for x in ("gate", "up", "down")}
 
@@ -177,7 +177,7 @@ def test_several_cards_the_largest_runs_every_layer_the_others_hold_experts():
 
 def test_tensor_split_shares_and_split_mode_none():
     room = MARGIN + 32 * EXPERT
-    main_free = DENSE + KV + SCRATCH + MARGIN + E * EXPERT
+    main_free = DENSE + KV + SCRATCH + MARGIN + (E + 1) * EXPERT
     big = plan((room, room, main_free), PlacementAsk(tensor_split=(3, 1, 1)))
     assert sum(card(big, 0).experts) == 3 * sum(card(big, 1).experts) > 0
     one = plan((room, main_free), PlacementAsk(split_mode="none"))
@@ -211,7 +211,7 @@ def test_cpu_backend_refuses_a_card_buffer_type():
 
 
 def test_plan_prints_case_terms_and_layers():
-    p = plan(DENSE + KV + SCRATCH + MARGIN + 21 * EXPERT)     # 17 on the card, 4 host a layer staged
+    p = plan(DENSE + KV + SCRATCH + MARGIN + 22 * EXPERT)     # 17 on the card, 4 host a layer staged, the zero block
     text = [t for _, t, _ in p.explain()]
     assert any(t.startswith('placement "budget": the model does not fit the card') for t in text)
     line = next(t for t in text if t.startswith("cuda:0 needs"))
@@ -229,7 +229,7 @@ def test_the_placement_travels_typed_and_the_load_reads_its_host_experts():
     assert back == pl and back.tensors[0].device == "host"
     assert host_experts(pl) == {f"blk.{i}.ffn_{x}_exps.weight": (0, E) for i in (0, 1) for x in ("gate", "up", "down")}
     assert not residency_on(pl)                           # a placement flag: fixed placement, repeatable tokens
-    budget = plan(DENSE + KV + SCRATCH + MARGIN + 21 * EXPERT).placement
+    budget = plan(DENSE + KV + SCRATCH + MARGIN + 22 * EXPERT).placement
     assert host_experts(budget)["blk.3.ffn_up_exps.weight"] == (5, E) and residency_on(budget)
     whole = plan(100 * GIB).placement
     assert not whole.off_card and host_experts(whole) == {}
@@ -246,7 +246,7 @@ def test_a_load_refuses_what_this_build_cannot_carry_out_before_reading():
 
 
 def test_residency_is_off_by_env(monkeypatch):
-    budget = plan(DENSE + KV + SCRATCH + MARGIN + 21 * EXPERT).placement
+    budget = plan(DENSE + KV + SCRATCH + MARGIN + 22 * EXPERT).placement
     monkeypatch.setenv("BLOOMERY_RESIDENCY", "off")
     assert not residency_on(budget)
 

@@ -98,3 +98,38 @@ def test_cuda_placement_counts_what_the_load_holds(gpu, tokenizer_source, tmp_pa
     held = pool.used_bytes() - before
     counted = card.terms.weights + card.terms.decoded + card.terms.kv
     assert abs(held - counted) <= 0.03 * counted, (held, card.terms)
+
+
+@pytest.mark.gpu
+def test_cuda_offload_placement_counts_what_the_load_holds(gpu, tokenizer_source, tmp_path):
+    """-ncmoe 4 of 8 layers: the card's share (dense weights, the on-card layers' experts, KV, and the staging
+    buffer a prompt pass streams host experts into) against CuPy's pool after a prompt and a decode step."""
+    cupy = pytest.importorskip("cupy")
+    from bloomery.census import take_census
+    from bloomery.engine.loader import load_model
+    from bloomery.gguf_file import open_gguf
+    from bloomery.placement_flags import PlacementAsk
+    from bloomery.plan import make_plan, model_facts
+    from tests.conftest import load_tool
+
+    path = load_tool("make_synthetic").write_synthetic(tmp_path / "offload.gguf", arch="qwen3moe", mode="blocks",
+                                                         mix="q4_k_m", seed=5, tokenizer_from=str(tokenizer_source),
+                                                         **CARD_SHAPES["qwen3moe"])
+    gf = open_gguf(str(path))
+    census = take_census()
+    if not census.card_free_bytes:
+        pytest.skip("no card in the census")
+    plan = make_plan(model_facts(gf), census, "cuda", ctx_size=8192, ask=PlacementAsk(n_cpu_moe=4))
+    pl = plan.placement
+    assert pl.case == "flags" and pl.experts_on_card[:4] == (0,) * 4
+    card = pl.device(pl.default_device)
+    pool = cupy.get_default_memory_pool()
+    before = pool.used_bytes()
+    model = load_model(gf, pl, threads=2)
+    model.prefill(0, list(range(100, 164)), 0)              # a prompt pass: the host experts it uses are streamed
+    model.decode_greedy([0], [5], [64])
+    cupy.cuda.Device().synchronize()
+    held = pool.used_bytes() - before
+    counted = card.terms.weights + card.terms.kv + card.terms.pinned
+    assert card.terms.pinned > 0
+    assert abs(held - counted) <= 0.03 * counted, (held, card.terms)

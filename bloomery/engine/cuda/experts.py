@@ -214,7 +214,7 @@ class Offload:
     def zero_ptr(self, nbytes: int) -> int:
         """A block of zero bytes at least `nbytes` long: a host expert's table entry."""
         if self._zero is None or self._zero.size < nbytes:
-            self._zero = cupy.zeros(max(nbytes, 4 << 20), cupy.uint8)
+            self._zero = cupy.zeros(nbytes, cupy.uint8)
             for st in self._pending_stacks:                                   # re-point what was made before
                 st.mirror[st.mirror == st.zero_ptr] = int(self._zero.data.ptr)
                 st.zero_ptr = int(self._zero.data.ptr)

@@ -128,7 +128,8 @@ def test_noop_flags_are_read_and_recorded():
     s = parse(M + ["-t", "4", "-b", "512", "-fa", "on", "--no-mmap", "--no-webui", "-cb",
                    "--no-warmup", "-v", "--kv-unified", "--context-shift", "--cache-reuse", "256", "--no-jinja"], {})
     flags = [kv["flag"] for msg, kv in s.notes if msg == "flag read, no effect here"]
-    assert flags == ["-t", "-fa", "--no-mmap", "--no-webui", "-cb",
+    assert s.threads == 4                          # -t: the offload tier's host threads
+    assert flags == ["-fa", "--no-mmap", "--no-webui", "-cb",
                      "--kv-unified", "--context-shift", "--cache-reuse", "--no-jinja"]
     assert s.jinja and not s.warmup          # --no-warmup has an effect: it is honoured, not noted
     assert s.batch_size == 512               # -b too: return_progress's pass size, /infill's budget

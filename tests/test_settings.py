@@ -138,9 +138,10 @@ def test_noop_flags_are_read_and_recorded():
 
 
 def test_unknown_llama_variable_gets_a_line():
-    s = parse(M, {"LLAMA_ARG_SOMETHING_NEW": "1", "LLAMA_ARG_THREADS": "8", "PATH": "/bin"})
+    s = parse(M, {"LLAMA_ARG_SOMETHING_NEW": "1", "LLAMA_ARG_UBATCH": "8", "LLAMA_ARG_THREADS": "8", "PATH": "/bin"})
     assert ("env variable not read by bloomery", {"variable": "LLAMA_ARG_SOMETHING_NEW"}) in s.notes
-    assert any(kv.get("flag") == "LLAMA_ARG_THREADS" for _, kv in s.notes)
+    assert any(kv.get("flag") == "LLAMA_ARG_UBATCH" for _, kv in s.notes)
+    assert s.threads == 8
 
 
 def test_sampling_defaults_are_kept():

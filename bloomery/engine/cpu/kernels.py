@@ -60,22 +60,32 @@ def _build(cc: str, src: Path, dest: Path, flags: list[str]) -> None:
             os.unlink(tmp)
 
 
+def compiled(source: str, flags: list[str]) -> Path:
+    """kernels/<source> built with `flags` by the system's C compiler into the cache, once per
+    source, compiler, flags and CPU. Raises FileNotFoundError where no compiler is found, OSError
+    or subprocess.SubprocessError where the build fails."""
+    src = kernel_dir() / source
+    cc = _compiler()
+    if cc is None:
+        raise FileNotFoundError("no C compiler found (cc, gcc, clang)")
+    key = hashlib.sha256(b"\0".join([src.read_bytes(), cc.encode(), " ".join(flags).encode(),
+                                     _cpu_flags().encode()])).hexdigest()[:16]
+    so = cache_dir() / f"{Path(source).stem}-{key}.so"
+    if not so.exists():
+        _build(cc, src, so, flags)
+    return so
+
+
 def _load() -> tuple[ctypes.CDLL | None, str]:
     choice = os.environ.get("BLOOMERY_CPU_KERNELS", "on").strip().lower()
     if choice in ("off", "0", "false", "no"):
         return None, "off (BLOOMERY_CPU_KERNELS=off): numpy kernels"
     # portable: the plain C loops, not the AVX2 ones (what a non-x86 machine builds; tests use it)
     flags = FLAGS + (["-mno-avx2", "-mno-fma"] if choice == "portable" and os.uname().machine in ("x86_64", "AMD64") else [])
-    src = kernel_dir() / SOURCE
-    cc = _compiler()
-    if cc is None:
+    if _compiler() is None:
         return None, "no C compiler found (cc, gcc, clang): numpy kernels"
-    key = hashlib.sha256(b"\0".join([src.read_bytes(), cc.encode(), " ".join(flags).encode(),
-                                     _cpu_flags().encode()])).hexdigest()[:16]
-    so = cache_dir() / f"cpu_lanes-{key}.so"
     try:
-        if not so.exists():
-            _build(cc, src, so, flags)
+        so = compiled(SOURCE, flags)
         lib = ctypes.CDLL(str(so))
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"the C kernels did not build ({e}): numpy kernels"

@@ -1,0 +1,879 @@
+// Host experts: one MoE layer's routed experts computed on the host from their stored GGUF
+// blocks (bloomery/engine/cpu/host_moe.py compiles this with -O3 -march=native -fopenmp and
+// loads it). host_moe() is plain C with the signature of a CUDA host function, so the cuda
+// backend can call it from a captured decode step (cuLaunchHostFunc); the CPU backend calls it
+// through ctypes.
+//
+// Weights are read in place as stored (Q4_K, Q5_K, Q6_K against 8-bit activations in blocks of
+// 256 with sums per 16, Q8_0, Q5_0, Q4_0 against 8-bit activations in blocks of 32), never
+// decoded into a copy: the host is memory bound and a copy would double the bytes read.
+// Activations are quantized into a layout of our own (per row: the int8 quants, the f32 block
+// scales, the block sums), so each weight type's unsigned quants meet them in one unsigned x
+// signed product (x86 maddubs / VNNI dpbusd) and the weight's offset (Q6_K's 32, Q4_0's 8, Q4_K's
+// mins) comes off through the activation's block sums.
+//
+// One call is one OpenMP region with three barriers:
+//   1. quantize the input rows                 (blocks of rows over threads)
+//   2. gate and up rows of every distinct host expert, against each token routed to it
+//                                              ((expert, row) range split evenly over threads)
+//   3. swiglu + quantize each (token, slot) hidden row   (blocks over threads)
+//   4. down: threads split the D output rows; each sums its experts in a fixed order
+// Every output value is computed by one thread in an order that does not depend on the thread
+// count, so the result has the same bits for any n_threads.
+//
+// Legend: T = rows (tokens), A = experts per token, P = T * A (token, slot) pairs,
+// D = hidden size, F = expert FFN width, E = experts, X = distinct host experts in this call.
+#include <math.h>
+#include <omp.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define HM_ISA 2
+#elif defined(__AVX2__) && defined(__FMA__)
+#define HM_ISA 1
+#else
+#define HM_ISA 0
+#endif
+#if HM_ISA
+#include <immintrin.h>
+#endif
+
+#define HM_INLINE static inline __attribute__((always_inline))
+#define NMAX 4        // tokens one weight row is decoded for at once
+
+typedef struct {
+    int32_t n_rows;
+    int32_t n_used;
+    int32_t d;
+    int32_t f;
+    int32_t gate_type, up_type, down_type;
+    int32_t n_threads;
+    int64_t gate_row_bytes, up_row_bytes, down_row_bytes;
+    const int32_t *ids;
+    const float *wts;
+    const float *x;
+    float *out;
+    const uint8_t *const *gate;
+    const uint8_t *const *up;
+    const uint8_t *const *down;
+    const uint8_t *skip;
+    int64_t counts_unused;
+} host_moe_args;
+
+enum { T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+
+int host_moe_isa(void) { return HM_ISA; }
+int64_t host_moe_args_size(void) { return (int64_t)sizeof(host_moe_args); }
+int host_moe_max_threads(void) { return omp_get_num_procs(); }
+
+// ---------------------------------------------------------------- block formats
+
+static int block_elems(int type) {
+    switch (type) {
+    case T_Q4_0: case T_Q5_0: case T_Q8_0: return 32;
+    case T_Q4_K: case T_Q5_K: case T_Q6_K: return 256;
+    default: return 0;
+    }
+}
+
+static int block_bytes(int type) {
+    switch (type) {
+    case T_Q4_0: return 18;
+    case T_Q5_0: return 22;
+    case T_Q8_0: return 34;
+    case T_Q4_K: return 144;
+    case T_Q5_K: return 176;
+    case T_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+static inline float f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if HM_ISA && defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 0x3ff, bits;
+    if (e == 0) {
+        float v = ldexpf((float)m, -24);
+        return sign ? -v : v;
+    }
+    bits = e == 31 ? sign | 0x7f800000u | (m << 13) : sign | ((e + 112) << 23) | (m << 13);
+    float v;
+    memcpy(&v, &bits, 4);
+    return v;
+#endif
+}
+
+// Q4_K / Q5_K: 12 packed bytes -> sc[0..7] (6-bit scales) then sc[8..15] (6-bit mins)
+static inline void k4_scales(const uint8_t *s, uint8_t sc[16]) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        sc[8 + j] = s[j + 4] & 63;
+        sc[4 + j] = (s[j + 8] & 0xF) | ((s[j] >> 6) << 4);
+        sc[12 + j] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+    }
+}
+
+// ---------------------------------------------------------------- activations
+// A quantized activation row of length k: qs int8[k], then d f32[nb], then the block sums
+// (int16[16 * nb] per 16 elements for the 256 family, int32[nb] for the 32 family), the row
+// padded to 64 bytes. Layout L_KP (the 512-bit Q4_K / Q5_K kernels) stores each 256 block's
+// 32-element sub-blocks in the order 0 2 1 3 4 6 5 7, the order one 64-byte load of the
+// weight's nibbles yields them; the sums stay in natural order.
+
+enum { L_32 = 0, L_KN = 1, L_KP = 2 };
+
+static int layout_of(int type) {
+    switch (type) {
+    case T_Q4_0: case T_Q5_0: case T_Q8_0: return L_32;
+    case T_Q6_K: return L_KN;
+    case T_Q4_K: case T_Q5_K: return HM_ISA == 2 ? L_KP : L_KN;
+    default: return -1;
+    }
+}
+
+static inline int layout_block(int layout) { return layout == L_32 ? 32 : 256; }
+
+static int64_t act_row_bytes(int layout, int64_t k) {
+    int64_t nb = k / layout_block(layout);
+    int64_t n = k + 4 * nb + (layout == L_32 ? 4 * nb : 32 * nb);
+    return (n + 63) & ~(int64_t)63;
+}
+
+// blocks b0..b1 of row x (length k) into the row dst; silu_u: if set, the values are
+// silu(x) * silu_u (swiglu), computed here in f32
+static void quantize_blocks(int layout, const float *x, const float *silu_u, int64_t k, uint8_t *dst,
+                            int64_t b0, int64_t b1) {
+    const int bl = layout_block(layout);
+    const int64_t nb = k / bl;
+    int8_t *qs = (int8_t *)dst;
+    float *d = (float *)(dst + k);
+    float v[256];
+    for (int64_t b = b0; b < b1; b++) {
+        const float *xb = x + b * bl;
+        float amax = 0.0f;
+        if (silu_u) {
+            const float *ub = silu_u + b * bl;
+            for (int i = 0; i < bl; i++) v[i] = xb[i] / (1.0f + expf(-xb[i])) * ub[i];
+        } else {
+            memcpy(v, xb, sizeof(float) * bl);
+        }
+        for (int i = 0; i < bl; i++) amax = fmaxf(amax, fabsf(v[i]));
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        d[b] = amax / 127.0f;
+        int8_t q[256];
+        for (int i = 0; i < bl; i++) q[i] = (int8_t)lrintf(v[i] * id);
+        if (layout == L_32) {
+            int32_t s = 0;
+            for (int i = 0; i < 32; i++) s += q[i];
+            ((int32_t *)(d + nb))[b] = s;
+            memcpy(qs + b * 32, q, 32);
+            continue;
+        }
+        int16_t *bs = (int16_t *)(d + nb) + 16 * b;
+        for (int g = 0; g < 16; g++) {
+            int s = 0;
+            for (int i = 0; i < 16; i++) s += q[16 * g + i];
+            bs[g] = (int16_t)s;
+        }
+        if (layout == L_KN) {
+            memcpy(qs + b * 256, q, 256);
+        } else {
+            static const int order[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+            for (int i = 0; i < 8; i++) memcpy(qs + b * 256 + 32 * i, q + 32 * order[i], 32);
+        }
+    }
+}
+
+// ---------------------------------------------------------------- dot products
+// dot_<type>(w, nb, a, n, k, out): out[j] = row w (nb blocks) . activation row a[j] (length k),
+// j < n <= NMAX; the weight block is decoded once for the n rows.
+
+typedef void (*dot_fn)(const uint8_t *w, int nb, const uint8_t *const *a, int n, int64_t k, float *out);
+
+#define ACT_D(a, k) ((const float *)((a) + (k)))
+#define ACT_S16(a, k, nb) ((const int16_t *)((a) + (k) + 4 * (int64_t)(nb)))
+#define ACT_S32(a, k, nb) ((const int32_t *)((a) + (k) + 4 * (int64_t)(nb)))
+
+// every ISA instantiates dot_<t>_n(w, nb, a, n, k, out) with n a constant through this switch
+#define DISPATCH(t)                                                                           \
+    static void dot_##t(const uint8_t *w, int nb, const uint8_t *const *a, int n, int64_t k, float *out) { \
+        switch (n) {                                                                          \
+        case 1: dot_##t##_n(w, nb, a, 1, k, out); break;                                      \
+        case 2: dot_##t##_n(w, nb, a, 2, k, out); break;                                      \
+        case 3: dot_##t##_n(w, nb, a, 3, k, out); break;                                      \
+        default: dot_##t##_n(w, nb, a, 4, k, out); break;                                     \
+        }                                                                                     \
+    }
+
+#if HM_ISA == 0
+// ---- portable C
+
+// Q4_K (hbits 0) / Q5_K (hbits 1): sub-block s of 32 is nibble (s & 1) of bytes 32 (s / 2) ..,
+// plus bit s of qh[0..31] as 16 for Q5_K
+HM_INLINE void dot_k4_n(int hbits, const uint8_t *w, int nb, const uint8_t *const *a, int n, int64_t k, float *out) {
+    const int bb = hbits ? 176 : 144, qs_off = hbits ? 48 : 16;
+    for (int j = 0; j < n; j++) {
+        const int8_t *y = (const int8_t *)a[j];
+        const float *ad = ACT_D(a[j], k);
+        const int16_t *bs = ACT_S16(a[j], k, nb);
+        float acc = 0.0f;
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *x = w + bb * b, *qh = x + 16, *qs = x + qs_off;
+            const int8_t *yb = y + 256 * b;
+            uint8_t sc[16];
+            k4_scales(x + 4, sc);
+            int32_t sumi = 0, summ = 0;
+            for (int c = 0; c < 4; c++) {
+                int32_t lo = 0, hi = 0;
+                for (int l = 0; l < 32; l++) {
+                    const int hl = hbits ? ((qh[l] >> (2 * c)) & 1) << 4 : 0;
+                    const int hh = hbits ? ((qh[l] >> (2 * c + 1)) & 1) << 4 : 0;
+                    lo += ((qs[32 * c + l] & 15) | hl) * yb[64 * c + l];
+                    hi += ((qs[32 * c + l] >> 4) | hh) * yb[64 * c + 32 + l];
+                }
+                sumi += sc[2 * c] * lo + sc[2 * c + 1] * hi;
+            }
+            for (int s = 0; s < 8; s++) summ += sc[8 + s] * (bs[16 * b + 2 * s] + bs[16 * b + 2 * s + 1]);
+            acc += ad[b] * (f16(x) * (float)sumi - f16(x + 2) * (float)summ);
+        }
+        out[j] = acc;
+    }
+}
+
+HM_INLINE void dot_q6_K_n(const uint8_t *w, int nb, const uint8_t *const *a, int n, int64_t k, float *out) {
+    for (int j = 0; j < n; j++) {
+        const int8_t *y = (const int8_t *)a[j];
+        const float *ad = ACT_D(a[j], k);
+        const int16_t *bs = ACT_S16(a[j], k, nb);
+        float acc = 0.0f;
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *x = w + 210 * b, *ql = x, *qh = x + 128;
+            const int8_t *sc = (const int8_t *)(x + 192);
+            const int8_t *yb = y + 256 * b;
+            int32_t g[16] = {0};
+            for (int h = 0; h < 2; h++) {
+                for (int l = 0; l < 32; l++) {
+                    const int e = 128 * h + l, hb = qh[32 * h + l];
+                    g[e / 16] += ((ql[64 * h + l] & 15) | ((hb & 3) << 4)) * yb[e];
+                    g[(e + 32) / 16] += ((ql[64 * h + 32 + l] & 15) | (((hb >> 2) & 3) << 4)) * yb[e + 32];
+                    g[(e + 64) / 16] += ((ql[64 * h + l] >> 4) | (((hb >> 4) & 3) << 4)) * yb[e + 64];
+                    g[(e + 96) / 16] += ((ql[64 * h + 32 + l] >> 4) | (((hb >> 6) & 3) << 4)) * yb[e + 96];
+                }
+            }
+            int32_t sumi = 0;
+            for (int s = 0; s < 16; s++) sumi += sc[s] * (g[s] - 32 * bs[16 * b + s]);
+            acc += ad[b] * f16(x + 208) * (float)sumi;
+        }
+        out[j] = acc;
+    }
+}
+
+// the 32 family: w_q (the stored quant read unsigned) - off, against the int8 activations
+HM_INLINE void dot32_n(int type, const uint8_t *w, int nb, const uint8_t *const *a, int n, int64_t k, float *out) {
+    const int bb = block_bytes(type);
+    for (int j = 0; j < n; j++) {
+        const int8_t *y = (const int8_t *)a[j];
+        const float *ad = ACT_D(a[j], k);
+        float acc = 0.0f;
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *x = w + bb * b;
+            const int8_t *yb = y + 32 * b;
+            int32_t sumi = 0;
+            if (type == T_Q8_0) {
+                for (int i = 0; i < 32; i++) sumi += (int8_t)x[2 + i] * yb[i];
+            } else if (type == T_Q4_0) {
+                for (int i = 0; i < 16; i++)
+                    sumi += ((x[2 + i] & 15) - 8) * yb[i] + ((x[2 + i] >> 4) - 8) * yb[i + 16];
+            } else {
+                uint32_t qh;
+                memcpy(&qh, x + 2, 4);
+                for (int i = 0; i < 16; i++) {
+                    const int lo = (x[6 + i] & 15) | (((qh >> i) << 4) & 0x10);
+                    const int hi = (x[6 + i] >> 4) | ((qh >> (i + 12)) & 0x10);
+                    sumi += (lo - 16) * yb[i] + (hi - 16) * yb[i + 16];
+                }
+            }
+            acc += ad[b] * f16(x) * (float)sumi;
+        }
+        out[j] = acc;
+    }
+}
+
+HM_INLINE void dot_q8_0_n(const uint8_t *w, int nb, const uint8_t *const *a, int n, int64_t k, float *out) {
+    dot32_n(T_Q8_0, w, nb, a, n, k, out);
+}
+HM_INLINE void dot_q4_0_n(const uint8_t *w, int nb, const uint8_t *const *a, int n, int64_t k, float *out) {
+    dot32_n(T_Q4_0, w, nb, a, n, k, out);
+}
+HM_INLINE void dot_q5_0_n(const uint8_t *w, int nb, const uint8_t *const *a, int n, int64_t k, float *out) {
+    dot32_n(T_Q5_0, w, nb, a, n, k, out);
+}
+
+#else
+// ---- x86: the 32 family on 256-bit vectors (AVX2, or AVX-512 VL + VNNI), K types below
+
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// unsigned x signed 8-bit products summed by fours into 8 int32 lanes
+static inline __m256i dot_u8s8_256(__m256i u, __m256i s) {
+#if HM_ISA == 2
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+// the stored quants of one 32 block as unsigned bytes (Q8_0: q + 128) and the offset to take off
+static inline __m256i q32_unsigned(int type, const uint8_t *x, int *off) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    if (type == T_Q8_0) {
+#if HM_ISA == 1     // maddubs would saturate at (q + 128) * a: the caller takes |q| against a with q's sign
+        *off = 0;
+        return _mm256_loadu_si256((const __m256i *)(x + 2));
+#endif
+        *off = 128;
+        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(x + 2)), _mm256_set1_epi8((char)0x80));
+    }
+    const __m128i q = _mm_loadu_si128((const __m128i *)(x + (type == T_Q4_0 ? 2 : 6)));
+    __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4);
+    if (type == T_Q4_0) {
+        *off = 8;
+        return v;
+    }
+    *off = 16;
+    uint32_t qh;
+    memcpy(&qh, x + 2, 4);
+    // byte i takes bit i of qh: spread qh's bytes over 8 lanes each, test one bit per lane
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh),
+        _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i hi = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+    return _mm256_or_si256(v, hi);
+}
+
+HM_INLINE void dot32_n(int type, const uint8_t *w, int nb, const uint8_t *const *a, int n, int64_t k, float *out) {
+    const int bb = block_bytes(type);
+    __m256 acc[NMAX];
+    for (int j = 0; j < n; j++) acc[j] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *x = w + bb * b;
+        int off;
+        const __m256i wu = q32_unsigned(type, x, &off);
+        const float dw = f16(x);
+        for (int j = 0; j < n; j++) {
+            const __m256i y = _mm256_loadu_si256((const __m256i *)(a[j] + 32 * b));
+            const int32_t s = ACT_S32(a[j], k, nb)[b];
+#if HM_ISA == 1
+            __m256i p = type == T_Q8_0 ? dot_u8s8_256(_mm256_sign_epi8(wu, wu), _mm256_sign_epi8(y, wu)) : dot_u8s8_256(wu, y);
+#else
+            __m256i p = dot_u8s8_256(wu, y);
+#endif
+            p = _mm256_sub_epi32(p, _mm256_zextsi128_si256(_mm_cvtsi32_si128(off * s)));
+            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(dw * ACT_D(a[j], k)[b]), _mm256_cvtepi32_ps(p), acc[j]);
+        }
+    }
+    for (int j = 0; j < n; j++) out[j] = hsum256(acc[j]);
+}
+
+HM_INLINE void dot_q8_0_n(const uint8_t *w, int nb, const uint8_t *const *a, int n, int64_t k, float *out) {
+    dot32_n(T_Q8_0, w, nb, a, n, k, out);
+}
+HM_INLINE void dot_q4_0_n(const uint8_t *w, int nb, const uint8_t *const *a, int n, int64_t k, float *out) {
+    dot32_n(T_Q4_0, w, nb, a, n, k, out);
+}
+HM_INLINE void dot_q5_0_n(const uint8_t *w, int nb, const uint8_t *const *a, int n, int64_t k, float *out) {
+    dot32_n(T_Q5_0, w, nb, a, n, k, out);
+}
+
+// Q4_K / Q5_K mins: sum over sub-blocks of min * (activation sum of the sub-block), as 8 int32
+// lanes from the 16 per-16 sums (each min repeated for its two sums)
+static inline __m256i k4_min_sums(const uint8_t sc[16], const int16_t *bs) {
+    const __m128i m8 = _mm_loadl_epi64((const __m128i *)(sc + 8));
+    const __m256i mrep = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
+    return _mm256_madd_epi16(mrep, _mm256_loadu_si256((const __m256i *)bs));
+}
+
+#if HM_ISA == 1
+// ---- AVX2: llama.cpp's scheme (maddubs to int16 pairs, madd by the sub-block scale)
+
+HM_INLINE void dot_k4_n(int hbits, const uint8_t *w, int nb, const uint8_t *const *a, int n, int64_t k, float *out) {
+    const int bb = hbits ? 176 : 144, qs_off = hbits ? 48 : 16;
+    const __m256i m4 = _mm256_set1_epi8(15);
+    __m256 acc[NMAX], accm[NMAX];
+    for (int j = 0; j < n; j++) acc[j] = accm[j] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *x = w + bb * b;
+        uint8_t sc[16];
+        k4_scales(x + 4, sc);
+        const float d = f16(x), dmin = f16(x + 2);
+        __m256i wv[8];
+        const __m256i qh = hbits ? _mm256_loadu_si256((const __m256i *)(x + 16)) : _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(x + qs_off + 32 * c));
+            wv[2 * c] = _mm256_and_si256(q, m4);
+            wv[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            if (hbits) {
+                for (int h = 0; h < 2; h++) {
+                    const __m256i bit = _mm256_set1_epi8((char)(1 << (2 * c + h)));
+                    const __m256i on = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
+                    wv[2 * c + h] = _mm256_or_si256(wv[2 * c + h], _mm256_and_si256(on, _mm256_set1_epi8(16)));
+                }
+            }
+        }
+        for (int j = 0; j < n; j++) {
+            const int8_t *y = (const int8_t *)a[j] + 256 * b;
+            __m256i sumi = _mm256_setzero_si256();
+            for (int s = 0; s < 8; s++) {
+                const __m256i p = _mm256_maddubs_epi16(wv[s], _mm256_loadu_si256((const __m256i *)(y + 32 * s)));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, _mm256_set1_epi16(sc[s])));
+            }
+            const float ad = ACT_D(a[j], k)[b];
+            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * ad), _mm256_cvtepi32_ps(sumi), acc[j]);
+            accm[j] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * ad),
+                                      _mm256_cvtepi32_ps(k4_min_sums(sc, ACT_S16(a[j], k, nb) + 16 * b)), accm[j]);
+        }
+    }
+    for (int j = 0; j < n; j++) out[j] = hsum256(acc[j]) - hsum256(accm[j]);
+}
+
+HM_INLINE void dot_q6_K_n(const uint8_t *w, int nb, const uint8_t *const *a, int n, int64_t k, float *out) {
+    const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
+    __m256 acc[NMAX];
+    for (int j = 0; j < n; j++) acc[j] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *x = w + 210 * b;
+        const int8_t *sc = (const int8_t *)(x + 192);
+        const float d = f16(x + 208);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        __m256i sumi[NMAX];
+        for (int j = 0; j < n; j++)          // the -32 offset: 32 * sum of scale * activation sum per 16
+            sumi[j] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(ACT_S16(a[j], k, nb) + 16 * b))), 5));
+        for (int h = 0; h < 2; h++) {
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(x + 64 * h));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(x + 64 * h + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(x + 128 + 32 * h));
+            __m256i wv[4], sv[4];
+            wv[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4));
+            wv[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(12)), 2));
+            wv[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, _mm256_set1_epi8(48)));
+            wv[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                    _mm256_srli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8((char)0xC0)), 2));
+            for (int c = 0; c < 4; c++)      // elements 128h + 32c .. +31: scales 8h + 2c, 8h + 2c + 1
+                sv[c] = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * c + 1]), _mm_set1_epi16(sc[8 * h + 2 * c]));
+            for (int j = 0; j < n; j++) {
+                const int8_t *y = (const int8_t *)a[j] + 256 * b + 128 * h;
+                __m256i s = sumi[j];
+                for (int c = 0; c < 4; c++)
+                    s = _mm256_add_epi32(s, _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(wv[c], _mm256_loadu_si256((const __m256i *)(y + 32 * c))), sv[c]));
+                sumi[j] = s;
+            }
+        }
+        for (int j = 0; j < n; j++)
+            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * ACT_D(a[j], k)[b]), _mm256_cvtepi32_ps(sumi[j]), acc[j]);
+    }
+    for (int j = 0; j < n; j++) out[j] = hsum256(acc[j]);
+}
+
+#else
+// ---- AVX-512 VNNI: a 64-byte weight load per two sub-blocks, dpbusd per 4 elements, the
+// sub-block scale applied by madd_epi16 (each dpbusd lane is |x| <= 4 * 63 * 127 < 2^15, so
+// its low 16 bits are the whole value, and the scale lane's high 16 bits are 0)
+
+static inline __m512i pair32(int lo, int hi) {       // int32 lanes 0-7 = lo, 8-15 = hi
+    return _mm512_inserti64x4(_mm512_set1_epi32(lo), _mm256_set1_epi32(hi), 1);
+}
+static inline __m512i pair8(int lo, int hi) {        // bytes 0-31 = lo, 32-63 = hi
+    return _mm512_inserti64x4(_mm512_set1_epi8((char)lo), _mm256_set1_epi8((char)hi), 1);
+}
+static inline __m512i pair16(int lo, int hi) {
+    return _mm512_inserti64x4(_mm512_set1_epi16((short)lo), _mm256_set1_epi16((short)hi), 1);
+}
+static inline __m512i dot_u8s8_512(__m512i u, const int8_t *s) {
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512((const void *)s));
+}
+
+HM_INLINE void dot_k4_n(int hbits, const uint8_t *w, int nb, const uint8_t *const *a, int n, int64_t k, float *out) {
+    const int bb = hbits ? 176 : 144, qs_off = hbits ? 48 : 16;
+    const __m512i m4 = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16);
+    const __m512i i0 = pair32(0, 2), i1 = pair32(1, 3), i2 = pair32(4, 6), i3 = pair32(5, 7);
+    __m512 acc[NMAX];
+    __m256 accm[NMAX];
+    for (int j = 0; j < n; j++) {
+        acc[j] = _mm512_setzero_ps();
+        accm[j] = _mm256_setzero_ps();
+    }
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *x = w + bb * b;
+        uint8_t sc[16];
+        k4_scales(x + 4, sc);
+        const float d = f16(x), dmin = f16(x + 2);
+        const __m512i s32 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)sc));
+        const __m512i s0 = _mm512_permutexvar_epi32(i0, s32), s1 = _mm512_permutexvar_epi32(i1, s32);
+        const __m512i s2 = _mm512_permutexvar_epi32(i2, s32), s3 = _mm512_permutexvar_epi32(i3, s32);
+        const __m512i q01 = _mm512_loadu_si512((const void *)(x + qs_off));
+        const __m512i q23 = _mm512_loadu_si512((const void *)(x + qs_off + 64));
+        __m512i w0 = _mm512_and_si512(q01, m4), w1 = _mm512_and_si512(_mm512_srli_epi16(q01, 4), m4);
+        __m512i w2 = _mm512_and_si512(q23, m4), w3 = _mm512_and_si512(_mm512_srli_epi16(q23, 4), m4);
+        if (hbits) {      // sub-block s takes bit s of qh: w0 = (0 | 2), w1 = (1 | 3), w2 = (4 | 6), w3 = (5 | 7)
+            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x + 16)));
+            w0 = _mm512_or_si512(w0, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(qh, pair8(1, 4)), sixteen));
+            w1 = _mm512_or_si512(w1, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(qh, pair8(2, 8)), sixteen));
+            w2 = _mm512_or_si512(w2, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(qh, pair8(16, 64)), sixteen));
+            w3 = _mm512_or_si512(w3, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(qh, pair8(32, 128)), sixteen));
+        }
+        for (int j = 0; j < n; j++) {
+            const int8_t *y = (const int8_t *)a[j] + 256 * b;          // sub-blocks 0 2 1 3 4 6 5 7
+            __m512i p = _mm512_madd_epi16(dot_u8s8_512(w0, y), s0);
+            p = _mm512_add_epi32(p, _mm512_madd_epi16(dot_u8s8_512(w1, y + 64), s1));
+            p = _mm512_add_epi32(p, _mm512_madd_epi16(dot_u8s8_512(w2, y + 128), s2));
+            p = _mm512_add_epi32(p, _mm512_madd_epi16(dot_u8s8_512(w3, y + 192), s3));
+            const float ad = ACT_D(a[j], k)[b];
+            acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(d * ad), _mm512_cvtepi32_ps(p), acc[j]);
+            accm[j] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * ad),
+                                      _mm256_cvtepi32_ps(k4_min_sums(sc, ACT_S16(a[j], k, nb) + 16 * b)), accm[j]);
+        }
+    }
+    for (int j = 0; j < n; j++) out[j] = _mm512_reduce_add_ps(acc[j]) - hsum256(accm[j]);
+}
+
+HM_INLINE void dot_q6_K_n(const uint8_t *w, int nb, const uint8_t *const *a, int n, int64_t k, float *out) {
+    const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
+    const __m512i shl = pair16(4, 2), shr = pair16(0, 2);
+    const __m512i quarter = _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2);
+    __m512 acc[NMAX];
+    for (int j = 0; j < n; j++) acc[j] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *x = w + 210 * b;
+        const float d = f16(x + 208);
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)(x + 192));
+        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+        const __m512i s32 = _mm512_cvtepu16_epi32(sc16);             // int16 scale in the low half, 0 above
+        __m512i wv[4], sv[4];
+        for (int h = 0; h < 2; h++) {
+            const __m512i ql = _mm512_loadu_si512((const void *)(x + 64 * h));
+            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x + 128 + 32 * h)));
+            // lo: elements 128h + 0..63 (ql low nibbles, qh bits 0-1 | 2-3), hi: 128h + 64..127
+            wv[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_and_si512(_mm512_sllv_epi16(qh, shl), m30));
+            wv[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                                            _mm512_and_si512(_mm512_srlv_epi16(qh, shr), m30));
+            sv[2 * h] = _mm512_permutexvar_epi32(_mm512_add_epi32(quarter, _mm512_set1_epi32(8 * h)), s32);
+            sv[2 * h + 1] = _mm512_permutexvar_epi32(_mm512_add_epi32(quarter, _mm512_set1_epi32(8 * h + 4)), s32);
+        }
+        for (int j = 0; j < n; j++) {
+            const int8_t *y = (const int8_t *)a[j] + 256 * b;          // natural order
+            __m512i p = _mm512_madd_epi16(dot_u8s8_512(wv[0], y), sv[0]);
+            p = _mm512_add_epi32(p, _mm512_madd_epi16(dot_u8s8_512(wv[1], y + 64), sv[1]));
+            p = _mm512_add_epi32(p, _mm512_madd_epi16(dot_u8s8_512(wv[2], y + 128), sv[2]));
+            p = _mm512_add_epi32(p, _mm512_madd_epi16(dot_u8s8_512(wv[3], y + 192), sv[3]));
+            const __m256i off = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(ACT_S16(a[j], k, nb) + 16 * b)));
+            p = _mm512_sub_epi32(p, _mm512_zextsi256_si512(_mm256_slli_epi32(off, 5)));
+            acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(d * ACT_D(a[j], k)[b]), _mm512_cvtepi32_ps(p), acc[j]);
+        }
+    }
+    for (int j = 0; j < n; j++) out[j] = _mm512_reduce_add_ps(acc[j]);
+}
+#endif
+
+#endif
+
+HM_INLINE void dot_q4_K_n(const uint8_t *w, int nb, const uint8_t *const *a, int n, int64_t k, float *out) {
+    dot_k4_n(0, w, nb, a, n, k, out);
+}
+HM_INLINE void dot_q5_K_n(const uint8_t *w, int nb, const uint8_t *const *a, int n, int64_t k, float *out) {
+    dot_k4_n(1, w, nb, a, n, k, out);
+}
+
+DISPATCH(q4_K)
+DISPATCH(q5_K)
+DISPATCH(q6_K)
+DISPATCH(q8_0)
+DISPATCH(q4_0)
+DISPATCH(q5_0)
+
+static dot_fn dot_of(int type) {
+    switch (type) {
+    case T_Q4_0: return dot_q4_0;
+    case T_Q5_0: return dot_q5_0;
+    case T_Q8_0: return dot_q8_0;
+    case T_Q4_K: return dot_q4_K;
+    case T_Q5_K: return dot_q5_K;
+    case T_Q6_K: return dot_q6_K;
+    default: return 0;
+    }
+}
+
+// ---------------------------------------------------------------- checks
+
+static const char *const ERRORS[] = {
+    "ok",
+    "args is NULL",
+    "n_rows < 1",
+    "n_used < 1",
+    "d or f < 1",
+    "a weight type has no host kernel (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K have)",
+    "d is not a whole number of the gate or up type's blocks",
+    "f is not a whole number of the down type's blocks",
+    "a row's byte count does not match its type and length",
+    "a pointer (ids, wts, x, out, gate, up, down, skip) is NULL",
+    "an expert id is negative",
+    "no memory for the scratch buffers",
+};
+
+const char *host_moe_error(int code) {
+    return code >= 0 && code < (int)(sizeof(ERRORS) / sizeof(ERRORS[0])) ? ERRORS[code] : "unknown error";
+}
+
+static int64_t row_bytes_of(int type, int64_t k) { return k / block_elems(type) * block_bytes(type); }
+
+// 0 where the call is well formed, else an index into ERRORS (host_moe_error)
+int host_moe_check(const void *vargs) {
+    const host_moe_args *A = (const host_moe_args *)vargs;
+    if (!A) return 1;
+    if (A->n_rows < 1) return 2;
+    if (A->n_used < 1) return 3;
+    if (A->d < 1 || A->f < 1) return 4;
+    if (!dot_of(A->gate_type) || !dot_of(A->up_type) || !dot_of(A->down_type)) return 5;
+    if (A->d % block_elems(A->gate_type) || A->d % block_elems(A->up_type)) return 6;
+    if (A->f % block_elems(A->down_type)) return 7;
+    if (A->gate_row_bytes != row_bytes_of(A->gate_type, A->d) || A->up_row_bytes != row_bytes_of(A->up_type, A->d) ||
+        A->down_row_bytes != row_bytes_of(A->down_type, A->f))
+        return 8;
+    if (!A->ids || !A->wts || !A->x || !A->out || !A->gate || !A->up || !A->down || !A->skip) return 9;
+    return 0;
+}
+
+// a call that cannot be computed writes NaN: a host function has no way to return an error,
+// and a wrong answer must not pass for a right one
+static void fail(const host_moe_args *A) {
+    if (A && A->out && A->n_rows > 0 && A->d > 0)
+        for (int64_t i = 0; i < (int64_t)A->n_rows * A->d; i++) A->out[i] = NAN;
+}
+
+// ---------------------------------------------------------------- scratch
+// One buffer per calling thread, grown when a call needs more and kept: no allocation in the
+// steady state, and two threads calling at once do not share it.
+
+typedef struct {
+    uint8_t *p;
+    size_t cap;
+} scratch;
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+
+static void scratch_free(void *v) {
+    scratch *s = (scratch *)v;
+    if (s) free(s->p);
+    free(s);
+}
+static void scratch_init(void) { pthread_key_create(&scratch_key, scratch_free); }
+
+static uint8_t *scratch_get(size_t n) {
+    pthread_once(&scratch_once, scratch_init);
+    scratch *s = (scratch *)pthread_getspecific(scratch_key);
+    if (!s) {
+        if (!(s = (scratch *)calloc(1, sizeof *s))) return 0;
+        pthread_setspecific(scratch_key, s);
+    }
+    if (s->cap < n) {
+        free(s->p);
+        const size_t cap = (n + n / 4 + 4096 + 63) & ~(size_t)63;
+        s->p = (uint8_t *)aligned_alloc(64, cap);
+        s->cap = s->p ? cap : 0;
+    }
+    return s->p;
+}
+
+static inline size_t up64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+// ---------------------------------------------------------------- the layer
+
+// rows r0..r1 of one expert's matrix against the activation rows of its pairs pl[0..cnt);
+// pair p's activation row is act + (p / div) * act_row; result r of pair p goes to dst[p * F + r]
+static void expert_rows(dot_fn dot, const uint8_t *w, int64_t row_bytes, int nb, int64_t r0, int64_t r1,
+                        const int32_t *pl, int cnt, int div, const uint8_t *act, int64_t act_row, int64_t k,
+                        float *dst, int64_t F) {
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *wr = w + r * row_bytes;
+        for (int c = 0; c < cnt; c += NMAX) {
+            const int n = cnt - c < NMAX ? cnt - c : NMAX;
+            const uint8_t *ap[NMAX];
+            float o[NMAX];
+            for (int j = 0; j < n; j++) ap[j] = act + (int64_t)(pl[c + j] / div) * act_row;
+            dot(wr, nb, ap, n, k, o);
+            for (int j = 0; j < n; j++) dst[(int64_t)pl[c + j] * F + r] = o[j];
+        }
+    }
+}
+
+// units u0..u1 of (row, block) work, nblk blocks a row: fn over each row's block range
+#define FOR_BLOCKS(u0, u1, nblk, ROW, B0, B1, BODY)                                            \
+    for (int64_t _u = (u0); _u < (u1);) {                                                      \
+        const int64_t ROW = _u / (nblk), B0 = _u % (nblk);                                     \
+        const int64_t B1 = (nblk) < B0 + ((u1) - _u) ? (nblk) : B0 + ((u1) - _u);              \
+        BODY;                                                                                  \
+        _u += B1 - B0;                                                                         \
+    }
+
+static inline int64_t part(int64_t n, int i, int nt) { return n * i / nt; }
+
+void host_moe(void *vargs) {
+    const host_moe_args *A = (const host_moe_args *)vargs;
+    if (host_moe_check(A) != 0) {
+        fail(A);
+        return;
+    }
+    const int T = A->n_rows, NA = A->n_used, P = T * NA;
+    const int64_t D = A->d, F = A->f;
+    int32_t max_id = 0;
+    for (int p = 0; p < P; p++) {
+        if (A->ids[p] < 0) {
+            fail(A);
+            return;
+        }
+        if (A->ids[p] > max_id) max_id = A->ids[p];
+    }
+    const int lg = layout_of(A->gate_type), lu = layout_of(A->up_type), ld = layout_of(A->down_type);
+    const int64_t xrow_g = act_row_bytes(lg, D), xrow_u = lu == lg ? 0 : act_row_bytes(lu, D);
+    const int64_t hrow = act_row_bytes(ld, F);
+    const size_t n_int = up64(sizeof(int32_t) * (5 * (size_t)P + max_id + 1));
+    const size_t n_xa = up64((size_t)T * (xrow_g + xrow_u)), n_gu = up64(sizeof(float) * (size_t)P * F);
+    uint8_t *base = scratch_get(n_int + n_xa + 2 * n_gu + (size_t)P * hrow);
+    if (!base) {
+        fail(A);
+        return;
+    }
+    // X distinct host experts in order of first use, each with its pairs in order: ex [X],
+    // cnt [X], start [X], plist [P]; slot [max_id + 1] maps an expert to its index in ex
+    int32_t *ex = (int32_t *)base, *cnt = ex + P, *start = cnt + P, *plist = start + P, *fill = plist + P;
+    int32_t *slot = fill + P;
+    uint8_t *xa_g = base + n_int, *xa_u = xrow_u ? xa_g + (size_t)T * xrow_g : xa_g;
+    float *g = (float *)(base + n_int + n_xa), *u = (float *)(base + n_int + n_xa + n_gu);
+    uint8_t *ha = base + n_int + n_xa + 2 * n_gu;
+    int n_ex = 0;
+    for (int p = 0; p < P; p++) slot[A->ids[p]] = -1;
+    for (int p = 0; p < P; p++) {
+        const int32_t e = A->ids[p];
+        if (A->skip[e]) continue;
+        if (slot[e] < 0) {
+            slot[e] = n_ex;
+            ex[n_ex] = e;
+            cnt[n_ex++] = 0;
+        }
+        cnt[slot[e]]++;
+    }
+    if (n_ex == 0) {
+        memset(A->out, 0, sizeof(float) * (size_t)T * D);
+        return;
+    }
+    for (int i = 0, s = 0; i < n_ex; s += cnt[i++]) start[i] = fill[i] = s;
+    for (int p = 0; p < P; p++)
+        if (!A->skip[A->ids[p]]) plist[fill[slot[A->ids[p]]]++] = p;
+    const int n_hp = start[n_ex - 1] + cnt[n_ex - 1];
+    const dot_fn dg = dot_of(A->gate_type), du = dot_of(A->up_type), dd = dot_of(A->down_type);
+    const int nbg = (int)(D / block_elems(A->gate_type)), nbu = (int)(D / block_elems(A->up_type));
+    const int nbd = (int)(F / block_elems(A->down_type));
+    const int nt = A->n_threads > 0 ? A->n_threads : omp_get_num_procs();
+
+#pragma omp parallel num_threads(nt)
+    {
+        const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+        {   // 1. the input rows, quantized for gate (and for up where its layout differs)
+            const int64_t nq = D / layout_block(lg), n_u = (int64_t)T * nq;
+            FOR_BLOCKS(part(n_u, tid, nth), part(n_u, tid + 1, nth), nq, t, b0, b1,
+                       quantize_blocks(lg, A->x + t * D, 0, D, xa_g + t * xrow_g, b0, b1));
+            if (xrow_u) {
+                const int64_t nqu = D / layout_block(lu), n_uu = (int64_t)T * nqu;
+                FOR_BLOCKS(part(n_uu, tid, nth), part(n_uu, tid + 1, nth), nqu, t, b0, b1,
+                           quantize_blocks(lu, A->x + t * D, 0, D, xa_u + t * xrow_u, b0, b1));
+            }
+        }
+#pragma omp barrier
+        {   // 2. gate and up: the (expert, row) range split evenly
+            const int64_t n_u = (int64_t)n_ex * F;
+            FOR_BLOCKS(part(n_u, tid, nth), part(n_u, tid + 1, nth), F, ei, r0, r1, {
+                const int32_t e = ex[ei];
+                expert_rows(dg, A->gate[e], A->gate_row_bytes, nbg, r0, r1, plist + start[ei], cnt[ei], NA,
+                            xa_g, xrow_g, D, g, F);
+                expert_rows(du, A->up[e], A->up_row_bytes, nbu, r0, r1, plist + start[ei], cnt[ei], NA,
+                            xa_u, xrow_u ? xrow_u : xrow_g, D, u, F);
+            });
+        }
+#pragma omp barrier
+        {   // 3. h = silu(g) * u, quantized for down, per (pair, block)
+            const int64_t nq = F / layout_block(ld), n_u = (int64_t)n_hp * nq;
+            FOR_BLOCKS(part(n_u, tid, nth), part(n_u, tid + 1, nth), nq, i, b0, b1, {
+                const int64_t p = plist[i];
+                quantize_blocks(ld, g + p * F, u + p * F, F, ha + p * hrow, b0, b1);
+            });
+        }
+#pragma omp barrier
+        {   // 4. down: this thread's output rows, every expert in order of first use
+            const int64_t r0 = part(D, tid, nth), r1 = part(D, tid + 1, nth);
+            for (int t = 0; t < T; t++) memset(A->out + t * D + r0, 0, sizeof(float) * (size_t)(r1 - r0));
+            for (int ei = 0; ei < n_ex; ei++) {
+                const uint8_t *w = A->down[ex[ei]];
+                const int32_t *pl = plist + start[ei];
+                for (int64_t r = r0; r < r1; r++) {
+                    const uint8_t *wr = w + r * A->down_row_bytes;
+                    for (int c = 0; c < cnt[ei]; c += NMAX) {
+                        const int n = cnt[ei] - c < NMAX ? cnt[ei] - c : NMAX;
+                        const uint8_t *ap[NMAX];
+                        float o[NMAX];
+                        for (int j = 0; j < n; j++) ap[j] = ha + (int64_t)pl[c + j] * hrow;
+                        dd(wr, nbd, ap, n, F, o);
+                        for (int j = 0; j < n; j++) A->out[(int64_t)(pl[c + j] / NA) * D + r] += A->wts[pl[c + j]] * o[j];
+                    }
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------- the floor
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+volatile uint64_t host_read_sink;
+
+// The host's memory read bandwidth in GB/s (best of reps): n_threads threads (<= 0: all) sum a
+// buffer of `bytes`, each its own contiguous share, the buffer first touched by the same share.
+double host_read_bw(int64_t bytes, int n_threads, int reps) {
+    const int nt = n_threads > 0 ? n_threads : omp_get_num_procs();
+    const int64_t n = bytes / 8;
+    uint64_t *buf = (uint64_t *)aligned_alloc(64, up64((size_t)n * 8));
+    if (!buf || n < 1) {
+        free(buf);
+        return -1.0;
+    }
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t i = 0; i < n; i++) buf[i] = (uint64_t)i;
+    double best = 0.0;
+    uint64_t total = 0;
+    for (int r = 0; r < (reps > 0 ? reps : 1); r++) {
+        const double t0 = now_s();
+#pragma omp parallel for num_threads(nt) schedule(static) reduction(+ : total)
+        for (int64_t i = 0; i < n; i++) total += buf[i];
+        const double gbs = (double)n * 8 / (now_s() - t0) / 1e9;
+        if (gbs > best) best = gbs;
+    }
+    host_read_sink = total;
+    free(buf);
+    return best;
+}

@@ -1,0 +1,232 @@
+"""The host expert kernel (kernels/host_moe.c through engine/cpu/host_moe.py) against numpy:
+every weight type on every SIMD path this machine builds (AVX-512 VNNI, AVX2, portable C),
+skip flags, the row and slot counts, the thread count, the persistent struct the cuda backend
+hands to cuLaunchHostFunc, and the refusals.
+
+Two references: the float one (gguf's dequantized weights times the float activations; the
+kernel quantizes its activations to 8 bits, so each output row is held to
+max |err| <= 5e-2 * max |ref| on these random weights, whose swiglu rows are heavy-tailed), and
+the quantized one (the same with the activations rounded as the kernel rounds them: 8 bits per
+block of 32 or 256, scale max|x| / 127), held to 1e-3 * max |ref|: what is left there is float
+summation order, so a wrong block layout, scale or offset cannot hide in it."""
+from __future__ import annotations
+
+import ctypes
+import os
+import stat
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from bloomery.engine.cpu import host_moe as hm
+from bloomery.engine.quant.blocks import dequantize
+from test_quant import random_blocks
+
+X86 = os.uname().machine in ("x86_64", "AMD64")
+ISAS = ["native", "avx2", "portable"] if X86 else ["native"]
+PAIRS = [(QT.Q4_K, QT.Q6_K), (QT.Q5_K, QT.Q4_K), (QT.Q6_K, QT.Q5_K), (QT.Q8_0, QT.Q5_0), (QT.Q4_0, QT.Q8_0),
+         (QT.Q5_0, QT.Q8_0)]
+
+
+def _stack(qt, n_exp, n_rows, row_len, seed):
+    return hm.ExpertStack(random_blocks(qt, n_exp * n_rows, row_len, seed=seed), qt, n_rows, row_len)
+
+
+def _expert(st: hm.ExpertStack, e: int) -> np.ndarray:
+    nbytes = st.n_rows * st.row_bytes
+    return dequantize(st.ggml_type, st.data[e * nbytes:(e + 1) * nbytes], st.n_rows, st.row_len).astype(np.float64)
+
+
+def _rounded(v: np.ndarray, ggml_type: int) -> np.ndarray:
+    """v [K] f32 as the kernel's 8-bit activation holds it."""
+    blk = 32 if ggml_type in (QT.Q4_0, QT.Q5_0, QT.Q8_0) else 256
+    b = v.astype(np.float32).reshape(-1, blk)
+    amax = np.abs(b).max(axis=1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        q = np.rint(b * np.where(amax > 0, np.float32(127) / amax, 0).astype(np.float32))
+    return (q * (amax / np.float32(127))).reshape(-1).astype(np.float64)
+
+
+def _reference(x, ids, wts, gate, up, down, skip, quantized):
+    out = np.zeros(x.shape, np.float64)
+    for t in range(x.shape[0]):
+        for a in range(ids.shape[1]):
+            e = int(ids[t, a])
+            if skip[e]:
+                continue
+            xg = _rounded(x[t], gate.ggml_type) if quantized else x[t].astype(np.float64)
+            xu = _rounded(x[t], up.ggml_type) if quantized else x[t].astype(np.float64)
+            g, u = _expert(gate, e) @ xg, _expert(up, e) @ xu
+            if quantized:
+                g32, u32 = g.astype(np.float32), u.astype(np.float32)
+                with np.errstate(over="ignore"):
+                    h = _rounded(g32 / (np.float32(1) + np.exp(-g32)) * u32, down.ggml_type)
+            else:
+                with np.errstate(over="ignore"):
+                    h = g / (1 + np.exp(-g)) * u
+            out[t] += wts[t, a] * (_expert(down, e) @ h)
+    return out
+
+
+def _routing(rng, n_tok, n_used, n_exp):
+    ids = np.stack([rng.permutation(n_exp)[:n_used] for _ in range(n_tok)]).astype(np.int32)   # [T, A]
+    wts = rng.uniform(0.05, 1, (n_tok, n_used)).astype(np.float32)                              # [T, A]
+    return ids, wts
+
+
+def _case(gt, dt, n_exp=6, d=512, f=256, seed=0):
+    return _stack(gt, n_exp, f, d, seed + 1), _stack(gt, n_exp, f, d, seed + 2), _stack(dt, n_exp, d, f, seed + 3)
+
+
+def _row_err(out, ref):
+    return np.abs(out - ref).max(axis=1) / np.abs(ref).max(axis=1)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("gt,dt", PAIRS, ids=lambda t: t.name)
+def test_layer_matches_the_references(isa, gt, dt):
+    rng = np.random.default_rng(int(gt) * 100 + int(dt))
+    gate, up, down = _case(gt, dt, seed=int(gt))
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    ids, wts = _routing(rng, 3, 4, 6)
+    skip = np.zeros(6, np.uint8)
+    skip[ids[0, 1]] = 1
+    out = hm.host_moe_layer(x, ids, wts, gate, up, down, skip, n_threads=2, isa=isa)
+    assert np.all(_row_err(out, _reference(x, ids, wts, gate, up, down, skip, quantized=True)) <= 1e-3)
+    assert np.all(_row_err(out, _reference(x, ids, wts, gate, up, down, skip, quantized=False)) <= 5e-2)
+
+
+def test_the_paths_are_the_ones_asked_for():
+    assert hm.lib("native").host_moe_isa() >= hm.lib(ISAS[-1]).host_moe_isa()
+    if X86:
+        assert (hm.lib("avx2").host_moe_isa(), hm.lib("portable").host_moe_isa()) == (1, 0)
+        if "avx512_vnni" in open("/proc/cpuinfo").read():
+            assert hm.lib("native").host_moe_isa() == 2
+
+
+@pytest.mark.parametrize("n_tok,n_used", [(1, 1), (1, 8), (2, 3), (5, 8), (16, 8), (16, 1), (9, 5)])
+def test_rows_slots_and_threads(n_tok, n_used):
+    """T 1..16, A 1..8, experts repeated across rows (8 experts, so rows share them); the bits do
+    not depend on the thread count."""
+    rng = np.random.default_rng(n_tok * 10 + n_used)
+    gate, up, down = _case(QT.Q4_K, QT.Q6_K, n_exp=8, d=256, f=512, seed=n_tok)
+    x = (rng.standard_normal((n_tok, 256)) * rng.uniform(0.1, 10, (n_tok, 1))).astype(np.float32)
+    ids, wts = _routing(rng, n_tok, n_used, 8)
+    skip = np.zeros(8, np.uint8)
+    outs = [hm.host_moe_layer(x, ids, wts, gate, up, down, skip, n_threads=n) for n in (1, 2, 3, 7)]
+    for o in outs[1:]:
+        assert np.array_equal(o.view(np.uint32), outs[0].view(np.uint32))
+    ref = _reference(x, ids, wts, gate, up, down, skip, quantized=True)
+    assert np.all(_row_err(outs[0], ref) <= 1e-3)
+
+
+def test_a_slot_repeated_in_one_row_counts_twice():
+    rng = np.random.default_rng(3)
+    gate, up, down = _case(QT.Q8_0, QT.Q8_0, n_exp=4, d=256, f=256)
+    x = rng.standard_normal((2, 256)).astype(np.float32)
+    ids = np.array([[2, 2], [1, 3]], np.int32)
+    wts = np.array([[0.25, 0.5], [1, 1]], np.float32)
+    skip = np.zeros(4, np.uint8)
+    out = hm.host_moe_layer(x, ids, wts, gate, up, down, skip)
+    ref = _reference(x, ids, wts, gate, up, down, skip, quantized=True)
+    assert np.all(_row_err(out, ref) <= 1e-3)
+
+
+def test_a_skipped_expert_contributes_nothing():
+    """Its bytes are never read (NaN scales in them leave no trace), its rows add exactly 0, and a
+    row whose every expert is skipped comes out as exact zeros."""
+    rng = np.random.default_rng(7)
+    gate, up, down = _case(QT.Q4_K, QT.Q6_K, n_exp=6, d=256, f=256)
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    ids = np.array([[0, 1, 2], [3, 1, 4], [5, 1, 0]], np.int32)
+    wts = rng.uniform(0.1, 1, (3, 3)).astype(np.float32)
+    clean = hm.host_moe_layer(x, ids, np.where(ids == 1, 0, wts).astype(np.float32), gate, up, down)
+    nan_down = down.data.copy().reshape(-1, 210)
+    per_expert = nan_down.shape[0] // 6
+    nan_down[per_expert:2 * per_expert, 208:210] = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)
+    poisoned = hm.ExpertStack(nan_down.reshape(-1), QT.Q6_K, down.n_rows, down.row_len)
+    skip = np.zeros(6, np.uint8)
+    skip[1] = 1
+    out = hm.host_moe_layer(x, ids, wts, gate, up, poisoned, skip)
+    assert np.array_equal(out.view(np.uint32), clean.view(np.uint32))
+    skip[[3, 4]] = 1                                                    # row 1: every expert elsewhere
+    out = hm.host_moe_layer(x, ids, wts, gate, up, poisoned, skip)
+    assert np.array_equal(out[1], np.zeros(256, np.float32)) and np.all(out[[0, 2]] != 0)
+    out = hm.host_moe_layer(x, ids, wts, gate, up, poisoned, np.ones(6, np.uint8))
+    assert np.array_equal(out, np.zeros_like(out))
+
+
+def test_the_persistent_struct_through_the_host_function_pointer():
+    """What the cuda backend does: one struct, the function called through its address, the
+    expert tables rewritten in place (residency) and n_rows changed between calls; the experts on
+    the card have no host address at all."""
+    rng = np.random.default_rng(11)
+    gate, up, down = _case(QT.Q4_K, QT.Q4_K, n_exp=4, d=256, f=256)
+    x = np.zeros((4, 256), np.float32)
+    out = np.full((4, 256), 7, np.float32)
+    ids = np.zeros((4, 2), np.int32)
+    wts = np.zeros((4, 2), np.float32)
+    skip = np.array([0, 0, 1, 1], np.uint8)
+    gp, upp, dp = gate.pointers(), up.pointers(), down.pointers()
+    for t in (gp, upp, dp):
+        t[2:] = 0                                                       # on the card: no host copy
+    args = hm.args_struct(d=256, f=256, n_used=2, gate_type=QT.Q4_K, up_type=QT.Q4_K, down_type=QT.Q4_K,
+                          gate=gp, up=upp, down=dp, skip=skip, ids=ids, wts=wts, x=x, out=out)
+    hm.check_args(args)
+    fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(hm.fn_pointer())
+    for n_tok in (1, 3):
+        x[:n_tok] = rng.standard_normal((n_tok, 256))
+        ids[:n_tok] = [rng.permutation(4)[:2] for _ in range(n_tok)]
+        wts[:n_tok] = rng.uniform(0.1, 1, (n_tok, 2))
+        args.n_rows = n_tok
+        fn(ctypes.addressof(args))
+        want = hm.host_moe_layer(x[:n_tok], ids[:n_tok], wts[:n_tok], gate, up, down, skip)
+        assert np.array_equal(out[:n_tok], want)
+    skip[2] = 0                                                         # expert 2 moves to the host
+    gp[2], upp[2], dp[2] = gate.pointers()[2], up.pointers()[2], down.pointers()[2]
+    fn(ctypes.addressof(args))
+    assert np.array_equal(out[:3], hm.host_moe_layer(x[:3], ids[:3], wts[:3], gate, up, down, skip))
+
+
+def test_refusals_name_the_problem():
+    gate, up, down = _case(QT.Q4_K, QT.Q6_K, n_exp=2, d=256, f=256)
+    x = np.zeros((1, 256), np.float32)
+    ids, wts = np.array([[0, 1]], np.int32), np.ones((1, 2), np.float32)
+    with pytest.raises(ValueError, match=r"expert ids must lie in \[0, 2\)"):
+        hm.host_moe_layer(x, ids + 1, wts, gate, up, down)
+    with pytest.raises(ValueError, match="gate experts are"):
+        hm.host_moe_layer(np.zeros((1, 512), np.float32), ids, wts, gate, up, down)
+    f16 = hm.ExpertStack(np.zeros(2 * 256 * 256 * 2, np.uint8), QT.F16, 256, 256)
+    with pytest.raises(ValueError, match="F16 has no host kernel"):
+        hm.host_moe_layer(x, ids, wts, f16, up, down)
+    with pytest.raises(ValueError, match="not a whole number of 256-element blocks"):
+        hm.args_struct(d=288, f=256, n_used=2, gate_type=QT.Q4_K, up_type=QT.Q4_K, down_type=QT.Q6_K,
+                       gate=[0], up=[0], down=[0], skip=np.zeros(1, np.uint8))
+    args = hm.args_struct(d=256, f=256, n_used=2, gate_type=QT.Q4_K, up_type=QT.Q4_K, down_type=QT.Q6_K,
+                          gate=gate.pointers(), up=up.pointers(), down=down.pointers(), skip=np.zeros(2, np.uint8),
+                          ids=ids, wts=wts, x=x, out=np.zeros((1, 256), np.float32))
+    args.n_rows = 0
+    with pytest.raises(ValueError, match="n_rows < 1"):
+        hm.check_args(args)
+    args.n_rows, args.down_row_bytes = 1, 1
+    with pytest.raises(ValueError, match="byte count does not match"):
+        hm.check_args(args)
+    hm.lib().host_moe(ctypes.addressof(args))                           # called anyway: NaN, not a guess
+    assert np.all(np.isnan(args._keep[-1]))
+
+
+def test_no_openmp_is_refused_by_name(tmp_path, monkeypatch):
+    cc = tmp_path / "cc-without-openmp"
+    cc.write_text("#!/bin/sh\necho 'fatal error: omp.h: No such file or directory' >&2\nexit 1\n")
+    cc.chmod(cc.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv("BLOOMERY_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(hm.HostKernelError, match="has no OpenMP"):
+        hm._load("native")
+    with pytest.raises(hm.HostKernelError, match="isa 'sse9'"):
+        hm._load("sse9")
+
+
+def test_read_bandwidth_is_measured():
+    assert hm.read_bandwidth_gbs(1 << 24, n_threads=1, reps=2) > 0.1

@@ -119,6 +119,10 @@ class CudaOps:
         if ggml_type not in BLOCKS or ggml_type in FLOAT_TYPES or len(shape) != 3:
             raise ValueError(f"host experts are quantized stacked tensors [K, N, E]; got {NAMES.get(ggml_type, ggml_type)} "
                              f"of shape {tuple(shape)}")
+        from bloomery.engine.cpu.host_moe import TYPES
+        if ggml_type not in TYPES:
+            raise ValueError(f"host experts of type {NAMES.get(ggml_type, ggml_type)} have no host kernel "
+                             f"(kernels/host_moe.c reads {', '.join(sorted(NAMES.get(int(t), str(t)) for t in TYPES))})")
         qk, nb = BLOCKS[ggml_type]
         return self.offload.stack(ggml_type, shape, np.asarray(data), int(shape[0]) // qk * nb, host)
 

@@ -312,8 +312,9 @@ class Offload:
         if not self.residency or not where or layer.n_slots == 0:
             return
         row = [int(c) for c in counts]
+        coming = {e for e, _, _ in layer.pending}                             # already being copied in
         moves = [m for m in policy.layer_swaps(layer.index, row, layer.on_card, layer.expert_bytes)
-                 if m.into_card in where]
+                 if m.into_card in where and m.into_card not in coming]
         if not moves:
             return
         main = cupy.cuda.get_current_stream()

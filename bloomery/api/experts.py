@@ -57,9 +57,7 @@ async def handle_residency(app: "App", req: Request) -> Response:
 
 
 async def handle_reset(app: "App", req: Request) -> Response:
-    report = await _report(app, reset=True)
-    app.log("bloomery-serve: routed experts back to the load's placement (POST /residency/reset)")
-    return Response.json(report)
+    return Response.json(await _report(app, reset=True))     # the engine stage records the reset
 
 
 def render(report: dict) -> str:

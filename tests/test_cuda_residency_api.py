@@ -37,7 +37,9 @@ def server(gpu, tokenizer_source, synthetic_dir):
 
 
 def complete(url: str, prompt: str) -> str:
-    r = requests.post(url + "/completion", json={"prompt": prompt, "n_predict": N_PREDICT}, timeout=300)
+    # no prompt cache: a repeated prompt runs its whole prompt pass again, so the same path computes it
+    r = requests.post(url + "/completion", json={"prompt": prompt, "n_predict": N_PREDICT, "ignore_eos": True,
+                                                 "cache_prompt": False}, timeout=300)
     assert r.status_code == 200, r.text
     assert r.json()["tokens_predicted"] == N_PREDICT
     return r.json()["content"]

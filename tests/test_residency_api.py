@@ -298,7 +298,7 @@ def cpu_moe_server(tokenizer_source, synthetic_dir):
 @pytest.mark.slow
 def test_a_cpu_load_has_no_host_experts_to_show_or_reset(cpu_moe_server):
     url = cpu_moe_server.url
-    r = requests.post(url + "/completion", json={"prompt": "Hello", "n_predict": 4}, timeout=120)
+    r = requests.post(url + "/completion", json={"prompt": "Hello", "n_predict": 4, "ignore_eos": True}, timeout=120)
     assert r.status_code == 200 and r.json()["tokens_predicted"] == 4
     r = requests.get(url + "/residency", timeout=30)
     assert r.status_code == 200 and r.json() == {"offload": False, "residency": "off", "layers": [],

@@ -31,3 +31,11 @@ class EngineClient(Protocol):
     async def query_slots(self, timeout_s: float = 5.0) -> list[dict]:
         """A fresh slot table from the engine (same shape as slots())."""
         ...
+
+    async def query_experts(self, reset: bool = False, timeout_s: float = 30.0) -> dict:
+        """The report of the routed experts kept in host RAM (engine/experts_query.py's shape: "offload",
+        "residency", per layer counts, on_card, hits and misses, and the moved and waited totals), answered
+        by the engine between steps; reset=True first returns the card's expert slots to the load's
+        placement. Raises experts_query.ExpertsError (its kind says why) when the engine cannot answer:
+        a reset on a load with no host experts, or a sleeping engine."""
+        ...

@@ -1,7 +1,7 @@
 """EngineClient over ZeroMQ: the front's side of the engine process (zmq.asyncio).
 
-front ROUTER (bound here) -> engine DEALER: Generate, Cancel, SlotsQuery, Shutdown
-engine PUSH -> front PULL (bound here): Tokens (one per engine step), SlotsReply
+front ROUTER (bound here) -> engine DEALER: Generate, Cancel, SlotsQuery, Shutdown, Residency, ExpertsQuery
+engine PUSH -> front PULL (bound here): Tokens (one per engine step), SlotsReply, ResidencyReply, ExpertsReply
 One reader task routes each TokenOut to its request's asyncio queue. When the
 engine dies, fail_all() ends every request in flight with finish="error"; when the
 server stops, end_all() ends them with finish="shutdown".
@@ -16,6 +16,7 @@ import zmq
 import zmq.asyncio
 
 from bloomery import workpool
+from bloomery.engine import experts_query
 from bloomery.engine.types import EngineRequest, ModelInfo, TokenOut
 from bloomery.messages import engine as em
 from bloomery.messages.codec import MessageError
@@ -89,7 +90,7 @@ class ZmqEngineClient:
                 fut = self._queries.pop(msg.query_id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(self._slots)
-            elif isinstance(msg, em.ResidencyReply):
+            elif isinstance(msg, (em.ResidencyReply, em.ExpertsReply)):
                 fut = self._queries.pop(msg.query_id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
@@ -137,29 +138,32 @@ class ZmqEngineClient:
         n_ctx = self.info.n_ctx_slot if self.info else 0
         return [{"id": i, "n_ctx": n_ctx, "speculative": False, "is_processing": False} for i in range(n_slots)]
 
-    async def query_slots(self, timeout_s: float = 5.0) -> list[dict]:
-        qid = f"q{next(self._query_ids)}"
+    async def _ask(self, prefix: str, make, timeout_s: float):
+        """Send make(query_id) and wait for the reply of that query_id (what _read_outputs hands on)."""
+        qid = f"{prefix}{next(self._query_ids)}"
         fut = asyncio.get_running_loop().create_future()
         self._queries[qid] = fut
         try:
-            await self._send(em.SlotsQuery(qid))
+            await self._send(make(qid))
             return await asyncio.wait_for(fut, timeout_s)
         finally:
             self._queries.pop(qid, None)
 
+    async def query_slots(self, timeout_s: float = 5.0) -> list[dict]:
+        return await self._ask("q", em.SlotsQuery, timeout_s)
+
     async def set_residency(self, sleep: bool, timeout_s: float = 600.0) -> float:
         """Put the engine to sleep (weights and KV freed) or wake it (loaded again); the seconds it took."""
-        qid = f"r{next(self._query_ids)}"
-        fut = asyncio.get_running_loop().create_future()
-        self._queries[qid] = fut
-        try:
-            await self._send(em.Residency(qid, sleep))
-            reply = await asyncio.wait_for(fut, timeout_s)
-        finally:
-            self._queries.pop(qid, None)
+        reply = await self._ask("r", lambda qid: em.Residency(qid, sleep), timeout_s)
         if reply.error:
             raise EngineGone(reply.error)
         return reply.took_s
+
+    async def query_experts(self, reset: bool = False, timeout_s: float = 30.0) -> dict:
+        """The host experts' report (after a reset to the load's placement when asked): an ExpertsQuery round
+        trip, answered by the engine between steps; experts_query.ExpertsError when it could not answer."""
+        reply = await self._ask("e", lambda qid: em.ExpertsQuery(qid, reset), timeout_s)
+        return experts_query.result(experts_query.ExpertsAnswer(reply.report, reply.error, reply.kind))
 
     # -- the supervisor's side ---------------------------------------------------------
     @property

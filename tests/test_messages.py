@@ -30,9 +30,16 @@ STAGE_MSGS = [
     sm.Ready(INFO, {"load_s": 3.2}),
     sm.Dead("engine", "MemoryError: out of memory"),
 ]
-ENGINE_TO = [em.Generate(REQ), em.Cancel("r1"), em.SlotsQuery("q1"), em.Shutdown("SIGTERM")]
+EXPERTS_REPORT = {"offload": True, "residency": "on", "moved_experts": 3, "moved_bytes": 9_437_184,
+                  "host_wait_s": 0.125, "updates": 2,
+                  "layers": [{"layer": 0, "counts": [5, 0, 2, 9], "on_card": [0, 3], "hits": 14, "misses": 2}]}
+ENGINE_TO = [em.Generate(REQ), em.Cancel("r1"), em.SlotsQuery("q1"), em.Shutdown("SIGTERM"),
+             em.ExpertsQuery("e1"), em.ExpertsQuery("e2", reset=True)]
 ENGINE_FROM = [em.Hello(123), em.Tokens((OUT, TokenOut("r2", None, "cancel"))),
-               em.SlotsReply("", ({"id": 0, "n_ctx": 4096, "is_processing": False, "id_task": -1},))]
+               em.SlotsReply("", ({"id": 0, "n_ctx": 4096, "is_processing": False, "id_task": -1},)),
+               em.ExpertsReply("e1", EXPERTS_REPORT),
+               em.ExpertsReply("e2", {"offload": False, "layers": []}, "no routed experts in host RAM: nothing to reset",
+                               "no_offload")]
 
 
 def same(a, b) -> bool:
@@ -90,10 +97,21 @@ def wire(tag, **fields) -> bytes:
     (wire("Generate", req={"req_id": "r", "prompt_ids": [1], "n_predict": 1,
                            "sampling": {"logit_bias": [[1, 2.0, 3]]}}), r"logit_bias\[0\]: want 2 items"),
     (wire("Shutdown", reason=None), "Shutdown.reason: want str"),
+    (wire("ExpertsQuery", query_id="e", reset="yes"), "ExpertsQuery.reset: want bool, got str 'yes'"),
+    (wire("ExpertsQuery", reset=True), "ExpertsQuery: missing field 'query_id'"),
 ])
 def test_to_engine_refusals_name_the_field(data, match):
     with pytest.raises(MessageError, match=match):
         em.decode_to_engine(data)
+
+
+def test_an_experts_reply_keeps_its_report_whole_and_refuses_a_bad_one():
+    back = em.decode_from_engine(em.encode(em.ExpertsReply("e1", EXPERTS_REPORT)))
+    assert back.report == EXPERTS_REPORT and back.report["layers"][0]["counts"] == [5, 0, 2, 9]
+    with pytest.raises(MessageError, match=r"ExpertsReply.report: want an object, got list"):
+        em.decode_from_engine(wire("ExpertsReply", query_id="e", report=[1]))
+    with pytest.raises(MessageError, match="unknown message type 'ExpertsQuery'"):
+        em.decode_from_engine(em.encode(em.ExpertsQuery("e")))
 
 
 def test_boundaries_do_not_mix():

@@ -14,8 +14,8 @@ from typing import Awaitable, Callable
 
 from bloomery import workpool
 from bloomery.api import limits
-from bloomery.api import (anthropic, chat, completion, gcp, infill, input_tokens, models, ollama, props, responses, slots,
-                          sleep, tokenize)
+from bloomery.api import (anthropic, chat, completion, experts, gcp, infill, input_tokens, models, ollama, props,
+                          responses, slots, sleep, tokenize)
 from bloomery.api.metrics import Metrics
 from bloomery.api.generate import Generation
 from bloomery.api.params import GenParams
@@ -91,6 +91,8 @@ for _path in ("/v1/responses", "/responses"):
 for _path in ("/v1/responses/input_tokens", "/responses/input_tokens"):
     ROUTES["POST", _path] = input_tokens.handle_responses_input_tokens
 ROUTES["POST", "/infill"] = infill.handle_infill
+ROUTES["GET", "/residency"] = experts.handle_residency             # bloomery's own: routed experts' residency
+ROUTES["POST", "/residency/reset"] = experts.handle_reset
 
 
 def not_served(message: str) -> Route:

@@ -4,12 +4,14 @@
 ran there: id_task, the prompt counts, params, next_token), from the engine's own
 table; the params are the generation's, which the front remembers by req_id.
 --no-slots: 501 as llama-server. /metrics: llama-server's Prometheus text with --metrics
-(api/metrics.py keeps the counts), 501 with llama-server's message without it.
+(api/metrics.py keeps the counts), then bloomery's expert series on a load with host experts
+(api/experts.py), 501 with llama-server's message without it.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from bloomery.api import experts
 from bloomery.api.recent import Memo
 from bloomery.api.shapes import slot_params
 from bloomery.http.types import ApiError, Request, Response
@@ -73,6 +75,6 @@ async def handle_metrics(app: "App", req: Request) -> Response:
     n_processing = sum(1 for e in table if e.get("is_processing"))
     # requests sent to the engine that no slot holds yet wait in its queue (llama-server's deferred)
     n_in_flight = app.recent.n_in_flight()
-    body = app.metrics.render(n_processing, max(n_in_flight - n_processing, 0))
+    body = app.metrics.render(n_processing, max(n_in_flight - n_processing, 0)) + await experts.metrics_text(app)
     return Response(200, body.encode("utf-8"), [("content-type", "text/plain; version=0.0.4"),
                                                  ("process-start-time-unix", str(app.metrics.t_start))])

@@ -3,6 +3,8 @@
 The worker sleeps on a condition variable while the engine has nothing to do and
 runs engine.step() while it has; each TokenOut is handed to the asyncio loop of
 the request's generate() via call_soon_threadsafe, into that request's queue.
+Work that must not overlap a step (query_experts: a reset rewrites the kernels' tables)
+is queued for the worker, which runs it between steps and hands the result back the same way.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import threading
 import time
 from typing import AsyncIterator, Callable
 
+from bloomery.engine import experts_query
 from bloomery.engine.core import Engine
 from bloomery.engine.types import EngineRequest, ModelInfo, TokenOut
 
@@ -24,6 +27,7 @@ class InProcessEngineClient:
         self._routes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._routes_lock = threading.Lock()
         self._closed = False
+        self._between: list[tuple[Callable[[], object], asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._thread = threading.Thread(target=self._run, name="bloomery-engine", daemon=True)
         self._thread.start()
 
@@ -72,6 +76,23 @@ class InProcessEngineClient:
         """The same as slots() (the table is in this process); the zmq client asks the engine process."""
         return self.engine.slots()
 
+    async def query_experts(self, reset: bool = False, timeout_s: float = 30.0) -> dict:
+        """The host experts' report (after a reset to the load's placement when asked), on the worker thread
+        between steps; experts_query.ExpertsError when it could not answer."""
+        ans = await self._between_steps(lambda: experts_query.answer(self.engine.model, reset), timeout_s)
+        return experts_query.result(ans)
+
+    async def _between_steps(self, fn: Callable[[], object], timeout_s: float):
+        """fn() on the worker thread, before its next step."""
+        if self._closed:
+            raise RuntimeError("the in-process engine client is closed")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._wake:
+            self._between.append((fn, loop, fut))
+            self._wake.notify_all()
+        return await asyncio.wait_for(fut, timeout_s)
+
     @property
     def n_in_flight(self) -> int:
         """Requests whose generate() is still being read."""
@@ -93,13 +114,33 @@ class InProcessEngineClient:
         with self._routes_lock:
             self._routes.pop(req_id, None)
 
+    @staticmethod
+    def _hand(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, fn: Callable[[], object]) -> None:
+        """Run fn here and set its result (or exception) on fut in its own loop."""
+        try:
+            value, setter = fn(), fut.set_result
+        except Exception as e:
+            value, setter = e, fut.set_exception
+        def put() -> None:
+            if not fut.done():      # a caller that timed out has cancelled it
+                setter(value)
+        try:
+            loop.call_soon_threadsafe(put)
+        except RuntimeError:
+            pass                    # that loop is closed; nobody is waiting
+
     def _run(self) -> None:
         while True:
             with self._wake:
-                while not self._closed and not self.engine.has_work():
+                while not self._closed and not self._between and not self.engine.has_work():
                     self._wake.wait()
                 if self._closed:
                     return
+                between, self._between = self._between, []
+            for fn, loop, fut in between:
+                self._hand(loop, fut, fn)
+            if not self.engine.has_work():
+                continue
             try:
                 outs = self.engine.step()
             except Exception as e:   # a fault in the engine itself: fail everything in flight

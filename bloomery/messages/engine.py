@@ -1,8 +1,12 @@
 """Front <-> engine process: the whole conversation on the request and output sockets.
 
-front ROUTER -> engine DEALER: Generate, Cancel, SlotsQuery, Shutdown, Residency
+front ROUTER -> engine DEALER: Generate, Cancel, SlotsQuery, Shutdown, Residency, ExpertsQuery
 engine DEALER -> front ROUTER: Hello (once, so the ROUTER knows the engine's id)
-engine PUSH  -> front PULL:    Tokens (one message per engine step), SlotsReply, ResidencyReply
+engine PUSH  -> front PULL:    Tokens (one message per engine step), SlotsReply, ResidencyReply, ExpertsReply
+
+Residency / ResidencyReply are --sleep-idle-seconds' sleep and wake (the weights held or freed);
+ExpertsQuery / ExpertsReply are the routed experts' residency between card and host RAM
+(GET /residency, POST /residency/reset, /metrics).
 """
 from __future__ import annotations
 
@@ -52,6 +56,23 @@ class ResidencyReply:
 
 
 @dataclass(frozen=True)
+class ExpertsQuery:
+    """The host experts' report (GET /residency, /metrics); reset=True first returns the card's expert
+    slots to the load's placement (POST /residency/reset). Answered between steps with an ExpertsReply."""
+
+    query_id: str
+    reset: bool = False
+
+
+@dataclass(frozen=True)
+class ExpertsReply:
+    query_id: str
+    report: dict[str, object]     # engine/experts_query.py's report: "offload", "residency", "layers", counters
+    error: str = ""               # not answered: why (the report then says only what is known)
+    kind: str = ""                # with error: engine/experts_query.py's NO_OFFLOAD, ASLEEP or FAILED
+
+
+@dataclass(frozen=True)
 class Hello:
     pid: int
 
@@ -67,17 +88,18 @@ class SlotsReply:
     slots: tuple[dict[str, object], ...]
 
 
-TO_ENGINE: dict[str, type] = {c.__name__: c for c in (Generate, Cancel, SlotsQuery, Shutdown, Residency)}
-FROM_ENGINE: dict[str, type] = {c.__name__: c for c in (Hello, Tokens, SlotsReply, ResidencyReply)}
+TO_ENGINE: dict[str, type] = {c.__name__: c for c in (Generate, Cancel, SlotsQuery, Shutdown, Residency,
+                                                      ExpertsQuery)}
+FROM_ENGINE: dict[str, type] = {c.__name__: c for c in (Hello, Tokens, SlotsReply, ResidencyReply, ExpertsReply)}
 
 
 def encode(msg: object) -> bytes:
     return codec.encode(msg, type(msg).__name__)
 
 
-def decode_to_engine(data: bytes) -> Generate | Cancel | SlotsQuery | Shutdown | Residency:
+def decode_to_engine(data: bytes) -> Generate | Cancel | SlotsQuery | Shutdown | Residency | ExpertsQuery:
     return codec.decode(data, TO_ENGINE)
 
 
-def decode_from_engine(data: bytes) -> Hello | Tokens | SlotsReply | ResidencyReply:
+def decode_from_engine(data: bytes) -> Hello | Tokens | SlotsReply | ResidencyReply | ExpertsReply:
     return codec.decode(data, FROM_ENGINE)

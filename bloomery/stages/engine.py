@@ -1,7 +1,8 @@
 """engine stage: load the weights, send READY, then run the engine loop over ZeroMQ.
 
 Threads (vLLM v1's shape):
-- input thread: the DEALER socket -> a queue (Generate, Cancel, SlotsQuery, Shutdown);
+- input thread: the DEALER socket -> a queue (Generate, Cancel, SlotsQuery, Shutdown, Residency,
+  ExpertsQuery);
 - busy loop (main thread): drain the queue (add / cancel), engine.step(), one
   Tokens message per step on PUSH; while idle it blocks on the queue (no spin)
   and checks that the supervisor is still its parent.
@@ -22,6 +23,7 @@ import numpy as np
 import zmq
 
 from bloomery import records
+from bloomery.engine import experts_query
 from bloomery.engine.types import ModelInfo, TokenOut
 from bloomery.messages import engine as em
 from bloomery.messages import codec
@@ -154,6 +156,11 @@ def serve(engine, inbox: queue.Queue, push: zmq.Socket, ppid: int, load=None) ->
                 return f"shutdown: {msg.reason}"
             elif isinstance(msg, em.Residency):
                 push.send(em.encode(set_residency(engine, msg, load)))
+            elif isinstance(msg, em.ExpertsQuery):     # between steps: a reset rewrites the kernels' tables
+                ans = experts_query.answer(engine.model, msg.reset)
+                if msg.reset and not ans.error:
+                    records.record("serve", "routed experts back to the load's placement", component="engine")
+                push.send(em.encode(em.ExpertsReply(msg.query_id, ans.report, ans.error, ans.kind)))
         if not parent_alive(ppid):
             return "the supervisor is gone"
         if not engine.has_work():

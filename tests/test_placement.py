@@ -10,6 +10,8 @@ load against the card's weights + KV.
 """
 from __future__ import annotations
 
+import gc
+
 import json
 import subprocess
 import sys
@@ -90,6 +92,7 @@ def test_cuda_placement_counts_what_the_load_holds(gpu, tokenizer_source, tmp_pa
         pytest.skip("no card in the census")
     plan = make_plan(model_facts(gf), census, "cuda", ctx_size=8192)
     card = plan.placement.device(plan.placement.default_device)
+    gc.collect()               # models an earlier test left in reference cycles: not freed during this load
     pool = cupy.get_default_memory_pool()
     before = pool.used_bytes()
     model = load_model(gf, plan.placement)
@@ -123,6 +126,7 @@ def test_cuda_offload_placement_counts_what_the_load_holds(gpu, tokenizer_source
     pl = plan.placement
     assert pl.case == "flags" and pl.experts_on_card[:4] == (0,) * 4
     card = pl.device(pl.default_device)
+    gc.collect()
     pool = cupy.get_default_memory_pool()
     before = pool.used_bytes()
     model = load_model(gf, pl, threads=2)

@@ -57,7 +57,8 @@ class Ops(Protocol):
     def weight(self, ggml_type: int, shape: Sequence[int], data: Any) -> Weight:
         """A handle for a stored tensor; shape in GGUF ne order (shape[0] is the row length)."""
 
-    def offloaded_weight(self, ggml_type: int, shape: Sequence[int], data: Any, host: tuple[int, int]) -> Weight:
+    def offloaded_weight(self, name: str, ggml_type: int, shape: Sequence[int], data: Any,
+                         host: tuple[int, int]) -> Weight:
         """A stacked routed-expert tensor [K, N, E] whose experts host[0] .. host[1]-1 the placement
         keeps in host RAM (after offload_experts); a backend without an offload tier refuses it."""
 

@@ -135,7 +135,7 @@ class NumpyOps:
     def weight(self, ggml_type: int, shape: Sequence[int], data) -> NumpyWeight:
         return NumpyWeight(ggml_type, shape, np.asarray(data), self.cache_planes)
 
-    def offloaded_weight(self, ggml_type, shape, data, host):
+    def offloaded_weight(self, name, ggml_type, shape, data, host):
         raise ValueError("the numpy backend holds every tensor on the host: it has no offload tier")
 
     def offload_experts(self, residency: bool, threads: int) -> None:

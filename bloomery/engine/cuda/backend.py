@@ -113,7 +113,7 @@ class CudaOps:
         from bloomery.engine.cuda.experts import Offload
         self.offload = Offload(self, residency, threads)
 
-    def offloaded_weight(self, ggml_type: int, shape: Sequence[int], data, host: tuple[int, int]):
+    def offloaded_weight(self, name: str, ggml_type: int, shape: Sequence[int], data, host: tuple[int, int]):
         if self.offload is None:
             raise ValueError("offloaded_weight before offload_experts")
         if ggml_type not in BLOCKS or ggml_type in FLOAT_TYPES or len(shape) != 3:
@@ -124,7 +124,7 @@ class CudaOps:
             raise ValueError(f"host experts of type {NAMES.get(ggml_type, ggml_type)} have no host kernel "
                              f"(kernels/host_moe.c reads {', '.join(sorted(NAMES.get(int(t), str(t)) for t in TYPES))})")
         qk, nb = BLOCKS[ggml_type]
-        return self.offload.stack(ggml_type, shape, np.asarray(data), int(shape[0]) // qk * nb, host)
+        return self.offload.stack(name, ggml_type, shape, np.asarray(data), int(shape[0]) // qk * nb, host)
 
     def after_step(self, decode: bool) -> None:
         if self.offload is not None:

@@ -48,6 +48,12 @@ def _cuda():
 _CUDA = None
 
 
+def _block(name: str) -> int:
+    """The block number of a GGUF tensor name (blk.N....), -1 for others."""
+    parts = name.split(".")
+    return int(parts[1]) if len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit() else -1
+
+
 def launch_host_func(stream_ptr: int, fn: int, arg: int) -> None:
     """cuLaunchHostFunc: `fn(arg)` runs on a driver thread once the stream reaches it (a host node
     when the stream is being captured)."""
@@ -74,7 +80,9 @@ class ExpertStack:
     RAM, `n_slots` card slots, and the device table the card kernels read. Looks like a CudaWeight
     to moe.py (ggml_type, shape, n_cols, n_rows, n_expert, row_bytes, table, quantized)."""
 
-    def __init__(self, ggml_type: int, shape, data: np.ndarray, row_bytes: int, on_card: list[int], zero_ptr: int):
+    def __init__(self, name: str, ggml_type: int, shape, data: np.ndarray, row_bytes: int, on_card: list[int],
+                 zero_ptr: int):
+        self.name, self.block = name, _block(name)
         self.ggml_type, self.shape = int(ggml_type), tuple(int(s) for s in shape)
         self.n_cols, self.n_rows, self.n_expert = self.shape[0], self.shape[1], self.shape[2]
         self.row_bytes = row_bytes
@@ -129,6 +137,7 @@ class ExpertLayer:
         if not (gate.on_card == up.on_card == down.on_card):
             raise ValueError(f"layer {index}: gate, up and down hold different experts on the card")
         self.index, self.stacks = index, (gate, up, down)
+        self.block = gate.block                                               # the model's block number
         self.n_expert = gate.n_expert
         self.slot_of = np.full(self.n_expert, -1, np.int64)
         for s, e in enumerate(gate.on_card):
@@ -201,7 +210,8 @@ class Offload:
         self.copy = cupy.cuda.Stream(non_blocking=True)                      # residency copies
         self.counts = None                                                    # [L, E] int32 on the card
         self.seen = None                                                      # [L, E] counts at the last update
-        self.score = None                                                     # [L, E] decayed recent routing
+        self.score = None                                                     # [L, E] decayed routing (the ranking)
+        self.recent = None                                                    # [L, E] routing since the last update
         self.steps = 0
         self.budget = budget if budget is not None else int(os.environ.get("BLOOMERY_RESIDENCY_MIB", "256")) << 20
         self.stats = {"moved_experts": 0, "moved_bytes": 0, "host_wait_s": 0.0, "updates": 0}
@@ -221,11 +231,11 @@ class Offload:
                 st.table.set(st.mirror)
         return int(self._zero.data.ptr)
 
-    def stack(self, ggml_type, shape, data, row_bytes: int, host: tuple[int, int]) -> ExpertStack:
+    def stack(self, name: str, ggml_type, shape, data, row_bytes: int, host: tuple[int, int]) -> ExpertStack:
         first, stop = host
         n_exp = int(shape[2])
         on_card = [e for e in range(n_exp) if not first <= e < stop]
-        st = ExpertStack(ggml_type, shape, data, row_bytes, on_card, self.zero_ptr(row_bytes * int(shape[1])))
+        st = ExpertStack(name, ggml_type, shape, data, row_bytes, on_card, self.zero_ptr(row_bytes * int(shape[1])))
         self._pending_stacks.append(st)
         return st
 
@@ -254,6 +264,7 @@ class Offload:
             self._by_gate[id(gate)] = got
             self.seen = np.zeros((i + 1, n_exp), np.int64)
             self.score = np.zeros((i + 1, n_exp), np.int64)
+            self.recent = np.zeros((i + 1, n_exp), np.int64)
             self.hits, self.misses = np.zeros(i + 1, np.int64), np.zeros(i + 1, np.int64)
         return got
 
@@ -340,6 +351,9 @@ class Offload:
         if decode and self.steps % RESIDENCY_EVERY:
             return
         self._account()
+        self.score = (self.score >> 1) + self.recent                         # older routing weighs half
+        self.recent[:] = 0
+        self.stats["updates"] += 1
         if not self.residency:
             return
         on_card = [ly.on_card for ly in self.layers]
@@ -353,7 +367,7 @@ class Offload:
 
     def _account(self) -> None:
         """Routing since the last look: hits (a card expert) and misses (a host one) per layer, and the
-        decayed score residency ranks by."""
+        recent counts the next residency update ranks by (reading them changes no decision)."""
         now = cupy.asnumpy(self.counts).astype(np.int64)                      # [L, E] since load
         delta = now - self.seen
         self.seen = now
@@ -361,8 +375,7 @@ class Offload:
             on = ly.slot_of >= 0
             self.hits[ly.index] += int(delta[ly.index][on].sum())
             self.misses[ly.index] += int(delta[ly.index][~on].sum())
-        self.score = (self.score >> 1) + delta
-        self.stats["updates"] += 1
+        self.recent += delta
 
     def _start_move(self, layer: ExpertLayer, into: int, out: int) -> None:
         if any(e == into for e, _, _ in layer.pending):
@@ -408,6 +421,7 @@ class Offload:
         self.copy.synchronize()
         cupy.cuda.Device().synchronize()
         self.score[:] = 0
+        self.recent[:] = 0
 
     def report(self) -> dict:
         """What GET /residency and /metrics show (between steps)."""
@@ -415,7 +429,7 @@ class Offload:
             self._account()
         counts = self.seen if self.seen is not None else np.zeros((0, 0), np.int64)
         return {"residency": "on" if self.residency else "off",
-                "layers": [{"layer": ly.index, "counts": counts[ly.index].tolist(), "on_card": sorted(ly.on_card),
+                "layers": [{"layer": ly.block, "counts": counts[ly.index].tolist(), "on_card": sorted(ly.on_card),
                             "hits": int(self.hits[ly.index]), "misses": int(self.misses[ly.index])}
                            for ly in self.layers],
                 **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.stats.items()}}

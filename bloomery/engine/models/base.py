@@ -104,7 +104,7 @@ class CausalLM:
             return None
         host = self.host_experts.get(name)
         if host is not None:            # routed experts partly in host RAM: the backend's offload tier
-            w = self.ops.offloaded_weight(info.ggml_type, info.shape, self.gf.tensor_data(name), host)
+            w = self.ops.offloaded_weight(name, info.ggml_type, info.shape, self.gf.tensor_data(name), host)
         else:
             w = self.ops.weight(info.ggml_type, info.shape, self.gf.tensor_data(name))
         self.bytes_read += info.n_bytes

@@ -202,7 +202,10 @@ class Offload:
     """Every offloaded layer of one model on the card, the side streams, the counts and residency."""
 
     def __init__(self, ops, residency: bool, threads: int, budget: int | None = None):
-        self.ops, self.residency, self.threads = ops, residency, threads
+        # -t (0: every core but one, which the engine's own thread and the driver's callbacks keep busy;
+        # a host thread descheduled inside the kernel's barriers stalls the whole step)
+        self.ops, self.residency = ops, residency
+        self.threads = threads if threads > 0 else max(1, (os.cpu_count() or 2) - 1)
         self.layers: list[ExpertLayer] = []
         self._by_gate: dict[int, ExpertLayer] = {}
         self._pending_stacks: list[ExpertStack] = []

@@ -205,7 +205,7 @@ class Offload:
         # -t (0: every core but one, which the engine's own thread and the driver's callbacks keep busy;
         # a host thread descheduled inside the kernel's barriers stalls the whole step)
         self.ops, self.residency = ops, residency
-        self.threads = threads if threads > 0 else max(1, (os.cpu_count() or 2) - 1)
+        self.threads = threads if threads > 0 else max(1, len(os.sched_getaffinity(0)) - 1)
         self.layers: list[ExpertLayer] = []
         self._by_gate: dict[int, ExpertLayer] = {}
         self._pending_stacks: list[ExpertStack] = []

@@ -183,6 +183,7 @@ def serve(engine, inbox: queue.Queue, push: zmq.Socket, ppid: int, load=None) ->
 def main(args: dict) -> int:
     from bloomery.engine.core import Engine
     from bloomery.engine.loader import load_model
+    from bloomery.engine.warmup import warm_up
 
     ppid = os.getppid()
     facts = args["facts"]
@@ -217,12 +218,13 @@ def main(args: dict) -> int:
                           threads=max(0, int(args.get("threads", -1))))
     model = load(LoadProgress(float(args.get("progress_s", PROGRESS_S))))
     if args.get("warmup", True):
-        # As llama-server's warmup: one id through every layer prepares each weight's decoded
-        # form now, in the load phase, instead of in the first request. The slot's bookkeeping
-        # stays empty (the engine is made after), so nothing reuses what this wrote.
+        # As llama-server's warmup, and each path a request can take (engine/warmup.py): nothing is
+        # compiled or captured on a request's path. The slots' bookkeeping stays empty (the engine
+        # is made after), so nothing reuses what this wrote.
         t_warm = time.monotonic()
-        model.prefill(0, np.zeros(1, np.int32), 0)
-        records.record("load", "warmup", component="engine", took_s=round(time.monotonic() - t_warm, 3))
+        parts = warm_up(model, placement.n_slots)
+        records.record("load", "warmup", component="engine", took_s=round(time.monotonic() - t_warm, 3),
+                       parts="; ".join(f"{name} {took} s" for name, took in parts))
         host = placement.device("host")
         anon1 = anon_bytes()
         if placement.backend == "numpy" and host is not None and anon0 is not None and anon1 is not None:

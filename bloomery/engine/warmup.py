@@ -1,0 +1,46 @@
+"""The warm-up a load runs before it reports ready: every path a request can take is run once, so
+nothing is compiled, captured or first allocated on a request's path (llama-server's warmup runs one
+decode; a backend with more paths needs each of them).
+
+- one id through every layer: each weight's first use (the numpy backend's decoded forms; the cuda
+  kernels' modules);
+- a backend with a separate prompt path (caps.decode_rows > 0): one pass of decode_rows + 1 ids,
+  which compiles the GEMM and attention kernels of that path;
+- a backend with captured decode steps (caps.decode_graphs): one step of every batch size up to the
+  slots (the largest the captured steps take), which captures each graph.
+
+The slots' bookkeeping is made after (engine/core.py), so nothing reuses what this wrote into the KV.
+Returns each part's name and seconds, for the start record.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+
+def warm_up(model, n_slots: int) -> list[tuple[str, float]]:
+    parts: list[tuple[str, float]] = []
+
+    def timed(name: str, fn) -> None:
+        t = time.monotonic()
+        fn()
+        parts.append((name, round(time.monotonic() - t, 3)))
+
+    caps = model.ops.caps
+    timed("first id", lambda: model.prefill(0, np.zeros(1, np.int32), 0))
+    if caps.decode_rows > 0 and model.n_ctx_slot > caps.decode_rows + 1:
+        n = caps.decode_rows + 1
+        timed(f"prompt path ({n} ids)", lambda: model.prefill(0, np.zeros(n, np.int32), 0))
+    if caps.decode_graphs:
+        runner = model.ops.decode_runner(model)
+        top = min(n_slots, runner.max_batch if runner is not None else 0)
+
+        def steps() -> None:
+            for s in range(1, top):
+                model.prefill(s, np.zeros(1, np.int32), 0)
+            for b in range(1, top + 1):
+                model.decode_greedy(list(range(b)), np.zeros(b, np.int32), np.ones(b, np.int32))
+        if top:
+            timed(f"decode steps (batches 1-{top})", steps)
+    return parts

@@ -1,15 +1,17 @@
 """Host experts: kernels/host_moe.c, one MoE layer's routed experts computed on the host from
-their stored GGUF blocks, spread over OpenMP threads; its loader and its ctypes side.
+their stored GGUF blocks, spread over a pool of threads; its loader and its ctypes side.
 
 The C function `host_moe(void *args)` reads a `host_moe_args` struct (mirrored by HostMoeArgs)
 and writes out[T, D] = sum over the (token, slot) pairs whose expert is not flagged skip of
 wts * down_e(silu(gate_e x) * up_e x). It has the signature of a CUDA host function: the cuda
 backend passes fn_pointer() and a persistent args_struct() to cuLaunchHostFunc; the CPU backend
-and the tests call host_moe_layer() with numpy arrays.
+and the tests call host_moe_layer() with numpy arrays. Calls from several threads are taken one
+at a time. BLOOMERY_HOST_SPIN_US (default 2000) is how long idle workers spin for the next call
+before they sleep.
 
-Built like kernels/cpu_lanes.c (engine/cpu/kernels.py: `compiled`), with -fopenmp, into
-`$BLOOMERY_CACHE/kernels/host_moe-<key>.so`. There is no slower fallback: where no compiler or
-no OpenMP is found, lib() raises HostKernelError. isa "native" (the default;
+Built like kernels/cpu_lanes.c (engine/cpu/kernels.py: `compiled`), with -pthread, into
+`$BLOOMERY_CACHE/kernels/host_moe-<key>.so`. There is no slower fallback: where no compiler is
+found or the build fails, lib() raises HostKernelError. isa "native" (the default;
 BLOOMERY_HOST_ISA overrides it) builds the widest path the CPU has (AVX-512 VNNI, AVX2, or the
 portable C loops); "avx2" and "portable" build the narrower ones on an x86 host (the tests check
 all three).
@@ -31,7 +33,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from bloomery.engine.cpu.kernels import _compiler, _cpu_flags, compiled
 
 SOURCE = "host_moe.c"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-pthread", "-fPIC", "-shared"]
 ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"], "portable": ["-mno-avx2", "-mno-fma", "-mno-f16c"]}
 ISA_NAMES = {0: "portable C", 1: "avx2", 2: "avx512-vnni"}
 TYPES = frozenset({QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K})   # what host_moe.c reads
@@ -42,7 +44,7 @@ _LIBS: dict[str, ctypes.CDLL] = {}
 
 
 class HostKernelError(RuntimeError):
-    """The host expert kernels cannot be built or loaded here (no C compiler, no OpenMP)."""
+    """The host expert kernels cannot be built or loaded here (no C compiler, a failed build)."""
 
 
 _p = ctypes.c_void_p
@@ -76,14 +78,11 @@ def _load(isa: str) -> ctypes.CDLL:
     cc = _compiler()
     if cc is None:
         raise HostKernelError("no C compiler found (cc, gcc, clang): the host expert kernels "
-                              f"(kernels/{SOURCE}) need one with OpenMP; install gcc (and libgomp)")
+                              f"(kernels/{SOURCE}) need one; install gcc")
     try:
         so = compiled(SOURCE, flags)
         lib = ctypes.CDLL(str(so))
     except (OSError, subprocess.SubprocessError) as e:
-        if "omp" in str(e).lower():
-            raise HostKernelError(f"{cc} has no OpenMP (-fopenmp, omp.h, libgomp): the host expert kernels "
-                                  f"need it ({e})") from e
         raise HostKernelError(f"the host expert kernels (kernels/{SOURCE}) did not build with {cc}: {e}") from e
     i32, i64 = ctypes.c_int, ctypes.c_int64
     lib.host_moe.argtypes, lib.host_moe.restype = [_p], None

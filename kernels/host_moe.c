@@ -16,9 +16,9 @@
 // five phases of small units:
 //   0. quantize the input rows                              (a row)
 //   1. gate and up rows of every distinct host expert, against each token routed to it, so an
-//      expert's rows are read once for all its tokens        (an expert's 32 rows)
+//      expert's rows are read once for all its tokens        (an expert's 16 rows)
 //   2. swiglu + quantize each (token, slot) hidden row       (256 elements of a row)
-//   3. down rows into y [P, D]                               (an expert's 64 rows)
+//   3. down rows into y [P, D]                               (an expert's 32 rows)
 //   4. out = sum over the slots, in slot order, of wts * y  (512 outputs of a token)
 // Each unit computes its outputs alone and in a fixed order, so the result has the same bits
 // whatever the thread count, and whichever thread takes which unit.
@@ -850,8 +850,8 @@ static inline size_t up64(size_t n) { return (n + 63) & ~(size_t)63; }
 // 2 swiglu + quantize (256 elements of a pair's hidden row), 3 down into y [P, D] (an expert's
 // RC_DN rows), 4 out = sum over slots in order of wts * y (RC_OUT rows of a token).
 
-#define RC_GU 32
-#define RC_DN 64
+#define RC_GU 16
+#define RC_DN 32
 #define RC_OUT 512
 
 typedef struct {
@@ -1029,9 +1029,10 @@ static void read_unit(const void *vctx, int phase, int64_t unit) {
         for (int64_t i = i0; i < i1; i++) b[i] = (uint64_t)i;
         return;
     }
-    uint64_t s = 0;
-    for (int64_t i = i0; i < i1; i++) s += R->buf[i];
-    atomic_fetch_add(R->total, s);
+    uint64_t s[8] = {0};                            // independent sums: loads, not adds, set the pace
+    for (int64_t i = i0; i < i1; i += 8)
+        for (int j = 0; j < 8; j++) s[j] += R->buf[i + j];
+    atomic_fetch_add(R->total, s[0] + s[1] + s[2] + s[3] + s[4] + s[5] + s[6] + s[7]);
 }
 
 volatile uint64_t host_read_sink;
@@ -1040,7 +1041,7 @@ volatile uint64_t host_read_sink;
 // all) sum a buffer of `bytes` in 1 MiB units, as host_moe spreads its units.
 double host_read_bw(int64_t bytes, int n_threads, int reps) {
     const int nt = n_threads > 0 ? n_threads : n_cpus();
-    const int64_t n = bytes / 8, chunk = (1 << 20) / 8;
+    const int64_t n = bytes / 64 * 8, chunk = (1 << 20) / 8;        // whole 64-byte lines
     uint64_t *buf = (uint64_t *)aligned_alloc(64, up64((size_t)n * 8));
     if (!buf || n < 1 || ceil_div(n, chunk) > MAX_UNITS) {
         free(buf);

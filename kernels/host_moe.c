@@ -710,6 +710,7 @@ static struct {
     int n_workers;
     int64_t spin_ns;
     job J;
+    int64_t t_start, t_end[MAX_PHASES];     // when the last job started and each phase ended (ns)
 } pool = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
 static inline void cpu_relax(void) {
@@ -749,7 +750,7 @@ static void run_units(uint32_t g) {
         while (u >= J->end[p]) p++;
         if (p > 0) wait_done(J->end[p - 1]);
         J->run(J->ctx, p, u - (p ? J->end[p - 1] : 0));
-        atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
+        if (atomic_fetch_add_explicit(&pool.done, 1, memory_order_acq_rel) + 1 == J->end[p]) pool.t_end[p] = now_ns();
     }
 }
 
@@ -814,6 +815,7 @@ static void pool_run(const job *J, int nt) {
     }
     if (nw > pool.n_workers) nw = pool.n_workers;
     pool.J = *J;
+    pool.t_start = now_ns();
     const int64_t total = J->end[J->n_phases - 1];
     const uint32_t g = (atomic_load(&pool.gen) + 1) & 0xFFFFFF;
     atomic_store(&pool.want, nw);
@@ -824,6 +826,17 @@ static void pool_run(const job *J, int nt) {
         syscall(SYS_futex, &pool.gen, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
     run_units(g);
     wait_done(total);
+}
+
+// The last call's phases: out[p] = microseconds from its start to the end of phase p (host_moe:
+// 0 quantize, 1 gate/up, 2 swiglu, 3 down, 4 sum; a call with no host expert leaves them), for
+// tools/bench_host_moe.py. Returns the number of phases.
+int host_moe_last_phases(double *out) {
+    pthread_mutex_lock(&pool.lock);
+    const int n = pool.J.n_phases;
+    for (int p = 0; p < n; p++) out[p] = (double)(pool.t_end[p] - pool.t_start) / 1e3;
+    pthread_mutex_unlock(&pool.lock);
+    return n;
 }
 
 // ---------------------------------------------------------------- scratch

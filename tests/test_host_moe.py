@@ -260,5 +260,10 @@ def test_a_failed_build_is_refused_by_name(tmp_path, monkeypatch):
         hm._load("sse9")
 
 
-def test_read_bandwidth_is_measured():
+def test_read_bandwidth_and_phase_times_are_measured():
     assert hm.read_bandwidth_gbs(1 << 24, n_threads=1, reps=2) > 0.1
+    gate, up, down = _case(QT.Q4_K, QT.Q6_K, n_exp=2, d=256, f=256)
+    hm.host_moe_layer(np.ones((2, 256), np.float32), np.array([[0, 1], [1, 0]], np.int32), np.ones((2, 2), np.float32),
+                      gate, up, down, n_threads=2)
+    ends = hm.last_phases_us()
+    assert len(ends) == 5 and 0 <= ends[0] and ends == sorted(ends)

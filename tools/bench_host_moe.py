@@ -7,7 +7,8 @@ memory, not cache) and is timed through the same function pointer the cuda backe
 Printed per thread count: µs per call, the weight bytes one call reads, and those bytes per
 second next to the host's read bandwidth measured by the same library (host_read_bw: threads
 summing a 1 GiB buffer), which is the floor the kernel is meant to reach. A last line times a
-tiny call (one 256x256 expert): the per-call cost of starting the threads and three barriers.
+tiny call (one 256x256 expert): the per-call cost of waking the workers and the phase hand-offs.
+A table of when each phase ended (median over the calls) shows where a call's time goes.
 
     python3 tools/bench_host_moe.py [--threads 1,2,4,8,16] [--rows 1] [--calls 200]
 """
@@ -48,13 +49,15 @@ def time_calls(args: hm.HostMoeArgs, ids: np.ndarray, n_exp: int, n_calls: int, 
     for r in routes[:5]:                                   # warm the threads and the scratch
         ids[:] = r
         fn(addr)
-    times = []
+    times, phases = [], []
     c0 = time.process_time()
     for r in routes:
         ids[:] = r
         t0 = time.perf_counter()
         fn(addr)
         times.append(time.perf_counter() - t0)
+        phases.append(hm.last_phases_us())
+    time_calls.phases_us = np.median(np.array(phases), axis=0)
     return float(np.median(times)), (time.process_time() - c0) / n_calls
 
 
@@ -89,6 +92,7 @@ def main() -> None:
     print(f"# {hm.status(a.isa)}; E={e} D={d} F={f} A={n_used} T={n_tok}: "
           f"{expert_bytes / 1e6:.2f} MB per expert, {(gate.data.nbytes + up.data.nbytes + down.data.nbytes) / 1e9:.2f} GB in all")
     print("threads | read GB/s (floor) | µs/call | cpu µs/call | MB/call | GB/s | of floor")
+    phase_lines = []
     for nt in threads:
         args.n_threads = nt
         bw = hm.read_bandwidth_gbs(1 << 30, nt, 5, a.isa)
@@ -96,6 +100,9 @@ def main() -> None:
         n_distinct = e * (1 - (1 - n_used / e) ** n_tok)                    # expected distinct experts a call
         mb = n_distinct * expert_bytes / 1e6
         print(f"{nt:7d} | {bw:17.1f} | {s * 1e6:7.0f} | {cpu * 1e6:11.0f} | {mb:7.1f} | {mb / 1e3 / s:4.1f} | {mb / 1e3 / s / bw:7.0%}")
+        phase_lines.append(f"{nt:7d} | " + " | ".join(f"{v:6.0f}" for v in time_calls.phases_us))
+    print("threads | median µs from the call's start to the end of: quantize | gate/up | swiglu | down | sum")
+    print("\n".join(phase_lines))
     tiny_g, tiny_u = random_stack(QT.Q4_K, 1, 256, 256, rng), random_stack(QT.Q4_K, 1, 256, 256, rng)
     tiny_d = random_stack(QT.Q6_K, 1, 256, 256, rng)
     tx, tids, twts, tout = np.ones((1, 256), np.float32), np.zeros((1, 1), np.int32), np.ones((1, 1), np.float32), \

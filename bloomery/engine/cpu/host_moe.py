@@ -91,6 +91,7 @@ def _load(isa: str) -> ctypes.CDLL:
     lib.host_moe_isa.restype = lib.host_moe_max_threads.restype = i32
     lib.host_moe_args_size.restype = i64
     lib.host_read_bw.argtypes, lib.host_read_bw.restype = [i64, i32, i32], ctypes.c_double
+    lib.host_moe_last_phases.argtypes, lib.host_moe_last_phases.restype = [_p], i32
     if lib.host_moe_args_size() != ctypes.sizeof(HostMoeArgs):
         raise HostKernelError(f"kernels/{SOURCE}: host_moe_args is {lib.host_moe_args_size()} bytes, "
                               f"the Python mirror {ctypes.sizeof(HostMoeArgs)}")
@@ -124,6 +125,13 @@ def fn_pointer(isa: str | None = None) -> int:
 def read_bandwidth_gbs(n_bytes: int = 1 << 30, n_threads: int = 0, reps: int = 5, isa: str | None = None) -> float:
     """The host's memory read bandwidth (GB/s, best of reps): n_threads threads sum an n_bytes buffer."""
     return lib(isa).host_read_bw(n_bytes, n_threads, reps)
+
+
+def last_phases_us(isa: str | None = None) -> list[float]:
+    """The last host_moe call: µs from its start to the end of each phase (quantize, gate/up,
+    swiglu, down, sum), as the pool's clock saw them."""
+    out = (ctypes.c_double * 8)()
+    return list(out[:lib(isa).host_moe_last_phases(out)])
 
 
 # ---------------------------------------------------------------- the Python side

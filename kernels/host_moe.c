@@ -14,7 +14,7 @@
 //
 // A call runs on the caller and n_threads - 1 workers of a pool kept between calls (below), in
 // five phases of small units:
-//   0. quantize the input rows                              (a row)
+//   0. quantize the input rows                              (256 elements of a row)
 //   1. gate and up rows of every distinct host expert, against each token routed to it, so an
 //      expert's rows are read once for all its tokens        (an expert's 16 rows)
 //   2. swiglu + quantize each (token, slot) hidden row       (256 elements of a row)
@@ -859,9 +859,9 @@ static uint8_t *scratch_get(size_t n) {
 static inline size_t up64(size_t n) { return (n + 63) & ~(size_t)63; }
 
 // ---------------------------------------------------------------- the layer
-// Phases (units): 0 quantize input rows (a row), 1 gate + up (an expert's RC_GU rows),
-// 2 swiglu + quantize (256 elements of a pair's hidden row), 3 down into y [P, D] (an expert's
-// RC_DN rows), 4 out = sum over slots in order of wts * y (RC_OUT rows of a token).
+// Phases (units): 0 quantize input rows (256 elements of a row), 1 gate + up (an expert's RC_GU
+// rows), 2 swiglu + quantize (256 elements of a pair's hidden row), 3 down into y [P, D] (an
+// expert's RC_DN rows), 4 out = sum over slots in order of wts * y (RC_OUT rows of a token).
 
 #define RC_GU 16
 #define RC_DN 32
@@ -873,7 +873,7 @@ typedef struct {
     int64_t D, F;
     int lg, lu, ld;
     int64_t xrow_g, xrow_u, hrow;
-    int64_t gu_chunks, dn_chunks, out_chunks, h_units;         // per expert / per expert / per token / per pair
+    int64_t x_units, gu_chunks, dn_chunks, out_chunks, h_units;  // per token / expert / expert / token / pair
     dot_fn dg, du, dd;
     int nbg, nbu, nbd;
     const int32_t *ex, *cnt, *start, *plist;
@@ -901,14 +901,20 @@ static void expert_rows(dot_fn dot, const uint8_t *w, int64_t row_bytes, int nb,
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+// elements 256 c .. 256 c + 255 of a row of length k (a 256 block, or eight 32 blocks)
+static void quantize_span(int layout, const float *x, const float *silu_u, int64_t k, uint8_t *dst, int64_t c) {
+    const int64_t per = 256 / layout_block(layout), b0 = c * per;
+    quantize_blocks(layout, x, silu_u, k, dst, b0, min64(k / layout_block(layout), b0 + per));
+}
+
 static void layer_unit(const void *vctx, int phase, int64_t unit) {
     const layer *L = (const layer *)vctx;
     const host_moe_args *A = L->A;
     const int64_t D = L->D, F = L->F;
     if (phase == 0) {
-        quantize_blocks(L->lg, A->x + unit * D, 0, D, L->xa_g + unit * L->xrow_g, 0, D / layout_block(L->lg));
-        if (L->xrow_u)
-            quantize_blocks(L->lu, A->x + unit * D, 0, D, L->xa_u + unit * L->xrow_u, 0, D / layout_block(L->lu));
+        const int64_t t = unit / L->x_units, c = unit % L->x_units;
+        quantize_span(L->lg, A->x + t * D, 0, D, L->xa_g + t * L->xrow_g, c);
+        if (L->xrow_u) quantize_span(L->lu, A->x + t * D, 0, D, L->xa_u + t * L->xrow_u, c);
     } else if (phase == 1) {
         const int64_t ei = unit / L->gu_chunks, r0 = unit % L->gu_chunks * RC_GU, r1 = min64(F, r0 + RC_GU);
         const int32_t e = L->ex[ei], *pl = L->plist + L->start[ei];
@@ -917,9 +923,8 @@ static void layer_unit(const void *vctx, int phase, int64_t unit) {
         expert_rows(L->du, A->up[e], A->up_row_bytes, L->nbu, r0, r1, pl, L->cnt[ei], L->NA, L->xa_u,
                     L->xrow_u ? L->xrow_u : L->xrow_g, D, L->u, F);
     } else if (phase == 2) {
-        const int64_t p = L->plist[unit / L->h_units], per = 256 / layout_block(L->ld);
-        const int64_t b0 = unit % L->h_units * per, b1 = min64(F / layout_block(L->ld), b0 + per);
-        quantize_blocks(L->ld, L->g + p * F, L->u + p * F, F, L->ha + p * L->hrow, b0, b1);
+        const int64_t p = L->plist[unit / L->h_units];
+        quantize_span(L->ld, L->g + p * F, L->u + p * F, F, L->ha + p * L->hrow, unit % L->h_units);
     } else if (phase == 3) {
         const int64_t ei = unit / L->dn_chunks, r0 = unit % L->dn_chunks * RC_DN, r1 = min64(D, r0 + RC_DN);
         expert_rows(L->dd, A->down[L->ex[ei]], A->down_row_bytes, L->nbd, r0, r1, L->plist + L->start[ei],
@@ -1009,8 +1014,9 @@ void host_moe(void *vargs) {
     L.dn_chunks = ceil_div(D, RC_DN);
     L.out_chunks = ceil_div(D, RC_OUT);
     L.h_units = ceil_div(F, 256);
+    L.x_units = ceil_div(D, 256);
     job J = {.run = layer_unit, .ctx = &L, .n_phases = 5};
-    J.end[0] = T;
+    J.end[0] = T * L.x_units;
     J.end[1] = J.end[0] + (int64_t)n_ex * L.gu_chunks;
     J.end[2] = J.end[1] + (int64_t)n_hp * L.h_units;
     J.end[3] = J.end[2] + (int64_t)n_ex * L.dn_chunks;

@@ -97,6 +97,21 @@ def test_layer_matches_the_references(isa, gt, dt):
     assert np.all(_row_err(out, _reference(x, ids, wts, gate, up, down, skip, quantized=False)) <= 5e-2)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("gt,ut,dt,d,f", [(QT.Q8_0, QT.Q4_0, QT.Q5_0, 288, 160), (QT.Q4_K, QT.Q6_K, QT.Q8_0, 512, 96),
+                                          (QT.Q5_K, QT.Q8_0, QT.Q4_K, 256, 256)], ids=["32s", "K+K", "K+32"])
+def test_mixed_types_and_rows_that_are_not_whole_256s(isa, gt, ut, dt, d, f):
+    """gate and up of different types (the input quantized for each), rows of 32 blocks that do
+    not fill a 256."""
+    rng = np.random.default_rng(4)
+    gate, up, down = _stack(gt, 3, f, d, 1), _stack(ut, 3, f, d, 2), _stack(dt, 3, d, f, 3)
+    x = rng.standard_normal((2, d)).astype(np.float32)
+    ids, wts = _routing(rng, 2, 2, 3)
+    skip = np.zeros(3, np.uint8)
+    out = hm.host_moe_layer(x, ids, wts, gate, up, down, skip, n_threads=3, isa=isa)
+    assert np.all(_row_err(out, _reference(x, ids, wts, gate, up, down, skip, quantized=True)) <= 1e-3)
+
+
 def test_the_paths_are_the_ones_asked_for():
     assert hm.lib("native").host_moe_isa() >= hm.lib(ISAS[-1]).host_moe_isa()
     if X86:

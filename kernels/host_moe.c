@@ -708,7 +708,7 @@ static struct {
     _Atomic int n_sleeping;
     _Atomic int want;                       // workers taking part in the current job
     int n_workers;
-    int64_t spin_ns;
+    _Atomic int64_t spin_ns;
     job J;
     int64_t t_start, t_end[MAX_PHASES];     // when the last job started and each phase ended (ns)
 } pool = {.lock = PTHREAD_MUTEX_INITIALIZER};
@@ -782,11 +782,21 @@ static void pool_after_fork(void) {             // the child has none of the par
     atomic_store(&pool.n_sleeping, 0);
 }
 
+static _Atomic int spin_set;
+
 static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
 static void pool_init(void) {
     const char *s = getenv("BLOOMERY_HOST_SPIN_US");
-    pool.spin_ns = (s && *s ? atoll(s) : 2000) * 1000;
+    if (!atomic_load(&spin_set)) atomic_store(&pool.spin_ns, (s && *s ? atoll(s) : 2000) * 1000);
     pthread_atfork(NULL, NULL, pool_after_fork);
+}
+
+// How long idle workers spin for the next call before they sleep (default 2000 us, or
+// BLOOMERY_HOST_SPIN_US): long for the cuda backend, whose calls come every layer while the card
+// works; short where other threads need the cores between calls (the CPU backend's own work).
+void host_moe_set_spin_us(int64_t us) {
+    atomic_store(&spin_set, 1);
+    atomic_store(&pool.spin_ns, (us > 0 ? us : 0) * 1000);
 }
 
 static int n_cpus(void) {

@@ -136,10 +136,18 @@ def test_rows_slots_and_threads(n_tok, n_used):
     assert np.all(_row_err(outs[0], ref) <= 1e-3)
 
 
-def test_callers_on_many_threads_share_the_pool():
+@pytest.fixture
+def spin_us(request):
+    hm.set_spin_us(request.param)
+    yield request.param
+    hm.set_spin_us(2000)
+
+
+@pytest.mark.parametrize("spin_us", [0, 2000], indirect=True)
+def test_callers_on_many_threads_share_the_pool(spin_us):
     """Python threads calling at once (ctypes lets the GIL go), each with its own thread count,
-    some calls after a pause long enough for the workers to fall asleep: every result has the
-    bits of the same call made alone."""
+    some calls after a pause long enough for the workers to fall asleep (with spin 0, every
+    call): every result has the bits of the same call made alone."""
     import threading
     import time
     rng = np.random.default_rng(5)

@@ -10,7 +10,7 @@ summing a 1 GiB buffer), which is the floor the kernel is meant to reach. A last
 tiny call (one 256x256 expert): the per-call cost of waking the workers and the phase hand-offs.
 A table of when each phase ended (median over the calls) shows where a call's time goes.
 
-    python3 tools/bench_host_moe.py [--threads 1,2,4,8,16] [--rows 1] [--calls 200]
+    python3 tools/bench_host_moe.py [--threads 1,2,4,8,16] [--rows 1] [--calls 200] [--spin-us 2000]
 """
 from __future__ import annotations
 
@@ -71,7 +71,10 @@ def main() -> None:
     ap.add_argument("--threads", default="", help="comma list; default 1, 2, 4, ... up to the CPU count")
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--isa", default=None, help="native (default), avx2 or portable")
+    ap.add_argument("--spin-us", type=int, default=None, help="idle workers' spin before they sleep (default 2000)")
     a = ap.parse_args()
+    if a.spin_us is not None:
+        hm.set_spin_us(a.spin_us, a.isa)
     n_cpu = hm.lib(a.isa).host_moe_max_threads()
     threads = [int(t) for t in a.threads.split(",")] if a.threads else sorted(
         {1 << i for i in range(n_cpu.bit_length()) if 1 << i <= n_cpu} | {n_cpu})

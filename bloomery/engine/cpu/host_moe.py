@@ -6,8 +6,8 @@ and writes out[T, D] = sum over the (token, slot) pairs whose expert is not flag
 wts * down_e(silu(gate_e x) * up_e x). It has the signature of a CUDA host function: the cuda
 backend passes fn_pointer() and a persistent args_struct() to cuLaunchHostFunc; the CPU backend
 and the tests call host_moe_layer() with numpy arrays. Calls from several threads are taken one
-at a time. BLOOMERY_HOST_SPIN_US (default 2000) is how long idle workers spin for the next call
-before they sleep.
+at a time. BLOOMERY_HOST_SPIN_US (default 2000), or set_spin_us(), is how long idle workers spin
+for the next call before they sleep.
 
 Built like kernels/cpu_lanes.c (engine/cpu/kernels.py: `compiled`), with -pthread, into
 `$BLOOMERY_CACHE/kernels/host_moe-<key>.so`. There is no slower fallback: where no compiler is
@@ -92,6 +92,7 @@ def _load(isa: str) -> ctypes.CDLL:
     lib.host_moe_args_size.restype = i64
     lib.host_read_bw.argtypes, lib.host_read_bw.restype = [i64, i32, i32], ctypes.c_double
     lib.host_moe_last_phases.argtypes, lib.host_moe_last_phases.restype = [_p], i32
+    lib.host_moe_set_spin_us.argtypes, lib.host_moe_set_spin_us.restype = [i64], None
     if lib.host_moe_args_size() != ctypes.sizeof(HostMoeArgs):
         raise HostKernelError(f"kernels/{SOURCE}: host_moe_args is {lib.host_moe_args_size()} bytes, "
                               f"the Python mirror {ctypes.sizeof(HostMoeArgs)}")
@@ -125,6 +126,13 @@ def fn_pointer(isa: str | None = None) -> int:
 def read_bandwidth_gbs(n_bytes: int = 1 << 30, n_threads: int = 0, reps: int = 5, isa: str | None = None) -> float:
     """The host's memory read bandwidth (GB/s, best of reps): n_threads threads sum an n_bytes buffer."""
     return lib(isa).host_read_bw(n_bytes, n_threads, reps)
+
+
+def set_spin_us(us: int, isa: str | None = None) -> None:
+    """How long idle workers spin for the next call before they sleep (default 2000 µs, or
+    BLOOMERY_HOST_SPIN_US): keep it long where calls come every layer while the card works, make
+    it short (or 0) where the caller's other threads need the cores between calls."""
+    lib(isa).host_moe_set_spin_us(us)
 
 
 def last_phases_us(isa: str | None = None) -> list[float]:

@@ -99,9 +99,14 @@ def _load(isa: str) -> ctypes.CDLL:
     return lib
 
 
+def _isa(isa: str | None) -> str:
+    return isa or os.environ.get("BLOOMERY_HOST_ISA", "native").strip().lower() or "native"
+
+
 def lib(isa: str | None = None) -> ctypes.CDLL:
-    """The loaded host kernels for `isa` (default BLOOMERY_HOST_ISA, else "native"), built once."""
-    isa = isa or os.environ.get("BLOOMERY_HOST_ISA", "native").strip().lower() or "native"
+    """The loaded host kernels for `isa` (default BLOOMERY_HOST_ISA, else "native"), built once.
+    Each isa is its own library with its own pool of workers."""
+    isa = _isa(isa)
     if isa not in _LIBS:
         with _LOCK:
             if isa not in _LIBS:
@@ -113,7 +118,7 @@ def status(isa: str | None = None) -> str:
     """One line for the start record: which path runs, and whether the CPU offers a wider one."""
     got = lib(isa).host_moe_isa()
     line = f"{SOURCE}: {ISA_NAMES.get(got, got)}, {lib(isa).host_moe_max_threads()} cpus"
-    if got < 2 and "avx512_vnni" in _cpu_flags().split() and (isa or "native") == "native":
+    if got < 2 and "avx512_vnni" in _cpu_flags().split() and _isa(isa) == "native":
         line += " (the CPU has AVX-512 VNNI; this compiler did not use it)"
     return line
 

@@ -681,8 +681,8 @@ static void fail(const host_moe_args *A) {
 }
 
 // ---------------------------------------------------------------- the thread pool
-// Workers claim units of a job from one counter; a unit of phase p starts once every unit of
-// phase p - 1 is done. Nobody waits for a thread, only for units in progress: a worker the OS
+// Workers claim units of a job from one counter (several at a time while much is left); a unit
+// of phase p starts once every unit of phase p - 1 is done. Nobody waits for a thread, only for units in progress: a worker the OS
 // has not scheduled yet simply finds no units left, and the caller returns as soon as the last
 // unit is done. The claim word holds the job's generation, unit count and next unit, so a late
 // worker can never take a unit of a job other than the one it saw (compare-and-swap on all three).
@@ -702,9 +702,11 @@ typedef struct {
 
 static struct {
     pthread_mutex_t lock;                   // one job at a time (and its scratch)
-    _Atomic uint64_t claim;                 // generation (24 bits) | total units | next unit
-    _Atomic int64_t done;                   // units finished in this job
-    _Atomic uint32_t gen;                   // the futex idle workers sleep on
+    // the three words every thread touches, each on its own cache line
+    _Alignas(64) _Atomic uint64_t claim;    // generation (24 bits) | total units | next unit
+    _Alignas(64) _Atomic int64_t done;      // units finished in this job
+    _Alignas(64) _Atomic uint32_t gen;      // the futex idle workers sleep on
+    _Alignas(64) _Atomic int64_t ends[MAX_PHASES];   // the job's J.end, for claim() to size its takes
     _Atomic int n_sleeping;
     _Atomic int want;                       // workers taking part in the current job
     int n_workers;
@@ -725,13 +727,30 @@ static int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-static int64_t claim(uint32_t g) {
+// Takes the next units of job g: returns the first and sets *n, or -1 when none is left. A take
+// is about 1/(2 threads) of what remains of its phase (at least one unit, never past the phase's
+// end), so a phase costs some tens of compare-and-swaps, not one per unit, and its last takes
+// are single units that even out the threads' finish.
+static int64_t claim(uint32_t g, int64_t *n) {
     uint64_t s = atomic_load(&pool.claim);
     for (;;) {
         if ((uint32_t)(s >> (2 * UNIT_BITS)) != g) return -1;
-        const uint64_t total = (s >> UNIT_BITS) & MAX_UNITS, next = s & MAX_UNITS;
+        const int64_t total = (int64_t)((s >> UNIT_BITS) & MAX_UNITS), next = (int64_t)(s & MAX_UNITS);
         if (next >= total) return -1;
-        if (atomic_compare_exchange_weak(&pool.claim, &s, s + 1)) return (int64_t)next;
+        int64_t end = total;                          // if the job moved on meanwhile, the swap fails
+        for (int p = 0; p < MAX_PHASES; p++) {
+            const int64_t e = atomic_load_explicit(&pool.ends[p], memory_order_relaxed);
+            if (e > next) {
+                end = e < total ? e : total;
+                break;
+            }
+        }
+        int64_t k = (end - next) / (2 * (atomic_load_explicit(&pool.want, memory_order_relaxed) + 1));
+        k = k < 1 ? 1 : k;
+        if (atomic_compare_exchange_weak(&pool.claim, &s, s + (uint64_t)k)) {
+            *n = k;
+            return next;
+        }
     }
 }
 
@@ -743,14 +762,15 @@ static void wait_done(int64_t n) {
 }
 
 static void run_units(uint32_t g) {
-    int64_t u;
-    while ((u = claim(g)) >= 0) {
-        const job *J = &pool.J;                      // stable: the job cannot end before this unit
+    int64_t u0, k;
+    while ((u0 = claim(g, &k)) >= 0) {
+        const job *J = &pool.J;                      // stable: the job cannot end before these units
         int p = 0;
-        while (u >= J->end[p]) p++;
-        if (p > 0) wait_done(J->end[p - 1]);
-        J->run(J->ctx, p, u - (p ? J->end[p - 1] : 0));
-        if (atomic_fetch_add_explicit(&pool.done, 1, memory_order_acq_rel) + 1 == J->end[p]) pool.t_end[p] = now_ns();
+        while (u0 >= J->end[p]) p++;
+        const int64_t base = p ? J->end[p - 1] : 0;
+        if (p > 0) wait_done(base);
+        for (int64_t u = u0; u < u0 + k; u++) J->run(J->ctx, p, u - base);
+        if (atomic_fetch_add_explicit(&pool.done, k, memory_order_acq_rel) + k == J->end[p]) pool.t_end[p] = now_ns();
     }
 }
 
@@ -827,6 +847,8 @@ static void pool_run(const job *J, int nt) {
     pool.J = *J;
     pool.t_start = now_ns();
     const int64_t total = J->end[J->n_phases - 1];
+    for (int p = 0; p < MAX_PHASES; p++) atomic_store_explicit(&pool.ends[p], p < J->n_phases ? J->end[p] : total,
+                                                               memory_order_relaxed);
     const uint32_t g = (atomic_load(&pool.gen) + 1) & 0xFFFFFF;
     atomic_store(&pool.want, nw);
     atomic_store(&pool.done, 0);

@@ -176,6 +176,22 @@ def test_callers_on_many_threads_share_the_pool(spin_us):
     assert not any(t.is_alive() for t in threads) and not bad
 
 
+def test_a_forked_child_gets_a_pool_of_its_own():
+    """The parent's workers do not exist in a fork; the child's first call starts its own."""
+    rng = np.random.default_rng(6)
+    gate, up, down = _case(QT.Q4_K, QT.Q6_K, n_exp=4, d=256, f=256)
+    x = rng.standard_normal((2, 256)).astype(np.float32)
+    ids, wts = _routing(rng, 2, 2, 4)
+    want = hm.host_moe_layer(x, ids, wts, gate, up, down, n_threads=3)
+    pid = os.fork()
+    if pid == 0:                                                        # the child: exit status is the verdict
+        ok = np.array_equal(hm.host_moe_layer(x, ids, wts, gate, up, down, n_threads=3), want)
+        names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+        os._exit(0 if ok and names.count("bloomery-hostk") == 2 else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 def test_a_slot_repeated_in_one_row_counts_twice():
     rng = np.random.default_rng(3)
     gate, up, down = _case(QT.Q8_0, QT.Q8_0, n_exp=4, d=256, f=256)

@@ -33,7 +33,7 @@ def _stack(qt, n_exp, n_rows, row_len, seed):
     return hm.ExpertStack(random_blocks(qt, n_exp * n_rows, row_len, seed=seed), qt, n_rows, row_len)
 
 
-def _expert(st: hm.ExpertStack, e: int) -> np.ndarray:
+def _dequantized(st: hm.ExpertStack, e: int) -> np.ndarray:
     nbytes = st.n_rows * st.row_bytes
     return dequantize(st.ggml_type, st.data[e * nbytes:(e + 1) * nbytes], st.n_rows, st.row_len).astype(np.float64)
 
@@ -50,6 +50,12 @@ def _rounded(v: np.ndarray, ggml_type: int) -> np.ndarray:
 
 def _reference(x, ids, wts, gate, up, down, skip, quantized):
     out = np.zeros(x.shape, np.float64)
+    seen = {}
+
+    def _expert(st, e):                                                # each matrix dequantized once
+        if (id(st), e) not in seen:
+            seen[id(st), e] = _dequantized(st, e)
+        return seen[id(st), e]
     for t in range(x.shape[0]):
         for a in range(ids.shape[1]):
             e = int(ids[t, a])

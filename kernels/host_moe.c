@@ -212,31 +212,43 @@ static void quantize_blocks(int layout, const float *x, const float *silu_u, int
     float v[256];
     for (int64_t b = b0; b < b1; b++) {
         const float *xb = x + b * bl;
-        float amax = 0.0f;
         if (silu_u) {
             const float *ub = silu_u + b * bl;
             for (int i = 0; i < bl; i += 16) swiglu16(xb + i, ub + i, v + i);
         } else {
             memcpy(v, xb, sizeof(float) * bl);
         }
-        for (int i = 0; i < bl; i++) amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
+        int32_t mb = 0;                 // max |v| by its bits (they order non-negative floats)
+        for (int i = 0; i < bl; i++) {
+            int32_t a;
+            memcpy(&a, v + i, 4);
+            a &= 0x7fffffff;
+            mb = a > mb ? a : mb;
+        }
+        float amax;
+        memcpy(&amax, &mb, 4);
         const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
         d[b] = amax / 127.0f;
         int8_t q[256];
-        for (int i = 0; i < bl; i++) q[i] = (int8_t)lrintf(v[i] * id);
+        for (int i = 0; i < bl; i++) {  // to nearest even: + 1.5 * 2^23 leaves the integer in the low bits
+            const float f = v[i] * id + 12582912.0f;
+            int32_t qi;
+            memcpy(&qi, &f, 4);
+            q[i] = (int8_t)(qi - 0x4B400000);
+        }
+        int32_t sums[16];
+        for (int g = 0; g < bl / 16; g++) {
+            int32_t sg = 0;
+            for (int l = 0; l < 16; l++) sg += q[16 * g + l];
+            sums[g] = sg;
+        }
         if (layout == L_32) {
-            int32_t s = 0;
-            for (int i = 0; i < 32; i++) s += q[i];
-            ((int32_t *)(d + nb))[b] = s;
+            ((int32_t *)(d + nb))[b] = sums[0] + sums[1];
             memcpy(qs + b * 32, q, 32);
             continue;
         }
         int16_t *bs = (int16_t *)(d + nb) + 16 * b;
-        for (int g = 0; g < 16; g++) {
-            int s = 0;
-            for (int i = 0; i < 16; i++) s += q[16 * g + i];
-            bs[g] = (int16_t)s;
-        }
+        for (int g = 0; g < 16; g++) bs[g] = (int16_t)sums[g];
         if (layout == L_KN) {
             memcpy(qs + b * 256, q, 256);
         } else {

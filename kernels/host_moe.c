@@ -324,18 +324,16 @@ HM_INLINE void dot_q6_K_n(const uint8_t *w, int nb, const uint8_t *const *a, int
             const uint8_t *x = w + 210 * b, *ql = x, *qh = x + 128;
             const int8_t *sc = (const int8_t *)(x + 192);
             const int8_t *yb = y + 256 * b;
-            int32_t g[16] = {0};
-            for (int h = 0; h < 2; h++) {
-                for (int l = 0; l < 32; l++) {
-                    const int e = 128 * h + l, hb = qh[32 * h + l];
-                    g[e / 16] += ((ql[64 * h + l] & 15) | ((hb & 3) << 4)) * yb[e];
-                    g[(e + 32) / 16] += ((ql[64 * h + 32 + l] & 15) | (((hb >> 2) & 3) << 4)) * yb[e + 32];
-                    g[(e + 64) / 16] += ((ql[64 * h + l] >> 4) | (((hb >> 4) & 3) << 4)) * yb[e + 64];
-                    g[(e + 96) / 16] += ((ql[64 * h + 32 + l] >> 4) | (((hb >> 6) & 3) << 4)) * yb[e + 96];
-                }
-            }
             int32_t sumi = 0;
-            for (int s = 0; s < 16; s++) sumi += sc[s] * (g[s] - 32 * bs[16 * b + s]);
+            for (int s = 0; s < 16; s++) {      // element e = 16 s + i: half h, quarter c, lane l
+                const int h = s / 8, c = (s / 2) % 4, l0 = 16 * (s % 2);
+                const uint8_t *lo = ql + 64 * h + 32 * (c & 1) + l0, *hi = qh + 32 * h + l0;
+                const int8_t *ye = yb + 16 * s;
+                int32_t g = 0;
+                for (int i = 0; i < 16; i++)
+                    g += (((lo[i] >> (4 * (c >> 1))) & 15) | (((hi[i] >> (2 * c)) & 3) << 4)) * ye[i];
+                sumi += sc[s] * (g - 32 * bs[16 * b + s]);
+            }
             acc += ad[b] * f16(x + 208) * (float)sumi;
         }
         out[j] = acc;

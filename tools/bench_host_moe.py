@@ -38,11 +38,12 @@ def random_stack(qt: QT, n_exp: int, n_rows: int, row_len: int, rng) -> hm.Exper
     return hm.ExpertStack(raw.reshape(-1), qt, n_rows, row_len)
 
 
-def time_calls(args: hm.HostMoeArgs, ids: np.ndarray, n_exp: int, n_calls: int, rng) -> tuple[float, float]:
+def time_calls(args: hm.HostMoeArgs, ids: np.ndarray, n_exp: int, n_calls: int, rng,
+               isa: str | None) -> tuple[float, float]:
     """Median wall seconds per call, and mean CPU seconds per call of all threads (spinning
     included: on a busy machine the wall time also counts other processes' turns); the routing
     of every call drawn beforehand."""
-    fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(hm.fn_pointer())
+    fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(hm.fn_pointer(isa))
     n_tok, n_used = ids.shape
     routes = [np.stack([rng.permutation(n_exp)[:n_used] for _ in range(n_tok)]) for _ in range(n_calls)]
     addr = ctypes.addressof(args)
@@ -56,7 +57,7 @@ def time_calls(args: hm.HostMoeArgs, ids: np.ndarray, n_exp: int, n_calls: int, 
         t0 = time.perf_counter()
         fn(addr)
         times.append(time.perf_counter() - t0)
-        phases.append(hm.last_phases_us())
+        phases.append(hm.last_phases_us(isa))
     time_calls.phases_us = np.median(np.array(phases), axis=0)
     return float(np.median(times)), (time.process_time() - c0) / n_calls
 
@@ -99,7 +100,7 @@ def main() -> None:
     for nt in threads:
         args.n_threads = nt
         bw = hm.read_bandwidth_gbs(1 << 30, nt, 5, a.isa)
-        s, cpu = time_calls(args, ids, e, a.calls, rng)
+        s, cpu = time_calls(args, ids, e, a.calls, rng, a.isa)
         n_distinct = e * (1 - (1 - n_used / e) ** n_tok)                    # expected distinct experts a call
         mb = n_distinct * expert_bytes / 1e6
         print(f"{nt:7d} | {bw:17.1f} | {s * 1e6:7.0f} | {cpu * 1e6:11.0f} | {mb:7.1f} | {mb / 1e3 / s:4.1f} | {mb / 1e3 / s / bw:7.0%}")
@@ -115,7 +116,7 @@ def main() -> None:
                           skip=np.zeros(1, np.uint8), ids=tids, wts=twts, x=tx, out=tout)
     for nt in threads:
         tiny.n_threads = nt
-        s, cpu = time_calls(tiny, tids, 1, a.calls, rng)
+        s, cpu = time_calls(tiny, tids, 1, a.calls, rng, a.isa)
         print(f"tiny call (one 256x256 expert), {nt} threads: {s * 1e6:.1f} µs, {cpu * 1e6:.1f} cpu µs")
 
 

@@ -32,6 +32,7 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
@@ -874,11 +875,27 @@ void host_moe_set_spin_us(int64_t us) {
     atomic_store(&pool.spin_ns, (us > 0 ? us : 0) * 1000);
 }
 
-static int n_cpus(void) {
+// the CPUs this process may run on: its affinity mask, capped by a cgroup v2 CPU quota (a
+// container limited to 16 CPUs of a 192-CPU host sees all 192 in its mask); read once
+static int count_cpus(void) {
     cpu_set_t set;
-    if (sched_getaffinity(0, sizeof set, &set) == 0) return CPU_COUNT(&set);
-    const long n = sysconf(_SC_NPROCESSORS_ONLN);
+    long n = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : sysconf(_SC_NPROCESSORS_ONLN);
+    FILE *f = fopen("/sys/fs/cgroup/cpu.max", "r");
+    if (f) {
+        long long quota, period;
+        if (fscanf(f, "%lld %lld", &quota, &period) == 2 && quota > 0 && period > 0) {
+            const long q = (long)((quota + period - 1) / period);
+            n = q < n ? q : n;
+        }
+        fclose(f);
+    }
     return n > 0 ? (int)n : 1;
+}
+
+static int n_cpus(void) {
+    static _Atomic int n;
+    if (!atomic_load_explicit(&n, memory_order_relaxed)) atomic_store(&n, count_cpus());
+    return atomic_load_explicit(&n, memory_order_relaxed);
 }
 
 int host_moe_max_threads(void) { return n_cpus(); }

@@ -738,9 +738,9 @@ static void fail(const host_moe_args *A) {
 
 // ---------------------------------------------------------------- the thread pool
 // Workers claim units of a job from one counter (several at a time while much is left); a unit
-// of phase p starts once every unit of phase p - 1 is done. Nobody waits for a thread, only for units in progress: a worker the OS
-// has not scheduled yet simply finds no units left, and the caller returns as soon as the last
-// unit is done. The claim word holds the job's generation, unit count and next unit, so a late
+// of phase p starts once every unit of phase p - 1 is done. Nobody waits for a thread, only for
+// units in progress: a worker the OS has not scheduled yet simply finds no units left, and the
+// caller returns as soon as the last unit is done. The claim word holds the job's generation, unit count and next unit, so a late
 // worker can never take a unit of a job other than the one it saw (compare-and-swap on all three).
 // Idle workers spin for BLOOMERY_HOST_SPIN_US (default 2000) between calls, then sleep on a futex.
 
@@ -823,10 +823,12 @@ static void run_units(uint32_t g) {
         const job *J = &pool.J;                      // stable: the job cannot end before these units
         int p = 0;
         while (u0 >= J->end[p]) p++;
-        const int64_t base = p ? J->end[p - 1] : 0;
+        const int64_t base = p ? J->end[p - 1] : 0, end = J->end[p];
         if (p > 0) wait_done(base);
         for (int64_t u = u0; u < u0 + k; u++) J->run(J->ctx, p, u - base);
-        if (atomic_fetch_add_explicit(&pool.done, k, memory_order_acq_rel) + k == J->end[p]) pool.t_end[p] = now_ns();
+        // the job may end (and the next one overwrite J) the moment done reaches its total
+        const int64_t t = now_ns();
+        if (atomic_fetch_add_explicit(&pool.done, k, memory_order_acq_rel) + k == end) pool.t_end[p] = t;
     }
 }
 
@@ -930,6 +932,7 @@ static void pool_run(const job *J, int nt) {
         syscall(SYS_futex, &pool.gen, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
     run_units(g);
     wait_done(total);
+    pool.t_end[J->n_phases - 1] = now_ns();
 }
 
 // The last call's phases: out[p] = microseconds from its start to the end of phase p (host_moe:

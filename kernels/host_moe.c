@@ -1,5 +1,5 @@
 // Host experts: one MoE layer's routed experts computed on the host from their stored GGUF
-// blocks (bloomery/engine/cpu/host_moe.py compiles this with -O3 -march=native -fopenmp and
+// blocks (bloomery/engine/cpu/host_moe.py compiles this with -O3 -march=native -pthread and
 // loads it). host_moe() is plain C with the signature of a CUDA host function, so the cuda
 // backend can call it from a captured decode step (cuLaunchHostFunc); the CPU backend calls it
 // through ctypes.
@@ -12,24 +12,32 @@
 // signed product (x86 maddubs / VNNI dpbusd) and the weight's offset (Q6_K's 32, Q4_0's 8, Q4_K's
 // mins) comes off through the activation's block sums.
 //
-// One call is one OpenMP region with three barriers:
-//   1. quantize the input rows                 (blocks of rows over threads)
-//   2. gate and up rows of every distinct host expert, against each token routed to it
-//                                              ((expert, row) range split evenly over threads)
-//   3. swiglu + quantize each (token, slot) hidden row   (blocks over threads)
-//   4. down: threads split the D output rows; each sums its experts in a fixed order
-// Every output value is computed by one thread in an order that does not depend on the thread
-// count, so the result has the same bits for any n_threads.
+// A call runs on the caller and n_threads - 1 workers of a pool kept between calls (below), in
+// five phases of small units:
+//   0. quantize the input rows                              (256 elements of a row)
+//   1. gate and up rows of every distinct host expert, against each token routed to it, so an
+//      expert's rows are read once for all its tokens        (an expert's 16 rows)
+//   2. swiglu + quantize each (token, slot) hidden row       (256 elements of a row)
+//   3. down rows into y [P, D]                               (an expert's 32 rows)
+//   4. out = sum over the slots, in slot order, of wts * y  (512 outputs of a token)
+// Each unit computes its outputs alone and in a fixed order, so the result has the same bits
+// whatever the thread count, and whichever thread takes which unit.
 //
 // Legend: T = rows (tokens), A = experts per token, P = T * A (token, slot) pairs,
 // D = hidden size, F = expert FFN width, E = experts, X = distinct host experts in this call.
+#define _GNU_SOURCE
+#include <linux/futex.h>
 #include <math.h>
-#include <omp.h>
 #include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define HM_ISA 2
@@ -68,7 +76,6 @@ enum { T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14
 
 int host_moe_isa(void) { return HM_ISA; }
 int64_t host_moe_args_size(void) { return (int64_t)sizeof(host_moe_args); }
-int host_moe_max_threads(void) { return omp_get_num_procs(); }
 
 // ---------------------------------------------------------------- block formats
 
@@ -110,15 +117,19 @@ static inline float f16(const uint8_t *p) {
 #endif
 }
 
-// Q4_K / Q5_K: 12 packed bytes -> sc[0..7] (6-bit scales) then sc[8..15] (6-bit mins)
-static inline void k4_scales(const uint8_t *s, uint8_t sc[16]) {
-    for (int j = 0; j < 4; j++) {
-        sc[j] = s[j] & 63;
-        sc[8 + j] = s[j + 4] & 63;
-        sc[4 + j] = (s[j + 8] & 0xF) | ((s[j] >> 6) << 4);
-        sc[12 + j] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
-    }
+// Q4_K / Q5_K: 12 packed bytes -> u[0..1] the eight 6-bit scales, u[2..3] the eight 6-bit mins,
+// one a byte (ggml's get_scale_min_k4, four at a time)
+static inline void k4_scales(const uint8_t *s, uint32_t u[4]) {
+    uint32_t a0, a1, a2;
+    memcpy(&a0, s, 4);
+    memcpy(&a1, s + 4, 4);
+    memcpy(&a2, s + 8, 4);
+    u[0] = a0 & 0x3f3f3f3fu;
+    u[1] = (a2 & 0x0f0f0f0fu) | (((a0 >> 6) & 0x03030303u) << 4);
+    u[2] = a1 & 0x3f3f3f3fu;
+    u[3] = ((a2 >> 4) & 0x0f0f0f0fu) | (((a1 >> 6) & 0x03030303u) << 4);
 }
+#define K4_BYTE(u, i) ((int)(((u)[(i) >> 2] >> (8 * ((i) & 3))) & 0xFF))
 
 // ---------------------------------------------------------------- activations
 // A quantized activation row of length k: qs int8[k], then d f32[nb], then the block sums
@@ -146,6 +157,51 @@ static int64_t act_row_bytes(int layout, int64_t k) {
     return (n + 63) & ~(int64_t)63;
 }
 
+// silu(g) * u = g * u / (1 + exp(-g)) for 16 values at once, in GCC's vector types (AVX-512,
+// two AVX2 halves, or four SSE quarters, as the build allows); exp as Cephes' expf: 2^n times a
+// degree-7 polynomial in the rest, within 2 ulp, -g clamped to +-87.3 where expf over- or
+// underflows (there the result is g * u, or 0, all the same).
+typedef float vf16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+// e clamped to [-87.3, 87.3], lane by lane, through its bits (C has no ?: on vectors)
+#define VCLAMP(e)                                                                              \
+    do {                                                                                       \
+        const vf16 hi_ = (vf16){0} + 87.3f, lo_ = (vf16){0} - 87.3f;                           \
+        vi16 ei_, hb_, lb_;                                                                    \
+        const vi16 over_ = (e) > hi_, under_ = (e) < lo_;                                      \
+        memcpy(&ei_, &(e), 64);                                                                \
+        memcpy(&hb_, &hi_, 64);                                                                \
+        memcpy(&lb_, &lo_, 64);                                                                \
+        ei_ = (ei_ & ~(over_ | under_)) | (hb_ & over_) | (lb_ & under_);                      \
+        memcpy(&(e), &ei_, 64);                                                                \
+    } while (0)
+
+HM_INLINE void swiglu16(const float *g, const float *u, float *out) {
+    vf16 x, vu;
+    memcpy(&x, g, 64);
+    memcpy(&vu, u, 64);
+    vf16 e = -x;
+    VCLAMP(e);
+    const vf16 magic = (vf16){0} + 12582912.0f;            // 1.5 * 2^23: adding it rounds to an integer
+    vf16 t = e * 1.44269504088896341f + magic;
+    const vf16 n = t - magic;
+    vf16 r = e - n * 0.693359375f + n * 2.12194440e-4f;
+    vf16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    vi16 ni, scale_bits;
+    memcpy(&ni, &t, 64);
+    scale_bits = ((ni - 0x4B400000) + 127) << 23;         // t's low bits are n; 2^n as a float's bits
+    vf16 scale;
+    memcpy(&scale, &scale_bits, 64);
+    const vf16 y = x * vu / (1.0f + p * scale);
+    memcpy(out, &y, 64);
+}
+
 // blocks b0..b1 of row x (length k) into the row dst; silu_u: if set, the values are
 // silu(x) * silu_u (swiglu), computed here in f32
 static void quantize_blocks(int layout, const float *x, const float *silu_u, int64_t k, uint8_t *dst,
@@ -157,31 +213,43 @@ static void quantize_blocks(int layout, const float *x, const float *silu_u, int
     float v[256];
     for (int64_t b = b0; b < b1; b++) {
         const float *xb = x + b * bl;
-        float amax = 0.0f;
         if (silu_u) {
             const float *ub = silu_u + b * bl;
-            for (int i = 0; i < bl; i++) v[i] = xb[i] / (1.0f + expf(-xb[i])) * ub[i];
+            for (int i = 0; i < bl; i += 16) swiglu16(xb + i, ub + i, v + i);
         } else {
             memcpy(v, xb, sizeof(float) * bl);
         }
-        for (int i = 0; i < bl; i++) amax = fmaxf(amax, fabsf(v[i]));
+        int32_t mb = 0;                 // max |v| by its bits (they order non-negative floats)
+        for (int i = 0; i < bl; i++) {
+            int32_t a;
+            memcpy(&a, v + i, 4);
+            a &= 0x7fffffff;
+            mb = a > mb ? a : mb;
+        }
+        float amax;
+        memcpy(&amax, &mb, 4);
         const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
         d[b] = amax / 127.0f;
         int8_t q[256];
-        for (int i = 0; i < bl; i++) q[i] = (int8_t)lrintf(v[i] * id);
+        for (int i = 0; i < bl; i++) {  // to nearest even: + 1.5 * 2^23 leaves the integer in the low bits
+            const float f = v[i] * id + 12582912.0f;
+            int32_t qi;
+            memcpy(&qi, &f, 4);
+            q[i] = (int8_t)(qi - 0x4B400000);
+        }
+        int32_t sums[16];
+        for (int g = 0; g < bl / 16; g++) {
+            int32_t sg = 0;
+            for (int l = 0; l < 16; l++) sg += q[16 * g + l];
+            sums[g] = sg;
+        }
         if (layout == L_32) {
-            int32_t s = 0;
-            for (int i = 0; i < 32; i++) s += q[i];
-            ((int32_t *)(d + nb))[b] = s;
+            ((int32_t *)(d + nb))[b] = sums[0] + sums[1];
             memcpy(qs + b * 32, q, 32);
             continue;
         }
         int16_t *bs = (int16_t *)(d + nb) + 16 * b;
-        for (int g = 0; g < 16; g++) {
-            int s = 0;
-            for (int i = 0; i < 16; i++) s += q[16 * g + i];
-            bs[g] = (int16_t)s;
-        }
+        for (int g = 0; g < 16; g++) bs[g] = (int16_t)sums[g];
         if (layout == L_KN) {
             memcpy(qs + b * 256, q, 256);
         } else {
@@ -227,8 +295,8 @@ HM_INLINE void dot_k4_n(int hbits, const uint8_t *w, int nb, const uint8_t *cons
         for (int b = 0; b < nb; b++) {
             const uint8_t *x = w + bb * b, *qh = x + 16, *qs = x + qs_off;
             const int8_t *yb = y + 256 * b;
-            uint8_t sc[16];
-            k4_scales(x + 4, sc);
+            uint32_t u[4];
+            k4_scales(x + 4, u);
             int32_t sumi = 0, summ = 0;
             for (int c = 0; c < 4; c++) {
                 int32_t lo = 0, hi = 0;
@@ -238,9 +306,9 @@ HM_INLINE void dot_k4_n(int hbits, const uint8_t *w, int nb, const uint8_t *cons
                     lo += ((qs[32 * c + l] & 15) | hl) * yb[64 * c + l];
                     hi += ((qs[32 * c + l] >> 4) | hh) * yb[64 * c + 32 + l];
                 }
-                sumi += sc[2 * c] * lo + sc[2 * c + 1] * hi;
+                sumi += K4_BYTE(u, 2 * c) * lo + K4_BYTE(u, 2 * c + 1) * hi;
             }
-            for (int s = 0; s < 8; s++) summ += sc[8 + s] * (bs[16 * b + 2 * s] + bs[16 * b + 2 * s + 1]);
+            for (int s = 0; s < 8; s++) summ += K4_BYTE(u, 8 + s) * (bs[16 * b + 2 * s] + bs[16 * b + 2 * s + 1]);
             acc += ad[b] * (f16(x) * (float)sumi - f16(x + 2) * (float)summ);
         }
         out[j] = acc;
@@ -257,18 +325,16 @@ HM_INLINE void dot_q6_K_n(const uint8_t *w, int nb, const uint8_t *const *a, int
             const uint8_t *x = w + 210 * b, *ql = x, *qh = x + 128;
             const int8_t *sc = (const int8_t *)(x + 192);
             const int8_t *yb = y + 256 * b;
-            int32_t g[16] = {0};
-            for (int h = 0; h < 2; h++) {
-                for (int l = 0; l < 32; l++) {
-                    const int e = 128 * h + l, hb = qh[32 * h + l];
-                    g[e / 16] += ((ql[64 * h + l] & 15) | ((hb & 3) << 4)) * yb[e];
-                    g[(e + 32) / 16] += ((ql[64 * h + 32 + l] & 15) | (((hb >> 2) & 3) << 4)) * yb[e + 32];
-                    g[(e + 64) / 16] += ((ql[64 * h + l] >> 4) | (((hb >> 4) & 3) << 4)) * yb[e + 64];
-                    g[(e + 96) / 16] += ((ql[64 * h + 32 + l] >> 4) | (((hb >> 6) & 3) << 4)) * yb[e + 96];
-                }
-            }
             int32_t sumi = 0;
-            for (int s = 0; s < 16; s++) sumi += sc[s] * (g[s] - 32 * bs[16 * b + s]);
+            for (int s = 0; s < 16; s++) {      // element e = 16 s + i: half h, quarter c, lane l
+                const int h = s / 8, c = (s / 2) % 4, l0 = 16 * (s % 2);
+                const uint8_t *lo = ql + 64 * h + 32 * (c & 1) + l0, *hi = qh + 32 * h + l0;
+                const int8_t *ye = yb + 16 * s;
+                int32_t g = 0;
+                for (int i = 0; i < 16; i++)
+                    g += (((lo[i] >> (4 * (c >> 1))) & 15) | (((hi[i] >> (2 * c)) & 3) << 4)) * ye[i];
+                sumi += sc[s] * (g - 32 * bs[16 * b + s]);
+            }
             acc += ad[b] * f16(x + 208) * (float)sumi;
         }
         out[j] = acc;
@@ -397,11 +463,18 @@ HM_INLINE void dot_q5_0_n(const uint8_t *w, int nb, const uint8_t *const *a, int
     dot32_n(T_Q5_0, w, nb, a, n, k, out);
 }
 
-// Q4_K / Q5_K mins: sum over sub-blocks of min * (activation sum of the sub-block), as 8 int32
-// lanes from the 16 per-16 sums (each min repeated for its two sums)
-static inline __m256i k4_min_sums(const uint8_t sc[16], const int16_t *bs) {
-    const __m128i m8 = _mm_loadl_epi64((const __m128i *)(sc + 8));
-    const __m256i mrep = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
+// Q4_K / Q5_K: the scales (bytes 0-7) and mins (8-15) of a block in a vector
+static inline __m128i k4_scales_v(const uint8_t *s) {
+    uint32_t u[4];
+    k4_scales(s, u);
+    return _mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]);
+}
+
+// the mins as 16 int16 lanes, each repeated for the two per-16 activation sums of its sub-block
+static inline __m256i k4_min_rep(__m128i scm) { return _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(scm, scm)); }
+
+// sum over sub-blocks of min * (activation sum of the sub-block), in 8 int32 lanes
+static inline __m256i k4_min_sums(__m256i mrep, const int16_t *bs) {
     return _mm256_madd_epi16(mrep, _mm256_loadu_si256((const __m256i *)bs));
 }
 
@@ -415,8 +488,9 @@ HM_INLINE void dot_k4_n(int hbits, const uint8_t *w, int nb, const uint8_t *cons
     for (int j = 0; j < n; j++) acc[j] = accm[j] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t *x = w + bb * b;
-        uint8_t sc[16];
-        k4_scales(x + 4, sc);
+        uint32_t u[4];
+        k4_scales(x + 4, u);
+        const __m256i mrep = k4_min_rep(_mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]));
         const float d = f16(x), dmin = f16(x + 2);
         __m256i wv[8];
         const __m256i qh = hbits ? _mm256_loadu_si256((const __m256i *)(x + 16)) : _mm256_setzero_si256();
@@ -437,12 +511,12 @@ HM_INLINE void dot_k4_n(int hbits, const uint8_t *w, int nb, const uint8_t *cons
             __m256i sumi = _mm256_setzero_si256();
             for (int s = 0; s < 8; s++) {
                 const __m256i p = _mm256_maddubs_epi16(wv[s], _mm256_loadu_si256((const __m256i *)(y + 32 * s)));
-                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, _mm256_set1_epi16(sc[s])));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, _mm256_set1_epi16((short)K4_BYTE(u, s))));
             }
             const float ad = ACT_D(a[j], k)[b];
             acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * ad), _mm256_cvtepi32_ps(sumi), acc[j]);
             accm[j] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * ad),
-                                      _mm256_cvtepi32_ps(k4_min_sums(sc, ACT_S16(a[j], k, nb) + 16 * b)), accm[j]);
+                                      _mm256_cvtepi32_ps(k4_min_sums(mrep, ACT_S16(a[j], k, nb) + 16 * b)), accm[j]);
         }
     }
     for (int j = 0; j < n; j++) out[j] = hsum256(acc[j]) - hsum256(accm[j]);
@@ -517,10 +591,10 @@ HM_INLINE void dot_k4_n(int hbits, const uint8_t *w, int nb, const uint8_t *cons
     }
     for (int b = 0; b < nb; b++) {
         const uint8_t *x = w + bb * b;
-        uint8_t sc[16];
-        k4_scales(x + 4, sc);
+        const __m128i scm = k4_scales_v(x + 4);
+        const __m256i mrep = k4_min_rep(scm);
         const float d = f16(x), dmin = f16(x + 2);
-        const __m512i s32 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)sc));
+        const __m512i s32 = _mm512_cvtepu8_epi32(scm);
         const __m512i s0 = _mm512_permutexvar_epi32(i0, s32), s1 = _mm512_permutexvar_epi32(i1, s32);
         const __m512i s2 = _mm512_permutexvar_epi32(i2, s32), s3 = _mm512_permutexvar_epi32(i3, s32);
         const __m512i q01 = _mm512_loadu_si512((const void *)(x + qs_off));
@@ -543,7 +617,7 @@ HM_INLINE void dot_k4_n(int hbits, const uint8_t *w, int nb, const uint8_t *cons
             const float ad = ACT_D(a[j], k)[b];
             acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(d * ad), _mm512_cvtepi32_ps(p), acc[j]);
             accm[j] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * ad),
-                                      _mm256_cvtepi32_ps(k4_min_sums(sc, ACT_S16(a[j], k, nb) + 16 * b)), accm[j]);
+                                      _mm256_cvtepi32_ps(k4_min_sums(mrep, ACT_S16(a[j], k, nb) + 16 * b)), accm[j]);
         }
     }
     for (int j = 0; j < n; j++) out[j] = _mm512_reduce_add_ps(acc[j]) - hsum256(accm[j]);
@@ -662,49 +736,263 @@ static void fail(const host_moe_args *A) {
         for (int64_t i = 0; i < (int64_t)A->n_rows * A->d; i++) A->out[i] = NAN;
 }
 
-// ---------------------------------------------------------------- scratch
-// One buffer per calling thread, grown when a call needs more and kept: no allocation in the
-// steady state, and two threads calling at once do not share it.
+// ---------------------------------------------------------------- the thread pool
+// Workers claim units of a job from one counter (several at a time while much is left); a unit
+// of phase p starts once every unit of phase p - 1 is done. Nobody waits for a thread, only for
+// units in progress: a worker the OS has not scheduled yet simply finds no units left, and the
+// caller returns as soon as the last unit is done. The claim word holds the job's generation, unit count and next unit, so a late
+// worker can never take a unit of a job other than the one it saw (compare-and-swap on all three).
+// Idle workers spin for BLOOMERY_HOST_SPIN_US (default 2000) between calls, then sleep on a futex.
+
+#define MAX_THREADS 512
+#define MAX_PHASES 5
+#define UNIT_BITS 20
+#define MAX_UNITS ((1 << UNIT_BITS) - 1)
 
 typedef struct {
-    uint8_t *p;
-    size_t cap;
-} scratch;
-static pthread_key_t scratch_key;
-static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+    void (*run)(const void *ctx, int phase, int64_t unit);     // unit: its index within the phase
+    const void *ctx;
+    int n_phases;
+    int64_t end[MAX_PHASES];                                    // units of phases 0..p: end[p]
+} job;
 
-static void scratch_free(void *v) {
-    scratch *s = (scratch *)v;
-    if (s) free(s->p);
-    free(s);
+static struct {
+    pthread_mutex_t lock;                   // one job at a time (and its scratch)
+    // the three words every thread touches, each on its own cache line
+    _Alignas(64) _Atomic uint64_t claim;    // generation (24 bits) | total units | next unit
+    _Alignas(64) _Atomic int64_t done;      // units finished in this job
+    _Alignas(64) _Atomic uint32_t gen;      // the futex idle workers sleep on
+    _Alignas(64) _Atomic int64_t ends[MAX_PHASES];   // the job's J.end, for claim() to size its takes
+    _Atomic int n_sleeping;
+    _Atomic int want;                       // workers taking part in the current job
+    int n_workers;
+    _Atomic int64_t spin_ns;
+    job J;
+    int64_t t_start, t_end[MAX_PHASES];     // when the last job started and each phase ended (ns)
+} pool = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+static inline void cpu_relax(void) {
+#if HM_ISA
+    _mm_pause();
+#endif
 }
-static void scratch_init(void) { pthread_key_create(&scratch_key, scratch_free); }
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+// Takes the next units of job g: returns the first and sets *n, or -1 when none is left. A take
+// is about 1/(2 threads) of what remains of its phase (at least one unit, never past the phase's
+// end), so a phase costs some tens of compare-and-swaps, not one per unit, and its last takes
+// are single units that even out the threads' finish.
+static int64_t claim(uint32_t g, int64_t *n) {
+    uint64_t s = atomic_load(&pool.claim);
+    for (;;) {
+        if ((uint32_t)(s >> (2 * UNIT_BITS)) != g) return -1;
+        const int64_t total = (int64_t)((s >> UNIT_BITS) & MAX_UNITS), next = (int64_t)(s & MAX_UNITS);
+        if (next >= total) return -1;
+        int64_t end = total;                          // if the job moved on meanwhile, the swap fails
+        for (int p = 0; p < MAX_PHASES; p++) {
+            const int64_t e = atomic_load_explicit(&pool.ends[p], memory_order_relaxed);
+            if (e > next) {
+                end = e < total ? e : total;
+                break;
+            }
+        }
+        int64_t k = (end - next) / (2 * (atomic_load_explicit(&pool.want, memory_order_relaxed) + 1));
+        k = k < 1 ? 1 : k;
+        if (atomic_compare_exchange_weak(&pool.claim, &s, s + (uint64_t)k)) {
+            *n = k;
+            return next;
+        }
+    }
+}
+
+static void wait_done(int64_t n) {
+    for (int i = 1; atomic_load_explicit(&pool.done, memory_order_acquire) < n; i++) {
+        cpu_relax();
+        if ((i & 1023) == 0) sched_yield();         // a unit's owner may be waiting for a core
+    }
+}
+
+static void run_units(uint32_t g) {
+    int64_t u0, k;
+    while ((u0 = claim(g, &k)) >= 0) {
+        const job *J = &pool.J;                      // stable: the job cannot end before these units
+        int p = 0;
+        while (u0 >= J->end[p]) p++;
+        const int64_t base = p ? J->end[p - 1] : 0, end = J->end[p];
+        if (p > 0) wait_done(base);
+        for (int64_t u = u0; u < u0 + k; u++) J->run(J->ctx, p, u - base);
+        // the job may end (and the next one overwrite J) the moment done reaches its total
+        const int64_t t = now_ns();
+        if (atomic_fetch_add_explicit(&pool.done, k, memory_order_acq_rel) + k == end) pool.t_end[p] = t;
+    }
+}
+
+static void *worker(void *arg) {
+    const int idx = (int)(intptr_t)arg;
+    uint32_t seen = atomic_load(&pool.gen);
+    for (;;) {
+        uint32_t g;
+        int64_t until = now_ns() + pool.spin_ns;
+        for (int i = 1; (g = atomic_load_explicit(&pool.gen, memory_order_acquire)) == seen; i++) {
+            if (idx < atomic_load_explicit(&pool.want, memory_order_relaxed) && ((i & 255) || now_ns() < until)) {
+                cpu_relax();
+                continue;
+            }
+            atomic_fetch_add(&pool.n_sleeping, 1);
+            if (atomic_load(&pool.gen) == seen) syscall(SYS_futex, &pool.gen, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+            atomic_fetch_sub(&pool.n_sleeping, 1);
+            until = now_ns() + pool.spin_ns;
+        }
+        seen = g;
+        if (idx < atomic_load(&pool.want)) run_units(g);
+    }
+    return NULL;
+}
+
+static void pool_after_fork(void) {             // the child has none of the parent's workers
+    pthread_mutex_init(&pool.lock, NULL);
+    pool.n_workers = 0;
+    atomic_store(&pool.n_sleeping, 0);
+}
+
+static _Atomic int spin_set;
+
+static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+static void pool_init(void) {
+    const char *s = getenv("BLOOMERY_HOST_SPIN_US");
+    if (!atomic_load(&spin_set)) atomic_store(&pool.spin_ns, (s && *s ? atoll(s) : 2000) * 1000);
+    pthread_atfork(NULL, NULL, pool_after_fork);
+}
+
+// How long idle workers spin for the next call before they sleep (default 2000 us, or
+// BLOOMERY_HOST_SPIN_US): long for the cuda backend, whose calls come every layer while the card
+// works; short where other threads need the cores between calls (the CPU backend's own work).
+void host_moe_set_spin_us(int64_t us) {
+    atomic_store(&spin_set, 1);
+    atomic_store(&pool.spin_ns, (us > 0 ? us : 0) * 1000);
+}
+
+// the CPUs this process may run on: its affinity mask, capped by a cgroup v2 CPU quota (a
+// container limited to 16 CPUs of a 192-CPU host sees all 192 in its mask); read once
+static int count_cpus(void) {
+    cpu_set_t set;
+    long n = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : sysconf(_SC_NPROCESSORS_ONLN);
+    FILE *f = fopen("/sys/fs/cgroup/cpu.max", "r");
+    if (f) {
+        long long quota, period;
+        if (fscanf(f, "%lld %lld", &quota, &period) == 2 && quota > 0 && period > 0) {
+            const long q = (long)((quota + period - 1) / period);
+            n = q < n ? q : n;
+        }
+        fclose(f);
+    }
+    return n > 0 ? (int)n : 1;
+}
+
+static int n_cpus(void) {
+    static _Atomic int n;
+    if (!atomic_load_explicit(&n, memory_order_relaxed)) atomic_store(&n, count_cpus());
+    return atomic_load_explicit(&n, memory_order_relaxed);
+}
+
+int host_moe_max_threads(void) { return n_cpus(); }
+
+// runs J on the caller and nt - 1 workers; call with pool.lock held
+static void pool_run(const job *J, int nt) {
+    pthread_once(&pool_once, pool_init);
+    int nw = (nt > MAX_THREADS ? MAX_THREADS : nt) - 1;
+    while (pool.n_workers < nw) {
+        pthread_t t;
+        pthread_attr_t at;
+        pthread_attr_init(&at);
+        pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+        const int rc = pthread_create(&t, &at, worker, (void *)(intptr_t)pool.n_workers);
+        pthread_attr_destroy(&at);
+        if (rc != 0) break;
+        pthread_setname_np(t, "bloomery-hostk");
+        pool.n_workers++;
+    }
+    if (nw > pool.n_workers) nw = pool.n_workers;
+    pool.J = *J;
+    pool.t_start = now_ns();
+    const int64_t total = J->end[J->n_phases - 1];
+    for (int p = 0; p < MAX_PHASES; p++) atomic_store_explicit(&pool.ends[p], p < J->n_phases ? J->end[p] : total,
+                                                               memory_order_relaxed);
+    const uint32_t g = (atomic_load(&pool.gen) + 1) & 0xFFFFFF;
+    atomic_store(&pool.want, nw);
+    atomic_store(&pool.done, 0);
+    atomic_store(&pool.claim, ((uint64_t)g << (2 * UNIT_BITS)) | ((uint64_t)total << UNIT_BITS));
+    atomic_store(&pool.gen, g);
+    if (nw > 0 && atomic_load(&pool.n_sleeping) > 0)
+        syscall(SYS_futex, &pool.gen, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
+    run_units(g);
+    wait_done(total);
+    pool.t_end[J->n_phases - 1] = now_ns();
+}
+
+// The last call's phases: out[p] = microseconds from its start to the end of phase p (host_moe:
+// 0 quantize, 1 gate/up, 2 swiglu, 3 down, 4 sum; a call with no host expert leaves them), for
+// tools/bench_host_moe.py. Returns the number of phases.
+int host_moe_last_phases(double *out) {
+    pthread_mutex_lock(&pool.lock);
+    const int n = pool.J.n_phases;
+    for (int p = 0; p < n; p++) out[p] = (double)(pool.t_end[p] - pool.t_start) / 1e3;
+    pthread_mutex_unlock(&pool.lock);
+    return n;
+}
+
+// ---------------------------------------------------------------- scratch
+// One buffer, used under pool.lock, grown when a call needs more and kept: no allocation in the
+// steady state.
+
+static uint8_t *scratch_p;
+static size_t scratch_cap;
 
 static uint8_t *scratch_get(size_t n) {
-    pthread_once(&scratch_once, scratch_init);
-    scratch *s = (scratch *)pthread_getspecific(scratch_key);
-    if (!s) {
-        if (!(s = (scratch *)calloc(1, sizeof *s))) return 0;
-        pthread_setspecific(scratch_key, s);
-    }
-    if (s->cap < n) {
-        free(s->p);
+    if (scratch_cap < n) {
+        free(scratch_p);
         const size_t cap = (n + n / 4 + 4096 + 63) & ~(size_t)63;
-        s->p = (uint8_t *)aligned_alloc(64, cap);
-        s->cap = s->p ? cap : 0;
+        scratch_p = (uint8_t *)aligned_alloc(64, cap);
+        scratch_cap = scratch_p ? cap : 0;
     }
-    return s->p;
+    return scratch_p;
 }
 
 static inline size_t up64(size_t n) { return (n + 63) & ~(size_t)63; }
 
 // ---------------------------------------------------------------- the layer
+// Phases (units): 0 quantize input rows (256 elements of a row), 1 gate + up (an expert's RC_GU
+// rows), 2 swiglu + quantize (256 elements of a pair's hidden row), 3 down into y [P, D] (an
+// expert's RC_DN rows), 4 out = sum over slots in order of wts * y (RC_OUT rows of a token).
+
+#define RC_GU 16
+#define RC_DN 32
+#define RC_OUT 512
+
+typedef struct {
+    const host_moe_args *A;
+    int NA, n_ex;
+    int64_t D, F;
+    int lg, lu, ld;
+    int64_t xrow_g, xrow_u, hrow;
+    int64_t x_units, gu_chunks, dn_chunks, out_chunks, h_units;  // per token / expert / expert / token / pair
+    dot_fn dg, du, dd;
+    int nbg, nbu, nbd;
+    const int32_t *ex, *cnt, *start, *plist;
+    uint8_t *xa_g, *xa_u, *ha;
+    float *g, *u, *y;
+} layer;
 
 // rows r0..r1 of one expert's matrix against the activation rows of its pairs pl[0..cnt);
-// pair p's activation row is act + (p / div) * act_row; result r of pair p goes to dst[p * F + r]
+// pair p's activation row is act + (p / div) * act_row; result r of pair p goes to dst[p * ld + r]
 static void expert_rows(dot_fn dot, const uint8_t *w, int64_t row_bytes, int nb, int64_t r0, int64_t r1,
                         const int32_t *pl, int cnt, int div, const uint8_t *act, int64_t act_row, int64_t k,
-                        float *dst, int64_t F) {
+                        float *dst, int64_t ld) {
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *wr = w + r * row_bytes;
         for (int c = 0; c < cnt; c += NMAX) {
@@ -713,21 +1001,55 @@ static void expert_rows(dot_fn dot, const uint8_t *w, int64_t row_bytes, int nb,
             float o[NMAX];
             for (int j = 0; j < n; j++) ap[j] = act + (int64_t)(pl[c + j] / div) * act_row;
             dot(wr, nb, ap, n, k, o);
-            for (int j = 0; j < n; j++) dst[(int64_t)pl[c + j] * F + r] = o[j];
+            for (int j = 0; j < n; j++) dst[(int64_t)pl[c + j] * ld + r] = o[j];
         }
     }
 }
 
-// units u0..u1 of (row, block) work, nblk blocks a row: fn over each row's block range
-#define FOR_BLOCKS(u0, u1, nblk, ROW, B0, B1, BODY)                                            \
-    for (int64_t _u = (u0); _u < (u1);) {                                                      \
-        const int64_t ROW = _u / (nblk), B0 = _u % (nblk);                                     \
-        const int64_t B1 = (nblk) < B0 + ((u1) - _u) ? (nblk) : B0 + ((u1) - _u);              \
-        BODY;                                                                                  \
-        _u += B1 - B0;                                                                         \
-    }
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-static inline int64_t part(int64_t n, int i, int nt) { return n * i / nt; }
+// elements 256 c .. 256 c + 255 of a row of length k (a 256 block, or eight 32 blocks)
+static void quantize_span(int layout, const float *x, const float *silu_u, int64_t k, uint8_t *dst, int64_t c) {
+    const int64_t per = 256 / layout_block(layout), b0 = c * per;
+    quantize_blocks(layout, x, silu_u, k, dst, b0, min64(k / layout_block(layout), b0 + per));
+}
+
+static void layer_unit(const void *vctx, int phase, int64_t unit) {
+    const layer *L = (const layer *)vctx;
+    const host_moe_args *A = L->A;
+    const int64_t D = L->D, F = L->F;
+    if (phase == 0) {
+        const int64_t t = unit / L->x_units, c = unit % L->x_units;
+        quantize_span(L->lg, A->x + t * D, 0, D, L->xa_g + t * L->xrow_g, c);
+        if (L->xrow_u) quantize_span(L->lu, A->x + t * D, 0, D, L->xa_u + t * L->xrow_u, c);
+    } else if (phase == 1) {
+        const int64_t ei = unit / L->gu_chunks, r0 = unit % L->gu_chunks * RC_GU, r1 = min64(F, r0 + RC_GU);
+        const int32_t e = L->ex[ei], *pl = L->plist + L->start[ei];
+        expert_rows(L->dg, A->gate[e], A->gate_row_bytes, L->nbg, r0, r1, pl, L->cnt[ei], L->NA, L->xa_g, L->xrow_g,
+                    D, L->g, F);
+        expert_rows(L->du, A->up[e], A->up_row_bytes, L->nbu, r0, r1, pl, L->cnt[ei], L->NA, L->xa_u,
+                    L->xrow_u ? L->xrow_u : L->xrow_g, D, L->u, F);
+    } else if (phase == 2) {
+        const int64_t p = L->plist[unit / L->h_units];
+        quantize_span(L->ld, L->g + p * F, L->u + p * F, F, L->ha + p * L->hrow, unit % L->h_units);
+    } else if (phase == 3) {
+        const int64_t ei = unit / L->dn_chunks, r0 = unit % L->dn_chunks * RC_DN, r1 = min64(D, r0 + RC_DN);
+        expert_rows(L->dd, A->down[L->ex[ei]], A->down_row_bytes, L->nbd, r0, r1, L->plist + L->start[ei],
+                    L->cnt[ei], 1, L->ha, L->hrow, F, L->y, D);
+    } else {
+        const int64_t t = unit / L->out_chunks, r0 = unit % L->out_chunks * RC_OUT, r1 = min64(D, r0 + RC_OUT);
+        float *o = A->out + t * D;
+        memset(o + r0, 0, sizeof(float) * (size_t)(r1 - r0));
+        for (int a = 0; a < L->NA; a++) {
+            const int64_t p = t * L->NA + a;
+            if (A->skip[A->ids[p]]) continue;
+            const float w = A->wts[p], *y = L->y + p * D;
+            for (int64_t r = r0; r < r1; r++) o[r] += w * y[r];
+        }
+    }
+}
+
+static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 void host_moe(void *vargs) {
     const host_moe_args *A = (const host_moe_args *)vargs;
@@ -745,13 +1067,20 @@ void host_moe(void *vargs) {
         }
         if (A->ids[p] > max_id) max_id = A->ids[p];
     }
-    const int lg = layout_of(A->gate_type), lu = layout_of(A->up_type), ld = layout_of(A->down_type);
-    const int64_t xrow_g = act_row_bytes(lg, D), xrow_u = lu == lg ? 0 : act_row_bytes(lu, D);
-    const int64_t hrow = act_row_bytes(ld, F);
+    layer L = {.A = A, .NA = NA, .D = D, .F = F, .lg = layout_of(A->gate_type), .lu = layout_of(A->up_type),
+               .ld = layout_of(A->down_type), .dg = dot_of(A->gate_type), .du = dot_of(A->up_type),
+               .dd = dot_of(A->down_type), .nbg = (int)(D / block_elems(A->gate_type)),
+               .nbu = (int)(D / block_elems(A->up_type)), .nbd = (int)(F / block_elems(A->down_type))};
+    L.xrow_g = act_row_bytes(L.lg, D);
+    L.xrow_u = L.lu == L.lg ? 0 : act_row_bytes(L.lu, D);
+    L.hrow = act_row_bytes(L.ld, F);
     const size_t n_int = up64(sizeof(int32_t) * (5 * (size_t)P + max_id + 1));
-    const size_t n_xa = up64((size_t)T * (xrow_g + xrow_u)), n_gu = up64(sizeof(float) * (size_t)P * F);
-    uint8_t *base = scratch_get(n_int + n_xa + 2 * n_gu + (size_t)P * hrow);
+    const size_t n_xa = up64((size_t)T * (L.xrow_g + L.xrow_u)), n_gu = up64(sizeof(float) * (size_t)P * F);
+    const size_t n_ha = up64((size_t)P * L.hrow), n_y = up64(sizeof(float) * (size_t)P * D);
+    pthread_mutex_lock(&pool.lock);
+    uint8_t *base = scratch_get(n_int + n_xa + 2 * n_gu + n_ha + n_y);
     if (!base) {
+        pthread_mutex_unlock(&pool.lock);
         fail(A);
         return;
     }
@@ -759,9 +1088,12 @@ void host_moe(void *vargs) {
     // cnt [X], start [X], plist [P]; slot [max_id + 1] maps an expert to its index in ex
     int32_t *ex = (int32_t *)base, *cnt = ex + P, *start = cnt + P, *plist = start + P, *fill = plist + P;
     int32_t *slot = fill + P;
-    uint8_t *xa_g = base + n_int, *xa_u = xrow_u ? xa_g + (size_t)T * xrow_g : xa_g;
-    float *g = (float *)(base + n_int + n_xa), *u = (float *)(base + n_int + n_xa + n_gu);
-    uint8_t *ha = base + n_int + n_xa + 2 * n_gu;
+    L.xa_g = base + n_int;
+    L.xa_u = L.xrow_u ? L.xa_g + (size_t)T * L.xrow_g : L.xa_g;
+    L.g = (float *)(base + n_int + n_xa);
+    L.u = (float *)(base + n_int + n_xa + n_gu);
+    L.ha = base + n_int + n_xa + 2 * n_gu;
+    L.y = (float *)(L.ha + n_ha);
     int n_ex = 0;
     for (int p = 0; p < P; p++) slot[A->ids[p]] = -1;
     for (int p = 0; p < P; p++) {
@@ -775,6 +1107,7 @@ void host_moe(void *vargs) {
         cnt[slot[e]]++;
     }
     if (n_ex == 0) {
+        pthread_mutex_unlock(&pool.lock);
         memset(A->out, 0, sizeof(float) * (size_t)T * D);
         return;
     }
@@ -782,98 +1115,79 @@ void host_moe(void *vargs) {
     for (int p = 0; p < P; p++)
         if (!A->skip[A->ids[p]]) plist[fill[slot[A->ids[p]]]++] = p;
     const int n_hp = start[n_ex - 1] + cnt[n_ex - 1];
-    const dot_fn dg = dot_of(A->gate_type), du = dot_of(A->up_type), dd = dot_of(A->down_type);
-    const int nbg = (int)(D / block_elems(A->gate_type)), nbu = (int)(D / block_elems(A->up_type));
-    const int nbd = (int)(F / block_elems(A->down_type));
-    const int nt = A->n_threads > 0 ? A->n_threads : omp_get_num_procs();
-
-#pragma omp parallel num_threads(nt)
-    {
-        const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
-        {   // 1. the input rows, quantized for gate (and for up where its layout differs)
-            const int64_t nq = D / layout_block(lg), n_u = (int64_t)T * nq;
-            FOR_BLOCKS(part(n_u, tid, nth), part(n_u, tid + 1, nth), nq, t, b0, b1,
-                       quantize_blocks(lg, A->x + t * D, 0, D, xa_g + t * xrow_g, b0, b1));
-            if (xrow_u) {
-                const int64_t nqu = D / layout_block(lu), n_uu = (int64_t)T * nqu;
-                FOR_BLOCKS(part(n_uu, tid, nth), part(n_uu, tid + 1, nth), nqu, t, b0, b1,
-                           quantize_blocks(lu, A->x + t * D, 0, D, xa_u + t * xrow_u, b0, b1));
-            }
-        }
-#pragma omp barrier
-        {   // 2. gate and up: the (expert, row) range split evenly
-            const int64_t n_u = (int64_t)n_ex * F;
-            FOR_BLOCKS(part(n_u, tid, nth), part(n_u, tid + 1, nth), F, ei, r0, r1, {
-                const int32_t e = ex[ei];
-                expert_rows(dg, A->gate[e], A->gate_row_bytes, nbg, r0, r1, plist + start[ei], cnt[ei], NA,
-                            xa_g, xrow_g, D, g, F);
-                expert_rows(du, A->up[e], A->up_row_bytes, nbu, r0, r1, plist + start[ei], cnt[ei], NA,
-                            xa_u, xrow_u ? xrow_u : xrow_g, D, u, F);
-            });
-        }
-#pragma omp barrier
-        {   // 3. h = silu(g) * u, quantized for down, per (pair, block)
-            const int64_t nq = F / layout_block(ld), n_u = (int64_t)n_hp * nq;
-            FOR_BLOCKS(part(n_u, tid, nth), part(n_u, tid + 1, nth), nq, i, b0, b1, {
-                const int64_t p = plist[i];
-                quantize_blocks(ld, g + p * F, u + p * F, F, ha + p * hrow, b0, b1);
-            });
-        }
-#pragma omp barrier
-        {   // 4. down: this thread's output rows, every expert in order of first use
-            const int64_t r0 = part(D, tid, nth), r1 = part(D, tid + 1, nth);
-            for (int t = 0; t < T; t++) memset(A->out + t * D + r0, 0, sizeof(float) * (size_t)(r1 - r0));
-            for (int ei = 0; ei < n_ex; ei++) {
-                const uint8_t *w = A->down[ex[ei]];
-                const int32_t *pl = plist + start[ei];
-                for (int64_t r = r0; r < r1; r++) {
-                    const uint8_t *wr = w + r * A->down_row_bytes;
-                    for (int c = 0; c < cnt[ei]; c += NMAX) {
-                        const int n = cnt[ei] - c < NMAX ? cnt[ei] - c : NMAX;
-                        const uint8_t *ap[NMAX];
-                        float o[NMAX];
-                        for (int j = 0; j < n; j++) ap[j] = ha + (int64_t)pl[c + j] * hrow;
-                        dd(wr, nbd, ap, n, F, o);
-                        for (int j = 0; j < n; j++) A->out[(int64_t)(pl[c + j] / NA) * D + r] += A->wts[pl[c + j]] * o[j];
-                    }
-                }
-            }
-        }
+    L.n_ex = n_ex;
+    L.ex = ex, L.cnt = cnt, L.start = start, L.plist = plist;
+    L.gu_chunks = ceil_div(F, RC_GU);
+    L.dn_chunks = ceil_div(D, RC_DN);
+    L.out_chunks = ceil_div(D, RC_OUT);
+    L.h_units = ceil_div(F, 256);
+    L.x_units = ceil_div(D, 256);
+    job J = {.run = layer_unit, .ctx = &L, .n_phases = 5};
+    J.end[0] = T * L.x_units;
+    J.end[1] = J.end[0] + (int64_t)n_ex * L.gu_chunks;
+    J.end[2] = J.end[1] + (int64_t)n_hp * L.h_units;
+    J.end[3] = J.end[2] + (int64_t)n_ex * L.dn_chunks;
+    J.end[4] = J.end[3] + (int64_t)T * L.out_chunks;
+    if (J.end[4] > MAX_UNITS) {             // some 10^5 rows in one call: refused, not truncated
+        pthread_mutex_unlock(&pool.lock);
+        fail(A);
+        return;
     }
+    pool_run(&J, A->n_threads > 0 ? A->n_threads : n_cpus());
+    pthread_mutex_unlock(&pool.lock);
 }
 
 // ---------------------------------------------------------------- the floor
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+typedef struct {
+    const uint64_t *buf;
+    int64_t n, chunk;
+    _Atomic uint64_t *total;
+    int init;
+} read_job;
+
+static void read_unit(const void *vctx, int phase, int64_t unit) {
+    (void)phase;
+    const read_job *R = (const read_job *)vctx;
+    uint64_t *b = (uint64_t *)R->buf;
+    const int64_t i0 = unit * R->chunk, i1 = min64(R->n, i0 + R->chunk);
+    if (R->init) {
+        for (int64_t i = i0; i < i1; i++) b[i] = (uint64_t)i;
+        return;
+    }
+    uint64_t s[8] = {0};                            // independent sums: loads, not adds, set the pace
+    for (int64_t i = i0; i < i1; i += 8)
+        for (int j = 0; j < 8; j++) s[j] += R->buf[i + j];
+    atomic_fetch_add(R->total, s[0] + s[1] + s[2] + s[3] + s[4] + s[5] + s[6] + s[7]);
 }
 
 volatile uint64_t host_read_sink;
 
-// The host's memory read bandwidth in GB/s (best of reps): n_threads threads (<= 0: all) sum a
-// buffer of `bytes`, each its own contiguous share, the buffer first touched by the same share.
+// The host's memory read bandwidth in GB/s (best of reps): the pool's n_threads threads (<= 0:
+// all) sum a buffer of `bytes` in 1 MiB units, as host_moe spreads its units.
 double host_read_bw(int64_t bytes, int n_threads, int reps) {
-    const int nt = n_threads > 0 ? n_threads : omp_get_num_procs();
-    const int64_t n = bytes / 8;
+    const int nt = n_threads > 0 ? n_threads : n_cpus();
+    const int64_t n = bytes / 64 * 8, chunk = (1 << 20) / 8;        // whole 64-byte lines
     uint64_t *buf = (uint64_t *)aligned_alloc(64, up64((size_t)n * 8));
-    if (!buf || n < 1) {
+    if (!buf || n < 1 || ceil_div(n, chunk) > MAX_UNITS) {
         free(buf);
         return -1.0;
     }
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t i = 0; i < n; i++) buf[i] = (uint64_t)i;
+    _Atomic uint64_t total = 0;
+    read_job R = {.buf = buf, .n = n, .chunk = chunk, .total = &total, .init = 1};
+    job J = {.run = read_unit, .ctx = &R, .n_phases = 1, .end = {ceil_div(n, chunk)}};
     double best = 0.0;
-    uint64_t total = 0;
+    pthread_mutex_lock(&pool.lock);
+    pool_run(&J, nt);
+    R.init = 0;
     for (int r = 0; r < (reps > 0 ? reps : 1); r++) {
-        const double t0 = now_s();
-#pragma omp parallel for num_threads(nt) schedule(static) reduction(+ : total)
-        for (int64_t i = 0; i < n; i++) total += buf[i];
-        const double gbs = (double)n * 8 / (now_s() - t0) / 1e9;
+        const int64_t t0 = now_ns();
+        pool_run(&J, nt);
+        const double gbs = (double)n * 8 / (double)(now_ns() - t0);
         if (gbs > best) best = gbs;
     }
-    host_read_sink = total;
+    pthread_mutex_unlock(&pool.lock);
+    host_read_sink = atomic_load(&total);
     free(buf);
     return best;
 }

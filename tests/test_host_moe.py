@@ -33,7 +33,7 @@ def _stack(qt, n_exp, n_rows, row_len, seed):
     return hm.ExpertStack(random_blocks(qt, n_exp * n_rows, row_len, seed=seed), qt, n_rows, row_len)
 
 
-def _expert(st: hm.ExpertStack, e: int) -> np.ndarray:
+def _dequantized(st: hm.ExpertStack, e: int) -> np.ndarray:
     nbytes = st.n_rows * st.row_bytes
     return dequantize(st.ggml_type, st.data[e * nbytes:(e + 1) * nbytes], st.n_rows, st.row_len).astype(np.float64)
 
@@ -50,6 +50,12 @@ def _rounded(v: np.ndarray, ggml_type: int) -> np.ndarray:
 
 def _reference(x, ids, wts, gate, up, down, skip, quantized):
     out = np.zeros(x.shape, np.float64)
+    seen = {}
+
+    def _expert(st, e):                                                # each matrix dequantized once
+        if (id(st), e) not in seen:
+            seen[id(st), e] = _dequantized(st, e)
+        return seen[id(st), e]
     for t in range(x.shape[0]):
         for a in range(ids.shape[1]):
             e = int(ids[t, a])
@@ -97,6 +103,21 @@ def test_layer_matches_the_references(isa, gt, dt):
     assert np.all(_row_err(out, _reference(x, ids, wts, gate, up, down, skip, quantized=False)) <= 5e-2)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("gt,ut,dt,d,f", [(QT.Q8_0, QT.Q4_0, QT.Q5_0, 288, 160), (QT.Q4_K, QT.Q6_K, QT.Q8_0, 512, 96),
+                                          (QT.Q5_K, QT.Q8_0, QT.Q4_K, 256, 256)], ids=["32s", "K+K", "K+32"])
+def test_mixed_types_and_rows_that_are_not_whole_256s(isa, gt, ut, dt, d, f):
+    """gate and up of different types (the input quantized for each), rows of 32 blocks that do
+    not fill a 256."""
+    rng = np.random.default_rng(4)
+    gate, up, down = _stack(gt, 3, f, d, 1), _stack(ut, 3, f, d, 2), _stack(dt, 3, d, f, 3)
+    x = rng.standard_normal((2, d)).astype(np.float32)
+    ids, wts = _routing(rng, 2, 2, 3)
+    skip = np.zeros(3, np.uint8)
+    out = hm.host_moe_layer(x, ids, wts, gate, up, down, skip, n_threads=3, isa=isa)
+    assert np.all(_row_err(out, _reference(x, ids, wts, gate, up, down, skip, quantized=True)) <= 1e-3)
+
+
 def test_the_paths_are_the_ones_asked_for():
     assert hm.lib("native").host_moe_isa() >= hm.lib(ISAS[-1]).host_moe_isa()
     if X86:
@@ -119,6 +140,62 @@ def test_rows_slots_and_threads(n_tok, n_used):
         assert np.array_equal(o.view(np.uint32), outs[0].view(np.uint32))
     ref = _reference(x, ids, wts, gate, up, down, skip, quantized=True)
     assert np.all(_row_err(outs[0], ref) <= 1e-3)
+
+
+@pytest.fixture
+def spin_us(request):
+    hm.set_spin_us(request.param)
+    yield request.param
+    hm.set_spin_us(2000)
+
+
+@pytest.mark.parametrize("spin_us", [0, 2000], indirect=True)
+def test_callers_on_many_threads_share_the_pool(spin_us):
+    """Python threads calling at once (ctypes lets the GIL go), each with its own thread count,
+    some calls after a pause long enough for the workers to fall asleep (with spin 0, every
+    call): every result has the bits of the same call made alone."""
+    import threading
+    import time
+    rng = np.random.default_rng(5)
+    gate, up, down = _case(QT.Q4_K, QT.Q6_K, n_exp=16, d=512, f=256, seed=9)
+    cases = []
+    for i in range(8):
+        n_tok = 1 + i % 4
+        ids, wts = _routing(rng, n_tok, 4, 16)
+        cases.append((rng.standard_normal((n_tok, 512)).astype(np.float32), ids, wts))
+    want = [hm.host_moe_layer(x, ids, wts, gate, up, down, n_threads=1) for x, ids, wts in cases]
+    bad = []
+
+    def caller(k):
+        for r in range(12):
+            i = (k + r) % len(cases)
+            if r == 6:
+                time.sleep(0.02)                                       # past the workers' spin
+            got = hm.host_moe_layer(*cases[i], gate, up, down, n_threads=1 + (k + r) % 4)
+            if not np.array_equal(got.view(np.uint32), want[i].view(np.uint32)):
+                bad.append((k, r))
+    threads = [threading.Thread(target=caller, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads) and not bad
+
+
+def test_a_forked_child_gets_a_pool_of_its_own():
+    """The parent's workers do not exist in a fork; the child's first call starts its own."""
+    rng = np.random.default_rng(6)
+    gate, up, down = _case(QT.Q4_K, QT.Q6_K, n_exp=4, d=256, f=256)
+    x = rng.standard_normal((2, 256)).astype(np.float32)
+    ids, wts = _routing(rng, 2, 2, 4)
+    want = hm.host_moe_layer(x, ids, wts, gate, up, down, n_threads=3)
+    pid = os.fork()
+    if pid == 0:                                                        # the child: exit status is the verdict
+        ok = np.array_equal(hm.host_moe_layer(x, ids, wts, gate, up, down, n_threads=3), want)
+        names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+        os._exit(0 if ok and names.count("bloomery-hostk") == 2 else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def test_a_slot_repeated_in_one_row_counts_twice():
@@ -216,17 +293,22 @@ def test_refusals_name_the_problem():
     assert np.all(np.isnan(args._keep[-1]))
 
 
-def test_no_openmp_is_refused_by_name(tmp_path, monkeypatch):
-    cc = tmp_path / "cc-without-openmp"
-    cc.write_text("#!/bin/sh\necho 'fatal error: omp.h: No such file or directory' >&2\nexit 1\n")
+def test_a_failed_build_is_refused_by_name(tmp_path, monkeypatch):
+    cc = tmp_path / "cc-without-pthread"
+    cc.write_text("#!/bin/sh\necho 'fatal error: pthread.h: No such file or directory' >&2\nexit 1\n")
     cc.chmod(cc.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("CC", str(cc))
     monkeypatch.setenv("BLOOMERY_CACHE", str(tmp_path / "cache"))
-    with pytest.raises(hm.HostKernelError, match="has no OpenMP"):
+    with pytest.raises(hm.HostKernelError, match="did not build with .*pthread.h: No such file"):
         hm._load("native")
     with pytest.raises(hm.HostKernelError, match="isa 'sse9'"):
         hm._load("sse9")
 
 
-def test_read_bandwidth_is_measured():
+def test_read_bandwidth_and_phase_times_are_measured():
     assert hm.read_bandwidth_gbs(1 << 24, n_threads=1, reps=2) > 0.1
+    gate, up, down = _case(QT.Q4_K, QT.Q6_K, n_exp=2, d=256, f=256)
+    hm.host_moe_layer(np.ones((2, 256), np.float32), np.array([[0, 1], [1, 0]], np.int32), np.ones((2, 2), np.float32),
+                      gate, up, down, n_threads=2)
+    ends = hm.last_phases_us()
+    assert len(ends) == 5 and 0 <= ends[0] and ends == sorted(ends)

@@ -1,15 +1,17 @@
 """Host experts: kernels/host_moe.c, one MoE layer's routed experts computed on the host from
-their stored GGUF blocks, spread over OpenMP threads; its loader and its ctypes side.
+their stored GGUF blocks, spread over a pool of threads; its loader and its ctypes side.
 
 The C function `host_moe(void *args)` reads a `host_moe_args` struct (mirrored by HostMoeArgs)
 and writes out[T, D] = sum over the (token, slot) pairs whose expert is not flagged skip of
 wts * down_e(silu(gate_e x) * up_e x). It has the signature of a CUDA host function: the cuda
 backend passes fn_pointer() and a persistent args_struct() to cuLaunchHostFunc; the CPU backend
-and the tests call host_moe_layer() with numpy arrays.
+and the tests call host_moe_layer() with numpy arrays. Calls from several threads are taken one
+at a time. BLOOMERY_HOST_SPIN_US (default 2000), or set_spin_us(), is how long idle workers spin
+for the next call before they sleep.
 
-Built like kernels/cpu_lanes.c (engine/cpu/kernels.py: `compiled`), with -fopenmp, into
-`$BLOOMERY_CACHE/kernels/host_moe-<key>.so`. There is no slower fallback: where no compiler or
-no OpenMP is found, lib() raises HostKernelError. isa "native" (the default;
+Built like kernels/cpu_lanes.c (engine/cpu/kernels.py: `compiled`), with -pthread, into
+`$BLOOMERY_CACHE/kernels/host_moe-<key>.so`. There is no slower fallback: where no compiler is
+found or the build fails, lib() raises HostKernelError. isa "native" (the default;
 BLOOMERY_HOST_ISA overrides it) builds the widest path the CPU has (AVX-512 VNNI, AVX2, or the
 portable C loops); "avx2" and "portable" build the narrower ones on an x86 host (the tests check
 all three).
@@ -31,7 +33,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from bloomery.engine.cpu.kernels import _compiler, _cpu_flags, compiled
 
 SOURCE = "host_moe.c"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-pthread", "-fPIC", "-shared"]
 ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"], "portable": ["-mno-avx2", "-mno-fma", "-mno-f16c"]}
 ISA_NAMES = {0: "portable C", 1: "avx2", 2: "avx512-vnni"}
 TYPES = frozenset({QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K})   # what host_moe.c reads
@@ -42,7 +44,7 @@ _LIBS: dict[str, ctypes.CDLL] = {}
 
 
 class HostKernelError(RuntimeError):
-    """The host expert kernels cannot be built or loaded here (no C compiler, no OpenMP)."""
+    """The host expert kernels cannot be built or loaded here (no C compiler, a failed build)."""
 
 
 _p = ctypes.c_void_p
@@ -76,14 +78,11 @@ def _load(isa: str) -> ctypes.CDLL:
     cc = _compiler()
     if cc is None:
         raise HostKernelError("no C compiler found (cc, gcc, clang): the host expert kernels "
-                              f"(kernels/{SOURCE}) need one with OpenMP; install gcc (and libgomp)")
+                              f"(kernels/{SOURCE}) need one; install gcc")
     try:
         so = compiled(SOURCE, flags)
         lib = ctypes.CDLL(str(so))
     except (OSError, subprocess.SubprocessError) as e:
-        if "omp" in str(e).lower():
-            raise HostKernelError(f"{cc} has no OpenMP (-fopenmp, omp.h, libgomp): the host expert kernels "
-                                  f"need it ({e})") from e
         raise HostKernelError(f"the host expert kernels (kernels/{SOURCE}) did not build with {cc}: {e}") from e
     i32, i64 = ctypes.c_int, ctypes.c_int64
     lib.host_moe.argtypes, lib.host_moe.restype = [_p], None
@@ -92,15 +91,22 @@ def _load(isa: str) -> ctypes.CDLL:
     lib.host_moe_isa.restype = lib.host_moe_max_threads.restype = i32
     lib.host_moe_args_size.restype = i64
     lib.host_read_bw.argtypes, lib.host_read_bw.restype = [i64, i32, i32], ctypes.c_double
+    lib.host_moe_last_phases.argtypes, lib.host_moe_last_phases.restype = [_p], i32
+    lib.host_moe_set_spin_us.argtypes, lib.host_moe_set_spin_us.restype = [i64], None
     if lib.host_moe_args_size() != ctypes.sizeof(HostMoeArgs):
         raise HostKernelError(f"kernels/{SOURCE}: host_moe_args is {lib.host_moe_args_size()} bytes, "
                               f"the Python mirror {ctypes.sizeof(HostMoeArgs)}")
     return lib
 
 
+def _isa(isa: str | None) -> str:
+    return isa or os.environ.get("BLOOMERY_HOST_ISA", "native").strip().lower() or "native"
+
+
 def lib(isa: str | None = None) -> ctypes.CDLL:
-    """The loaded host kernels for `isa` (default BLOOMERY_HOST_ISA, else "native"), built once."""
-    isa = isa or os.environ.get("BLOOMERY_HOST_ISA", "native").strip().lower() or "native"
+    """The loaded host kernels for `isa` (default BLOOMERY_HOST_ISA, else "native"), built once.
+    Each isa is its own library with its own pool of workers."""
+    isa = _isa(isa)
     if isa not in _LIBS:
         with _LOCK:
             if isa not in _LIBS:
@@ -112,7 +118,7 @@ def status(isa: str | None = None) -> str:
     """One line for the start record: which path runs, and whether the CPU offers a wider one."""
     got = lib(isa).host_moe_isa()
     line = f"{SOURCE}: {ISA_NAMES.get(got, got)}, {lib(isa).host_moe_max_threads()} cpus"
-    if got < 2 and "avx512_vnni" in _cpu_flags().split() and (isa or "native") == "native":
+    if got < 2 and "avx512_vnni" in _cpu_flags().split() and _isa(isa) == "native":
         line += " (the CPU has AVX-512 VNNI; this compiler did not use it)"
     return line
 
@@ -125,6 +131,20 @@ def fn_pointer(isa: str | None = None) -> int:
 def read_bandwidth_gbs(n_bytes: int = 1 << 30, n_threads: int = 0, reps: int = 5, isa: str | None = None) -> float:
     """The host's memory read bandwidth (GB/s, best of reps): n_threads threads sum an n_bytes buffer."""
     return lib(isa).host_read_bw(n_bytes, n_threads, reps)
+
+
+def set_spin_us(us: int, isa: str | None = None) -> None:
+    """How long idle workers spin for the next call before they sleep (default 2000 µs, or
+    BLOOMERY_HOST_SPIN_US): keep it long where calls come every layer while the card works, make
+    it short (or 0) where the caller's other threads need the cores between calls."""
+    lib(isa).host_moe_set_spin_us(us)
+
+
+def last_phases_us(isa: str | None = None) -> list[float]:
+    """The last host_moe call: µs from its start to the end of each phase (quantize, gate/up,
+    swiglu, down, sum), as the pool's clock saw them."""
+    out = (ctypes.c_double * 8)()
+    return list(out[:lib(isa).host_moe_last_phases(out)])
 
 
 # ---------------------------------------------------------------- the Python side

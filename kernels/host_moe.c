@@ -69,7 +69,7 @@ typedef struct {
     const uint8_t *const *up;
     const uint8_t *const *down;
     const uint8_t *skip;
-    int64_t counts_unused;
+    int64_t busy_ns;               // ADDED TO by every call: the nanoseconds it took (a step's wait on the host)
 } host_moe_args;
 
 enum { T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
@@ -1051,8 +1051,7 @@ static void layer_unit(const void *vctx, int phase, int64_t unit) {
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-void host_moe(void *vargs) {
-    const host_moe_args *A = (const host_moe_args *)vargs;
+static void host_moe_run(const host_moe_args *A) {
     if (host_moe_check(A) != 0) {
         fail(A);
         return;
@@ -1135,6 +1134,13 @@ void host_moe(void *vargs) {
     }
     pool_run(&J, A->n_threads > 0 ? A->n_threads : n_cpus());
     pthread_mutex_unlock(&pool.lock);
+}
+
+void host_moe(void *vargs) {
+    host_moe_args *A = (host_moe_args *)vargs;
+    const int64_t t0 = now_ns();
+    host_moe_run(A);
+    A->busy_ns += now_ns() - t0;
 }
 
 // ---------------------------------------------------------------- the floor

@@ -312,3 +312,23 @@ def test_read_bandwidth_and_phase_times_are_measured():
                       gate, up, down, n_threads=2)
     ends = hm.last_phases_us()
     assert len(ends) == 5 and 0 <= ends[0] and ends == sorted(ends)
+
+
+
+def test_each_call_adds_its_time_to_busy_ns():
+    """The persistent struct's busy_ns grows by each call's duration (the offload tier's host wait)."""
+    import ctypes
+    gate, up, down = _case(QT.Q4_K, QT.Q6_K, n_exp=4, d=256, f=256)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((1, 256)).astype(np.float32)
+    out = np.zeros((1, 256), np.float32)
+    ids, wts, skip = np.array([[0, 1]], np.int32), np.full((1, 2), 0.5, np.float32), np.zeros(4, np.uint8)
+    args = hm.args_struct(d=256, f=256, n_used=2, gate_type=QT.Q4_K, up_type=QT.Q4_K, down_type=QT.Q6_K,
+                          gate=gate.pointers(), up=up.pointers(), down=down.pointers(), skip=skip, ids=ids,
+                          wts=wts, x=x, out=out)
+    fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(hm.fn_pointer())
+    assert args.busy_ns == 0
+    fn(ctypes.addressof(args))
+    first = args.busy_ns
+    fn(ctypes.addressof(args))
+    assert 0 < first < args.busy_ns

@@ -59,7 +59,7 @@ class HostMoeArgs(ctypes.Structure):
         ("gate_row_bytes", ctypes.c_int64), ("up_row_bytes", ctypes.c_int64), ("down_row_bytes", ctypes.c_int64),
         ("ids", _p), ("wts", _p), ("x", _p), ("out", _p),
         ("gate", _p), ("up", _p), ("down", _p), ("skip", _p),
-        ("counts_unused", ctypes.c_int64),
+        ("busy_ns", ctypes.c_int64),
     ]
 
 
@@ -220,7 +220,7 @@ def args_struct(*, d: int, f: int, n_used: int, gate_type: int, up_type: int, do
                     down_row_bytes=row_bytes(down_type, f),
                     ids=_addr(ids), wts=_addr(wts), x=_addr(x), out=_addr(out),
                     gate=tables[0].ctypes.data, up=tables[1].ctypes.data, down=tables[2].ctypes.data,
-                    skip=_addr(skip), counts_unused=0)
+                    skip=_addr(skip), busy_ns=0)
     a.gate_ptrs, a.up_ptrs, a.down_ptrs = tables
     a._keep = (skip, ids, wts, x, out)               # the arrays the struct points into stay alive
     return a

@@ -193,7 +193,7 @@ class ExpertLayer:
                 up_row_bytes=up.row_bytes, down_row_bytes=down.row_bytes, ids=c.ids.ctypes.data,
                 wts=c.wts.ctypes.data, x=c.x.ctypes.data, out=c.out.ctypes.data, gate=gate.host_ptrs.ctypes.data,
                 up=up.host_ptrs.ctypes.data, down=down.host_ptrs.ctypes.data, skip=self.skip.ctypes.data,
-                counts_unused=0)
+                busy_ns=0)
             self.calls[t] = c
         return c
 
@@ -431,6 +431,7 @@ class Offload:
         if self.layers:
             self._account()
         counts = self.seen if self.seen is not None else np.zeros((0, 0), np.int64)
+        self.stats["host_wait_s"] = sum(c.args.busy_ns for ly in self.layers for c in ly.calls.values()) / 1e9
         return {"residency": "on" if self.residency else "off",
                 "layers": [{"layer": ly.block, "counts": counts[ly.index].tolist(), "on_card": sorted(ly.on_card),
                             "hits": int(self.hits[ly.index]), "misses": int(self.misses[ly.index])}

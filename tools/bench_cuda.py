@@ -26,8 +26,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
-SHAPE = dict(n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128, n_ff=6144, n_expert=128,
-             n_expert_used=8, n_ff_exp=768, ctx_train=40960, mode="blocks", mix="q4_k_m", seed=1)
+from make_synthetic import PRESETS, write_synthetic  # noqa: E402
+
+SHAPE = PRESETS["qwen3-30b-a3b"][1]
 PROMPTS = (512, 4096)
 DEPTHS = (512, 4096)
 N_GEN = 128
@@ -320,7 +321,6 @@ def main() -> None:
     ap.add_argument("--variants", action="store_true", help="decode at depth 512 for each decode-step switch")
     ap.add_argument("--layers", type=int, default=SHAPE["n_layer"], help="fewer layers for a quick run")
     args = ap.parse_args()
-    from make_synthetic import write_synthetic
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     path = work / f"qwen3moe-30b-a3b-shape-q4_k_m-L{args.layers}.gguf"

@@ -308,6 +308,33 @@ def pinned_copy_bandwidth(n_bytes: int = 1 << 30, repeats: int = 6) -> float:
     return n_bytes / statistics.median(times[1:])
 
 
+def card_bandwidths_here() -> dict:
+    out = {}
+    try:
+        out["pinned_h2d_bytes_s"] = pinned_copy_bandwidth()
+    except Exception as e:
+        out["pinned_h2d_error"] = f"{type(e).__name__}: {e}"
+    try:
+        out["card_bytes_s"] = copy_bandwidth()
+    except Exception as e:
+        out["card_bytes_s_error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def card_bandwidths() -> dict:
+    """card_bandwidths_here in a child process, so this one holds no CUDA context (and no card
+    memory) while the servers load: -fitt and the plans see the card as they would alone."""
+    code = "import json, bench_offload; print(json.dumps(bench_offload.card_bandwidths_here()))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+                           str(REPO / "tools"), str(REPO), os.environ.get("PYTHONPATH")]))})
+    try:
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        err = f"the measuring process failed ({r.returncode}): {r.stderr[-300:]}"
+        return {"pinned_h2d_error": err, "card_bytes_s_error": err}
+
+
 def card_total_bytes() -> int:
     out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
                          capture_output=True, text=True, check=True).stdout
@@ -319,17 +346,14 @@ def measure_machine(card_total_mib: int | None, threads: int | None) -> dict:
     m: dict = {"host_read": host_read_bandwidth(threads)}
     print(f"host memory read: {m['host_read']['bytes_s'] / 1e9:.1f} GB/s ({m['host_read']['threads']} threads)",
           flush=True)
-    try:
-        m["pinned_h2d_bytes_s"] = pinned_copy_bandwidth()
+    m.update(card_bandwidths())
+    if "pinned_h2d_bytes_s" in m:
         print(f"pinned host-to-card copy: {m['pinned_h2d_bytes_s'] / 1e9:.1f} GB/s", flush=True)
-    except Exception as e:          # no CuPy or no card: the split floor is left out
-        m["pinned_h2d_error"] = f"{type(e).__name__}: {e}"
+    else:                           # no CuPy or no card: the split floor is left out
         print(f"pinned host-to-card copy: not measured ({m['pinned_h2d_error']})", flush=True)
-    try:
-        m["card_bytes_s"] = copy_bandwidth()
+    if "card_bytes_s" in m:
         print(f"card copy: {m['card_bytes_s'] / 1e12:.2f} TB/s", flush=True)
-    except Exception as e:
-        m["card_bytes_s_error"] = f"{type(e).__name__}: {e}"
+    else:
         print(f"card copy: not measured ({m['card_bytes_s_error']}); floors use the H200's nominal "
               f"{H200_BYTES_S / 1e12:.1f} TB/s", flush=True)
     if card_total_mib:

@@ -130,10 +130,17 @@ def test_residency_summary_measures_the_skew_of_the_counts():
     from bloomery.routing_skew import routing_skew
     layers = [{"layer": 0, "counts": [10, 0, 0, 0, 0, 0, 0, 0, 0, 0], "on_card": [0], "hits": 10, "misses": 0},
               {"layer": 1, "counts": [2] * 10, "on_card": [1, 2], "hits": 4, "misses": 16}]
-    s = bo.residency_summary({"layers": layers, "moved_experts": 3, "moved_bytes": 9_000_000})
+    s = bo.residency_summary({"offload": True, "residency": "on", "layers": layers, "moved_experts": 3,
+                              "moved_bytes": 9_000_000, "host_wait_s": 0.5, "updates": 7})
     assert s["skew"] == pytest.approx(routing_skew([ly["counts"] for ly in layers])) == pytest.approx(0.6)
     assert (s["hits"], s["misses"], s["host_share"], s["moved_experts"]) == (14, 16, 16 / 30, 3)
-    assert "skew" not in bo.residency_summary({"layers": [{"counts": [0, 0]}]})
+    assert bo.residency_line(s).startswith("residency on: skew 0.600 (the top fifth's share of the picks); 2 layers")
+    # a load with no host experts (the whole card, the CPU backend) counts nothing, and says so
+    none = bo.residency_summary({"offload": False, "residency": "off", "layers": [], "moved_experts": 0,
+                                 "moved_bytes": 0, "host_wait_s": 0.0, "updates": 0})
+    assert "skew" not in none and "host_share" not in none
+    assert "no host experts: /residency counts no routing, skew not measured" in bo.residency_line(none)
+    assert "no routing counted yet" in bo.residency_summary({"offload": True, "layers": [{"counts": [0, 0]}]})["note"]
 
 
 def test_json_is_written_whole_and_read_back(tmp_path):

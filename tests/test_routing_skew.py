@@ -18,6 +18,7 @@ def test_the_last_expert_counts_in_part():
     assert top_share([0, 0, 0, 20, 0, 0, 0, 0]) == 1.0                  # one expert takes all
     assert top_share([4, 2, 2, 2], top=0.5) == pytest.approx(6 / 10)
     assert top_share([1, 2, 3, 4], top=1.0) == 1.0
+    assert top_share([2.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5], top=0.1) == pytest.approx(2.5 / 7)
 
 
 def test_layers_are_averaged_and_empty_layers_left_out():

@@ -226,20 +226,34 @@ def host_fraction(budget: str, facts: FileFacts, ncmoe: int | None = None, card_
 
 
 def residency_summary(body) -> dict:
-    """GET /residency's JSON, reduced: the routing skew of its counts, hits, misses, moves."""
+    """GET /residency's JSON, reduced: the routing skew of its counts (per layer with host
+    experts: a load with none counts nothing, and says so), hits, misses, moves."""
     layers = body.get("layers") if isinstance(body, dict) else None
     if not isinstance(layers, list):
         raise BenchError(f"GET /residency: no layers list in {str(body)[:200]}")
     counts = [ly.get("counts") or [] for ly in layers]
     hits = sum(int(ly.get("hits", 0)) for ly in layers)
     misses = sum(int(ly.get("misses", 0)) for ly in layers)
-    out = {"layers": len(layers), "hits": hits, "misses": misses,
-           "moved_experts": body.get("moved_experts"), "moved_bytes": body.get("moved_bytes")}
+    out = {"offload": body.get("offload"), "residency": body.get("residency"), "layers": len(layers),
+           "hits": hits, "misses": misses, "moved_experts": body.get("moved_experts"),
+           "moved_bytes": body.get("moved_bytes"), "host_wait_s": body.get("host_wait_s")}
     if any(sum(c) for c in counts):
         out["skew"] = routing_skew(counts)
+    else:
+        out["note"] = ("no host experts: /residency counts no routing, skew not measured" if body.get("offload") is False
+                       else "no routing counted yet: skew not measured")
     if hits + misses:
         out["host_share"] = misses / (hits + misses)
     return out
+
+
+def residency_line(s: dict) -> str:
+    """One line for people from residency_summary's dict (or its error)."""
+    if "error" in s:
+        return f"residency: {s['error']}"
+    skew = f"skew {s['skew']:.3f} (the top fifth's share of the picks)" if "skew" in s else s["note"]
+    return (f"residency {s['residency']}: {skew}; {s['layers']} layers with host experts, hits {s['hits']}, "
+            f"misses {s['misses']}, moved {s['moved_experts']} experts / {s['moved_bytes']} bytes")
 
 
 # --- the JSON (pure but for the write) -----------------------------------------------------------
@@ -566,8 +580,7 @@ class Bench:
         except BenchError as e:
             print(f"  {e}", flush=True)
             return {"error": str(e)}
-        print(f"  residency: skew {s.get('skew', float('nan')):.3f} (top fifth's share), hits {s['hits']}, "
-              f"misses {s['misses']}, moved {s['moved_experts']} experts / {s['moved_bytes']} bytes", flush=True)
+        print(f"  {residency_line(s)}", flush=True)
         return s
 
     def floors(self) -> dict:
@@ -626,8 +639,7 @@ def print_table(result: dict) -> None:
         print(line)
         res = groups.get(row, {}).get("residency")
         if res:
-            print(f"{'':<4}residency: " + (res["error"] if "error" in res else
-                  f"skew {res.get('skew', float('nan')):.3f}, hits {res['hits']}, misses {res['misses']}"))
+            print(f"{'':<4}{residency_line(res)}")
     for name, c in cells.items():
         if "error" in c:
             print(f"{name}: {c['error'][:300]}")

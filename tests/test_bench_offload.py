@@ -200,12 +200,16 @@ def test_http_path_end_to_end_on_the_cpu_backend(tmp_path, tokenizer_source):
     pp, tg = res["cells"]["tiny/bloomery/whole/pp32"], res["cells"]["tiny/bloomery/whole/tg4"]
     assert pp["value"] > 0 and pp["runs"][0]["prompt_n"] == 32 and pp["runs"][0]["n_ids"] == 1
     assert tg["value"] > 0 and tg["runs"][0]["predicted_n"] == 4 and tg["runs"][0]["n_ids"] == 4
-    assert tg["client"] > 0
+    assert pp["client"] > 0 and tg["runs"][0]["n_pieces"] >= 1
+    assert tg["client"] is None or tg["client"] > 0       # None: a loaded machine read every piece at once
     group = res["groups"]["tiny/bloomery/whole"]
-    assert "routing skew not measured" in group["residency"]["error"] and "--backend cpu" in group["command"]
+    # a CPU-backend load has no host experts (every tensor is in host RAM): /residency, where the
+    # server has it, counts nothing; where it has none, the 404 is said; a skew is never made up
+    said = group["residency"].get("error") or group["residency"].get("note")
+    assert "skew" not in group["residency"] and "skew not measured" in said and "--backend cpu" in group["command"]
     assert res["machine"]["host_read"]["bytes_s"] > 1e8
     assert res["floors"]["tiny/bloomery/whole/tg4"]["host"] > 0
-    assert "GET /residency answered 404" in r.stdout
+    assert "skew not measured" in r.stdout
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert again.returncode == 0 and "tiny/bloomery/whole/pp32: in " in again.stdout
     assert json.loads(out.read_text())["cells"]["tiny/bloomery/whole/pp32"] == pp

@@ -430,7 +430,7 @@ def run_test(srv: Server, test: str, ids: list[int], sampled: bool, runs: int = 
         rows.append({"server_prompt_tok_s": t.get("prompt_per_second"), "server_decode_tok_s": t.get("predicted_per_second"),
                      "prompt_n": t.get("prompt_n"), "predicted_n": t.get("predicted_n"),
                      "client_prompt_s": s.prompt_s, "client_decode_tok_s": s.decode_tok_s,
-                     "n_ids": len(s.ids), "distinct_ids": len(set(s.ids))})
+                     "n_ids": len(s.ids), "n_pieces": s.n_pieces, "distinct_ids": len(set(s.ids))})
     n_prompt = len(body["prompt"])
     out = {"runs": rows, "n_prompt": n_prompt}
     if test.startswith("tg"):

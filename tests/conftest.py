@@ -16,6 +16,7 @@ def load_tool(name: str):
     path = REPO / "tools" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"bloomery_tools_{name}", path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod         # dataclasses look their module up while the class is made
     spec.loader.exec_module(mod)
     return mod
 

@@ -1,6 +1,7 @@
 """tools/make_synthetic.py: names and shapes as llama.cpp loads them, value statistics, refusals."""
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import tracemalloc
@@ -30,9 +31,12 @@ def make(synthetic_dir: Path, tok_source: str, name: str, **kw) -> Path:
     return path
 
 
-def values(g, name: str) -> np.ndarray:
+def values(g, name: str, n_rows: int | None = None) -> np.ndarray:
+    """A tensor's values, flat (its first n_rows rows only, if given)."""
     info = g.tensors[name]
     raw = g.tensor_data(name)
+    if n_rows is not None:
+        raw = raw[:n_rows * info.n_bytes // int(np.prod(info.shape[1:]))]
     if info.type_name == "F32":
         return raw.view(np.float32)
     if info.type_name == "F16":
@@ -170,6 +174,118 @@ def test_command_line(tmp_path, tok_source, capsys):
     with pytest.raises(SystemExit):
         ms.main(["--n-head", "3", "--n-head-kv", "2", "--tokenizer-from", tok_source, "-o", str(tmp_path / "y.gguf")])
     assert "--n-head 3 must be a multiple of --n-head-kv 2" in capsys.readouterr().err
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("kw,digest", [
+    (dict(arch="qwen3moe", mode="blocks", n_embd=256, n_ff_exp=256, n_expert=8, n_expert_used=2, seed=5),
+     "2f6cc1037b3f8e2dd3f303f9661de398396ed473f00844211985e609a834e81f"),
+    (dict(arch="qwen3moe", n_expert=8, seed=5), "c19db1a982f151ce32c3786b45d66fdd26051b39c13bc3ebeb398414e2166fd9"),
+])
+def test_files_without_new_options_keep_their_bytes(tmp_path, tok_source, kw, digest):
+    """The bytes written before --router-skew and --shape existed (sha256 taken then), kept."""
+    path = ms.write_synthetic(tmp_path / "d.gguf", tokenizer_from=tok_source, **kw)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == digest
+
+
+def test_shape_preset_sets_every_key_and_flags_override(monkeypatch, capsys):
+    seen = {}
+    monkeypatch.setattr(ms, "write_synthetic", lambda out, **kw: seen.update(kw, out=out) or out)
+    ms.main(["--shape", "qwen3-30b-a3b", "--n-layer", "4", "--router-skew", "0.6", "-o", "x.gguf"])
+    arch, shape = ms.PRESETS["qwen3-30b-a3b"]
+    assert seen == {**shape, "n_layer": 4, "arch": "qwen3moe", "router_skew": 0.6, "tokenizer_from": None,
+                    "out": "x.gguf"}
+    assert shape["n_embd"] == 2048 and shape["n_expert"] == 128 and shape["mix"] == "q4_k_m"
+    seen.clear()
+    ms.main(["--n-layer", "3", "-o", "y.gguf"])                # no preset: only the flags given
+    assert seen == {"n_layer": 3, "arch": "qwen2", "router_skew": None, "tokenizer_from": None, "out": "y.gguf"}
+    bench_cuda = load_tool("bench_cuda")
+    assert bench_cuda.SHAPE == shape                            # one definition of the card benchmark's file
+
+
+def routed_counts(path: Path, n_tokens: int = 256) -> np.ndarray:
+    """Per layer, how often each expert was picked over a prompt of random ids: the numpy engine
+    runs the file, its router top-k (ops.moe_route) counted, one call per layer in order."""
+    from bloomery.engine.loader import load_model
+    from bloomery.placement import whole
+    model = load_model(str(path), whole("numpy", n_ctx_slot=n_tokens))
+    counts = np.zeros((model.n_layer, model.moe.n_expert), np.int64)
+    calls = [0]
+    route = model.ops.moe_route
+
+    def counted(logits, n_used, norm_weights):
+        ids, w = route(logits, n_used, norm_weights)
+        np.add.at(counts[calls[0] % model.n_layer], np.asarray(ids).reshape(-1), 1)
+        calls[0] += 1
+        return ids, w
+    model.ops.moe_route = counted
+    model.forward_all(0, np.random.default_rng(0).integers(100, 150000, n_tokens), 0)
+    assert calls[0] == model.n_layer
+    return counts
+
+
+SKEW_SHAPE = dict(arch="qwen3moe", mode="blocks", n_layer=4, n_embd=256, n_head=4, n_head_kv=2, head_dim=64,
+                  n_expert=32, n_expert_used=4, n_ff_exp=64, seed=1)
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_router_skew_is_the_running_models_routing(synthetic_dir, tok_source):
+    """Run on the numpy engine, a file written with --router-skew 0.6 routes with the top fifth of
+    each layer's experts taking ~0.6 of the picks, one written with 0.2 evenly; both keep the
+    default file's tensors, types and sizes (the same cost to run)."""
+    from bloomery.routing_skew import routing_skew, top_share
+    skewed = make(synthetic_dir, tok_source, "skew06", router_skew=0.6, **SKEW_SHAPE)
+    even = make(synthetic_dir, tok_source, "skew02", router_skew=0.2, **SKEW_SHAPE)
+    plain = make(synthetic_dir, tok_source, "skew_none", **SKEW_SHAPE)
+    c = routed_counts(skewed)
+    assert 0.5 <= routing_skew(c) <= 0.7 and all(0.45 <= top_share(row) <= 0.75 for row in c), c
+    assert routing_skew(routed_counts(even)) < 0.35
+    infos = []
+    for path in (skewed, even, plain):
+        with open_gguf(str(path)) as g:
+            infos.append({n: (t.type_name, t.shape, t.n_bytes) for n, t in g.tensors.items()})
+    assert infos[0] == infos[1] == infos[2]
+    assert skewed.stat().st_size == plain.stat().st_size
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("mode", ["blocks", pytest.param("float", marks=pytest.mark.slow)])
+def test_router_skew_channel_is_constant_and_unread(synthetic_dir, tok_source, mode):
+    """The embedding's first 32 coordinates hold one constant in every row; no matrix but the
+    routers reads them, none writes them; routers of a 0.6 file read them, of a 0.2 file not."""
+    shape = {**SKEW_SHAPE, "n_layer": 2, "mode": mode}
+    for share in (0.6, 0.2):
+        g = open_gguf(str(make(synthetic_dir, tok_source, f"chan_{mode}_{share}", router_skew=share, **shape)))
+        c, d = ms.SKEW_CHANNEL, shape["n_embd"]
+        emb = values(g, "token_embd.weight", 4096).reshape(-1, d)
+        assert np.all(emb[:, :c] == emb[0, 0]) and emb[0, 0] > 0
+        assert abs(emb[:, c:].std() / ms.SKEW_EMBD_STD - 1) < 0.1
+        for name in g.tensors:
+            if name.endswith(ms.SKEW_READERS) or name == "output.weight":
+                v = values(g, name, 4096).reshape(-1, g.tensors[name].shape[0])
+                assert not v[:, :c].any() and v[:, c:].any(), name
+            elif name.endswith(ms.SKEW_WRITERS):
+                v = values(g, name).reshape(-1, d, g.tensors[name].shape[0])
+                assert not v[:, :c].any() and v[:, c:].any(), name
+        router = values(g, "blk.1.ffn_gate_inp.weight").reshape(-1, d)        # [E, D]
+        assert router[:, :c].any() == (share > 0.2)
+        assert abs(router[:, c:].std() * np.sqrt(d) - 1) < 0.1
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("kw,words", [
+    ({"arch": "qwen3"}, "--router-skew needs --arch qwen3moe"),
+    ({"arch": "qwen3moe", "router_skew": 0.1}, "--router-skew 0.1: the top fifth's share must be in [0.20, 1)"),
+    ({"arch": "qwen3moe", "router_skew": 1.0}, "must be in [0.20, 1)"),
+    ({"arch": "qwen3moe", "n_expert": 4, "n_expert_used": 2}, "4 experts, 2 used a token, reach at most 0.40"),
+    ({"arch": "qwen3moe", "n_embd": 32, "n_head": 2, "n_head_kv": 1}, "--router-skew needs --n-embd >= 64"),
+])
+def test_router_skew_refusals(tmp_path, tok_source, kw, words):
+    with pytest.raises(ms.ShapeError) as e:
+        ms.write_synthetic(tmp_path / "x.gguf", tokenizer_from=tok_source, **{"router_skew": 0.6, **kw})
+    assert words in str(e.value)
+    assert not (tmp_path / "x.gguf").exists()
 
 
 # --- llama.cpp loads what we write (opt-in: BLOOMERY_LIVE_REF=1) ---------------------

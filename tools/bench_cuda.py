@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +27,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
-SHAPE = dict(n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128, n_ff=6144, n_expert=128,
-             n_expert_used=8, n_ff_exp=768, ctx_train=40960, mode="blocks", mix="q4_k_m", seed=1)
+from make_synthetic import PRESETS, write_synthetic  # noqa: E402
+
+SHAPE = PRESETS["qwen3-30b-a3b"][1]
 PROMPTS = (512, 4096)
 DEPTHS = (512, 4096)
 N_GEN = 128
@@ -212,19 +214,43 @@ def bloomery_bench(path: Path, profile: bool, variants: bool = False) -> dict:
     return rows
 
 
+@dataclass(frozen=True)
+class FileFacts:
+    """What a decode token must read, from a MoE (or dense) GGUF's tensors and keys."""
+    file_bytes: int
+    n_layer: int
+    n_expert: int                # 0 in a dense file
+    n_used: int
+    expert_bytes: int            # one routed expert of one layer: its gate, up and down rows
+    dense_token_bytes: int       # every other weight but the embedding table, plus one embedding row
+    kv_bytes_per_pos: int        # f16 K and V of one position, every layer
+
+
+def file_facts(gf) -> FileFacts:
+    from bloomery.engine.models.layers import Hparams, MoeParams
+    arch = gf.arch()
+    hp = Hparams.from_gguf(gf, arch)
+    moe = MoeParams.from_gguf(gf, arch) if gf.get(f"{arch}.expert_count") else None
+    dense, experts = 0, 0
+    for name, t in gf.tensors.items():
+        if name == "token_embd.weight":
+            dense += t.n_bytes // t.shape[1]
+        elif "_exps." in name:
+            experts += t.n_bytes
+        else:
+            dense += t.n_bytes
+    n_expert = moe.n_expert if moe else 0
+    return FileFacts(file_bytes=Path(gf.path).stat().st_size, n_layer=hp.n_layer, n_expert=n_expert,
+                     n_used=moe.n_expert_used if moe else 0,
+                     expert_bytes=experts // (hp.n_layer * n_expert) if n_expert else 0,
+                     dense_token_bytes=dense, kv_bytes_per_pos=2 * hp.n_layer * hp.n_head_kv * hp.head_dim * 2)
+
+
 def decode_bytes(model, depth: int) -> int:
     """Bytes a decode step must read: every weight but the embedding table, the chosen
     experts' share of the stacked expert tensors, one embedding row, the KV up to depth."""
-    gf, total = model.gf, 0
-    for name, t in gf.tensors.items():
-        if name == "token_embd.weight":
-            total += t.n_bytes // t.shape[1]
-        elif "_exps." in name:
-            total += t.n_bytes * model.moe.n_expert_used // model.moe.n_expert
-        else:
-            total += t.n_bytes
-    hp = model.hp
-    return total + 2 * hp.n_layer * hp.n_head_kv * hp.head_dim * 2 * depth
+    f = file_facts(model.gf)
+    return f.dense_token_bytes + f.n_layer * f.n_used * f.expert_bytes + f.kv_bytes_per_pos * depth
 
 
 def kernel_profile(model, depth: int) -> dict:
@@ -320,7 +346,6 @@ def main() -> None:
     ap.add_argument("--variants", action="store_true", help="decode at depth 512 for each decode-step switch")
     ap.add_argument("--layers", type=int, default=SHAPE["n_layer"], help="fewer layers for a quick run")
     args = ap.parse_args()
-    from make_synthetic import write_synthetic
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     path = work / f"qwen3moe-30b-a3b-shape-q4_k_m-L{args.layers}.gguf"

@@ -18,18 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
+from bench_http import Server, free_port  # noqa: E402
 
 # 30b: the file tools/bench_cuda.py (and tools/gpu_run.sh) writes, reused when it is there
 SHAPES = {
@@ -45,12 +40,6 @@ SCHEMA = {"type": "array", "minItems": 200, "items": {
 PROMPT = "Here is the customer table of the shop, as a JSON array of records:\n"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def make_file(kind: str, work: Path) -> Path:
     from make_synthetic import write_synthetic
     name, arch, shape = SHAPES[kind]
@@ -63,47 +52,6 @@ def make_file(kind: str, work: Path) -> Path:
         write_synthetic(part, arch, tokenizer_from=os.environ.get("BLOOMERY_TOKENIZER_GGUF"), **shape)
         part.rename(path)
     return path
-
-
-class Server:
-    """One server process on a free port; waits for /health, stopped on exit."""
-
-    def __init__(self, argv: list[str], port: int, log: Path, ready_timeout_s: float):
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = open(log, "wb")
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
-        deadline = time.monotonic() + ready_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"{argv[0]} exited with {self.proc.returncode} before it was ready; see {log}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(1.0)
-        self.stop()
-        raise SystemExit(f"{argv[0]} not ready after {ready_timeout_s:.0f} s; see {log}")
-
-    def completion(self, body: dict) -> dict:
-        req = urllib.request.Request(self.url + "/completion", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=3600) as r:
-                return json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            raise SystemExit(f"{self.url}/completion answered {e.code}: {e.read()[:400]!r}") from None
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
 
 
 def measure(server: Server, n_predict: int, rounds: int) -> dict:

@@ -12,6 +12,11 @@
 #   llama     with bench: llama.cpp's llama-bench on the same file, same run
 #   grammar   tools/bench_grammar.py on the same file: decode under a JSON schema against free decode
 #             through HTTP, grammar.json (with $dev/llama/llama-server carried: llama-server's too)
+#   offload   tools/bench_offload.py on two Qwen3-30B-A3B-shaped files, --router-skew 0.2 and 0.6
+#             (written once into $BENCH_WORK), bloomery-serve and llama-server ($LLAMA_SERVER, else
+#             $dev/llama/llama-server; without one, bloomery alone) at the card budgets; the JSON
+#             stays in $BENCH_WORK, so the same step in the next call goes on with the cells left
+#             ($OFFLOAD_CELLS: --cells patterns), offload.json and offload.log
 #
 # Carried beside the tree in $BLOOMERY_DEVICE_DIR (default .device, git-ignored):
 #   whl/*.whl            pyzmq, structlog, gguf, llguidance (the device image lacks them)
@@ -89,4 +94,22 @@ if has grammar; then
   t0=$SECONDS
   timeout "${GRAMMAR_S:-600}" python3 tools/bench_grammar.py "${args[@]}" 2>&1 | tee "$out/grammar.log" | tail -n 20
   echo "grammar: $((SECONDS - t0)) s"
+fi
+
+if has offload; then
+  for share in 0.2 0.6; do
+    f=$work/qwen3-30b-a3b-r$share.gguf
+    [ -s "$f" ] || (python3 tools/make_synthetic.py --shape qwen3-30b-a3b --router-skew "$share" \
+      --tokenizer-from "$BLOOMERY_TOKENIZER_GGUF" -o "$f.part" > /dev/null && mv "$f.part" "$f") &
+  done
+  wait
+  args=(--model "even=$work/qwen3-30b-a3b-r0.2.gguf" --model "skew=$work/qwen3-30b-a3b-r0.6.gguf"
+        --out "$work/offload.json")
+  ls=${LLAMA_SERVER:-$dev/llama/llama-server}
+  if [ -x "$ls" ]; then args+=(--llama-server "$ls"); else args+=(--engines bloomery); fi
+  [ -n "${OFFLOAD_CELLS:-}" ] && args+=(--cells "$OFFLOAD_CELLS")
+  t0=$SECONDS
+  timeout "${OFFLOAD_S:-540}" python3 tools/bench_offload.py "${args[@]}" 2>&1 | tee "$out/offload.log" | tail -n 40
+  cp -r "$work/offload.json" "$work/logs" "$out/" 2>/dev/null
+  echo "offload: $((SECONDS - t0)) s"
 fi

@@ -13,7 +13,11 @@ qwen3.cpp, qwen3moe.cpp). Two modes:
             A row whose length is not a multiple of 256 takes llama-quantize's
             fallback (Q4_K -> Q5_0, Q6_K -> Q8_0), as the real 0.5B file does.
 
+--router-skew SHARE (qwen3moe) makes the running model's routing follow a stated skew: the
+busiest fifth of each layer's experts takes about SHARE of the routing (0.2: even).
+
 Usage: tools/make_synthetic.py --arch qwen3moe --n-layer 2 --n-embd 64 ... -o out.gguf
+       tools/make_synthetic.py --shape qwen3-30b-a3b [--router-skew 0.6] -o 30b.gguf
 """
 from __future__ import annotations
 
@@ -36,6 +40,13 @@ ARCHS = ("qwen2", "qwen3", "qwen3moe")
 DEFAULTS = dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=0, n_ff=128, n_expert=4,
                 n_expert_used=2, n_ff_exp=64, vocab="full", ctx_train=4096, seed=0, mode="float",
                 ftype="f32", mix="q4_k_m")
+# named shapes (--shape): arch and shape keys; flags given beside --shape override its keys
+PRESETS = {
+    # Qwen3-30B-A3B at the Q4_K_M mix (19.8 GB): the file of the card benchmarks (docs/performance.md)
+    "qwen3-30b-a3b": ("qwen3moe", dict(n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128, n_ff=6144,
+                                       n_expert=128, n_expert_used=8, n_ff_exp=768, ctx_train=40960, mode="blocks",
+                                       mix="q4_k_m", seed=1)),
+}
 FILE_TYPE = {"f32": 0, "f16": 1, "q8_0": 7, "q4_k_m": 15}      # llama_ftype values
 FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q6_K: Q.Q8_0}                    # llama-quantize, rows not /256
 # std of one block code as stored (uniform random bits), to set the block scale from
@@ -140,12 +151,13 @@ def float_values(role: str, ne: tuple[int, ...], rng: np.random.Generator) -> np
     return rng.standard_normal(shape, np.float32) * np.float32(1 / np.sqrt(ne[0]))   # fan_in = ne[0]
 
 
-def block_bytes(qt: int, ne: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
-    """Random codes; each block's scale fields set so values have std 1/sqrt(ne[0]), mean ~0."""
+def block_bytes(qt: int, ne: tuple[int, ...], rng: np.random.Generator, std: float | None = None) -> np.ndarray:
+    """Random codes; each block's scale fields set so values have std `std` (default
+    1/sqrt(ne[0])), mean ~0."""
     block, type_size = gguf.GGML_QUANT_SIZES[Q(qt)]
     n_blocks = int(np.prod(ne)) // block
     raw = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)   # [B, type_size]
-    d = np.float16(1 / np.sqrt(ne[0]) / CODE_STD[qt])
+    d = np.float16((1 / np.sqrt(ne[0]) if std is None else std) / CODE_STD[qt])
     if qt == Q.Q4_K:      # d, dmin, 12 packed 6-bit scales/mins (all 32), 128 nibbles
         raw[:, 0:2] = np.frombuffer(d.tobytes(), np.uint8)
         raw[:, 2:4] = np.frombuffer(np.float16(7.5 * d).tobytes(), np.uint8)   # centres the nibbles
@@ -157,6 +169,157 @@ def block_bytes(qt: int, ne: tuple[int, ...], rng: np.random.Generator) -> np.nd
     else:                 # Q5_0 and Q8_0 both start with d
         raw[:, 0:2] = np.frombuffer(d.tobytes(), np.uint8)
     return raw.reshape(-1)                                                    # [B * type_size]
+
+
+# --- --router-skew: routing that follows a stated skew in the running model ---------------------
+#
+# With today's weights the layers' outputs soon outweigh the token embedding (whose rows have norm
+# ~1), and what they add is largely the same for every token (attention averages the values of
+# many positions), so the routers see nearly the same vector for every token and a few experts take
+# most of the routing, by accident (the busiest fifth took 0.978 of the picks on a file of the
+# qwen3-30b-a3b shape, down to 17 of 128 experts picked in a layer; docs/performance.md). A file
+# written with --router-skew SHARE is built so routing follows SHARE instead:
+#   * the token embedding's elements have std SKEW_EMBD_STD (not 1/sqrt(n_embd)), so each token's
+#     own row outweighs what 48 layers add and every token routes on its own vector;
+#   * the first SKEW_CHANNEL coordinates of every embedding row hold one constant (the same codes
+#     in every row): a persistent component of the residual stream, the same for every token;
+#   * each layer's router row e is random (std 1/sqrt(n_embd)) on the other coordinates, and
+#     reads the constant ones with a weight that adds beta_e times the spread of the random part
+#     to expert e's logit; beta follows a Zipf-like profile over a random order of the experts
+#     (beta of rank r = -s * ln(r + 1)), s set by simulation (top-k of beta + N(0, 1) per token)
+#     so the busiest fifth of the experts takes SHARE of the routing (bloomery/routing_skew.py).
+# SHARE 0.2 is even routing (s = 0). Only the embedding and the routers differ from a file written
+# without the option: same tensors, types and sizes, so the two cost the same to run.
+SKEW_EMBD_STD = 4.0
+SKEW_CHANNEL = 32
+SKEW_SIM_TOKENS = 16384
+
+
+def skew_scale(n_expert: int, n_used: int, share: float, seed: int = 0) -> float:
+    """The profile scale s at which the top fifth of the experts takes `share` of the routing,
+    by bisection over a simulation (the same normal draws at every s); a share the profile
+    cannot reach with n_expert / n_used is a ShapeError naming the bound."""
+    from bloomery.routing_skew import TOP, top_share
+    even = TOP                              # the share of even routing: the fraction itself
+    if share < even or share >= 1:
+        raise ShapeError(f"--router-skew {share}: the top fifth's share must be in [{even:.2f}, 1)")
+    if share == even:
+        return 0.0
+    z = np.random.default_rng(seed).standard_normal((SKEW_SIM_TOKENS, n_expert)).astype(np.float32)
+    base = -np.log1p(np.arange(n_expert, dtype=np.float32))
+
+    def measured(s: float) -> float:
+        top = np.argpartition(-(z + np.float32(s) * base), n_used - 1, axis=1)[:, :n_used]
+        return top_share(np.bincount(top.ravel(), minlength=n_expert))
+    lo, hi = 0.0, 64.0
+    if measured(hi) < share:
+        raise ShapeError(f"--router-skew {share}: {n_expert} experts, {n_used} used a token, reach at most "
+                         f"{measured(hi):.2f} (the top fifth holds {TOP * n_expert:.1f} experts)")
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if measured(mid) < share else (lo, mid)
+    return (lo + hi) / 2
+
+
+def skew_channel(raw: np.ndarray, qt: int, n_embd: int, n_rows: int) -> float:
+    """Set the first SKEW_CHANNEL coordinates of every row of a block-coded embedding to one
+    constant (in place); returns that value as the file's dequantizer reads it."""
+    block, type_size = gguf.GGML_QUANT_SIZES[Q(qt)]
+    rows = raw.reshape(n_rows, n_embd // block, type_size)
+    first = rows[:, 0]                                 # [rows, type_size]: coordinates 0 .. block-1
+    if qt == Q.Q4_K:      # sub-block 0 (coordinates 0..31): min 0 (its top bits are sub-block 4's), codes 9
+        first[:, 8] &= 0xC0
+        first[:, 16:48] = (first[:, 16:48] & 0xF0) | 9
+    elif qt == Q.Q5_0:    # every code 31 (high bits all set)
+        first[:, 2:22] = 0xFF
+    elif qt == Q.Q8_0:    # every code 127
+        first[:, 2:34] = 127
+    else:
+        raise ShapeError(f"--router-skew: no constant channel for embedding type {Q(qt).name}")
+    value = gguf.quants.dequantize(first[:1].copy(), Q(qt)).reshape(-1)[:SKEW_CHANNEL]
+    assert np.all(value == value[0]) and value[0] > 0, value
+    return float(value[0])
+
+
+def skew_router(rng: np.random.Generator, n_embd: int, n_expert: int, scale: float, ffn_norm: np.ndarray,
+                channel: float) -> np.ndarray:
+    """One layer's router [E, D]: random on the coordinates past the channel; on the channel a
+    weight per expert so its logit gains beta_e (profile rank of e, times scale) times the spread
+    of the random part, as the layer's ffn_norm weighs both."""
+    c = SKEW_CHANNEL
+    r = rng.standard_normal((n_expert, n_embd), np.float32) * np.float32(1 / np.sqrt(n_embd))
+    beta = -scale * np.log1p(np.arange(n_expert, dtype=np.float64))
+    beta = (beta - beta.mean())[np.argsort(rng.permutation(n_expert))]   # expert e has rank perm^-1(e)
+    spread = SKEW_EMBD_STD / np.sqrt(n_embd) * np.sqrt(np.sum(ffn_norm[c:].astype(np.float64) ** 2))
+    r[:, :c] = (beta * spread / (channel * np.sum(ffn_norm[:c], dtype=np.float64)))[:, None]
+    return r
+
+
+# the tensors that read the residual (their input coordinates) or write it (their output rows):
+# in a --router-skew file they neither read nor write the constant channel, so it stays constant
+SKEW_READERS = (".attn_q.weight", ".attn_k.weight", ".attn_v.weight", ".ffn_gate_exps.weight",
+                ".ffn_up_exps.weight")       # and the head, output.weight
+SKEW_WRITERS = (".attn_output.weight", ".ffn_down_exps.weight")
+
+
+def skew_zero(data: np.ndarray, qt: int, ne: tuple[int, ...], side: str) -> np.ndarray:
+    """Zero (in place) a tensor's weights on the channel: side "in", the first SKEW_CHANNEL
+    elements of every row; "out", the first SKEW_CHANNEL rows (of every expert). `data` is the
+    float values [.., ne1, ne0] or the raw blocks [n_blocks, type_size]."""
+    c = SKEW_CHANNEL
+    if qt in (Q.F32, Q.F16):
+        if side == "in":
+            data[..., :c] = 0
+        else:
+            data[..., :c, :] = 0
+        return data
+    block, type_size = gguf.GGML_QUANT_SIZES[Q(qt)]
+    rows = data.reshape(-1, ne[1], ne[0] // block, type_size)          # [experts, rows, blocks, bytes]
+    if side == "out":                   # every block of the row: its scale fields zero
+        target = rows[:, :c]
+        if qt == Q.Q4_K:
+            target[..., 0:4] = 0        # d, dmin
+        elif qt == Q.Q6_K:
+            target[..., 208:210] = 0    # d
+        else:
+            target[..., 0:2] = 0        # Q5_0, Q8_0: d
+        return data
+    first = rows[:, :, 0]               # the block holding coordinates 0 .. block-1
+    if qt == Q.Q4_K:                    # sub-block 0: scale and min 0 (top bits: sub-block 4's)
+        first[..., 4] &= 0xC0
+        first[..., 8] &= 0xC0
+    elif qt == Q.Q6_K:                  # int8 scales 0 and 1 cover coordinates 0..31
+        first[..., 192:194] = 0
+    else:                               # Q5_0, Q8_0: the block is the channel
+        first[..., 0:2] = 0
+    return data
+
+
+def skew_tensor(skew: dict, name: str, role: str, ne: tuple[int, ...], qt: int, rng: np.random.Generator):
+    """A tensor of a --router-skew file as stored, or None where it is today's (norms, biases).
+    skew carries the profile scale, the channel's value once the embedding is written, and the
+    layer's ffn_norm once written (the router reads it)."""
+    d = ne[0]
+    if role == "router":
+        return skew_router(rng, d, ne[1], skew["scale"], skew.pop("ffn_norm"), skew["channel"])
+    side = ("in" if name.endswith(SKEW_READERS) or name == "output.weight" else
+            "out" if name.endswith(SKEW_WRITERS) else None)
+    if role != "embd" and side is None:
+        return None
+    floats = qt in (Q.F32, Q.F16)
+    if role == "embd":
+        if floats:
+            vals = float_values(role, ne, rng) * np.float32(SKEW_EMBD_STD * np.sqrt(d))
+            vals[:, :SKEW_CHANNEL] = 2 * SKEW_EMBD_STD
+            vals = vals.astype(np.float16 if qt == Q.F16 else np.float32)
+            skew["channel"] = float(vals[0, 0])
+            return vals
+        raw = block_bytes(qt, ne, rng, std=SKEW_EMBD_STD)
+        skew["channel"] = skew_channel(raw, qt, d, ne[1])
+        return raw
+    data = (float_values(role, ne, rng).astype(np.float16 if qt == Q.F16 else np.float32) if floats
+            else block_bytes(qt, ne, rng))
+    return skew_zero(data, qt, ne, side)
 
 
 def check_shape(arch: str, s: dict) -> None:
@@ -190,13 +353,24 @@ def check_shape(arch: str, s: dict) -> None:
                 raise ShapeError(f"{flag} = {n}: blocks mode needs rows that are a multiple of 32")
 
 
-def write_synthetic(path, arch: str = "qwen2", tokenizer_from: str | None = None, **shape) -> Path:
-    """Write the file; returns its path. Shape keys as DEFAULTS (n_layer, n_embd, ...)."""
+def write_synthetic(path, arch: str = "qwen2", tokenizer_from: str | None = None, router_skew: float | None = None,
+                    **shape) -> Path:
+    """Write the file; returns its path. Shape keys as DEFAULTS (n_layer, n_embd, ...).
+    router_skew: the share of the routing the busiest fifth of each layer's experts takes in
+    the running model (qwen3moe; 0.2 is even routing; see --router-skew); None: today's weights."""
     unknown = set(shape) - set(DEFAULTS)
     if unknown:
         raise ShapeError(f"unknown shape keys {sorted(unknown)}; known: {sorted(DEFAULTS)}")
     s = {**DEFAULTS, **shape}
     check_shape(arch, s)
+    skew = None
+    if router_skew is not None:
+        if arch != "qwen3moe":
+            raise ShapeError(f"--router-skew needs --arch qwen3moe (routed experts), not {arch}")
+        if s["n_embd"] < 2 * SKEW_CHANNEL:
+            raise ShapeError(f"--router-skew needs --n-embd >= {2 * SKEW_CHANNEL} (the constant channel takes "
+                             f"{SKEW_CHANNEL} coordinates), got {s['n_embd']}")
+        skew = {"scale": skew_scale(s["n_expert"], s["n_expert_used"], float(router_skew), s["seed"])}
     s["head_dim"] = s["head_dim"] or s["n_embd"] // s["n_head"]
     tok = tokenizer_keys(str(tokenizer_from or fetch_model_path()))
     s["n_vocab"] = next(n for k, _, _, _, n in tok if k == "tokenizer.ggml.tokens")
@@ -230,8 +404,14 @@ def write_synthetic(path, arch: str = "qwen2", tokenizer_from: str | None = None
     w.write_ti_data_to_file()
     for i, (name, ne, role, qt) in enumerate(tensors):   # one tensor in memory at a time
         rng = np.random.default_rng([s["seed"], i])
-        if qt in (Q.F32, Q.F16):
-            w.write_tensor_data(float_values(role, ne, rng).astype(np.float16 if qt == Q.F16 else np.float32))
+        special = skew_tensor(skew, name, role, ne, qt, rng) if skew is not None else None
+        if special is not None:
+            w.write_tensor_data(special)
+        elif qt in (Q.F32, Q.F16):
+            vals = float_values(role, ne, rng)
+            if skew is not None and name.endswith("ffn_norm.weight"):
+                skew["ffn_norm"] = vals
+            w.write_tensor_data(vals.astype(np.float16 if qt == Q.F16 else np.float32))
         else:
             w.write_tensor_data(block_bytes(qt, ne, rng))
     w.close()
@@ -254,20 +434,32 @@ def write_tokenizer_only(path, tokenizer_from: str | None = None) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arch", default="qwen2", choices=ARCHS)
+    ap.add_argument("--shape", choices=sorted(PRESETS), default=None,
+                    help="a named shape (arch and every shape flag; flags given beside it override): "
+                         + "; ".join(f"{k}: --arch {a} " + " ".join(f"--{n.replace('_', '-')} {v}" for n, v in kw.items())
+                                     for k, (a, kw) in PRESETS.items()))
+    ap.add_argument("--arch", default=None, choices=ARCHS, help="default qwen2")
     for key, default in DEFAULTS.items():
         flag = "--" + key.replace("_", "-")
-        ap.add_argument(flag, dest=key, default=default, type=type(default))
+        ap.add_argument(flag, dest=key, default=None, type=type(default), help=f"default {default}")
+    ap.add_argument("--router-skew", type=float, default=None, metavar="SHARE",
+                    help="qwen3moe: build the embedding and routers so that, in the running model, the busiest "
+                         "fifth of each layer's experts takes about SHARE of the routing (0.2: even routing; "
+                         "0.6: a skew like real routers'); without it the weights are today's, whose routing "
+                         "is not controlled (see the comment above SKEW_EMBD_STD)")
     ap.add_argument("--tokenizer-from", default=None, help="GGUF to copy tokenizer keys from (default: the real model)")
     ap.add_argument("--tokenizer-only", action="store_true", help="write only the tokenizer keys")
     ap.add_argument("-o", "--output", required=True)
     args = vars(ap.parse_args(argv))
-    out, arch, tok = args.pop("output"), args.pop("arch"), args.pop("tokenizer_from")
+    out, tok, skew, preset = args.pop("output"), args.pop("tokenizer_from"), args.pop("router_skew"), args.pop("shape")
     if args.pop("tokenizer_only"):
         print(write_tokenizer_only(out, tok))
         return
+    arch, shape = PRESETS[preset] if preset else ("qwen2", {})
+    arch = args.pop("arch") or arch
+    shape = {**shape, **{k: v for k, v in args.items() if v is not None}}
     try:
-        print(write_synthetic(out, arch=arch, tokenizer_from=tok, **args))
+        print(write_synthetic(out, arch=arch, tokenizer_from=tok, router_skew=skew, **shape))
     except ShapeError as e:
         ap.error(str(e))
 

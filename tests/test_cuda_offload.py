@@ -18,7 +18,7 @@ from tests.conftest import load_tool
 
 SHAPE = dict(n_layer=4, n_embd=512, n_head=8, n_head_kv=2, head_dim=128, n_expert=16, n_expert_used=4, n_ff_exp=256)
 E, L = SHAPE["n_expert"], SHAPE["n_layer"]
-BAND = 0.6            # as tests/test_cuda_models.py's qwen3moe band: host and card round activations differently
+BAND = 0.8            # host and card round activations differently; measured 0.586 on the H200 (docs/verify.md)
 PROMPT = [151644, 872, 198, 7985, 264, 13027, 729, 13, 151645, 198, 151644, 77091, 198]
 
 

@@ -9,6 +9,11 @@ id ("stop", reported in the same output, winning over the other two).
 add / cancel / slots / has_work may be called from another thread while step()
 runs: the bookkeeping sits behind a lock that is never held across a model call.
 Every TokenOut names the slot that ran its request (-1 for one that never had one).
+
+The prompt cache (engine/prompt_cache.py, -cram): before an admitted prompt that does not
+extend what its slot holds overwrites it, the slot's state is saved there; a prompt sharing a
+longer prefix with a saved state than with its live slot has that prefix restored into the
+slot and runs only the rest (n_cached counts the restored ids).
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from typing import Callable
 import numpy as np
 
 from bloomery.engine.limits import finish_reason
+from bloomery.engine.prompt_cache import PromptCache
 from bloomery.engine.sampler import Sample, Sampler, SamplerError
 from bloomery.engine.scheduler import Scheduler, Slot
 from bloomery.engine.types import EngineRequest, TokenOut
@@ -42,8 +48,11 @@ class Engine:
     top_steps = 0          # decode steps that fetched each row's largest logits for a greedy pick
     top_misses = 0         # ... of which ran again with whole rows (no candidate settled a pick)
 
-    def __init__(self, model, n_slots: int, n_ctx_slot: int, max_queue: int | None = None, n_batch: int = 2048):
+    def __init__(self, model, n_slots: int, n_ctx_slot: int, max_queue: int | None = None, n_batch: int = 2048,
+                 prompt_cache_bytes: int = 0):
         self.model = model
+        # saved slot states in host RAM, within this budget (0: off); only a model with save_kv / restore_kv
+        self.prompt_cache = PromptCache(prompt_cache_bytes)
         # a prompt asking for progress runs in passes of n_batch ids (llama-server's -b), each reported at once
         # through `emit` when set (the engine process sends it on the socket), else with the step's outputs
         self.n_batch = n_batch
@@ -102,7 +111,12 @@ class Engine:
             self.model = model
             for slot in self.scheduler.slots:
                 slot.cached_ids.clear()
+            self.prompt_cache.clear()     # its host RAM is freed with the rest
 
+    def prompt_cache_stats(self) -> dict[str, float]:
+        """The prompt cache's bytes, entries, budget and restore time (what /metrics shows)."""
+        with self._lock:
+            return self.prompt_cache.stats()
     def abort_all(self, message: str) -> list[TokenOut]:
         """Finish every queued and running request with "error" (after a fault in step)."""
         with self._lock:
@@ -136,6 +150,12 @@ class Engine:
                                        "n_prompt": len(req.prompt_ids), "n_cached": slot.n_cached,
                                        "n_processed": len(req.prompt_ids) - slot.n_cached,
                                        "n_decoded": 0}
+        for slot in admitted:    # every save before any restore: a slot admitted now may restore another's
+            try:
+                self._save_held(slot)
+            except Exception as e:   # the slot's KV is as it was; this request alone fails
+                outs.append(self._fail(slot, e, len(slot.req.prompt_ids)))
+        admitted = [s for s in admitted if s.req is not None]
         for slot in admitted:
             outs.append(self._prefill(slot, outs))    # progress outputs (when not emitted) go first
         if decoding:
@@ -165,8 +185,58 @@ class Engine:
             report(start + len(chunk))
         return logits
 
+    def _cache_calls(self):
+        """The model's (save_kv, restore_kv) when the prompt cache is on and the model has them, else None."""
+        save, restore = getattr(self.model, "save_kv", None), getattr(self.model, "restore_kv", None)
+        return (save, restore) if self.prompt_cache.enabled and save and restore else None
+
+    def _save_held(self, slot: Slot) -> None:
+        """Keep what the slot held in the prompt cache before its new prompt overwrites it."""
+        held, slot.held_ids = slot.held_ids, ()
+        calls = self._cache_calls()
+        if not held or calls is None:
+            return
+        with self._lock:
+            if self.prompt_cache.covers(held):
+                return
+        per_pos = getattr(self.model, "kv_bytes_per_position", 0)
+        if per_pos and not self.prompt_cache.fits(per_pos * len(held)):
+            return                   # it alone passes the budget: not copied at all
+        state = calls[0](slot.id, len(held))
+        with self._lock:
+            self.prompt_cache.save(held, state)
+
+    def _restore_saved(self, slot: Slot) -> None:
+        """A saved state sharing a longer prefix with the prompt than the live slot: that prefix into
+        the slot (at least one prompt id is left to run, for the logits)."""
+        req = slot.req
+        calls = self._cache_calls()
+        if calls is None or not req.cache_prompt:
+            return
+        with self._lock:
+            got = self.prompt_cache.best(req.prompt_ids, slot.n_cached)
+        if got is None or min(got[1], len(req.prompt_ids) - 1) <= slot.n_cached:
+            return
+        entry, n = got[0], min(got[1], len(req.prompt_ids) - 1)
+        t0 = time.perf_counter()
+        with self._lock:
+            self.scheduler.forget(slot)          # until the copy is done the slot's KV is neither
+            slot.n_cached = 0
+        calls[1](slot.id, entry.state, n)
+        with self._lock:
+            self.prompt_cache.restore_s += time.perf_counter() - t0
+            self.prompt_cache.n_restored += 1
+            self.scheduler.restored(slot, n)
+            last = self._last.get(slot.id)
+            if last is not None and last["req_id"] == req.req_id:
+                last["n_cached"], last["n_processed"] = n, len(req.prompt_ids) - n
+
     def _prefill(self, slot: Slot, progress: list[TokenOut]) -> TokenOut:
         req = slot.req
+        try:
+            self._restore_saved(slot)
+        except Exception as e:   # the slot holds nothing trustworthy now (forgotten); this request fails
+            return self._fail(slot, e, len(req.prompt_ids))
         n_prompt, n_cached = len(req.prompt_ids), slot.n_cached
         t0 = time.perf_counter()
         try:

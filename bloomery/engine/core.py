@@ -1,7 +1,10 @@
 """The engine: admit requests to slots, run the model, sample, finish.
 
-step() is one round: cancels, admissions (one model.prefill per new prompt, its
-first id sampled), then one batched model.decode over every other busy slot.
+step() is one round: cancels, admissions, prompt passes, then one batched model.decode over
+every slot that has a sampled id to feed. A prompt runs whole in the round it was admitted
+when no other slot is busy; beside busy slots it runs in chunked prefill: one pass of at most
+min(n_batch, the model's n_ubatch) ids a round, so the other slots' streams keep stepping
+between its passes. Its first id is sampled after its last pass.
 Finishing follows llama-server's process_token: the context check (prompt ids +
 sampled ids reach n_ctx_slot -> "length"), then n_predict ("length"), then a stop
 id ("stop", reported in the same output, winning over the other two).
@@ -38,6 +41,8 @@ class _ReqState:
     stop_ids: frozenset[int]
     prompt_ms: float = 0.0
     top_miss: float = 0.0     # running share of greedy picks each row's largest logits did not settle
+    n_done: int = 0           # prompt ids in the slot's KV so far (cached, restored and run)
+    t0: float = 0.0           # when the prompt's first pass began (perf_counter)
 
 
 class Engine:
@@ -157,33 +162,31 @@ class Engine:
                 outs.append(self._fail(slot, e, len(slot.req.prompt_ids)))
         admitted = [s for s in admitted if s.req is not None]
         for slot in admitted:
-            outs.append(self._prefill(slot, outs))    # progress outputs (when not emitted) go first
+            failed = self._start(slot, outs)
+            if failed is not None:
+                outs.append(failed)
+        with self._lock:
+            prefilling = [s for s in self.scheduler.busy() if s.next_id is None]
+        for slot in prefilling:
+            # alone, a prompt runs whole; beside other busy slots, one chunk a round (chunked prefill)
+            out = self._prefill(slot, outs, whole=not decoding and len(prefilling) == 1)
+            if out is not None:
+                outs.append(out)                  # progress outputs (when not emitted) go first
         if decoding:
             outs.extend(self._decode(decoding))
         return outs
 
-    def _prefill_reporting(self, slot: Slot, ids: np.ndarray, n_cached: int, t0: float,
-                           progress: list[TokenOut]) -> np.ndarray:
-        """The prompt pass in batches of n_batch ids, one progress output before the first and after each
-        (llama-server's prompt_progress: processed counts the cached ids too)."""
-        req = slot.req
-
-        def report(n_done: int) -> None:   # prompt_ms: the passes so far (0 before the first, as llama-server)
-            ms = (time.perf_counter() - t0) * 1000.0 if n_done else 0.0
-            out = TokenOut(req.req_id, None, n_prompt=len(req.prompt_ids), n_cached=n_cached, slot=slot.id,
-                           prompt_ms=ms, n_processed=n_cached + n_done)
-            if self.emit is not None:
-                self.emit([out])
-            else:
-                progress.append(out)
-        report(0)
-        logits = None
-        step = max(self.n_batch, 1)
-        for start in range(0, len(ids), step):
-            chunk = ids[start:start + step]
-            logits = self.model.prefill(slot.id, chunk, n_cached + start)     # [V] of the chunk's last id
-            report(start + len(chunk))
-        return logits
+    def _report(self, slot: Slot, progress: list[TokenOut]) -> None:
+        """A prompt-progress output (llama-server's prompt_progress: processed counts the cached ids
+        too; prompt_ms: the passes so far, 0 before the first)."""
+        req, st = slot.req, slot.state
+        ms = (time.perf_counter() - st.t0) * 1000.0 if st.n_done > slot.n_cached else 0.0
+        out = TokenOut(req.req_id, None, n_prompt=len(req.prompt_ids), n_cached=slot.n_cached, slot=slot.id,
+                       prompt_ms=ms, n_processed=st.n_done)
+        if self.emit is not None:
+            self.emit([out])
+        else:
+            progress.append(out)
 
     def _cache_calls(self):
         """The model's (save_kv, restore_kv) when the prompt cache is on and the model has them, else None."""
@@ -231,28 +234,51 @@ class Engine:
             if last is not None and last["req_id"] == req.req_id:
                 last["n_cached"], last["n_processed"] = n, len(req.prompt_ids) - n
 
-    def _prefill(self, slot: Slot, progress: list[TokenOut]) -> TokenOut:
+    def _start(self, slot: Slot, progress: list[TokenOut]) -> TokenOut | None:
+        """An admitted request: a restore from the prompt cache, its sampler; None when it may run its
+        prompt, else the output that failed it."""
         req = slot.req
         try:
             self._restore_saved(slot)
         except Exception as e:   # the slot holds nothing trustworthy now (forgotten); this request fails
             return self._fail(slot, e, len(req.prompt_ids))
-        n_prompt, n_cached = len(req.prompt_ids), slot.n_cached
-        t0 = time.perf_counter()
         try:
             sampler = Sampler(req.sampling, self.n_vocab, self.n_ctx_slot, req.prompt_ids,
                               matcher=self._matcher(req))
-            ids = np.asarray(req.prompt_ids[n_cached:], dtype=np.int32)          # [T]
-            if req.return_progress:
-                logits = self._prefill_reporting(slot, ids, n_cached, t0, progress)
-            else:
-                logits = self.model.prefill(slot.id, ids, n_cached)               # [V]
+        except Exception as e:
+            return self._fail(slot, e, len(req.prompt_ids), slot.n_cached)
+        slot.state = _ReqState(sampler, frozenset(req.stop_ids), n_done=slot.n_cached, t0=time.perf_counter())
+        if req.return_progress:
+            self._report(slot, progress)
+        return None
+
+    def _prefill(self, slot: Slot, progress: list[TokenOut], whole: bool) -> TokenOut | None:
+        """The slot's prompt from where it stands: whole (in passes of n_batch ids when it reports its
+        progress, else one call), or one chunk of at most min(n_batch, n_ubatch) ids. After its last
+        pass the first id is sampled; None while the prompt is not done."""
+        req, st = slot.req, slot.state
+        n_prompt, n_cached = len(req.prompt_ids), slot.n_cached
+        if whole:
+            step = max(self.n_batch, 1) if req.return_progress else n_prompt
+        else:
+            step = max(min(self.n_batch, getattr(self.model, "n_ubatch", self.n_batch)), 1)
+        logits = None
+        try:
+            while st.n_done < n_prompt:
+                ids = np.asarray(req.prompt_ids[st.n_done:st.n_done + step], dtype=np.int32)   # [T]
+                logits = self.model.prefill(slot.id, ids, st.n_done)             # [V] of the pass's last id
+                st.n_done += len(ids)
+                if req.return_progress:
+                    self._report(slot, progress)
+                if not whole:
+                    break
         except Exception as e:   # one request's failure must not stop the others
             return self._fail(slot, e, n_prompt, n_cached)
-        prompt_ms = (time.perf_counter() - t0) * 1000.0
+        if st.n_done < n_prompt:
+            return None
+        st.prompt_ms = (time.perf_counter() - st.t0) * 1000.0
         with self._lock:
             self.scheduler.prefilled(slot)
-        slot.state = _ReqState(sampler, frozenset(req.stop_ids), prompt_ms)
         return self._sample(slot, logits, first=True)
 
     def _decode(self, slots: list[Slot]) -> list[TokenOut]:

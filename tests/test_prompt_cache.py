@@ -97,3 +97,24 @@ def test_the_cache_off_restores_nothing():
         engine.add(greq(rid, p))
         out = drain(engine)[rid]
     assert out[0].n_cached == 0 and not [c for c in model.calls if c[0] in ("save", "restore")]
+
+
+def test_the_cpu_kv_cache_saves_and_restores_a_slots_positions():
+    from bloomery.engine.cpu.kv_cache import KVCache, KVCacheError
+    kv = KVCache(n_layer=3, n_slots=2, n_ctx_slot=32, n_head_kv=2, head_dim=8)
+    rng = np.random.default_rng(0)
+    kv.k[...] = rng.standard_normal(kv.k.shape)
+    kv.v[...] = rng.standard_normal(kv.v.shape)
+    k_state, v_state = kv.save_state(1, 7)
+    assert k_state.shape == (3, 7, 2, 8) and k_state.nbytes == 3 * 7 * 2 * 8 * 2
+    before_k, before_v = kv.k.copy(), kv.v.copy()
+    kv.k[:, 1] = 0
+    kv.v[:, 1] = 0
+    kv.restore_state(1, (k_state, v_state), 5)
+    np.testing.assert_array_equal(kv.k[:, 1, :5], before_k[:, 1, :5])
+    np.testing.assert_array_equal(kv.v[:, 1, :5], before_v[:, 1, :5])
+    assert not kv.k[:, 1, 5:].any() and (kv.k[:, 0] == before_k[:, 0]).all()
+    with pytest.raises(KVCacheError, match="cannot fill 8 positions"):
+        kv.restore_state(1, (k_state, v_state), 8)
+    with pytest.raises(KVCacheError, match="slot 2 is out of range"):
+        kv.save_state(2, 1)

@@ -70,6 +70,8 @@ class KVCacheF16:
                              f"shaped {self.k.shape}")
         self.k[:, slot, :, :n] = cupy.asarray(k[:, :, :n])                 # [L, Hkv, n, Dh]
         self.v[:, slot, :, :n] = cupy.asarray(v[:, :, :n])
+        # the captured decode steps run on their own non-blocking stream: done here, before any of them
+        cupy.cuda.get_current_stream().synchronize()
 
     def _check_span(self, slot: int, n: int) -> None:
         if not 0 <= slot < self.k.shape[1]:

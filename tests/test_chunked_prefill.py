@@ -45,6 +45,23 @@ def test_a_prompt_beside_a_stream_runs_in_chunks_between_its_decode_steps():
     assert outs["b"][0].n_prompt == 18 and outs["b"][0].prompt_ms > 0
 
 
+def test_a_prompt_cancelled_between_its_chunks_leaves_nothing_half_read_for_the_next():
+    model = ChunkedModel(2, 64)
+    engine = Engine(model, 2, 64)
+    engine.add(greq("a", [1, 2, 3], n_predict=20))
+    engine.step()
+    long_prompt = list(range(5, 23))
+    engine.add(greq("b", long_prompt, n_predict=3))
+    engine.step()                                             # b's first chunk and a's step
+    engine.cancel("b")
+    outs = engine.step()
+    assert [(o.req_id, o.finish) for o in outs if o.req_id == "b"] == [("b", "cancel")]
+    engine.add(greq("c", long_prompt, n_predict=3))
+    out = drain(engine)
+    assert out["c"][0].n_cached == 0                          # b's chunks were never counted as the slot's
+    assert [o.token for o in out["c"]] == model.reference(long_prompt, 3)
+
+
 def test_a_prompt_alone_runs_whole():
     model = ChunkedModel(2, 64)
     engine = Engine(model, 2, 64)

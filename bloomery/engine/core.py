@@ -122,6 +122,7 @@ class Engine:
         """The prompt cache's bytes, entries, budget and restore time (what /metrics shows)."""
         with self._lock:
             return self.prompt_cache.stats()
+
     def abort_all(self, message: str) -> list[TokenOut]:
         """Finish every queued and running request with "error" (after a fault in step)."""
         with self._lock:
@@ -223,7 +224,7 @@ class Engine:
         entry, n = got[0], min(got[1], len(req.prompt_ids) - 1)
         t0 = time.perf_counter()
         with self._lock:
-            self.scheduler.forget(slot)          # until the copy is done the slot's KV is neither
+            self.scheduler.forget(slot)          # the copy overwrites the live prefix: nothing counts till it is done
             slot.n_cached = 0
         calls[1](slot.id, entry.state, n)
         with self._lock:

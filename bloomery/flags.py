@@ -217,7 +217,10 @@ TABLE: tuple[Flag, ...] = (
     Flag("--cors-headers", (), "LLAMA_ARG_CORS_HEADERS", "str", "*", "comma-separated headers a CORS preflight allows"),
     Flag("--cors-credentials", (), "LLAMA_ARG_CORS_CREDENTIALS", "switch", True,
          'allow credentials for CORS (never with --cors-origins "*")', negs=("--no-cors-credentials",)),
-    _noop("--cache-ram", ("-cram",), "LLAMA_ARG_CACHE_RAM", "int", why="no host prompt cache in this build"),
+    Flag("--cache-ram", ("-cram",), "LLAMA_ARG_CACHE_RAM", "int", None,
+         "the prompt cache's budget in MiB: saved slot states in host RAM, restored when a prompt shares a "
+         "prefix with one (0: off; default: the lesser of 8 GiB and half the host RAM the plan leaves; "
+         "-1, no limit, is refused)"),
     _noop("--mmproj-auto", (), "LLAMA_ARG_MMPROJ_AUTO", negs=("--no-mmproj", "--no-mmproj-auto"),
           why="no image encoder is loaded"),
     *_placement_rows(),

@@ -27,6 +27,9 @@ class Terms:
     scratch: int = 0        # the peak of one prompt pass (transient: not held between requests)
     pinned: int = 0         # staging buffers for host experts streamed to a card (host: pinned; card: receive)
     margin: int = 0         # kept free on a card, or reserved on the host (interpreter, tables, sockets)
+    # the host: the prompt cache's budget (-cram), filled by saved slot states as requests come; counted
+    # beside the load's need (total), as the need record carries it beside bytes
+    prompt_cache: int = 0
 
     @property
     def total(self) -> int:

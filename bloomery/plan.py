@@ -29,7 +29,7 @@ from bloomery.engine.cpu import sizes as cpu_sizes
 from bloomery.engine.cuda import sizes as cuda_sizes
 from bloomery.engine.cuda.sizes import DECODE_ROWS as CUDA_DECODE_ROWS, SCORE_BYTES as CUDA_SCORE_BYTES, UBATCH as CUDA_UBATCH
 from bloomery import offload
-from bloomery.placement import DeviceNeed, Placement, Terms, gib
+from bloomery.placement import GIB, DeviceNeed, Placement, Terms, gib
 from bloomery.placement_flags import FIT_CTX, FIT_TARGET_MIB, PlacementAsk
 
 
@@ -38,6 +38,8 @@ KV_BYTES_PER_ELEM = {"numpy": cpu_sizes.KV_BYTES, "cuda": cuda_sizes.KV_BYTES}  
 N_UBATCH = cpu_sizes.UBATCH                      # positions in one numpy prompt pass (scratch sizing)
 CARD_MARGIN_BYTES = FIT_TARGET_MIB * MIB         # kept free on the card (llama-server's -fitt default)
 HOST_RESERVE_BYTES = 256 * MIB                   # interpreter, tokenizer tables, sockets beside the plan
+PROMPT_CACHE_MAX_BYTES = 8 * GIB                 # the prompt cache's default budget: at most this, ...
+PROMPT_CACHE_SHARE = 2                           # ... and at most 1/this of the host RAM the plan leaves
 CTX_PAD = 256                                    # llama.cpp pads n_ctx and each slot's share to 256
 FIT_STEP, FIT_FLOOR = 1024, FIT_CTX              # the fitted rule's grid and its floor (-fitc sets it)
 NO_ASK = PlacementAsk()
@@ -226,6 +228,8 @@ class Plan:
     ctx_size: int = 0               # what was asked: -c (0: not given) and --slot-ctx
     slot_ctx: int = 0
     expert_bytes: tuple[int, ...] = ()   # per layer, one routed expert's stored bytes (MoE)
+    prompt_cache_bytes: int = 0     # the prompt cache's budget on the host (beside host_bytes)
+    prompt_cache_from: str = "default"   # "set" (-cram) or "default"
 
     def explain(self) -> list[tuple[str, str, dict]]:
         """The plan in words, for people (--plan prints these): (level, sentence, fields) per line.
@@ -248,9 +252,10 @@ class Plan:
                      f"{kept} {gib(t.margin)}"]
             parts = [s for s in parts if not s.endswith(" 0.000 GiB")]
             have = f"{gib(d.available)} available" if d.device == "host" else f"{gib(d.available)} free"
-            fits = t.total <= d.available
+            fits = t.total + t.prompt_cache <= d.available
+            beside = f", and the prompt cache up to {gib(t.prompt_cache)} beside it" if t.prompt_cache else ""
             lines.append(("info" if fits else "warning",
-                          f"{d.device} needs {gib(need)} of {have}: {' + '.join(parts)}",
+                          f"{d.device} needs {gib(need)} of {have}: {' + '.join(parts)}{beside}",
                           {"device": d.device, "need_bytes": need, "available_bytes": d.available}))
         if p and p.backend == "cuda":
             lines += placement_lines(p)
@@ -272,6 +277,7 @@ class Plan:
                    f"one that does not fit is refused")
         lines.append(("info", f"context rule \"{self.ctx_rule}\": {why}",
                       {"rule": self.ctx_rule, "n_ctx_slot": self.n_ctx_slot, "n_ctx": self.n_ctx}))
+        lines.append(self._cache_line())
         if self.parallel_from == "auto":
             lines.append(("info", f"--parallel auto: {slots}, the most (up to {MAX_AUTO_SLOTS}) whose plan holds one "
                                   f"request's context", {"slots": self.n_slots}))
@@ -282,11 +288,22 @@ class Plan:
                                                                              "n_ctx_train": self.n_ctx_train}))
         return lines
 
+    def _cache_line(self) -> tuple[str, str, dict]:
+        n = self.prompt_cache_bytes
+        if self.prompt_cache_from == "set":
+            why = f"-cram {n // MIB} set it" if n else "-cram 0 turned it off"
+        else:
+            why = (f"the default: the lesser of {gib(PROMPT_CACHE_MAX_BYTES)} and 1/{PROMPT_CACHE_SHARE} of the "
+                   f"host RAM the plan leaves")
+        return ("info", f"prompt cache {gib(n)} of host RAM: {why}", {"prompt_cache_bytes": n,
+                                                                      "from": self.prompt_cache_from})
+
     def records(self) -> list[tuple[str, dict]]:
         plan = {"backend": self.backend, "arch": self.arch, "weights_bytes": self.weights_bytes,
                 **{f"{k}_bytes": v for k, v in self.tensor_bytes.items()},
                 "decoded_bytes": self.decoded_bytes, "kv_bytes": self.kv_bytes, "scratch_bytes": self.scratch_bytes,
-                "host_bytes": self.host_bytes, "cards": list(self.card_bytes)}
+                "prompt_cache_bytes": self.prompt_cache_bytes, "host_bytes": self.host_bytes,
+                "cards": list(self.card_bytes)}
         ctx = {"n_ctx_slot": self.n_ctx_slot, "n_ctx": self.n_ctx, "rule": self.ctx_rule,
                "n_ctx_train": self.n_ctx_train}
         return [("plan", plan), ("ctx", ctx), ("parallel", {"slots": self.n_slots, "from": self.parallel_from}),
@@ -415,10 +432,30 @@ def _auto_slots(facts, census, backend, slot_ctx: int, ask=NO_ASK) -> int:
                if n == 1 or _shortfall(facts, backend, census, n, n_ctx_slot, ask) is None)
 
 
+def prompt_cache_budget(cache_ram_mib: int | None, host_left: int) -> int:
+    """-cram in bytes; unset: the lesser of PROMPT_CACHE_MAX_BYTES and a share of what the host has left."""
+    if cache_ram_mib is None:
+        return min(PROMPT_CACHE_MAX_BYTES, max(host_left, 0) // PROMPT_CACHE_SHARE)
+    if isinstance(cache_ram_mib, bool) or not isinstance(cache_ram_mib, int) or cache_ram_mib < 0:
+        raise PlanError(f"--cache-ram {cache_ram_mib!r}: the prompt cache always has a budget here "
+                        f"(llama-server's -1, no limit, is refused); give MiB >= 1, or 0 to turn it off")
+    return cache_ram_mib * MIB
+
+
+def _with_prompt_cache(devices: tuple[DeviceNeed, ...], cache_ram_mib: int | None) -> tuple[DeviceNeed, ...]:
+    """The host's terms with the prompt cache's budget counted in."""
+    host = devices[0]
+    budget = prompt_cache_budget(cache_ram_mib, host.available - host.terms.total)
+    return (dataclasses.replace(host, terms=dataclasses.replace(host.terms, prompt_cache=budget)), *devices[1:])
+
+
 def make_plan(facts: ModelFacts, census: Census, backend: str = "numpy", ctx_size: int = 0,
-              n_parallel: int | str = 1, slot_ctx: int = 0, ask: PlacementAsk = NO_ASK) -> Plan:
-    """The plan for these settings; n_parallel is a count or "auto"; ask: the placement flags."""
+              n_parallel: int | str = 1, slot_ctx: int = 0, ask: PlacementAsk = NO_ASK,
+              cache_ram_mib: int | None = None) -> Plan:
+    """The plan for these settings; n_parallel is a count or "auto"; ask: the placement flags; cache_ram_mib:
+    -cram (None: the default budget, counted from what the rest of the plan leaves on the host)."""
     _check_settings(facts, census, backend, ctx_size, n_parallel, slot_ctx)
+    prompt_cache_budget(cache_ram_mib, 0)     # a refused -cram before any arithmetic
     if backend == "numpy":
         on_card = [f"-ot {o.pattern}={o.buft}" for o in ask.overrides if o.buft != "CPU"]
         if on_card:
@@ -429,22 +466,26 @@ def make_plan(facts: ModelFacts, census: Census, backend: str = "numpy", ctx_siz
     need = t["weights"] + t["decoded"] + t["kv"] + t["scratch"]
     placed = Terms(weights=t["weights"], decoded=t["decoded"], kv=t["kv"], scratch=t["scratch"])
     if backend == "numpy":
+        devices = _with_prompt_cache(
+            (DeviceNeed("host", census.host_avail_bytes, dataclasses.replace(placed, margin=HOST_RESERVE_BYTES)),
+             *(DeviceNeed(f"cuda:{i}", free, Terms()) for i, free in enumerate(census.card_free_bytes))), cache_ram_mib)
         host, cards = need + HOST_RESERVE_BYTES, tuple(0 for _ in census.card_free_bytes)
-        devices = (DeviceNeed("host", census.host_avail_bytes, dataclasses.replace(placed, margin=HOST_RESERVE_BYTES)),
-                   *(DeviceNeed(f"cuda:{i}", free, Terms()) for i, free in enumerate(census.card_free_bytes)))
         placement = Placement(backend, n, n_ctx_slot, "host", devices=devices, n_expert=facts.n_expert)
     else:
         try:
             r = _place(facts, census, n, n_ctx_slot, ask, moved)
         except offload.OffloadError as e:        # _choose_ctx checked it fits; kept for a plain error all the same
             raise PlanError(str(e)) from None
-        host = r.devices[0].terms.total
-        cards = tuple(d.terms.total - d.terms.margin for d in r.devices[1:])
-        placement = Placement(backend, n, n_ctx_slot, f"cuda:{r.main}", devices=r.devices, tensors=r.tensors,
+        devices = _with_prompt_cache(tuple(r.devices), cache_ram_mib)
+        host = devices[0].terms.total
+        cards = tuple(d.terms.total - d.terms.margin for d in devices[1:])
+        placement = Placement(backend, n, n_ctx_slot, f"cuda:{r.main}", devices=devices, tensors=r.tensors,
                               experts_on_card=r.experts_on_card if facts.n_expert else (), case=r.case,
                               layer_why=r.layer_why if facts.n_expert else (), n_expert=facts.n_expert)
     return Plan(backend, facts.arch, n * n_ctx_slot, n_ctx_slot, n, rule, facts.n_ctx_train,
                 dict(facts.tensor_bytes), t["weights"], t["kv"], t["scratch"], host, cards, t,
                 parallel_from="auto" if n_parallel == "auto" else "set", decoded_bytes=t["decoded"],
                 placement=placement, ctx_size=ctx_size, slot_ctx=slot_ctx,
-                expert_bytes=layout_of(facts).expert_bytes if facts.n_expert else ())
+                expert_bytes=layout_of(facts).expert_bytes if facts.n_expert else (),
+                prompt_cache_bytes=devices[0].terms.prompt_cache,
+                prompt_cache_from="default" if cache_ram_mib is None else "set")

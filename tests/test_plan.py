@@ -20,6 +20,7 @@ import pytest
 from bloomery import plan as plan_mod
 from bloomery.census import cgroup_limit_bytes, take_census
 from bloomery.gguf_file import open_gguf
+from bloomery.placement import gib
 from bloomery.plan import Census, ModelFacts, PlanError, make_plan, model_facts
 
 QWEN25 = ModelFacts(
@@ -263,8 +264,12 @@ def test_the_plan_in_words():
     def words(p):
         return [(level, text) for level, text, _ in p.explain()]
     p = make_plan(QWEN25, Census(2_000_000_000))
-    (lvl, host), (_, rule) = words(p)
+    (lvl, host), (_, rule), (_, cache) = words(p)
     assert lvl == "info" and host.startswith("host needs 1.85 GiB of 1.86 GiB available: weights 0.45 GiB + KV ")
+    # the prompt cache's default: half of what the plan leaves (2_000_000_000 - host_bytes), beside the need
+    assert p.prompt_cache_bytes == (2_000_000_000 - p.host_bytes) // 2 and p.host_bytes == p.placement.need()[0]
+    assert host.endswith(f"and the prompt cache up to {gib(p.prompt_cache_bytes)} beside it")
+    assert cache.startswith(f"prompt cache {gib(p.prompt_cache_bytes)} of host RAM: the default")
     assert "reserve 0.25 GiB" in host and "decoded" not in host          # these facts list no tensors
     assert rule.startswith('context rule "fitted": no -c given, and 1 slot of the trained context (32768) does not '
                            'fit') and "21504" in rule
@@ -275,6 +280,25 @@ def test_the_plan_in_words():
     over = words(make_plan(QWEN25, BIG, ctx_size=65536))
     assert over[-1][0] == "warning" and "65536, exceeds the model's trained context, 32768" in over[-1][1]
     cuda = words(make_plan(QWEN25, Census(2**30, (10 * 2**30, 80 * 2**30)), backend="cuda", ctx_size=4096))
-    assert cuda[0][1] == "host needs 0.25 GiB of 1.00 GiB available: reserve 0.25 GiB"
+    assert cuda[0][1] == ("host needs 0.25 GiB of 1.00 GiB available: reserve 0.25 GiB, and the prompt cache up to "
+                          "0.38 GiB beside it")   # (1 - 0.25) / 2
     assert cuda[1][1].startswith("cuda:1 needs ") and "of 80.00 GiB free" in cuda[1][1]
     assert "margin kept free 1.00 GiB" in cuda[1][1] and not any(t.startswith("cuda:0") for _, t in cuda)
+
+
+def test_the_prompt_cache_budget_on_the_host():
+    """-cram MiB is counted on the host beside the load's need; unset, the lesser of 8 GiB and half of what
+    the plan leaves; 0 is off; -1 (llama-server's no limit) is refused by name."""
+    big = make_plan(QWEN25, BIG, ctx_size=4096)
+    assert big.prompt_cache_bytes == 8 << 30 == big.placement.device("host").terms.prompt_cache
+    small = make_plan(QWEN25, Census(2_000_000_000), ctx_size=4096)
+    assert small.prompt_cache_bytes == (2_000_000_000 - small.host_bytes) // 2
+    set_ = make_plan(QWEN25, BIG, ctx_size=4096, cache_ram_mib=300)
+    assert set_.prompt_cache_bytes == 300 << 20 and set_.host_bytes == big.host_bytes
+    assert "-cram 300 set it" in set_.explain()[-1][1]
+    off = make_plan(QWEN25, BIG, ctx_size=4096, cache_ram_mib=0)
+    assert off.prompt_cache_bytes == 0 and "-cram 0 turned it off" in off.explain()[-1][1]
+    over = make_plan(QWEN25, Census(2_000_000_000), ctx_size=4096, cache_ram_mib=4096)
+    assert over.explain()[0][0] == "warning"             # the host cannot hold the load and that budget
+    with pytest.raises(PlanError, match=r"--cache-ram -1: the prompt cache always has a budget"):
+        make_plan(QWEN25, BIG, ctx_size=4096, cache_ram_mib=-1)

@@ -264,3 +264,14 @@ def test_sleep_idle_seconds_as_llama_server():
     assert parse(M + ["--sleep-idle-seconds", "30"], {}).sleep_idle_seconds == 30
     for bad in ("0", "-2"):
         refused(M + ["--sleep-idle-seconds", bad], match="cannot be 0 or less than -1")
+
+
+def test_cache_ram_as_llama_server_but_always_with_a_budget():
+    assert parse(M, {}).cache_ram is None                              # the plan's default
+    assert parse(M + ["-cram", "512"], {}).cache_ram == 512
+    assert parse(M + ["--cache-ram", "0"], {}).cache_ram == 0           # off
+    assert parse(M, {"LLAMA_ARG_CACHE_RAM": "64"}).cache_ram == 64
+    for argv in (M + ["-cram", "-1"], M + ["--cache-ram", "-5"]):
+        msg = refused(argv, match=r"--cache-ram -\d+: the prompt cache always has a budget")
+        assert "-1, no limit, is refused" in msg
+    refused(M, {"LLAMA_ARG_CACHE_RAM": "-1"}, match="always has a budget")

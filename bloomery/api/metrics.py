@@ -35,6 +35,14 @@ METRICS = (
     ("requests_deferred", "gauge", "Number of requests deferred"),
     ("n_busy_slots_per_decode", "gauge", "Average number of busy slots per llama_decode() call"),
 )
+# bloomery's own, after llama-server's: the host-RAM prompt cache (-cram), as the engine reports it
+PROMPT_CACHE_METRICS = (
+    ("prompt_cache_seconds_total", "counter", "Total time spent restoring saved prompt states from the prompt cache",
+     "restore_seconds"),
+    ("prompt_cache_bytes", "gauge", "Bytes of saved prompt states the prompt cache holds", "bytes"),
+    ("prompt_cache_entries", "gauge", "Saved prompt states the prompt cache holds", "entries"),
+    ("prompt_cache_budget_bytes", "gauge", "The prompt cache's budget in bytes (--cache-ram; 0: off)", "budget_bytes"),
+)
 
 
 @dataclass
@@ -86,8 +94,9 @@ class Metrics:
         b.n_gen += out.n_gen
         b.gen_s += out.predicted_ms / 1e3
 
-    def render(self, n_processing: int, n_deferred: int) -> str:
-        """The Prometheus text; reads and resets the gauges' window."""
+    def render(self, n_processing: int, n_deferred: int, prompt_cache: dict | None = None) -> str:
+        """The Prometheus text; reads and resets the gauges' window. prompt_cache: the engine's prompt cache
+        stats (bytes, entries, budget_bytes, restore_seconds); none known reads as zeros."""
         b, self.bucket = self.bucket, _Bucket()
         values = dict(self.totals)
         values["n_tokens_max"] = self.n_tokens_max
@@ -96,8 +105,10 @@ class Metrics:
         values["requests_processing"] = n_processing
         values["requests_deferred"] = n_deferred
         values["n_busy_slots_per_decode"] = b.n_busy_sum / b.n_ids if b.n_ids else 0.0
+        pc = prompt_cache or {}
+        values.update({name: pc.get(key, 0) for name, _, _, key in PROMPT_CACHE_METRICS})
         lines = []
-        for name, kind, help_ in METRICS:
+        for name, kind, help_ in (*METRICS, *((n, k, h) for n, k, h, _ in PROMPT_CACHE_METRICS)):
             lines += [f"# HELP llamacpp:{name} {help_}", f"# TYPE llamacpp:{name} {kind}",
                       f"llamacpp:{name} {_num(values[name])}"]
         return "\n".join(lines) + "\n"

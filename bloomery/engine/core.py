@@ -1,7 +1,10 @@
 """The engine: admit requests to slots, run the model, sample, finish.
 
-step() is one round: cancels, admissions (one model.prefill per new prompt, its
-first id sampled), then one batched model.decode over every other busy slot.
+step() is one round: cancels, admissions, prompt passes, then one batched model.decode over
+every slot that has a sampled id to feed. A prompt runs whole in the round it was admitted
+when no other slot is busy; beside busy slots it runs in chunked prefill: one pass of at most
+min(n_batch, the model's n_ubatch) ids a round, so the other slots' streams keep stepping
+between its passes. Its first id is sampled after its last pass.
 Finishing follows llama-server's process_token: the context check (prompt ids +
 sampled ids reach n_ctx_slot -> "length"), then n_predict ("length"), then a stop
 id ("stop", reported in the same output, winning over the other two).
@@ -9,6 +12,11 @@ id ("stop", reported in the same output, winning over the other two).
 add / cancel / slots / has_work may be called from another thread while step()
 runs: the bookkeeping sits behind a lock that is never held across a model call.
 Every TokenOut names the slot that ran its request (-1 for one that never had one).
+
+The prompt cache (engine/prompt_cache.py, -cram): before an admitted prompt that does not
+extend what its slot holds overwrites it, the slot's state is saved there; a prompt sharing a
+longer prefix with a saved state than with its live slot has that prefix restored into the
+slot and runs only the rest (n_cached counts the restored ids).
 """
 from __future__ import annotations
 
@@ -20,6 +28,7 @@ from typing import Callable
 import numpy as np
 
 from bloomery.engine.limits import finish_reason
+from bloomery.engine.prompt_cache import PromptCache
 from bloomery.engine.sampler import Sample, Sampler, SamplerError
 from bloomery.engine.scheduler import Scheduler, Slot
 from bloomery.engine.types import EngineRequest, TokenOut
@@ -32,6 +41,8 @@ class _ReqState:
     stop_ids: frozenset[int]
     prompt_ms: float = 0.0
     top_miss: float = 0.0     # running share of greedy picks each row's largest logits did not settle
+    n_done: int = 0           # prompt ids in the slot's KV so far (cached, restored and run)
+    t0: float = 0.0           # when the prompt's first pass began (perf_counter)
 
 
 class Engine:
@@ -42,8 +53,11 @@ class Engine:
     top_steps = 0          # decode steps that fetched each row's largest logits for a greedy pick
     top_misses = 0         # ... of which ran again with whole rows (no candidate settled a pick)
 
-    def __init__(self, model, n_slots: int, n_ctx_slot: int, max_queue: int | None = None, n_batch: int = 2048):
+    def __init__(self, model, n_slots: int, n_ctx_slot: int, max_queue: int | None = None, n_batch: int = 2048,
+                 prompt_cache_bytes: int = 0):
         self.model = model
+        # saved slot states in host RAM, within this budget (0: off); only a model with save_kv / restore_kv
+        self.prompt_cache = PromptCache(prompt_cache_bytes)
         # a prompt asking for progress runs in passes of n_batch ids (llama-server's -b), each reported at once
         # through `emit` when set (the engine process sends it on the socket), else with the step's outputs
         self.n_batch = n_batch
@@ -102,6 +116,12 @@ class Engine:
             self.model = model
             for slot in self.scheduler.slots:
                 slot.cached_ids.clear()
+            self.prompt_cache.clear()     # its host RAM is freed with the rest
+
+    def prompt_cache_stats(self) -> dict[str, float]:
+        """The prompt cache's bytes, entries, budget and restore time (what /metrics shows)."""
+        with self._lock:
+            return self.prompt_cache.stats()
 
     def abort_all(self, message: str) -> list[TokenOut]:
         """Finish every queued and running request with "error" (after a fault in step)."""
@@ -136,53 +156,130 @@ class Engine:
                                        "n_prompt": len(req.prompt_ids), "n_cached": slot.n_cached,
                                        "n_processed": len(req.prompt_ids) - slot.n_cached,
                                        "n_decoded": 0}
+        for slot in admitted:    # every save before any restore: a slot admitted now may restore another's
+            try:
+                self._save_held(slot)
+            except Exception as e:   # the slot's KV is as it was; this request alone fails
+                outs.append(self._fail(slot, e, len(slot.req.prompt_ids)))
+        admitted = [s for s in admitted if s.req is not None]
         for slot in admitted:
-            outs.append(self._prefill(slot, outs))    # progress outputs (when not emitted) go first
+            failed = self._start(slot, outs)
+            if failed is not None:
+                outs.append(failed)
+        with self._lock:
+            prefilling = [s for s in self.scheduler.busy() if s.next_id is None]
+        for slot in prefilling:
+            # alone, a prompt runs whole; beside other busy slots, one chunk a round (chunked prefill)
+            out = self._prefill(slot, outs, whole=not decoding and len(prefilling) == 1)
+            if out is not None:
+                outs.append(out)                  # progress outputs (when not emitted) go first
         if decoding:
             outs.extend(self._decode(decoding))
         return outs
 
-    def _prefill_reporting(self, slot: Slot, ids: np.ndarray, n_cached: int, t0: float,
-                           progress: list[TokenOut]) -> np.ndarray:
-        """The prompt pass in batches of n_batch ids, one progress output before the first and after each
-        (llama-server's prompt_progress: processed counts the cached ids too)."""
-        req = slot.req
+    def _report(self, slot: Slot, progress: list[TokenOut]) -> None:
+        """A prompt-progress output (llama-server's prompt_progress: processed counts the cached ids
+        too; prompt_ms: the passes so far, 0 before the first)."""
+        req, st = slot.req, slot.state
+        ms = (time.perf_counter() - st.t0) * 1000.0 if st.n_done > slot.n_cached else 0.0
+        out = TokenOut(req.req_id, None, n_prompt=len(req.prompt_ids), n_cached=slot.n_cached, slot=slot.id,
+                       prompt_ms=ms, n_processed=st.n_done)
+        if self.emit is not None:
+            self.emit([out])
+        else:
+            progress.append(out)
 
-        def report(n_done: int) -> None:   # prompt_ms: the passes so far (0 before the first, as llama-server)
-            ms = (time.perf_counter() - t0) * 1000.0 if n_done else 0.0
-            out = TokenOut(req.req_id, None, n_prompt=len(req.prompt_ids), n_cached=n_cached, slot=slot.id,
-                           prompt_ms=ms, n_processed=n_cached + n_done)
-            if self.emit is not None:
-                self.emit([out])
-            else:
-                progress.append(out)
-        report(0)
-        logits = None
-        step = max(self.n_batch, 1)
-        for start in range(0, len(ids), step):
-            chunk = ids[start:start + step]
-            logits = self.model.prefill(slot.id, chunk, n_cached + start)     # [V] of the chunk's last id
-            report(start + len(chunk))
-        return logits
+    def _cache_calls(self):
+        """The model's (save_kv, restore_kv) when the prompt cache is on and the model has them, else None."""
+        save, restore = getattr(self.model, "save_kv", None), getattr(self.model, "restore_kv", None)
+        return (save, restore) if self.prompt_cache.enabled and save and restore else None
 
-    def _prefill(self, slot: Slot, progress: list[TokenOut]) -> TokenOut:
+    def _save_held(self, slot: Slot) -> None:
+        """Keep what the slot held in the prompt cache before its new prompt overwrites it."""
+        held, slot.held_ids = slot.held_ids, ()
+        calls = self._cache_calls()
+        if not held or calls is None:
+            return
+        with self._lock:
+            if self.prompt_cache.covers(held):
+                return
+        per_pos = getattr(self.model, "kv_bytes_per_position", 0)
+        if per_pos and not self.prompt_cache.fits(per_pos * len(held)):
+            return                   # it alone passes the budget: not copied at all
+        state = calls[0](slot.id, len(held))
+        with self._lock:
+            self.prompt_cache.save(held, state)
+
+    def _restore_saved(self, slot: Slot) -> None:
+        """A saved state sharing a longer prefix with the prompt than the live slot: that prefix into
+        the slot (at least one prompt id is left to run, for the logits)."""
         req = slot.req
-        n_prompt, n_cached = len(req.prompt_ids), slot.n_cached
+        calls = self._cache_calls()
+        if calls is None or not req.cache_prompt:
+            return
+        with self._lock:
+            got = self.prompt_cache.best(req.prompt_ids, slot.n_cached)
+        if got is None or min(got[1], len(req.prompt_ids) - 1) <= slot.n_cached:
+            return
+        entry, n = got[0], min(got[1], len(req.prompt_ids) - 1)
         t0 = time.perf_counter()
+        with self._lock:
+            self.scheduler.forget(slot)          # the copy overwrites the live prefix: nothing counts till it is done
+            slot.n_cached = 0
+        calls[1](slot.id, entry.state, n)
+        with self._lock:
+            self.prompt_cache.restore_s += time.perf_counter() - t0
+            self.prompt_cache.n_restored += 1
+            self.scheduler.restored(slot, n)
+            last = self._last.get(slot.id)
+            if last is not None and last["req_id"] == req.req_id:
+                last["n_cached"], last["n_processed"] = n, len(req.prompt_ids) - n
+
+    def _start(self, slot: Slot, progress: list[TokenOut]) -> TokenOut | None:
+        """An admitted request: a restore from the prompt cache, its sampler; None when it may run its
+        prompt, else the output that failed it."""
+        req = slot.req
+        try:
+            self._restore_saved(slot)
+        except Exception as e:   # the slot holds nothing trustworthy now (forgotten); this request fails
+            return self._fail(slot, e, len(req.prompt_ids))
         try:
             sampler = Sampler(req.sampling, self.n_vocab, self.n_ctx_slot, req.prompt_ids,
                               matcher=self._matcher(req))
-            ids = np.asarray(req.prompt_ids[n_cached:], dtype=np.int32)          # [T]
-            if req.return_progress:
-                logits = self._prefill_reporting(slot, ids, n_cached, t0, progress)
-            else:
-                logits = self.model.prefill(slot.id, ids, n_cached)               # [V]
+        except Exception as e:
+            return self._fail(slot, e, len(req.prompt_ids), slot.n_cached)
+        slot.state = _ReqState(sampler, frozenset(req.stop_ids), n_done=slot.n_cached, t0=time.perf_counter())
+        if req.return_progress:
+            self._report(slot, progress)
+        return None
+
+    def _prefill(self, slot: Slot, progress: list[TokenOut], whole: bool) -> TokenOut | None:
+        """The slot's prompt from where it stands: whole (in passes of n_batch ids when it reports its
+        progress, else one call), or one chunk of at most min(n_batch, n_ubatch) ids. After its last
+        pass the first id is sampled; None while the prompt is not done."""
+        req, st = slot.req, slot.state
+        n_prompt, n_cached = len(req.prompt_ids), slot.n_cached
+        if whole:
+            step = max(self.n_batch, 1) if req.return_progress else n_prompt
+        else:
+            step = max(min(self.n_batch, getattr(self.model, "n_ubatch", self.n_batch)), 1)
+        logits = None
+        try:
+            while st.n_done < n_prompt:
+                ids = np.asarray(req.prompt_ids[st.n_done:st.n_done + step], dtype=np.int32)   # [T]
+                logits = self.model.prefill(slot.id, ids, st.n_done)             # [V] of the pass's last id
+                st.n_done += len(ids)
+                if req.return_progress:
+                    self._report(slot, progress)
+                if not whole:
+                    break
         except Exception as e:   # one request's failure must not stop the others
             return self._fail(slot, e, n_prompt, n_cached)
-        prompt_ms = (time.perf_counter() - t0) * 1000.0
+        if st.n_done < n_prompt:
+            return None
+        st.prompt_ms = (time.perf_counter() - st.t0) * 1000.0
         with self._lock:
             self.scheduler.prefilled(slot)
-        slot.state = _ReqState(sampler, frozenset(req.stop_ids), prompt_ms)
         return self._sample(slot, logits, first=True)
 
     def _decode(self, slots: list[Slot]) -> list[TokenOut]:

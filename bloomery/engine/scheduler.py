@@ -46,6 +46,8 @@ class Slot:
     next_id: int | None = None   # sampled, not yet fed to the model
     t_last_used: int = -1        # release counter, for LRU choice
     state: object = None         # the engine's per-request state (its sampler, timings)
+    held_ids: tuple[int, ...] = ()   # at admission: what the slot held when the prompt does not extend it
+                                     # (the prompt cache saves it before the prompt overwrites it), else ()
 
     @property
     def n_past(self) -> int:
@@ -125,7 +127,9 @@ class Scheduler:
                 if slot is None:
                     break
             self.waiting.remove(req)
-            n_cached = common_prefix_len(slot.cached_ids, req.prompt_ids) if req.cache_prompt else 0
+            n_common = common_prefix_len(slot.cached_ids, req.prompt_ids)
+            slot.held_ids = tuple(slot.cached_ids) if n_common < len(slot.cached_ids) else ()
+            n_cached = n_common if req.cache_prompt else 0
             if n_cached == len(req.prompt_ids):
                 n_cached -= 1   # evaluate at least one prompt id, so there are logits to sample
             del slot.cached_ids[n_cached:]
@@ -149,6 +153,11 @@ class Scheduler:
             if lru is None or slot.t_last_used <= lru.t_last_used:
                 lru = slot
         return lru
+
+    def restored(self, slot: Slot, n: int) -> None:
+        """The prompt cache put the prompt's first n ids into the slot's KV: the prompt runs from n."""
+        slot.cached_ids[:] = slot.req.prompt_ids[:n]
+        slot.n_cached = n
 
     def prefilled(self, slot: Slot) -> None:
         """The model now holds the whole prompt in the slot."""

@@ -10,7 +10,7 @@ ExpertsQuery / ExpertsReply are the routed experts' residency between card and h
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from bloomery.engine.types import EngineRequest, TokenOut
 from bloomery.messages import codec
@@ -86,6 +86,8 @@ class Tokens:
 class SlotsReply:
     query_id: str                 # "" when the engine sends it unasked (a slot changed)
     slots: tuple[dict[str, object], ...]
+    # the prompt cache (-cram) as Engine.prompt_cache_stats() gives it: bytes, entries, budget_bytes, restore_seconds
+    prompt_cache: dict[str, int | float] = field(default_factory=dict)
 
 
 TO_ENGINE: dict[str, type] = {c.__name__: c for c in (Generate, Cancel, SlotsQuery, Shutdown, Residency,

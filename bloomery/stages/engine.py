@@ -151,7 +151,7 @@ def serve(engine, inbox: queue.Queue, push: zmq.Socket, ppid: int, load=None) ->
             elif isinstance(msg, em.Cancel):
                 engine.cancel(msg.req_id)
             elif isinstance(msg, em.SlotsQuery):
-                push.send(em.encode(em.SlotsReply(msg.query_id, tuple(engine.slots()))))
+                push.send(em.encode(em.SlotsReply(msg.query_id, tuple(engine.slots()), engine.prompt_cache_stats())))
             elif isinstance(msg, em.Shutdown):
                 return f"shutdown: {msg.reason}"
             elif isinstance(msg, em.Residency):
@@ -176,7 +176,8 @@ def serve(engine, inbox: queue.Queue, push: zmq.Socket, ppid: int, load=None) ->
         slots = engine.slots()
         summary = [(e["id"], e["is_processing"], e.get("req_id")) for e in slots]
         if summary != last_slots:    # client.slots() reads the latest table without a round trip; pushed when
-            push.send(em.encode(em.SlotsReply("", tuple(slots))))   # a slot takes or ends a request, not per id
+            # a slot takes or ends a request, not per id
+            push.send(em.encode(em.SlotsReply("", tuple(slots), engine.prompt_cache_stats())))
             last_slots = summary
 
 
@@ -232,7 +233,9 @@ def main(args: dict) -> int:
             # process now holds; experts no warmup id routed to are decoded by later requests
             records.record("load", "held after warmup", component="engine", held_bytes=anon1 - anon0,
                            counted_bytes=host.terms.decoded + host.terms.kv)
-    engine = Engine(model, placement.n_slots, placement.n_ctx_slot, n_batch=args.get("n_batch", 2048))
+    host = placement.device("host")
+    engine = Engine(model, placement.n_slots, placement.n_ctx_slot, n_batch=args.get("n_batch", 2048),
+                    prompt_cache_bytes=host.terms.prompt_cache if host is not None else 0)
     info = model_info(args, facts, placement, model)
     del model                 # the engine holds the only reference: a sleep frees it
     load_s = round(time.monotonic() - t0, 3)

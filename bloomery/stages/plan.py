@@ -75,7 +75,7 @@ def make(args: dict, gf, census):
         raise StageRefusal(f"-mg {ask.main_gpu}: this build runs every layer on the first card (CUDA0) only")
     try:
         plan = make_plan(facts, census, backend, args.get("ctx_size") or 0, n_parallel, args.get("slot_ctx") or 0,
-                         ask)
+                         ask, cache_ram_mib=args.get("cache_ram"))
     except PlanError as e:
         raise StageRefusal(str(e)) from None
     return plan, why

@@ -61,6 +61,27 @@ class KVCache:
         self.k[layer, slot, pos0:pos0 + n] = k                          # [T, Hkv, Dh] rounded to f16 (RNE)
         self.v[layer, slot, pos0:pos0 + n] = v
 
+    def save_state(self, slot: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Host copies of the slot's first n positions: K and V [layer, n, Hkv, Dh] f16 (the prompt cache)."""
+        self._check_span(slot, n)
+        return self.k[:, slot, :n].copy(), self.v[:, slot, :n].copy()
+
+    def restore_state(self, slot: int, state: tuple[np.ndarray, np.ndarray], n: int) -> None:
+        """Positions 0 .. n-1 of the slot from a save_state copy holding at least n positions."""
+        self._check_span(slot, n)
+        k, v = state
+        if k.shape[1] < n or k.shape[0] != self.k.shape[0] or k.shape[2:] != self.k.shape[3:]:
+            raise KVCacheError(f"a saved state of shape {k.shape} cannot fill {n} positions of a cache "
+                               f"shaped {self.k.shape}")
+        self.k[:, slot, :n] = k[:, :n]
+        self.v[:, slot, :n] = v[:, :n]
+
+    def _check_span(self, slot: int, n: int) -> None:
+        if not 0 <= slot < self.n_slots:
+            raise KVCacheError(f"slot {slot} is out of range: the cache has {self.n_slots} slots")
+        if not 0 < n <= self.n_ctx_slot:
+            raise KVCacheError(f"{n} positions do not fit the slot: n_ctx_slot = {self.n_ctx_slot}")
+
     def attend(self, layer: int, slot: int, pos0: int, q: np.ndarray, scale: float) -> np.ndarray:
         """q [T, H, Dh] at positions pos0.. -> [T, H, Dh]; row t sees positions 0 .. pos0+t."""
         t = q.shape[0]

@@ -56,6 +56,29 @@ class KVCacheF16:
     def n_bytes(self) -> int:
         return int(self.k.nbytes + self.v.nbytes)
 
+    def save_state(self, slot: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Host copies of the slot's first n positions: K and V [L, Hkv, n, Dh] f16 (the prompt cache)."""
+        self._check_span(slot, n)
+        return cupy.asnumpy(self.k[:, slot, :, :n]), cupy.asnumpy(self.v[:, slot, :, :n])
+
+    def restore_state(self, slot: int, state: tuple[np.ndarray, np.ndarray], n: int) -> None:
+        """Positions 0 .. n-1 of the slot from a save_state copy holding at least n positions."""
+        self._check_span(slot, n)
+        k, v = state
+        if k.shape[2] < n or k.shape[:2] != (self.k.shape[0], self.n_head_kv) or k.shape[3] != self.head_dim:
+            raise ValueError(f"a saved state of shape {k.shape} cannot fill {n} positions of a cache "
+                             f"shaped {self.k.shape}")
+        self.k[:, slot, :, :n] = cupy.asarray(k[:, :, :n])                 # [L, Hkv, n, Dh]
+        self.v[:, slot, :, :n] = cupy.asarray(v[:, :, :n])
+        # the captured decode steps run on their own non-blocking stream: done here, before any of them
+        cupy.cuda.get_current_stream().synchronize()
+
+    def _check_span(self, slot: int, n: int) -> None:
+        if not 0 <= slot < self.k.shape[1]:
+            raise ValueError(f"slot {slot} is out of range: the cache has {self.k.shape[1]} slots")
+        if not 0 < n <= self.n_ctx_slot:
+            raise ValueError(f"{n} positions do not fit the slot: n_ctx_slot = {self.n_ctx_slot}")
+
 
 def self_attention(ops, cache: KVCacheF16, layer: int, rows, q, k, v, scale: float, n_rot: int,
                    freq_base: float, q_norm, k_norm, eps: float):

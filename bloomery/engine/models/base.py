@@ -163,6 +163,19 @@ class CausalLM:
         self.ops.after_step(decode=False)
         return logits
 
+    @property
+    def kv_bytes_per_position(self) -> int:
+        """K and V bytes of one position of one slot (what a saved state costs per id)."""
+        return int(self.cache.k.nbytes + self.cache.v.nbytes) // (self.n_slots * self.n_ctx_slot)
+
+    def save_kv(self, slot: int, n: int) -> tuple:
+        """The slot's K and V at positions 0 .. n-1 as host arrays (the prompt cache's entry)."""
+        return self.cache.save_state(slot, n)
+
+    def restore_kv(self, slot: int, state: tuple, n: int) -> None:
+        """Positions 0 .. n-1 of the slot from a save_kv copy; later positions are rewritten by the prompt."""
+        self.cache.restore_state(slot, state, n)
+
     def _decode_args(self, slots, ids, positions):
         slots = [int(s) for s in slots]
         ids = np.asarray(ids, dtype=np.int32).reshape(-1)                # [B]

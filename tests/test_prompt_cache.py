@@ -1,0 +1,120 @@
+"""The host-RAM prompt cache: its bookkeeping alone (engine/prompt_cache.py), then the engine over a
+stand-in model whose KV is its ids: a state saved before another prompt overwrites the slot comes back."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bloomery.engine.core import Engine
+from bloomery.engine.prompt_cache import PromptCache
+from test_engine_core import StandInModel, drain, greq
+
+
+def state(n_pos: int, width: int = 4) -> tuple[np.ndarray, np.ndarray]:
+    """K and V of n_pos positions, `width` f16 values each: 2 * n_pos * width * 2 bytes."""
+    return np.zeros((n_pos, width), np.float16), np.ones((n_pos, width), np.float16)
+
+
+def test_bytes_are_the_arrays_nbytes_and_the_oldest_is_evicted_first():
+    cache = PromptCache(budget_bytes=3 * 64)            # three states of 4 positions (64 bytes each)
+    for first in (10, 20, 30):
+        assert cache.save([first, 1, 2, 3], state(4))
+    assert cache.n_bytes == 3 * 64 == sum(e.n_bytes for e in cache.entries()) and cache.n_entries == 3
+    assert cache.best([10, 1, 9], more_than=0)[1] == 2   # using 10.. makes 20.. the oldest
+    assert cache.save([40, 1, 2, 3], state(4))
+    assert [e.ids[0] for e in cache.entries()] == [30, 10, 40] and cache.n_evicted == 1
+    assert cache.save([50, 1, 2, 3, 4, 5, 6, 7], state(8))   # 128 bytes: the two oldest go
+    assert [e.ids[0] for e in cache.entries()] == [40, 50] and cache.n_bytes == 64 + 128 <= cache.budget_bytes
+
+
+def test_a_state_larger_than_the_budget_is_not_kept_and_evicts_nothing():
+    cache = PromptCache(budget_bytes=100)
+    assert cache.save([1, 2], state(2))
+    assert not cache.save(list(range(10)), state(10))    # 160 bytes
+    assert [e.ids for e in cache.entries()] == [(1, 2)] and cache.n_bytes == 32
+
+
+def test_a_longer_state_replaces_its_prefixes_and_a_covered_one_is_not_saved_again():
+    cache = PromptCache(budget_bytes=1000)
+    cache.save([1, 2], state(2))
+    cache.save([1, 2, 3, 4], state(4))
+    assert [e.ids for e in cache.entries()] == [(1, 2, 3, 4)] and cache.n_bytes == 64
+    assert cache.covers([1, 2, 3]) and not cache.covers([1, 2, 5])
+
+
+def test_best_takes_the_longest_shared_prefix_above_what_the_slot_reuses():
+    cache = PromptCache(budget_bytes=1000)
+    cache.save([1, 2, 3, 4], state(4))
+    cache.save([1, 2, 7, 8, 9], state(5))
+    entry, n = cache.best([1, 2, 3, 4, 5], more_than=0)
+    assert entry.ids == (1, 2, 3, 4) and n == 4
+    assert cache.best([1, 2, 3, 4, 5], more_than=4) is None
+    assert cache.best([9, 9], more_than=0) is None
+
+
+def test_budget_zero_is_off_and_a_negative_budget_is_refused():
+    assert not PromptCache(0).enabled and not PromptCache(0).save([1], state(1))
+    with pytest.raises(ValueError, match="budget"):
+        PromptCache(-1)
+
+
+class SavingModel(StandInModel):
+    """The stand-in with save_kv / restore_kv: its "KV" is the ids, saved as an int32 array."""
+
+    kv_bytes_per_position = 4
+
+    def save_kv(self, slot, n):
+        self.calls.append(("save", slot, n))
+        return (np.array(self.kv[slot][:n], np.int32),)
+
+    def restore_kv(self, slot, st, n):
+        self.calls.append(("restore", slot, n))
+        self.kv[slot] = [int(i) for i in st[0][:n]]
+
+
+def test_prompts_a_b_a_on_one_slot_restore_a_and_give_the_same_ids():
+    model = SavingModel(1, 64)
+    engine = Engine(model, 1, 64, prompt_cache_bytes=1024)
+    a, b = [1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11]
+    engine.add(greq("a1", a))
+    first = drain(engine)["a1"]
+    engine.add(greq("b", b))
+    assert drain(engine)["b"][0].n_cached == 0
+    assert engine.prompt_cache.n_entries == 1 and engine.prompt_cache.n_bytes == 4 * (len(a) + 5)
+    engine.add(greq("a2", a))
+    again = drain(engine)["a2"]
+    assert again[0].n_cached == len(a) - 1                     # all but the one id run for the logits
+    assert ("restore", 0, len(a) - 1) in model.calls and model.calls[-6] == ("prefill", 0, 1, len(a) - 1)
+    assert [o.token for o in again] == [o.token for o in first] == model.reference(a, 6)
+    assert engine.prompt_cache_stats()["restore_seconds"] > 0
+    assert engine.slots()[0]["n_prompt_tokens_cache"] == len(a) - 1
+
+
+def test_the_cache_off_restores_nothing():
+    model = SavingModel(1, 64)
+    engine = Engine(model, 1, 64, prompt_cache_bytes=0)
+    for rid, p in (("a1", [1, 2, 3, 4]), ("b", [9, 10]), ("a2", [1, 2, 3, 4])):
+        engine.add(greq(rid, p))
+        out = drain(engine)[rid]
+    assert out[0].n_cached == 0 and not [c for c in model.calls if c[0] in ("save", "restore")]
+
+
+def test_the_cpu_kv_cache_saves_and_restores_a_slots_positions():
+    from bloomery.engine.cpu.kv_cache import KVCache, KVCacheError
+    kv = KVCache(n_layer=3, n_slots=2, n_ctx_slot=32, n_head_kv=2, head_dim=8)
+    rng = np.random.default_rng(0)
+    kv.k[...] = rng.standard_normal(kv.k.shape)
+    kv.v[...] = rng.standard_normal(kv.v.shape)
+    k_state, v_state = kv.save_state(1, 7)
+    assert k_state.shape == (3, 7, 2, 8) and k_state.nbytes == 3 * 7 * 2 * 8 * 2
+    before_k, before_v = kv.k.copy(), kv.v.copy()
+    kv.k[:, 1] = 0
+    kv.v[:, 1] = 0
+    kv.restore_state(1, (k_state, v_state), 5)
+    np.testing.assert_array_equal(kv.k[:, 1, :5], before_k[:, 1, :5])
+    np.testing.assert_array_equal(kv.v[:, 1, :5], before_v[:, 1, :5])
+    assert not kv.k[:, 1, 5:].any() and (kv.k[:, 0] == before_k[:, 0]).all()
+    with pytest.raises(KVCacheError, match="cannot fill 8 positions"):
+        kv.restore_state(1, (k_state, v_state), 8)
+    with pytest.raises(KVCacheError, match="slot 2 is out of range"):
+        kv.save_state(2, 1)

@@ -1,0 +1,54 @@
+"""The prompt cache on the cuda backend: the KV cache's save_state / restore_state copy a slot's positions
+off the card and back, and the engine restores a saved prefix (prompts A, B, A on one slot) with the ids
+of the first run, the decode steps going through the captured graphs. Runs where CuPy sees a card; skips
+elsewhere."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bloomery.engine.core import Engine
+from bloomery.engine.types import EngineRequest, SamplingParams
+from tests.conftest import load_tool
+
+
+def test_kv_state_leaves_the_card_and_comes_back(gpu):
+    import cupy
+    from bloomery.engine.cuda.attention import KVCacheF16
+    kv = KVCacheF16(n_layer=3, n_slots=2, n_ctx_slot=32, n_head_kv=2, head_dim=64)
+    rng = np.random.default_rng(0)
+    kv.k[...] = cupy.asarray(rng.standard_normal(kv.k.shape).astype(np.float16))
+    kv.v[...] = cupy.asarray(rng.standard_normal(kv.v.shape).astype(np.float16))
+    k_state, v_state = kv.save_state(1, 7)
+    assert isinstance(k_state, np.ndarray) and k_state.shape == (3, 2, 7, 64) and k_state.dtype == np.float16
+    np.testing.assert_array_equal(k_state, cupy.asnumpy(kv.k[:, 1, :, :7]))
+    before = cupy.asnumpy(kv.k).copy()
+    kv.k[:, 1] = 0
+    kv.v[:, 1] = 0
+    kv.restore_state(1, (k_state, v_state), 5)
+    after = cupy.asnumpy(kv.k)
+    np.testing.assert_array_equal(after[:, 1, :, :5], before[:, 1, :, :5])
+    assert not after[:, 1, :, 5:].any()                    # only the positions asked for
+    np.testing.assert_array_equal(after[:, 0], before[:, 0])
+    np.testing.assert_array_equal(cupy.asnumpy(kv.v[:, 1, :, :5]), v_state[:, :, :5])
+
+
+def test_a_b_a_restores_on_the_card_with_the_first_runs_ids(gpu, tokenizer_source, synthetic_dir):
+    from bloomery.engine.loader import load_model
+    from bloomery.placement import whole
+    path = load_tool("make_synthetic").write_synthetic(
+        synthetic_dir / "pcache-cuda-qwen2.gguf", arch="qwen2", mode="blocks", mix="q4_k_m", seed=11,
+        tokenizer_from=str(tokenizer_source), n_layer=4, n_embd=896, n_head=14, n_head_kv=2, n_ff=4864)
+    model = load_model(str(path), whole("cuda", n_slots=1, n_ctx_slot=512))
+    engine = Engine(model, 1, 512, prompt_cache_bytes=64 << 20)
+    a, b = list(range(1000, 1040)), [750, 75698, 1445, 982]
+    runs = {}
+    for rid, prompt in (("a1", a), ("b", b), ("a2", a)):
+        engine.add(EngineRequest(rid, tuple(prompt), 16, SamplingParams(temperature=0.0)))
+        outs = []
+        while engine.has_work():
+            outs += engine.step()
+        runs[rid] = outs
+    assert runs["a2"][0].n_cached == len(a) - 1 and runs["b"][0].n_cached == 0
+    assert [o.token for o in runs["a2"]] == [o.token for o in runs["a1"]]
+    assert engine.prompt_cache.n_bytes == model.kv_bytes_per_position * (len(a) + 15 + len(b) + 15)

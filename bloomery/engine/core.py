@@ -50,7 +50,8 @@ class Engine:
         self.emit: Callable[[list[TokenOut]], None] | None = None
         self.n_vocab = int(model.n_vocab)
         self.n_ctx_slot = n_ctx_slot
-        self.scheduler = Scheduler(n_slots, n_ctx_slot, max_queue)
+        # a model whose slot state cannot step back (recurrent layers) keeps a slot only for a prompt that extends it
+        self.scheduler = Scheduler(n_slots, n_ctx_slot, max_queue, rewinds=getattr(model, "rewinds", True))
         self._lock = threading.Lock()
         self._cancels: list[str] = []
         # per slot, its current or last request's counts (llama-server's /slots keeps task_prev too)

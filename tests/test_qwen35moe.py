@@ -370,6 +370,19 @@ def test_a_second_turn_reuses_the_slot_and_gives_the_cold_runs_ids(synthetic_dir
         reread = completion(s.url, p3, 16)
         assert reread["timings"]["cache_n"] == 0
         assert reread["tokens"] == completion(s.url, p3, 16, cache_prompt=False)["tokens"]
+        # the chat route renders the file's own template; asked twice (the second a prompt shorter than
+        # what the slot then holds, so read whole), the same answer
+        chat = json.dumps({"messages": [{"role": "system", "content": "Be brief."},
+                                        {"role": "user", "content": "Hello?"}],
+                           "max_tokens": 8, "temperature": 0}).encode()
+        answers = []
+        for _ in range(2):
+            req = urllib.request.Request(s.url + "/v1/chat/completions", data=chat,
+                                         headers={"content-type": "application/json"})
+            with urllib.request.urlopen(req, timeout=300) as r:
+                answers.append(json.loads(r.read()))
+        assert answers[0]["usage"]["completion_tokens"] == 8
+        assert answers[0]["choices"][0]["message"] == answers[1]["choices"][0]["message"]
 
 
 def test_inconsistent_ssm_sizes_refuse_the_start_by_name(synthetic_dir, tmp_path):
@@ -384,3 +397,14 @@ def test_inconsistent_ssm_sizes_refuse_the_start_by_name(synthetic_dir, tmp_path
                         "--backend", "cpu"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1, r.stderr[-2000:]
     assert "inconsistent SSM sizes: ssm.inner_size 96 is not ssm.state_size 16" in r.stderr, r.stderr[-2000:]
+
+
+def test_the_plan_stage_sends_the_seat_to_the_cpu_backend_by_name(synthetic_dir):
+    from bloomery.plan import Census
+    from bloomery.stages.plan import StageRefusal, make as make_stage_plan
+    gf = open_gguf(str(make(synthetic_dir, "small", **SMALL)))
+    card = Census(host_avail_bytes=64 << 30, card_free_bytes=(80 << 30,))
+    with pytest.raises(StageRefusal, match="qwen35moe runs on the CPU backend in this build .* --backend cpu"):
+        make_stage_plan({"device": "cuda"}, gf, card)
+    plan, _ = make_stage_plan({"device": "cpu", "ctx_size": 256}, gf, card)
+    assert plan.backend == "numpy" and plan.kv_bytes == 256 * 2 * 2 * 32 * 2 + model_facts(gf).state_bytes

@@ -33,8 +33,9 @@ ms = load_tool("make_synthetic")
 # small shapes: 4 layers (3 Gated DeltaNet + 1 full attention) unless said otherwise
 SMALL = dict(n_layer=4, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_expert=4, n_expert_used=2, n_ff_exp=64,
              n_ff_shexp=64, ssm_d_state=16, ssm_n_group=2, ssm_dt_rank=4)
-# the shapes checked against llama.cpp: quantized blocks with grouped value heads, float with
-# IMRoPE sections that leave pairs unturned and a full-attention layer every second, the dense sibling
+# the shapes checked against llama.cpp: quantized blocks with grouped value heads, float16 with
+# IMRoPE sections that leave pairs unturned and a full-attention layer every second, float32, the
+# dense sibling
 SHAPES = {
     "moe_q4km": ("qwen35moe", dict(mode="blocks", mix="q4_k_m", n_layer=4, n_embd=256, n_head=4, n_head_kv=2,
                                    head_dim=64, n_expert=8, n_expert_used=2, n_ff_exp=256, n_ff_shexp=256,
@@ -43,6 +44,11 @@ SHAPES = {
                                            head_dim=32, n_rot=16, rope_sections="1,1,1,1", full_attn_interval=2,
                                            n_expert=4, n_expert_used=1, n_ff_exp=32, n_ff_shexp=48,
                                            ssm_d_state=16, ssm_n_group=2, ssm_dt_rank=2, ssm_d_conv=3, seed=3)),
+    # float32 weights: no activation is rounded to int8 or f16 on the way, so no rounding edge can
+    # amplify a last-bit difference (the control for the quantized shapes' band)
+    "moe_f32": ("qwen35moe", dict(mode="float", ftype="f32", n_layer=4, n_embd=128, n_head=4, n_head_kv=2,
+                                  head_dim=32, n_expert=8, n_expert_used=2, n_ff_exp=128, n_ff_shexp=128,
+                                  ssm_d_state=32, ssm_n_group=2, ssm_dt_rank=4, seed=7)),
     "dense_q8": ("qwen35", dict(mode="blocks", mix="q8_0", n_layer=4, n_embd=128, n_head=4, n_head_kv=2,
                                 head_dim=32, n_ff=256, ssm_d_state=32, ssm_n_group=1, ssm_dt_rank=2, seed=5)),
 }
@@ -119,6 +125,28 @@ def test_delta_rule_matches_the_formula_and_carries_its_state():
     a = recurrent.delta_rule(st2, 0, [AttnSpan(0, 0, 0, 4)], q[:4], k[:4], v[:4], g[:4], beta[:4])
     b = recurrent.delta_rule(st2, 0, [AttnSpan(0, 4, 0, 3)], q[4:], k[4:], v[4:], g[4:], beta[4:])
     np.testing.assert_allclose(np.concatenate([a, b]), out, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", [16, 64, 100, 128])
+def test_vec_dot_f32_adds_in_ggmls_order(n):
+    """Lanes l of 64-wide steps into four 16-lane accumulators, (0 + 2) + (1 + 3), halves 8, 4, 2, 1,
+    then the tail: written out one float at a time."""
+    from bloomery.engine.cpu.ops_math import vec_dot_f32
+    rng = np.random.default_rng(n)
+    a, b = rng.standard_normal((2, 3, n)).astype(np.float32)
+    f32 = np.float32
+    for r in range(3):
+        main, acc = n - n % 64, [f32(0)] * 64
+        for c in range(0, main, 64):
+            acc = [f32(float(a[r, c + i]) * float(b[r, c + i]) + float(acc[i])) for i in range(64)]
+        v = [(acc[i] + acc[32 + i]) + (acc[16 + i] + acc[48 + i]) for i in range(16)]
+        for half in (8, 4, 2, 1):
+            v = [v[i] + v[half + i] for i in range(half)]
+        res = v[0]
+        for i in range(main, n):
+            res = f32(float(a[r, i]) * float(b[r, i]) + float(res))
+        assert vec_dot_f32(a[r], b[r]) == res
+    np.testing.assert_allclose(vec_dot_f32(a, b), (a.astype(np.float64) * b).sum(-1), rtol=1e-5, atol=1e-5)
 
 
 def test_conv_step_is_causal_over_the_window():

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from bloomery.engine.cpu.ops_math import expf_libm
+from bloomery.engine.cpu.ops_math import expf_libm, vec_dot_f32
 from bloomery.engine.ops import AttnSpan
 
 
@@ -77,7 +77,8 @@ def delta_rule(st: RecurrentState, layer: int, spans: Sequence[AttnSpan], q: np.
     """The gated delta rule, one row after another (ggml_compute_forward_gated_delta_net): per
     head, S <- S * exp(g); d = (v - S^T k) * beta; S <- S + k d^T; out = S^T q / sqrt(S).
     Value head h reads key head h % Hk (ggml's broadcast). q, k [T, Hk, S], v [T, H, S],
-    g and beta [T, H] -> [T, H, S]."""
+    g and beta [T, H] -> [T, H, S]. In the kernel's float steps: expf, a scale, its dot products
+    (ggml_vec_dot_f32's order) and the rank-1 update as one fma per element (ggml_vec_mad_f32)."""
     q, k, v = (np.asarray(a, np.float32) for a in (q, k, v))
     g, beta = np.asarray(g, np.float32), np.asarray(beta, np.float32)
     n_v, size = v.shape[1], v.shape[2]
@@ -91,8 +92,8 @@ def delta_rule(st: RecurrentState, layer: int, spans: Sequence[AttnSpan], q: np.
         for t in range(sp.row0, sp.row1):
             kt, qt = k[t, heads], q[t, heads]                             # [H, S]
             m = m * decay[t][:, None, None]
-            d = (v[t] - np.einsum("hji,hi->hj", m, kt)) * beta[t][:, None]   # [H, S]
-            m = m + d[:, :, None] * kt[:, None, :]
-            out[t] = np.einsum("hji,hi->hj", m, qt) * scale
+            d = (v[t] - vec_dot_f32(m, kt[:, None, :])) * beta[t][:, None]   # [H, S]
+            m = (kt[:, None, :].astype(np.float64) * d[:, :, None] + m).astype(np.float32)
+            out[t] = vec_dot_f32(m, qt[:, None, :]) * scale
         st.delta[layer, sp.slot] = m
     return out

@@ -9,8 +9,10 @@ the bound; the plan stage refuses the start with it (exit 1, no restart).
 
 The tensor names come from the architecture files' own declarations
 (bloomery/engine/models/*.py: TOKEN_EMBD, OUTPUT_NORM, OUTPUT, LAYER, OPTIONAL); the
-shapes are llama.cpp's (src/llama-model.cpp, create_tensor for qwen2, qwen3, qwen3moe),
-in ne order.
+shapes are llama.cpp's (src/llama-model.cpp and src/models/*.cpp, create_tensor for qwen2,
+qwen3, qwen3moe, qwen35, qwen35moe), in ne order. A hybrid architecture's file declares two
+layer maps, LAYER (full attention) and RECURRENT_LAYER (linear attention); its `ssm.*` sizes
+must agree with each other.
 """
 from __future__ import annotations
 
@@ -140,13 +142,48 @@ def hyperparameters(path: str, arch: str, md: Mapping[str, object], tensors: Map
     if not 1 <= n_vocab <= MAX_VOCAB:
         raise HeaderError(f"{path}: the vocabulary has {n_vocab} tokens, outside 1..{MAX_VOCAB}")
     hp = dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, dk=dk, dv=dv, n_vocab=n_vocab)
-    if arch == "qwen3moe":
+    if arch in ("qwen3moe", "qwen35moe"):
         hp["n_expert"] = _int(path, md, p + "expert_count", 1, MAX_EXPERTS)
         _int(path, md, p + "expert_used_count", 1, hp["n_expert"])
         hp["n_ff_exp"] = _int(path, md, p + "expert_feed_forward_length", 1, MAX_FF)
     else:
         hp["n_ff"] = _int(path, md, p + "feed_forward_length", 1, MAX_FF)
+    if _recurrent_map(arch) is not None:
+        hp |= _hybrid(path, arch, md, hp)
     return hp
+
+
+def _hybrid(path: str, arch: str, md: Mapping[str, object], hp: dict) -> dict:
+    """A hybrid file's linear-attention sizes, checked against each other, and which of its trunk
+    layers are recurrent (the MTP layers past the trunk are not read)."""
+    from bloomery.engine.models.base import ModelError
+    from bloomery.engine.models.layers import DeltaNetParams, recurrent_layers
+    p = f"{arch}."
+    if hp["dk"] != hp["dv"]:
+        raise HeaderError(f"{path}: metadata {p}attention.value_length {hp['dv']} differs from key_length {hp['dk']}; "
+                          f"{arch} needs them equal")
+    n_mtp = _int(path, md, p + "nextn_predict_layers", 0, hp["n_layer"] - 1, 0)
+    n_trunk = hp["n_layer"] - n_mtp
+    dn = DeltaNetParams(*(_int(path, md, f"{p}ssm.{k}", 1, MAX_FF) for k in
+                          ("conv_kernel", "state_size", "group_count", "time_step_rank", "inner_size")))
+    problem = dn.problem()
+    if problem:
+        raise HeaderError(f"{path}: inconsistent SSM sizes: {problem}")
+    sections = md.get(p + "rope.dimension_sections")
+    if (not isinstance(sections, list) or len(sections) < 4 or not all(isinstance(v, int) and v >= 0 for v in sections)
+            or not 1 <= sum(sections[:4]) <= hp["dk"] // 2):
+        raise HeaderError(f"{path}: metadata {p}rope.dimension_sections = {sections!r} must hold 4 section sizes "
+                          f"summing to 1..{hp['dk'] // 2} (half the head size)")
+    if p + "rope.dimension_count" not in md:
+        raise HeaderError(f"{path}: metadata key {p + 'rope.dimension_count'!r} is missing ({arch} rotates part of each head)")
+    try:
+        recurrent = recurrent_layers(md.get, arch, n_trunk)
+    except ModelError as e:
+        raise HeaderError(f"{path}: {e}") from None
+    if arch == "qwen35moe":
+        hp["n_ff_shexp"] = _int(path, md, p + "expert_shared_feed_forward_length", 1, MAX_FF,
+                                md.get(p + "feed_forward_length"))
+    return dict(n_trunk=n_trunk, recurrent=recurrent, dn=dn)
 
 
 def _declared(arch: str):
@@ -161,6 +198,14 @@ def _declared(arch: str):
             getattr(module, "OPTIONAL", frozenset()))
 
 
+def _recurrent_map(arch: str) -> dict | None:
+    """A hybrid architecture's linear-attention layer map (RECURRENT_LAYER), None for the others."""
+    import sys
+
+    from bloomery.engine.models.registry import model_class
+    return getattr(sys.modules[model_class(arch).__module__], "RECURRENT_LAYER", None)
+
+
 def _layer_shapes(hp: dict) -> dict[str, tuple[int, ...]]:
     """Each LAYER role's shape (ne order) from the hyperparameters."""
     d, q, k, v = hp["n_embd"], hp["n_head"] * hp["dk"], hp["n_head_kv"] * hp["dk"], hp["n_head_kv"] * hp["dv"]
@@ -172,6 +217,15 @@ def _layer_shapes(hp: dict) -> dict[str, tuple[int, ...]]:
     if "n_expert" in hp:
         e, fe = hp["n_expert"], hp["n_ff_exp"]
         shapes |= {"gate_inp": (d, e), "gate_exps": (d, fe, e), "up_exps": (d, fe, e), "down_exps": (fe, d, e)}
+    if "n_ff_shexp" in hp:
+        fs = hp["n_ff_shexp"]
+        shapes |= {"gate_inp_shexp": (d,), "gate_shexp": (d, fs), "up_shexp": (d, fs), "down_shexp": (fs, d)}
+    if "dn" in hp:
+        dn = hp["dn"]
+        shapes |= {"wqg": (d, 2 * q), "wqkv": (d, dn.conv_channels), "wz": (d, dn.d_inner),
+                   "conv1d": (dn.d_conv, dn.conv_channels), "dt_bias": (dn.dt_rank,), "ssm_a": (dn.dt_rank,),
+                   "ssm_beta": (d, dn.dt_rank), "ssm_alpha": (d, dn.dt_rank), "ssm_norm": (dn.d_state,),
+                   "ssm_out": (dn.d_inner, d)}
     return shapes
 
 
@@ -182,8 +236,10 @@ def expected_tensors(arch: str, hp: dict) -> list[tuple[str, tuple[int, ...], bo
     d, n_vocab = hp["n_embd"], hp["n_vocab"]
     out = [(token_embd, (d, n_vocab), False), (output_norm, (d,), False), (output, (d, n_vocab), True)]
     shapes = _layer_shapes(hp)
-    for i in range(hp["n_layer"]):
-        for role, pattern in layer.items():
+    recurrent, recurrent_layer = hp.get("recurrent"), _recurrent_map(arch)
+    for i in range(hp.get("n_trunk", hp["n_layer"])):
+        names = recurrent_layer if recurrent is not None and recurrent[i] else layer
+        for role, pattern in names.items():
             out.append((pattern.format(i=i), shapes[role], role in optional))
     return out
 

@@ -14,8 +14,9 @@ the census is passed in. Context rules follow the serving guide, section 3:
     context (slot_ctx, else the trained limit); one slot where that had to be fitted.
 Byte terms, per device, as the backend allocates them: weights as stored, the numpy
 backend's decoded forms of them (engine/cpu/forms.py builds a few rows of each to count
-them), KV for every slot (f16 on both backends; the same K+V count llama.cpp allocates),
-scratch for one prompt pass, then the host reserve or the card margin. The result is a
+them), KV for every slot (f16 on both backends; the same K+V count llama.cpp allocates;
+a hybrid file's KV only for its full-attention layers, plus each slot's float32 recurrent
+state of its linear-attention layers, counted in the kv term), scratch for one prompt pass, then the host reserve or the card margin. The result is a
 Placement (bloomery/placement.py), which the engine stage's load carries out.
 """
 from __future__ import annotations
@@ -74,6 +75,7 @@ class ModelFacts:
     tensors: tuple[tuple[str, int, tuple[int, ...]], ...] = field(default=(), compare=False, repr=False)
     sizes: tuple[int, ...] = field(default=(), compare=False, repr=False)   # each tensor's stored bytes, same order
     n_expert: int = 0               # routed experts per layer (0: dense)
+    state_bytes: int = 0            # a slot's recurrent state (linear-attention layers), float32 as held
 
 
 def _pad(n: int, to: int) -> int:
@@ -127,9 +129,32 @@ def model_facts(gguf_file) -> ModelFacts:
         max_elems = max(max_elems, n)
     tensors = tuple((name, int(t.ggml_type), tuple(int(s) for s in t.shape)) for name, t in gguf_file.tensors.items())
     sizes = tuple(int(t.n_bytes) for t in gguf_file.tensors.values())
+    n_head_kv, state_bytes = _recurrent_terms(meta, arch, n_layer, n_head_kv)
     return ModelFacts(arch, n_layer, _int_key(meta, f"{arch}.context_length"), n_embd, n_head,
                       n_head_kv, dk, dv, n_ff, n_vocab, dict(sorted(by_type.items())), n_weights, max_elems,
-                      tensors, sizes, int(n_expert))
+                      tensors, sizes, int(n_expert), state_bytes)
+
+
+def _recurrent_terms(meta: dict, arch: str, n_layer: int, n_head_kv: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
+    """A hybrid file's (KV heads per layer, recurrent state bytes per slot): its linear-attention
+    layers and its MTP layers hold no KV (llama.cpp's hybrid memory keeps KV for the trunk's
+    full-attention layers), each linear-attention layer a float32 conv window and delta-rule state
+    per slot. Other files: unchanged, 0."""
+    if f"{arch}.ssm.state_size" not in meta:
+        return n_head_kv, 0
+    from bloomery.engine.models.base import ModelError
+    from bloomery.engine.models.layers import DeltaNetParams, recurrent_layers
+    try:
+        n_trunk = n_layer - int(meta.get(f"{arch}.nextn_predict_layers", 0))
+        recurrent = recurrent_layers(meta.get, arch, n_trunk)
+        dn = DeltaNetParams(*(int(meta[f"{arch}.ssm.{k}"]) for k in
+                              ("conv_kernel", "state_size", "group_count", "time_step_rank", "inner_size")))
+    except (KeyError, TypeError, ValueError, ModelError) as e:
+        raise PlanError(f"model keys {arch}.ssm.*: {e}") from None
+    if dn.problem():
+        raise PlanError(f"model keys {arch}.ssm.*: {dn.problem()}")
+    kv = tuple(0 if il >= n_trunk or recurrent[il] else h for il, h in enumerate(n_head_kv))
+    return kv, 4 * dn.state_floats * sum(recurrent)
 
 
 def layout_of(facts: ModelFacts) -> offload.Layout:
@@ -313,7 +338,7 @@ class Plan:
 def _terms(facts: ModelFacts, backend: str, n_slots: int, n_ctx_slot: int) -> dict[str, int]:
     return {"weights": sum(facts.tensor_bytes.values()),
             "decoded": decoded_bytes_for(facts, backend),
-            "kv": kv_bytes_for(facts, n_slots * n_ctx_slot, KV_BYTES_PER_ELEM[backend]),
+            "kv": kv_bytes_for(facts, n_slots * n_ctx_slot, KV_BYTES_PER_ELEM[backend]) + n_slots * facts.state_bytes,
             "scratch": scratch_bytes_for(facts, n_ctx_slot, backend)}
 
 

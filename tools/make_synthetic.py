@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
-"""Write a synthetic GGUF (qwen2, qwen3 or qwen3moe) of any shape with random weights.
+"""Write a synthetic GGUF (qwen2, qwen3, qwen3moe, qwen35 or qwen35moe) of any shape with random weights.
 
 The tokenizer keys (tokenizer.ggml.*, tokenizer.chat_template) are copied from the
 real Qwen2.5 file, so llama.cpp and bloomery load the result as they load an upload.
 Tensor names, shapes and keys follow llama.cpp's loader (src/models/qwen2.cpp,
-qwen3.cpp, qwen3moe.cpp). Two modes:
+qwen3.cpp, qwen3moe.cpp, qwen35.cpp, qwen35moe.cpp). The qwen35 family is hybrid: of
+every --full-attn-interval layers the last is gated full attention, the others Gated
+DeltaNet (linear attention with a conv window and a recurrent state, --ssm-* sizes);
+qwen35moe adds a shared expert (--n-ff-shexp) beside the routed ones. Two modes:
   float  -- F32 or F16 matrices ~ N(0, 1/sqrt(fan_in)), norms near 1;
   blocks -- quantized blocks written directly (random codes, scale fields set so a
             row's values have std ~ 1/sqrt(fan_in)), tensor by tensor, never a float
@@ -36,10 +39,16 @@ sys.path.insert(0, str(REPO))
 from bloomery.gguf_file import open_gguf  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
-ARCHS = ("qwen2", "qwen3", "qwen3moe")
+ARCHS = ("qwen2", "qwen3", "qwen3moe", "qwen35", "qwen35moe")
+HYBRID = ("qwen35", "qwen35moe")                                # Gated DeltaNet + gated full attention
+MOE = ("qwen3moe", "qwen35moe")
 DEFAULTS = dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=0, n_ff=128, n_expert=4,
                 n_expert_used=2, n_ff_exp=64, vocab="full", ctx_train=4096, seed=0, mode="float",
-                ftype="f32", mix="q4_k_m")
+                ftype="f32", mix="q4_k_m",
+                # the qwen35 family only: rotated dims (0: a quarter of the head), IMRoPE sections
+                # ("": thirds of the rotated pairs), shared expert width, the DeltaNet sizes
+                n_rot=0, rope_sections="", n_ff_shexp=64, full_attn_interval=4, ssm_d_conv=4,
+                ssm_d_state=16, ssm_n_group=2, ssm_dt_rank=4)
 # named shapes (--shape): arch and shape keys; flags given beside --shape override its keys
 PRESETS = {
     # Qwen3-30B-A3B at the Q4_K_M mix (19.8 GB): the file of the card benchmarks (docs/performance.md)
@@ -104,35 +113,74 @@ def tokenizer_keys(source: str) -> tuple[tuple[str, object, int, int | None, int
 
 def tensor_plan(arch: str, s: dict) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, ne shape, role) for every tensor, in llama.cpp's order; role picks the init and type."""
-    d, hd, n_vocab = s["n_embd"], s["head_dim"], s["n_vocab"]
-    q_dim, kv_dim = hd * s["n_head"], hd * s["n_head_kv"]
+    d, n_vocab = s["n_embd"], s["n_vocab"]
     out = [("token_embd.weight", (d, n_vocab), "embd"), ("output_norm.weight", (d,), "norm"),
            ("output.weight", (d, n_vocab), "output")]
     for i in range(s["n_layer"]):
         b = f"blk.{i}."
-        out += [(b + "attn_norm.weight", (d,), "norm"), (b + "attn_q.weight", (d, q_dim), "mat"),
-                (b + "attn_k.weight", (d, kv_dim), "mat"), (b + "attn_v.weight", (d, kv_dim), "mat6")]
-        if arch == "qwen2":
-            out += [(b + "attn_q.bias", (q_dim,), "bias"), (b + "attn_k.bias", (kv_dim,), "bias"),
-                    (b + "attn_v.bias", (kv_dim,), "bias")]
-        out.append((b + "attn_output.weight", (q_dim, d), "mat"))
-        if arch != "qwen2":
-            out += [(b + "attn_q_norm.weight", (hd,), "norm"), (b + "attn_k_norm.weight", (hd,), "norm")]
-        out.append((b + "ffn_norm.weight", (d,), "norm"))
-        if arch == "qwen3moe":
+        if arch in HYBRID:
+            out += _hybrid_mixer(b, i, s)
+        else:
+            out += _attention(b, arch, s)
+        out.append((b + ("post_attention_norm.weight" if arch in HYBRID else "ffn_norm.weight"), (d,), "norm"))
+        if arch in MOE:
             e, f = s["n_expert"], s["n_ff_exp"]
             out += [(b + "ffn_gate_inp.weight", (d, e), "router"),
                     (b + "ffn_gate_exps.weight", (d, f, e), "mat"), (b + "ffn_up_exps.weight", (d, f, e), "mat"),
                     (b + "ffn_down_exps.weight", (f, d, e), "mat6")]
-        else:
+        if arch == "qwen35moe":
+            f = s["n_ff_shexp"]
+            out += [(b + "ffn_gate_inp_shexp.weight", (d,), "router"),
+                    (b + "ffn_gate_shexp.weight", (d, f), "mat"), (b + "ffn_up_shexp.weight", (d, f), "mat"),
+                    (b + "ffn_down_shexp.weight", (f, d), "mat6")]
+        elif arch not in MOE:
             f = s["n_ff"]
             out += [(b + "ffn_gate.weight", (d, f), "mat"), (b + "ffn_up.weight", (d, f), "mat"),
                     (b + "ffn_down.weight", (f, d), "mat6")]
     return out
 
 
+def _attention(b: str, arch: str, s: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    d, hd = s["n_embd"], s["head_dim"]
+    q_dim, kv_dim = hd * s["n_head"], hd * s["n_head_kv"]
+    out = [(b + "attn_norm.weight", (d,), "norm"), (b + "attn_q.weight", (d, q_dim), "mat"),
+           (b + "attn_k.weight", (d, kv_dim), "mat"), (b + "attn_v.weight", (d, kv_dim), "mat6")]
+    if arch == "qwen2":
+        out += [(b + "attn_q.bias", (q_dim,), "bias"), (b + "attn_k.bias", (kv_dim,), "bias"),
+                (b + "attn_v.bias", (kv_dim,), "bias")]
+    out.append((b + "attn_output.weight", (q_dim, d), "mat"))
+    if arch != "qwen2":
+        out += [(b + "attn_q_norm.weight", (hd,), "norm"), (b + "attn_k_norm.weight", (hd,), "norm")]
+    return out
+
+
+def is_full_attention(i: int, s: dict) -> bool:
+    """llama.cpp's rule without attention.recurrent_layers: every full_attention_interval-th layer."""
+    return (i + 1) % s["full_attn_interval"] == 0
+
+
+def _hybrid_mixer(b: str, i: int, s: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """A qwen35 layer's mixer: gated full attention (Q twice as wide: each head's query then its
+    gate) or Gated DeltaNet (fused QKV through a conv window, the output gate z, beta and the decay)."""
+    d, hd = s["n_embd"], s["head_dim"]
+    if is_full_attention(i, s):
+        q_dim, kv_dim = hd * s["n_head"], hd * s["n_head_kv"]
+        return [(b + "attn_norm.weight", (d,), "norm"), (b + "attn_q.weight", (d, 2 * q_dim), "mat"),
+                (b + "attn_k.weight", (d, kv_dim), "mat"), (b + "attn_v.weight", (d, kv_dim), "mat6"),
+                (b + "attn_output.weight", (q_dim, d), "mat"),
+                (b + "attn_q_norm.weight", (hd,), "norm"), (b + "attn_k_norm.weight", (hd,), "norm")]
+    key_dim, value_dim = s["ssm_d_state"] * s["ssm_n_group"], s["ssm_d_state"] * s["ssm_dt_rank"]
+    h_v = s["ssm_dt_rank"]
+    return [(b + "attn_norm.weight", (d,), "norm"), (b + "attn_qkv.weight", (d, 2 * key_dim + value_dim), "mat"),
+            (b + "attn_gate.weight", (d, value_dim), "mat"),
+            (b + "ssm_conv1d.weight", (s["ssm_d_conv"], 2 * key_dim + value_dim), "conv"),
+            (b + "ssm_dt.bias", (h_v,), "bias"), (b + "ssm_a", (h_v,), "decay"),
+            (b + "ssm_beta.weight", (d, h_v), "router"), (b + "ssm_alpha.weight", (d, h_v), "router"),
+            (b + "ssm_norm.weight", (s["ssm_d_state"],), "norm"), (b + "ssm_out.weight", (value_dim, d), "mat")]
+
+
 def ggml_type_for(role: str, ne0: int, s: dict) -> int:
-    if role in ("norm", "bias", "router"):
+    if role in ("norm", "bias", "router", "conv", "decay"):
         return Q.F32
     if s["mode"] == "float":
         return Q.F16 if s["ftype"] == "f16" else Q.F32
@@ -148,6 +196,8 @@ def float_values(role: str, ne: tuple[int, ...], rng: np.random.Generator) -> np
         return (1.0 + 0.1 * rng.standard_normal(shape, np.float32)).astype(np.float32)
     if role == "bias":
         return (0.1 * rng.standard_normal(shape, np.float32)).astype(np.float32)
+    if role == "decay":     # ssm_a = -exp(A_log): negative, so each step's decay exp(g) is below 1
+        return (-np.exp(rng.uniform(-1.0, 1.0, shape))).astype(np.float32)
     return rng.standard_normal(shape, np.float32) * np.float32(1 / np.sqrt(ne[0]))   # fan_in = ne[0]
 
 
@@ -337,20 +387,55 @@ def check_shape(arch: str, s: dict) -> None:
     head_dim = s["head_dim"] or s["n_embd"] // s["n_head"]
     if head_dim < 2 or head_dim % 2 or (arch == "qwen2" and s["n_embd"] % s["n_head"]):
         raise ShapeError(f"head dim {head_dim} (--head-dim, or --n-embd / --n-head) must be even, >= 2, exact")
-    if arch == "qwen3moe" and not 1 <= s["n_expert_used"] <= s["n_expert"]:
+    if arch in MOE and not 1 <= s["n_expert_used"] <= s["n_expert"]:
         raise ShapeError(f"--n-expert-used {s['n_expert_used']} must be 1..--n-expert {s['n_expert']}")
-    if arch == "qwen3moe" and s["n_ff_exp"] < 1:
+    if arch in MOE and s["n_ff_exp"] < 1:
         raise ShapeError(f"--n-ff-exp {s['n_ff_exp']} must be >= 1")
+    if arch in HYBRID:
+        _check_hybrid(arch, s, head_dim)
     if s["mode"] not in ("float", "blocks") or s["ftype"] not in ("f32", "f16") or s["mix"] not in ("q4_k_m", "q8_0"):
         raise ShapeError(f"--mode {s['mode']!r} / --ftype {s['ftype']!r} / --mix {s['mix']!r}: "
                          f"float|blocks, f32|f16, q4_k_m|q8_0")
     if s["mode"] == "blocks":
         rows = {"--n-embd": s["n_embd"], "--n-ff": s["n_ff"], "--head-dim x --n-head": head_dim * s["n_head"]}
-        if arch == "qwen3moe":
+        if arch in MOE:
             rows["--n-ff-exp"] = s["n_ff_exp"]
+        if arch == "qwen35moe":
+            rows["--n-ff-shexp"] = s["n_ff_shexp"]
+        if arch in HYBRID:
+            rows["--ssm-d-state x --ssm-dt-rank"] = s["ssm_d_state"] * s["ssm_dt_rank"]
         for flag, n in rows.items():
             if n % 32:
                 raise ShapeError(f"{flag} = {n}: blocks mode needs rows that are a multiple of 32")
+
+
+def _check_hybrid(arch: str, s: dict, head_dim: int) -> None:
+    for key in ("n_ff_shexp", "full_attn_interval", "ssm_d_conv", "ssm_d_state", "ssm_n_group", "ssm_dt_rank"):
+        if not isinstance(s[key], int) or s[key] < 1:
+            raise ShapeError(f"--{key.replace('_', '-')} {s[key]!r} must be an integer >= 1")
+    if s["ssm_d_conv"] < 2:
+        raise ShapeError(f"--ssm-d-conv {s['ssm_d_conv']} must be >= 2 (the window carries d_conv - 1 steps)")
+    if s["ssm_dt_rank"] % s["ssm_n_group"]:
+        raise ShapeError(f"--ssm-dt-rank {s['ssm_dt_rank']} (value heads) must be a multiple of "
+                         f"--ssm-n-group {s['ssm_n_group']} (key heads)")
+    n_rot = s["n_rot"] or head_dim // 4
+    if n_rot < 2 or n_rot % 2 or n_rot > head_dim:
+        raise ShapeError(f"--n-rot {n_rot} must be even, >= 2 and at most the head dim {head_dim}")
+    sections = rope_sections(s, n_rot)
+    if len(sections) != 4 or min(sections) < 0 or not 0 < sum(sections) <= head_dim // 2:
+        raise ShapeError(f"--rope-sections {s['rope_sections']!r} must be 4 counts >= 0 summing to 1..head_dim/2")
+
+
+def rope_sections(s: dict, n_rot: int) -> list[int]:
+    """IMRoPE's sections: as given, or the rotated pairs in thirds (Qwen3.6: 64 dims -> 11, 11, 10, 0)."""
+    if s["rope_sections"]:
+        try:
+            return [int(x) for x in str(s["rope_sections"]).split(",")]
+        except ValueError:
+            raise ShapeError(f"--rope-sections {s['rope_sections']!r} must be 4 integers, comma separated") from None
+    pairs = n_rot // 2
+    third = (pairs + 2) // 3
+    return [third, third, pairs - 2 * third, 0]
 
 
 def write_synthetic(path, arch: str = "qwen2", tokenizer_from: str | None = None, router_skew: float | None = None,
@@ -387,10 +472,22 @@ def write_synthetic(path, arch: str = "qwen2", tokenizer_from: str | None = None
         w.add_uint32(f"{arch}.attention.value_length", s["head_dim"])
     w.add_float32(f"{arch}.rope.freq_base", 1_000_000.0)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
-    if arch == "qwen3moe":
+    if arch in MOE:
         w.add_uint32(f"{arch}.expert_count", s["n_expert"])
         w.add_uint32(f"{arch}.expert_used_count", s["n_expert_used"])
         w.add_uint32(f"{arch}.expert_feed_forward_length", s["n_ff_exp"])
+    if arch == "qwen35moe":
+        w.add_uint32(f"{arch}.expert_shared_feed_forward_length", s["n_ff_shexp"])
+    if arch in HYBRID:
+        n_rot = s["n_rot"] or s["head_dim"] // 4
+        w.add_uint32(f"{arch}.rope.dimension_count", n_rot)
+        w.add_array(f"{arch}.rope.dimension_sections", rope_sections(s, n_rot))
+        w.add_uint32(f"{arch}.full_attention_interval", s["full_attn_interval"])
+        w.add_uint32(f"{arch}.ssm.conv_kernel", s["ssm_d_conv"])
+        w.add_uint32(f"{arch}.ssm.state_size", s["ssm_d_state"])
+        w.add_uint32(f"{arch}.ssm.group_count", s["ssm_n_group"])
+        w.add_uint32(f"{arch}.ssm.time_step_rank", s["ssm_dt_rank"])
+        w.add_uint32(f"{arch}.ssm.inner_size", s["ssm_d_state"] * s["ssm_dt_rank"])
     w.add_uint32("general.file_type", FILE_TYPE[s["ftype"] if s["mode"] == "float" else s["mix"]])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for key, val, vtype, sub, _ in tok:

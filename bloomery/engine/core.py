@@ -64,7 +64,8 @@ class Engine:
         self.emit: Callable[[list[TokenOut]], None] | None = None
         self.n_vocab = int(model.n_vocab)
         self.n_ctx_slot = n_ctx_slot
-        self.scheduler = Scheduler(n_slots, n_ctx_slot, max_queue)
+        # a model whose slot state cannot step back (recurrent layers) keeps a slot only for a prompt that extends it
+        self.scheduler = Scheduler(n_slots, n_ctx_slot, max_queue, rewinds=getattr(model, "rewinds", True))
         self._lock = threading.Lock()
         self._cancels: list[str] = []
         # per slot, its current or last request's counts (llama-server's /slots keeps task_prev too)
@@ -190,9 +191,11 @@ class Engine:
             progress.append(out)
 
     def _cache_calls(self):
-        """The model's (save_kv, restore_kv) when the prompt cache is on and the model has them, else None."""
+        """The model's (save_kv, restore_kv) when the prompt cache is on and the model has them, else None
+        (also for a model whose recurrent state cannot step back: its saved KV alone could not restore it)."""
         save, restore = getattr(self.model, "save_kv", None), getattr(self.model, "restore_kv", None)
-        return (save, restore) if self.prompt_cache.enabled and save and restore else None
+        ok = self.prompt_cache.enabled and save and restore and self.scheduler.rewinds
+        return (save, restore) if ok else None
 
     def _save_held(self, slot: Slot) -> None:
         """Keep what the slot held in the prompt cache before its new prompt overwrites it."""

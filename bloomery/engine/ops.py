@@ -28,6 +28,7 @@ class Caps:
     fused_head: bool           # matmul_topk / matmul_argmax: the head's product and its pick in one step
     decode_graphs: bool        # decode_runner(model): captured decode steps
     prompt_scratch: bool       # release_scratch(): prompt-pass buffers handed back after a prompt
+    recurrent: bool = False    # recurrent_state / conv_step / delta_rule: linear-attention layers
 
 
 @dataclass(frozen=True)
@@ -94,8 +95,25 @@ class Ops(Protocol):
     def swiglu(self, gate: Array, up: Array) -> Array:
         """silu(gate) * up, same shape."""
 
-    def rope_neox(self, x: Array, positions: Array, n_rot: int, freq_base: float) -> Array:
-        """x [T, H, Dh] rotated in NEOX layout (pairs i, i + n_rot/2) at positions [T]."""
+    def rope_neox(self, x: Array, positions: Array, n_rot: int, freq_base: float,
+                  imrope_sections: Sequence[int] | None = None) -> Array:
+        """x [T, H, Dh] rotated in NEOX layout (pairs i, i + n_rot/2) at positions [T]; with
+        imrope_sections (4 counts), interleaved multi-section RoPE at a text position [p, p, p, 0]."""
+
+    def sigmoid(self, x: Array) -> Array:
+        """1 / (1 + e^-x), same shape."""
+
+    def softplus(self, x: Array) -> Array:
+        """log(1 + e^x), same shape."""
+
+    def silu(self, x: Array) -> Array:
+        """x / (1 + e^-x), same shape."""
+
+    def mul(self, a: Array, b: Array | Weight) -> Array:
+        """a * b, b broadcast over leading axes (a weight handle is accepted)."""
+
+    def l2_norm(self, x: Array, eps: float) -> Array:
+        """x / sqrt(sum(x^2) + eps) over the last axis."""
 
     def rows(self, spans: Sequence[AttnSpan], positions: Array) -> Rows:
         """The Rows of a batch laid out by `spans` (positions already on the backend)."""
@@ -128,12 +146,30 @@ class Ops(Protocol):
 
     def self_attention(self, cache: Any, layer: int, rows: Rows, q: Array, k: Array, v: Array, scale: float,
                        n_rot: int, freq_base: float, q_norm: Weight | None = None, k_norm: Weight | None = None,
-                       eps: float = 0.0) -> Array:
+                       eps: float = 0.0, imrope_sections: Sequence[int] | None = None) -> Array:
         """The attention core of a block: optional per-head RMSNorm of q and k, NEOX RoPE at each
-        row's position, k and v written to the cache, causal attention within each row's slot.
+        row's position (IMRoPE with imrope_sections), k and v written to the cache, causal
+        attention within each row's slot.
 
         q [T, H, Dh], k and v [T, Hkv, Dh] -> [T, H*Dh].
         """
+
+    # --- linear attention (caps.recurrent): a state per slot that only moves forward ---
+    def recurrent_state(self, n_layer: int, n_slots: int, conv_window: int, conv_channels: int,
+                        n_v_heads: int, head_size: int) -> Any:
+        """Per layer and slot, a conv window [conv_window, conv_channels] and a delta-rule state
+        [n_v_heads, head_size, head_size], float32, zeros. A span at position 0 starts from
+        zeros; one at the end of what its slot holds carries on; any other is refused."""
+
+    def conv_step(self, state: Any, layer: int, rows: Rows, x: Array, kernel: Weight) -> Array:
+        """The causal depthwise conv over each slot's window then its rows: x [T, C], kernel
+        [C, K] (GGUF ne {K, C}) -> [T, C]; the window keeps the last K-1 rows."""
+
+    def delta_rule(self, state: Any, layer: int, rows: Rows, q: Array, k: Array, v: Array,
+                   g: Array, beta: Array) -> Array:
+        """The gated delta rule over each slot's state: per value head, S <- S * exp(g);
+        S <- S + k ((v - S^T k) * beta)^T; out = S^T q / sqrt(head size). Value head h reads key
+        head h % Hk. q, k [T, Hk, S], v [T, H, S], g and beta [T, H] -> [T, H, S]."""
 
     # --- mixture of experts ---
     def moe_route(self, logits: Array, n_used: int, norm_weights: bool) -> tuple[Array, Array]:

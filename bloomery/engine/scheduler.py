@@ -6,6 +6,11 @@ Slot choice follows llama-server's get_available_slot: among free slots with
 cached ids, the one whose longest common prefix covers the largest fraction of
 the new prompt (above --slot-prompt-similarity, 0.1); otherwise the least
 recently used free slot (llama.cpp's `<=` makes the last of equals win).
+
+A model whose slot state cannot be cut back (`rewinds=False`: a recurrent state, as in
+linear-attention layers) keeps what a slot holds only when the new prompt extends it, longer
+by at least one id; any other prompt is read whole from position 0 (the model then starts the
+slot's state from zeros), and only such slots count as similar when a slot is picked.
 """
 from __future__ import annotations
 
@@ -60,7 +65,7 @@ class Slot:
 
 
 class Scheduler:
-    def __init__(self, n_slots: int, n_ctx_slot: int, max_queue: int | None = None):
+    def __init__(self, n_slots: int, n_ctx_slot: int, max_queue: int | None = None, rewinds: bool = True):
         if n_slots < 1:
             raise SchedulerError(f"n_slots must be >= 1 (got {n_slots})")
         if n_ctx_slot < 2:
@@ -70,6 +75,7 @@ class Scheduler:
         if self.max_queue < 0:
             raise SchedulerError(f"max_queue must be >= 0 (got {self.max_queue})")
         self.slots = [Slot(i, n_ctx_slot) for i in range(n_slots)]
+        self.rewinds = rewinds
         self.waiting: collections.deque[EngineRequest] = collections.deque()
         self._known: set[str] = set()   # req_ids queued or in a slot
         self._n_released = 0
@@ -128,14 +134,22 @@ class Scheduler:
                     break
             self.waiting.remove(req)
             n_common = common_prefix_len(slot.cached_ids, req.prompt_ids)
-            slot.held_ids = tuple(slot.cached_ids) if n_common < len(slot.cached_ids) else ()
-            n_cached = n_common if req.cache_prompt else 0
-            if n_cached == len(req.prompt_ids):
-                n_cached -= 1   # evaluate at least one prompt id, so there are logits to sample
+            # what the slot holds and this prompt overwrites: the prompt cache may save it first
+            slot.held_ids = tuple(slot.cached_ids) if n_common < len(slot.cached_ids) and self.rewinds else ()
+            n_cached = self._reusable(slot, req.prompt_ids) if req.cache_prompt else 0
             del slot.cached_ids[n_cached:]
             slot.req, slot.n_cached, slot.n_decoded, slot.next_id = req, n_cached, 0, None
             admitted.append(slot)
         return admitted
+
+    def _reusable(self, slot: Slot, prompt_ids) -> int:
+        """How many of the slot's cached ids the prompt keeps: the common prefix, short of the whole
+        prompt (at least one id is evaluated, so there are logits to sample); without rewinds, all of
+        them when the prompt extends them, else none."""
+        n = common_prefix_len(slot.cached_ids, prompt_ids)
+        if not self.rewinds:
+            return n if n == len(slot.cached_ids) and n < len(prompt_ids) else 0
+        return n - 1 if n == len(prompt_ids) else n
 
     def _pick_slot(self, prompt_ids: tuple[int, ...]) -> Slot | None:
         free = [s for s in self.slots if not s.is_processing]
@@ -143,7 +157,8 @@ class Scheduler:
         for slot in free:
             if not slot.cached_ids:
                 continue
-            sim = common_prefix_len(slot.cached_ids, prompt_ids) / len(prompt_ids)
+            kept = common_prefix_len(slot.cached_ids, prompt_ids) if self.rewinds else self._reusable(slot, prompt_ids)
+            sim = kept / len(prompt_ids)
             if sim > best_sim and sim > SLOT_PROMPT_SIMILARITY:
                 best, best_sim = slot, sim
         if best is not None:

@@ -40,13 +40,14 @@ def http_json(url: str, body: object | None = None, timeout_s: float = 600) -> t
 
 
 class ReferenceServer:
-    """llama-server on `model` at a free port; a context manager."""
+    """llama-server on `model` at a free port; a context manager. `binary`: a llama-server already
+    built (default: the reference build, built first if needed)."""
 
-    def __init__(self, model: str | Path, *extra: str, ctx_size: int = 4096):
+    def __init__(self, model: str | Path, *extra: str, ctx_size: int = 4096, binary: str | Path | None = None):
         self.model = str(model)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.args = [str(reference_bin() / "llama-server"), "-m", self.model, "--host", "127.0.0.1",
+        self.args = [str(binary or reference_bin() / "llama-server"), "-m", self.model, "--host", "127.0.0.1",
                      "--port", str(self.port), "-c", str(ctx_size), "-np", "1", "--jinja", *extra]
         self.proc: subprocess.Popen | None = None
 

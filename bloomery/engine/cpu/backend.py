@@ -19,6 +19,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from bloomery.engine.cpu import kernels as cpu_kernels
+from bloomery.engine.cpu import recurrent
 from bloomery.engine.quant import blocks, dots, threads
 from bloomery.engine.cpu.kv_cache import KVCache
 from bloomery.engine.cpu.sizes import UBATCH
@@ -124,9 +125,20 @@ def rope_table(positions: np.ndarray, n_rot: int, freq_base: float) -> tuple[np.
     return cos, sin
 
 
+def imrope_text_pairs(half: int, sections) -> np.ndarray:
+    """Which of the half rotated pairs turn with a text position under IMRoPE (ggml_mrope_cache_init
+    with is_imrope: sector i % sum(sections); sectors 0, 1, 2 mod 3 take sections 0, 1, 2 while
+    under 3x each, the rest the fourth, which a text token's position [p, p, p, 0] leaves at 0)."""
+    s0, s1, s2, s3 = (int(v) for v in sections)
+    sector = np.arange(half) % (s0 + s1 + s2 + s3)
+    return (((sector % 3 == 0) & (sector < 3 * s0)) | ((sector % 3 == 1) & (sector < 3 * s1))
+            | ((sector % 3 == 2) & (sector < 3 * s2)))
+
+
 class NumpyOps:
     name = "numpy"
-    caps = Caps(n_ubatch=UBATCH, decode_rows=0, fused_head=True, decode_graphs=False, prompt_scratch=False)
+    caps = Caps(n_ubatch=UBATCH, decode_rows=0, fused_head=True, decode_graphs=False, prompt_scratch=False,
+                recurrent=True)
 
     def __init__(self, cache_planes: bool = True):
         self.cache_planes = cache_planes
@@ -284,11 +296,45 @@ class NumpyOps:
         e[..., n_vec:] = expf_libm(-g[..., n_vec:])
         return (g / (np.float32(1) + e)) * up
 
-    def rope_neox(self, x, positions, n_rot: int, freq_base: float) -> np.ndarray:
-        """ggml rope, NEOX mode (pairs i, i + n_rot/2), with ggml's cos/sin table and FMA."""
+    def sigmoid(self, x) -> np.ndarray:
+        """ggml_vec_sigmoid_f32: 1 / (1 + expf(-x))."""
+        x = _f32(x)
+        return np.float32(1) / (np.float32(1) + expf_libm(-x))
+
+    def softplus(self, x) -> np.ndarray:
+        """ggml's op_softplus: x above 20, else logf(1 + expf(x))."""
+        x = _f32(x)
+        return np.where(x > 20, x, np.log(np.float32(1) + expf_libm(np.minimum(x, 20)))).astype(np.float32)
+
+    def silu(self, x) -> np.ndarray:
+        """ggml_vec_silu_f32: x / (1 + e^-x), the same expf per lane as swiglu's."""
+        x = _f32(x)
+        return self.swiglu(x, np.ones_like(x))
+
+    def mul(self, a, b) -> np.ndarray:
+        return _f32(a) * (_vec(b) if isinstance(b, NumpyWeight) else _f32(b))
+
+    def l2_norm(self, x, eps: float) -> np.ndarray:
+        """x / sqrt(sum x^2 + eps) over the last axis, as llama.cpp builds it for the delta rule:
+        rms_norm with eps/n, then a scale by 1/sqrt(n)."""
+        x = _f32(x)
+        n = x.shape[-1]
+        sq_sum = (x * x).sum(axis=-1, keepdims=True, dtype=np.float64)
+        mean = (sq_sum / n).astype(np.float32)
+        scale = np.float32(1) / np.sqrt(mean + np.float32(np.float32(eps) / np.float32(n)))
+        return (x * scale) * (np.float32(1) / np.sqrt(np.float32(n)))
+
+    def rope_neox(self, x, positions, n_rot: int, freq_base: float, imrope_sections=None) -> np.ndarray:
+        """ggml rope, NEOX mode (pairs i, i + n_rot/2), with ggml's cos/sin table and FMA. With
+        imrope_sections, ggml's IMRoPE over a text position [p, p, p, 0]: a pair whose sector
+        takes the fourth section turns by angle 0 (left as it is), the others as NEOX."""
         x = _f32(x)                                                     # [T, H, Dh]
         half = n_rot // 2
         cos, sin = rope_table(np.asarray(positions), n_rot, freq_base)  # [T, n_rot/2] each
+        if imrope_sections is not None:
+            still = ~imrope_text_pairs(half, imrope_sections)
+            cos, sin = cos.copy(), sin.copy()
+            cos[:, still], sin[:, still] = 1, 0
         c, s = cos[:, None, :].astype(np.float64), sin[:, None, :].astype(np.float64)
         x0 = x[..., :half].astype(np.float64)                           # [T, H, n_rot/2]
         x1 = x[..., half:n_rot].astype(np.float64)
@@ -304,14 +350,26 @@ class NumpyOps:
         return KVCache(n_layer, n_slots, n_ctx_slot, n_head_kv, head_dim)
 
     def self_attention(self, cache: KVCache, layer: int, rows: Rows, q, k, v, scale: float, n_rot: int,
-                       freq_base: float, q_norm=None, k_norm=None, eps: float = 0.0) -> np.ndarray:
+                       freq_base: float, q_norm=None, k_norm=None, eps: float = 0.0,
+                       imrope_sections=None) -> np.ndarray:
         if q_norm is not None:
             q = self.rms_norm(q, q_norm, eps)                          # [T, H, Dh] per head
         if k_norm is not None:
             k = self.rms_norm(k, k_norm, eps)                          # [T, Hkv, Dh]
-        q = self.rope_neox(q, rows.positions, n_rot, freq_base)        # [T, H, Dh]
-        k = self.rope_neox(k, rows.positions, n_rot, freq_base)        # [T, Hkv, Dh]
+        q = self.rope_neox(q, rows.positions, n_rot, freq_base, imrope_sections)   # [T, H, Dh]
+        k = self.rope_neox(k, rows.positions, n_rot, freq_base, imrope_sections)   # [T, Hkv, Dh]
         return self.attention(cache, layer, rows.spans, q, k, v, scale)
+
+    # --- linear attention: the recurrent state per slot ---
+    def recurrent_state(self, n_layer: int, n_slots: int, conv_window: int, conv_channels: int,
+                        n_v_heads: int, head_size: int) -> recurrent.RecurrentState:
+        return recurrent.RecurrentState(n_layer, n_slots, conv_window, conv_channels, n_v_heads, head_size)
+
+    def conv_step(self, state: recurrent.RecurrentState, layer: int, rows: Rows, x, kernel: NumpyWeight) -> np.ndarray:
+        return recurrent.conv_step(state, layer, rows.spans, x, kernel.dense())
+
+    def delta_rule(self, state: recurrent.RecurrentState, layer: int, rows: Rows, q, k, v, g, beta) -> np.ndarray:
+        return recurrent.delta_rule(state, layer, rows.spans, q, k, v, g, beta)
 
     def attention(self, cache: KVCache, layer: int, spans: Sequence[AttnSpan], q, k, v, scale: float) -> np.ndarray:
         """ggml_compute_forward_flash_attn_ext_f16 per span (each span is one sequence)."""

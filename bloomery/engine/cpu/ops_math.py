@@ -98,6 +98,25 @@ def reduce_add16(v: np.ndarray) -> np.ndarray:
     return v[..., 0]
 
 
+def vec_dot_f32(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """ggml_vec_dot_f32 over the last axis, broadcast over the others (AVX-512 build): four 16-lane
+    fma accumulators over 64-wide steps, (acc0 + acc2) + (acc1 + acc3), _mm512_reduce_add_ps, then
+    the tail one fma at a time (each fma an exact product rounded once with the sum)."""
+    a64 = np.asarray(a, np.float32).astype(np.float64)
+    b = np.asarray(b, np.float32)
+    n = a64.shape[-1]
+    main = n - n % 64
+    shape = np.broadcast_shapes(a64.shape[:-1], b.shape[:-1])
+    acc = np.zeros(shape + (64,), np.float32)
+    for c in range(0, main, 64):
+        acc = (a64[..., c:c + 64] * b[..., c:c + 64] + acc).astype(np.float32)
+    a4 = acc.reshape(shape + (4, 16))
+    res = reduce_add16((a4[..., 0, :] + a4[..., 2, :]) + (a4[..., 1, :] + a4[..., 3, :]))
+    for i in range(main, n):
+        res = (a64[..., i] * b[..., i] + res).astype(np.float32)
+    return res
+
+
 def vec_soft_max(x: np.ndarray, max_: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """ggml_vec_soft_max_f32 over the last axis (AVX-512 build): y = exp(x - max), ggml_v_expf on
     16-wide chunks and expf on the tail; returns (y float32, sum float64): each chunk's lanes

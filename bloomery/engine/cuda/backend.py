@@ -334,7 +334,9 @@ class CudaOps:
         return cuda_attention.KVCacheF16(n_layer, n_slots, n_ctx_slot, n_head_kv, head_dim)
 
     def self_attention(self, cache, layer, rows, q, k, v, scale, n_rot, freq_base, q_norm=None, k_norm=None,
-                       eps=0.0):
+                       eps=0.0, imrope_sections=None):
+        if imrope_sections is not None:
+            raise ValueError("IMRoPE (rope.dimension_sections) runs on the CPU backend in this build")
         return cuda_attention.self_attention(self, cache, layer, rows, q, k, v, scale, n_rot, freq_base,
                                              q_norm, k_norm, eps)
 

@@ -35,6 +35,9 @@ class CausalLM:
     """A decoder-only model over an Ops backend; subclasses fill in the architecture."""
 
     arch: str = ""
+    # a slot's state can be cut back to any earlier position (a KV cache): prefix reuse keeps any
+    # common prefix. False for a recurrent state, which keeps only a prompt that extends it.
+    rewinds: bool = True
 
     def __init__(self, gf: GGUFFile, ops: Ops, n_slots: int, n_ctx_slot: int,
                  progress: Callable[[int, int], None] | None = None,
@@ -60,21 +63,26 @@ class CausalLM:
         raise NotImplementedError
 
     # --- helpers for architecture files ---
-    def load_decoder(self, hp, layer_names: dict[str, str], optional: frozenset[str] = frozenset()) -> None:
+    def load_decoder(self, hp, layer_names: dict[str, str] | Sequence[dict[str, str]],
+                     optional: frozenset[str] = frozenset(), kv_layers: Sequence[int] | None = None) -> None:
         """The shared decoder state from hyperparameters hp (models/layers.Hparams): the token
-        embedding, each layer's tensors by `layer_names` (key -> GGUF name with {i}; those in
-        `optional` may be absent), the output norm and head (tied to the embedding when the file
-        has no output.weight), the attention scale and the KV cache."""
+        embedding, each layer's tensors by `layer_names` (key -> GGUF name with {i}, one map for
+        every layer or one per layer; those in `optional` may be absent), the output norm and head
+        (tied to the embedding when the file has no output.weight), the attention scale and the KV
+        cache of the layers in `kv_layers` (all when None; `kv_of[il]` is layer il's place in it)."""
         self.hp = hp
         self.n_layer, self.n_ctx_train = hp.n_layer, hp.n_ctx_train
         self.tok_embd = self.tensor(TOKEN_EMBD)
         self.n_vocab = int(self.gf.tensors[TOKEN_EMBD].shape[1])
         self.output_norm = self.tensor(OUTPUT_NORM)
         self.output = self.tensor(OUTPUT, required=False) or self.tok_embd
-        self.layers = [{k: self.tensor(n.format(i=i), required=k not in optional) for k, n in layer_names.items()}
+        maps = [layer_names] * hp.n_layer if isinstance(layer_names, dict) else list(layer_names)
+        self.layers = [{k: self.tensor(n.format(i=i), required=k not in optional) for k, n in maps[i].items()}
                        for i in range(hp.n_layer)]
         self.kq_scale = float(np.float32(1.0) / np.float32(math.sqrt(hp.head_dim)))
-        self.cache = self.ops.kv_cache(hp.n_layer, self.n_slots, self.n_ctx_slot, hp.n_head_kv, hp.head_dim)
+        kv_layers = list(range(hp.n_layer)) if kv_layers is None else list(kv_layers)
+        self.kv_of = {il: n for n, il in enumerate(kv_layers)}
+        self.cache = self.ops.kv_cache(len(kv_layers), self.n_slots, self.n_ctx_slot, hp.n_head_kv, hp.head_dim)
 
     def embed(self, ids):                                   # [T] -> [T, D]
         return self.ops.get_rows(self.tok_embd, ids)

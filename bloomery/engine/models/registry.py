@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-ARCHS = ("qwen2", "qwen3", "qwen3moe")
+ARCHS = ("qwen2", "qwen3", "qwen3moe", "qwen35", "qwen35moe")
 
 
 def model_class(arch: str):

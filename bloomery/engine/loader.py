@@ -22,8 +22,30 @@ def make_ops(backend: str) -> Ops:
             from bloomery.engine.cuda.backend import CudaOps
         except ImportError as e:
             raise ModelError(f"backend 'cuda' needs CuPy (pip install bloomery[cuda13] or [cuda12]): {e}") from None
+        _sync_flags()
         return CudaOps()
     raise ModelError(f"backend {backend!r} is not available: choose 'numpy' or 'cuda'")
+
+
+SYNC_FLAGS = {"auto": 0, "spin": 1, "yield": 2, "blocking": 4}     # cudaDeviceSchedule*
+
+
+def _sync_flags() -> None:
+    """BLOOMERY_CUDA_SYNC=spin|yield|blocking: how this process's thread waits on the card (CUDA's
+    default, auto, spins while there are more cores than contexts). A thread that spins holds a core
+    the offload tier's host workers could use; blocking frees it at some wake-up latency. Set before
+    the process's first CUDA call; a later one is refused by the driver and named here."""
+    choice = os.environ.get("BLOOMERY_CUDA_SYNC", "auto").strip().lower()
+    if choice not in SYNC_FLAGS:
+        raise ModelError(f"BLOOMERY_CUDA_SYNC={choice!r}: choose one of {', '.join(SYNC_FLAGS)}")
+    if choice == "auto":
+        return
+    import cupy
+    try:
+        cupy.cuda.runtime.setDeviceFlags(SYNC_FLAGS[choice])
+    except cupy.cuda.runtime.CUDARuntimeError as e:
+        raise ModelError(f"BLOOMERY_CUDA_SYNC={choice}: the card's wait mode could not be set ({e}); it must be "
+                         f"set before this process's first CUDA call") from None
 
 
 def host_experts(placement: Placement) -> dict[str, tuple[int, int]]:

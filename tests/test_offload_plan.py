@@ -289,3 +289,12 @@ def test_the_plan_stage_reads_the_ask_and_refuses_another_main_card(monkeypatch)
     args["placement_ask"] = codec.to_plain(PlacementAsk(n_cpu_moe=2))
     p, _ = stage_make(args, gf, Census(HOST, (100 * GIB,)))
     assert p.placement.case == "flags" and p.placement.experts_on_card == (0, 0, E, E)
+
+
+def test_a_bad_cuda_wait_mode_is_refused_by_name(monkeypatch):
+    from bloomery.engine import loader
+    monkeypatch.setenv("BLOOMERY_CUDA_SYNC", "sometimes")
+    with pytest.raises(ModelError, match=r"BLOOMERY_CUDA_SYNC='sometimes': choose one of auto, spin, yield, blocking"):
+        loader._sync_flags()
+    monkeypatch.setenv("BLOOMERY_CUDA_SYNC", "auto")
+    loader._sync_flags()                                  # CUDA's default: nothing is set, no card needed

@@ -58,6 +58,7 @@ typedef struct {
     chunk_fn fn;
     const void *ctx;
     int64_t n, grain;
+    int nth;                                           // workers 1..nth-1 may join (per-thread scratch)
     atomic_llong next, done;
     atomic_int users;                                  // workers inside this job
 } job_t;
@@ -97,7 +98,7 @@ static void *pool_worker(void *arg) {
         atomic_fetch_add(&j->users, 1);                // under the lock: the caller reuses a slot only at 0
         pthread_mutex_unlock(&pool.mu);
         seen = g;
-        run_chunks(j, worker);
+        if (worker < j->nth) run_chunks(j, worker);
         atomic_fetch_sub(&j->users, 1);
     }
     return NULL;
@@ -130,6 +131,7 @@ static void pool_run(chunk_fn fn, const void *ctx, int64_t n, int64_t grain, int
     j->ctx = ctx;
     j->n = n;
     j->grain = grain;
+    j->nth = nth;
     atomic_store(&j->next, 0);
     atomic_store(&j->done, 0);
     atomic_store(&pool.gen, g);
@@ -691,7 +693,7 @@ typedef struct {                                       // an attention call's ar
     const f16 *k, *v;
     int64_t n_head, n_head_kv, dh, pos0, n_kv;
     float scale;
-    float *out, *kq;
+    float *out, *kq, *kt;
 } attn_args;
 
 // the one-chunk path (fewer than 64 query rows): F16 Q, position by position, F16 accumulator
@@ -738,7 +740,7 @@ void attn_f16(const float *q, const f16 *k, const f16 *v, int64_t n_head, int64_
 }
 
 // the tiled path (64 query rows or more): F32, online softmax over tiles of 64 positions;
-// kq holds n_kv scores per thread
+// kq holds n_kv scores per thread, kt K widened to f32 in blocks of 8 positions [Hkv][L/8][Dh][8]
 static void attn_f32_chunk(const void *ctx, int64_t r0, int64_t r1, int worker) {
     const attn_args *A = ctx;
     const f16 *k = A->k, *v = A->v;
@@ -753,23 +755,22 @@ static void attn_f32_chunk(const void *ctx, int64_t r0, int64_t r1, int worker) 
         const int64_t n_see = A->pos0 + t + 1;
         int64_t l = 0;
         for (; l + 8 <= n_kv; l += 8) {           // simd_gemm: one fma chain over Dh from 0 per
-            const f16 *kl = k + l * kv_row + kh * dh;   // position; eight positions' chains side by side
+            if (l >= n_see) {                      // position; eight positions' chains side by side
+                for (int i = 0; i < 8; i++) kq[l + i] = -INFINITY;   // masked whatever the sums
+                continue;
+            }
+            const float *kt = A->kt + (kh * (n_kv / 8) + l / 8) * dh * 8;   // [Dh][8] as f32
 #if LANES_AVX2
             __m256 s = _mm256_setzero_ps();
-            float kt[8];
-            for (int64_t d = 0; d < dh; d++) {
-                for (int i = 0; i < 8; i++) kt[i] = (float)kl[i * kv_row + d];
-                s = _mm256_fmadd_ps(_mm256_set1_ps(qr[d]), _mm256_loadu_ps(kt), s);
-            }
+            for (int64_t d = 0; d < dh; d++) s = _mm256_fmadd_ps(_mm256_set1_ps(qr[d]), _mm256_loadu_ps(kt + 8 * d), s);
             float sv[8];
             _mm256_storeu_ps(sv, s);
-            for (int i = 0; i < 8; i++) kq[l + i] = l + i < n_see ? sv[i] * scale : -INFINITY;
 #else
-            float s[8] = {0};
+            float sv[8] = {0};
             for (int64_t d = 0; d < dh; d++)
-                for (int i = 0; i < 8; i++) s[i] = fmaf(qr[d], (float)kl[i * kv_row + d], s[i]);
-            for (int i = 0; i < 8; i++) kq[l + i] = l + i < n_see ? s[i] * scale : -INFINITY;
+                for (int i = 0; i < 8; i++) sv[i] = fmaf(qr[d], kt[8 * d + i], sv[i]);
 #endif
+            for (int i = 0; i < 8; i++) kq[l + i] = l + i < n_see ? sv[i] * scale : -INFINITY;
         }
         for (; l < n_kv; l++) {
             const f16 *kl = k + l * kv_row + kh * dh;
@@ -814,9 +815,13 @@ static void attn_f32_chunk(const void *ctx, int64_t r0, int64_t r1, int worker) 
 }
 
 void attn_f32(const float *q, const f16 *k, const f16 *v, int64_t n_head, int64_t n_head_kv, int64_t dh,
-              int64_t pos0, int64_t n_kv, float scale, float *out, int64_t n_rows, float *kq_all, int nth) {
+              int64_t pos0, int64_t n_kv, float scale, float *out, int64_t n_rows, float *kq_all, float *kt, int nth) {
     const attn_args A = {.q = q, .k = k, .v = v, .n_head = n_head, .n_head_kv = n_head_kv, .dh = dh, .pos0 = pos0,
-                         .n_kv = n_kv, .scale = scale, .out = out, .kq = kq_all};
+                         .n_kv = n_kv, .scale = scale, .out = out, .kq = kq_all, .kt = kt};
+    for (int64_t kh = 0; kh < n_head_kv; kh++)    // exact: every F16 value is an f32
+        for (int64_t l = 0; l < n_kv - n_kv % 8; l++)
+            for (int64_t d = 0; d < dh; d++)
+                kt[((kh * (n_kv / 8) + l / 8) * dh + d) * 8 + l % 8] = (float)k[(l * n_head_kv + kh) * dh + d];
     pool_run(attn_f32_chunk, &A, n_rows, 1, nth);
 }
 

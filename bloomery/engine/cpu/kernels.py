@@ -89,7 +89,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     lib.q4k_mm.argtypes = [p, i64, i64, p, p, p, i64, i64, p, i64, c_int]
     lib.swiglu.argtypes = [p, p, p, i64, i64, c_int]
     lib.attn_f16.argtypes = [p, p, p, i64, i64, i64, i64, f, p, i64, c_int]
-    lib.attn_f32.argtypes = [p, p, p, i64, i64, i64, i64, i64, f, p, i64, p, c_int]
+    lib.attn_f32.argtypes = [p, p, p, i64, i64, i64, i64, i64, f, p, i64, p, p, c_int]
     for fn in (lib.quant_q8_0, lib.quant_q8_K, lib.q80_mm, lib.q6k_mm, lib.q4k_mm, lib.swiglu, lib.attn_f16, lib.attn_f32):
         fn.restype = None
     return lib, f"{so.name} ({'avx2+fma' if lib.lanes_isa() else 'portable C'})"

@@ -94,8 +94,9 @@ def _attend_c(q, k, v, pos0: int, scale, tiled: bool) -> np.ndarray:
     nth = threads.N_THREADS if n_rows > 1 else 1
     if tiled:
         kq = np.empty((nth, n_kv), np.float32)                          # each thread's row of scores
+        kt = np.empty(hkv * (n_kv // 8) * dh * 8, np.float32)           # K widened, 8 positions side by side
         lib.attn_f32(q.ctypes.data, k.ctypes.data, v.ctypes.data, h, hkv, dh, pos0, n_kv, float(scale),
-                     out.ctypes.data, n_rows, kq.ctypes.data, nth)
+                     out.ctypes.data, n_rows, kq.ctypes.data, kt.ctypes.data, nth)
     else:
         lib.attn_f16(q.ctypes.data, k.ctypes.data, v.ctypes.data, h, hkv, dh, pos0, float(scale),
                      out.ctypes.data, n_rows, nth)

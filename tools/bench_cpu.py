@@ -83,9 +83,11 @@ def run_server(name: str, argv: list[str], port: int, lengths: list[int], n_pred
             print(f"{name:10s} P={p:4d}: prompt best {max(pp):6.1f} median {statistics.median(pp):6.1f} tok/s | "
                   f"decode best {max(dd):6.1f} median {statistics.median(dd):6.1f} tok/s  (n={reps})", flush=True)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
         try:
+            os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=30)
+        except ProcessLookupError:                                      # it had exited: its error is raised above
+            pass
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
     return out

@@ -1,20 +1,29 @@
-// CPU kernels of the numpy backend (bloomery/engine/cpu_kernels.py compiles this once per
+// CPU kernels of the numpy backend (bloomery/engine/cpu/kernels.py compiles this once per
 // machine with the system's C compiler and loads it through ctypes).
 //
-// q8_lanes: out[t][n] = x_t . w_n for a Q8_0-family weight (Q8_0, Q5_0, Q4_0 stored as int8
-// quants [N, K] and f32 block scales [N, K/32]) against Q8_0 activations, in the float order of
-// llama.cpp's CPU kernels (tinyBLAS and ggml_vec_dot_q8_0_q8_0 agree on it on AVX2): per output
-// eight f32 lanes, lane l of block b holding the exact integer sum of elements 4l..4l+3; each
-// block does acc = fma(d_w * d_a, (float)lane, acc), the scale product rounded to f32 (exact
-// here: two f16 values); then hsum_float_8. The integer sums are exact whatever the
-// instructions, and the float steps are spelled out, so the AVX2 path and the portable one give
-// the same bits. Built with -ffp-contract=off so the compiler adds no fma of its own.
+// The quantized products read the GGUF blocks in place (Q8_0, Q5_0, Q4_K, Q6_K: no decoded
+// copy of a weight is kept) against activations already quantized to the weight's vec_dot
+// partner (Q8_0 or Q8_K, bloomery/engine/quant/activations.py), in the float order of llama.cpp's
+// CPU kernels, which bloomery/engine/quant/dots.py spells out in numpy:
+//   Q8_0 family: per output eight f32 lanes, lane l of block b holding the exact integer sum of
+//   elements 4l..4l+3; each block does acc = fma(d_w * d_a, (float)lane, acc), the scale product
+//   rounded to f32 (exact here: two f16 values); then hsum_float_8.
+//   Q6_K and Q4_K: see their kernels below.
+// The integer sums are exact whatever the instructions, and the float steps are spelled out, so
+// the AVX2 path and the portable one give the same bits. Built with -ffp-contract=off so the
+// compiler adds no fma of its own. One call spreads the weight rows (attention: the query rows)
+// over `nth` threads (the pool below); no output's float order depends on the split.
 //
-// Legend: N = weight rows, K = row length, B = K / 32 blocks, T = activation rows.
+// Legend: N = weight rows, K = row length, B = K / 32 blocks, Bs = K / 256 super-blocks,
+// T = activation rows.
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define LANES_AVX2 1
 #else
@@ -23,8 +32,155 @@
 
 int lanes_isa(void) { return LANES_AVX2; }
 
+typedef _Float16 f16;
+
 static inline float hsum8(const float a[8]) {
     return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
+static inline float f16_at(const uint8_t *p) {       // a stored f16 scale, exactly as f32
+    f16 h;
+    memcpy(&h, p, 2);
+    return (float)h;
+}
+
+// ---- the thread pool: a call's items (weight rows, query rows) in chunks that the calling
+// thread and the workers take from one counter. The caller waits only for chunks taken and not
+// yet done, never for a worker that has not started: on a machine whose cores are shared, a
+// worker the scheduler has not run yet costs nothing, the caller does its share. Workers spin a
+// little after a job (the next one usually comes within microseconds), then sleep.
+typedef void (*chunk_fn)(const void *ctx, int64_t i0, int64_t i1, int worker);
+
+#define POOL_MAX 64
+#define POOL_SPIN 20000                                // pause rounds a worker waits before it sleeps
+
+typedef struct {
+    chunk_fn fn;
+    const void *ctx;
+    int64_t n, grain;
+    int nth;                                           // workers 1..nth-1 may join (per-thread scratch)
+    atomic_llong next, done;
+    atomic_int users;                                  // workers inside this job
+} job_t;
+
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int n_started;
+    atomic_ullong gen;                                 // job number; its slot is gen % 2
+    job_t slot[2];
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0};
+
+static void run_chunks(job_t *j, int worker) {
+    for (;;) {
+        const int64_t i0 = atomic_fetch_add(&j->next, j->grain);
+        if (i0 >= j->n) return;
+        const int64_t i1 = i0 + j->grain < j->n ? i0 + j->grain : j->n;
+        j->fn(j->ctx, i0, i1, worker);
+        atomic_fetch_add(&j->done, i1 - i0);
+    }
+}
+
+static void *pool_worker(void *arg) {
+    const int worker = (int)(intptr_t)arg;
+    unsigned long long seen = atomic_load(&pool.gen);
+    for (;;) {
+        unsigned long long g;
+        int spins = 0;
+        while ((g = atomic_load(&pool.gen)) == seen && ++spins < POOL_SPIN) {
+#if LANES_AVX2
+            _mm_pause();
+#endif
+        }
+        pthread_mutex_lock(&pool.mu);
+        while ((g = atomic_load(&pool.gen)) == seen) pthread_cond_wait(&pool.cv, &pool.mu);
+        job_t *j = &pool.slot[g % 2];
+        atomic_fetch_add(&j->users, 1);                // under the lock: the caller reuses a slot only at 0
+        pthread_mutex_unlock(&pool.mu);
+        seen = g;
+        if (worker < j->nth) run_chunks(j, worker);
+        atomic_fetch_sub(&j->users, 1);
+    }
+    return NULL;
+}
+
+// fn over items 0..n in chunks of `grain`, on the calling thread and up to nth - 1 workers
+static atomic_flag pool_busy = ATOMIC_FLAG_INIT;       // one caller at a time; a second runs alone
+
+static void pool_run(chunk_fn fn, const void *ctx, int64_t n, int64_t grain, int nth) {
+    if (nth > POOL_MAX) nth = POOL_MAX;
+    if (nth <= 1 || n <= grain || atomic_flag_test_and_set(&pool_busy)) {
+        fn(ctx, 0, n, 0);
+        return;
+    }
+    pthread_mutex_lock(&pool.mu);
+    while (pool.n_started < nth - 1) {                 // workers start on first need, and stay
+        pthread_t th;
+        if (pthread_create(&th, NULL, pool_worker, (void *)(intptr_t)(pool.n_started + 1)) != 0) break;
+        pthread_detach(th);
+        pool.n_started++;
+    }
+    const unsigned long long g = atomic_load(&pool.gen) + 1;
+    job_t *j = &pool.slot[g % 2];
+    while (atomic_load(&j->users) > 0) {               // a straggler of two jobs ago: it holds no chunk
+        pthread_mutex_unlock(&pool.mu);
+        sched_yield();
+        pthread_mutex_lock(&pool.mu);
+    }
+    j->fn = fn;
+    j->ctx = ctx;
+    j->n = n;
+    j->grain = grain;
+    j->nth = nth;
+    atomic_store(&j->next, 0);
+    atomic_store(&j->done, 0);
+    atomic_store(&pool.gen, g);
+    pthread_cond_broadcast(&pool.cv);
+    pthread_mutex_unlock(&pool.mu);
+    run_chunks(j, 0);
+    for (int spins = 0; atomic_load(&j->done) < n; spins++) {   // chunks a worker took and is finishing
+        if (spins > 64) sched_yield();
+#if LANES_AVX2
+        else _mm_pause();
+#endif
+    }
+    atomic_flag_clear(&pool_busy);
+}
+
+static int64_t grain_for(int64_t n, int nth, int64_t at_least) {   // about 4 chunks a thread
+    int64_t g = n / (4 * (nth > 0 ? nth : 1));
+    return g < at_least ? at_least : g;
+}
+
+#define Q8_0_BYTES 34                                  // f16 d, 32 int8
+#define Q5_0_BYTES 22                                  // f16 d, u32 high bits, 16 nibble pairs
+#define Q4_K_BYTES 144                                 // f16 d, f16 dmin, 12 scale bytes, 128 nibble pairs
+#define Q6_K_BYTES 210                                 // 128 low nibbles, 64 high pairs, 16 int8 scales, f16 d
+#define ACT_TILE 64                                    // activation rows kept in cache while the weight streams
+
+// the 32 signed quants of a Q8_0 (qtype 0) or Q5_0 (qtype 1) block
+static inline void q80_ints(const uint8_t *blk, int qtype, int8_t q[32]) {
+    if (qtype == 0) {
+        memcpy(q, blk + 2, 32);
+        return;
+    }
+    uint32_t qh;
+    memcpy(&qh, blk + 2, 4);
+    const uint8_t *qs = blk + 6;
+    for (int j = 0; j < 16; j++) {
+        q[j] = (int8_t)(((qs[j] & 0xF) | (((qh >> j) & 1) << 4)) - 16);
+        q[j + 16] = (int8_t)(((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
+    }
+}
+
+// get_scale_min_k4: the 8 six-bit scales and mins of a Q4_K super-block
+static inline void q4k_scales(const uint8_t *s, int32_t sc[8], int32_t mn[8]) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (s[j + 8] & 0xF) | ((s[j] >> 6) << 4);
+        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+    }
 }
 
 #if LANES_AVX2
@@ -34,88 +190,413 @@ static inline float hsum8_ps(__m256 v) {
     return hsum8(a);
 }
 
+static inline int32_t hsum_epi32(__m256i v) {          // integer: any order is exact
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+    return _mm_cvtsi128_si32(h);
+}
+
 // the 8 lane sums of one block as f32: |w| * (a with w's sign), pairs to int16 (no
-// saturation: |w| <= 127 here, |a| <= 127), pairs again to int32
+// saturation: |w| <= 128 here, |a| <= 127), pairs again to int32
 static inline __m256 block_lanes(__m256i w_abs, __m256i w, __m256i a, __m256i ones) {
     __m256i s = _mm256_sign_epi8(a, w);
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, s), ones));
 }
+
+// 32 bits -> 32 bytes, 0xFF where the bit is set
+static inline __m256i bits_to_bytes(uint32_t x) {
+    const __m256i shuf = _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101,
+                                            0x0202020202020202, 0x0303030303030303);
+    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201ULL);
+    __m256i b = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)x), shuf), bit);
+    return _mm256_cmpeq_epi8(b, bit);
+}
+
+static inline __m256i q80_vec(const uint8_t *blk, int qtype) {
+    if (qtype == 0)
+        return _mm256_loadu_si256((const __m256i *)(blk + 2));
+    uint32_t qh;
+    memcpy(&qh, blk + 2, 4);
+    const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 6));
+    const __m128i lo4 = _mm_set1_epi8(0xF);
+    __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), lo4), _mm_and_si128(qs, lo4));
+    q = _mm256_or_si256(q, _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10)));
+    return _mm256_sub_epi8(q, _mm256_set1_epi8(16));
+}
 #endif
 
-// Rows n0..n1 of the weight against all T activation rows; out[t * ldo + n].
-void q8_lanes(const int8_t *w, const float *dw, int64_t n0, int64_t n1, int64_t n_blocks,
-              const int8_t *a, const float *da, int64_t t, float *out, int64_t ldo) {
-    const int64_t k = n_blocks * 32;
-    for (int64_t n = n0; n < n1; n++) {
-        const int8_t *wr = w + n * k;
-        const float *dwr = dw + n * n_blocks;
-        int64_t r = 0;
-#if LANES_AVX2
-        const __m256i ones = _mm256_set1_epi16(1);
-        for (; r + 4 <= t; r += 4) {            // four activation rows share each weight load
-            __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-            const int8_t *a0 = a + r * k, *a1 = a0 + k, *a2 = a1 + k, *a3 = a2 + k;
-            const float *d0 = da + r * n_blocks, *d1 = d0 + n_blocks, *d2 = d1 + n_blocks, *d3 = d2 + n_blocks;
-            for (int64_t b = 0; b < n_blocks; b++) {
-                __m256i wv = _mm256_loadu_si256((const __m256i *)(wr + 32 * b));
-                __m256i wa = _mm256_sign_epi8(wv, wv);
-                float s = dwr[b];
-                acc0 = _mm256_fmadd_ps(_mm256_set1_ps(s * d0[b]),
-                                       block_lanes(wa, wv, _mm256_loadu_si256((const __m256i *)(a0 + 32 * b)), ones), acc0);
-                acc1 = _mm256_fmadd_ps(_mm256_set1_ps(s * d1[b]),
-                                       block_lanes(wa, wv, _mm256_loadu_si256((const __m256i *)(a1 + 32 * b)), ones), acc1);
-                acc2 = _mm256_fmadd_ps(_mm256_set1_ps(s * d2[b]),
-                                       block_lanes(wa, wv, _mm256_loadu_si256((const __m256i *)(a2 + 32 * b)), ones), acc2);
-                acc3 = _mm256_fmadd_ps(_mm256_set1_ps(s * d3[b]),
-                                       block_lanes(wa, wv, _mm256_loadu_si256((const __m256i *)(a3 + 32 * b)), ones), acc3);
-            }
-            out[(r + 0) * ldo + n] = hsum8_ps(acc0);
-            out[(r + 1) * ldo + n] = hsum8_ps(acc1);
-            out[(r + 2) * ldo + n] = hsum8_ps(acc2);
-            out[(r + 3) * ldo + n] = hsum8_ps(acc3);
-        }
-        for (; r < t; r++) {
-            __m256 acc = _mm256_setzero_ps();
-            const int8_t *ar = a + r * k;
-            const float *dar = da + r * n_blocks;
-            for (int64_t b = 0; b < n_blocks; b++) {
-                __m256i wv = _mm256_loadu_si256((const __m256i *)(wr + 32 * b));
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(dwr[b] * dar[b]),
-                                      block_lanes(_mm256_sign_epi8(wv, wv), wv,
-                                                  _mm256_loadu_si256((const __m256i *)(ar + 32 * b)), ones), acc);
-            }
-            out[r * ldo + n] = hsum8_ps(acc);
-        }
-#else
-        for (; r < t; r++) {
-            float acc[8] = {0};
-            const int8_t *ar = a + r * k;
-            const float *dar = da + r * n_blocks;
-            for (int64_t b = 0; b < n_blocks; b++) {
-                const int8_t *wb = wr + 32 * b, *ab = ar + 32 * b;
-                float s = dwr[b] * dar[b];
-                for (int l = 0; l < 8; l++) {
-                    int32_t sum = 0;
-                    for (int e = 0; e < 4; e++)
-                        sum += (int32_t)wb[4 * l + e] * (int32_t)ab[4 * l + e];
-                    acc[l] = fmaf(s, (float)sum, acc[l]);
+// ---- activations quantized as ggml-cpu's x86 build does (quant/activations.py is the numpy form)
+// quantize_row_q8_0: per 32, d = f16(amax / 127), the multiplier 127 / amax in f32, round half
+// to even. x [T, K] -> q [T, K], d [T, K/32].
+void quant_q8_0(const float *x, int64_t t, int64_t k, int8_t *q, float *d) {
+    const int64_t n = t * (k / 32);
+    for (int64_t b = 0; b < n; b++) {
+        const float *xb = x + 32 * b;
+        float amax = 0.0f;
+        for (int i = 0; i < 32; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
+        const float mult = amax != 0.0f ? 127.0f / amax : 0.0f;
+        d[b] = (float)(f16)(amax / 127.0f);
+        for (int i = 0; i < 32; i++) q[32 * b + i] = (int8_t)rintf(xb[i] * mult);
+    }
+}
+
+// quantize_row_q8_K_ref: per 256, the element of largest magnitude (the first on a tie) maps to
+// -127, iscale = -127 / max, round half to even, capped at 127, d = 1 / iscale; a row with
+// pos_wins[r] set follows ggml_quantize_mat_q8_K_4x8 (on a +max / -max tie the positive one maps
+// to -127). bsums: the sums per 16. x [T, K] -> q [T, K], d [T, K/256], bsums [T, K/16].
+void quant_q8_K(const float *x, int64_t t, int64_t k, const uint8_t *pos_wins, int8_t *q, float *d, int16_t *bsums) {
+    const int64_t nb = k / 256;
+    for (int64_t r = 0; r < t; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t o = r * k + 256 * b;
+            const float *xb = x + o;
+            float amax = 0.0f, vmax = 0.0f;
+            for (int i = 0; i < 256; i++)
+                if (fabsf(xb[i]) > amax) {
+                    amax = fabsf(xb[i]);
+                    vmax = xb[i];
                 }
+            if (pos_wins[r] && vmax < 0.0f)
+                for (int i = 0; i < 256; i++)
+                    if (xb[i] == amax) {
+                        vmax = amax;
+                        break;
+                    }
+            int8_t *qb = q + o;
+            int16_t *bs = bsums + r * (k / 16) + 16 * b;
+            if (vmax == 0.0f) {
+                d[r * nb + b] = 0.0f;
+                memset(qb, 0, 256);
+                memset(bs, 0, 32);
+                continue;
             }
-            out[r * ldo + n] = hsum8(acc);
+            const float iscale = -127.0f / vmax;
+            for (int i = 0; i < 256; i++) {
+                const float v = rintf(iscale * xb[i]);
+                qb[i] = (int8_t)(v < 127.0f ? v : 127.0f);
+            }
+            for (int j = 0; j < 16; j++) {
+                int32_t sum = 0;
+                for (int i = 0; i < 16; i++) sum += qb[16 * j + i];
+                bs[j] = (int16_t)sum;
+            }
+            d[r * nb + b] = 1.0f / iscale;
         }
+}
+
+typedef struct mm_args {                               // a quantized product's arguments
+    const uint8_t *w;
+    int64_t row_bytes, n_blocks, t, t_gemm, ldo;
+    int qtype, tiled;
+    const int8_t *a;
+    const float *da;
+    const int16_t *bsums;
+    float *out;
+    void (*row)(const struct mm_args *m, int64_t n, int64_t r0, int64_t r1);   // one weight row's outputs
+} mm_args;
+
+// ---- Q8_0 family: out[r * ldo + n] for weight rows 0..N, activation rows 0..T ----------------
+// w: the stored blocks [N, B] (qtype 0: Q8_0, 1: Q5_0); a [T, K] int8, da [T, B] f32.
+static void q80_row(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
+    const int qtype = m->qtype;
+    const int64_t n_blocks = m->n_blocks, ldo = m->ldo;
+    const uint8_t *wr = m->w + n * m->row_bytes;
+    const int8_t *a = m->a;
+    const float *da = m->da;
+    float *out = m->out;
+    const int64_t k = n_blocks * 32, bb = qtype == 0 ? Q8_0_BYTES : Q5_0_BYTES;
+    int64_t r = r0;
+#if LANES_AVX2
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (; r + 4 <= r1; r += 4) {                   // four activation rows share each weight block
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+        const int8_t *a0 = a + r * k, *a1 = a0 + k, *a2 = a1 + k, *a3 = a2 + k;
+        const float *d0 = da + r * n_blocks, *d1 = d0 + n_blocks, *d2 = d1 + n_blocks, *d3 = d2 + n_blocks;
+        for (int64_t b = 0; b < n_blocks; b++) {
+            const uint8_t *blk = wr + b * bb;
+            const __m256i wv = q80_vec(blk, qtype), wa = _mm256_sign_epi8(wv, wv);
+            const float s = f16_at(blk);
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(s * d0[b]),
+                                   block_lanes(wa, wv, _mm256_loadu_si256((const __m256i *)(a0 + 32 * b)), ones), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(s * d1[b]),
+                                   block_lanes(wa, wv, _mm256_loadu_si256((const __m256i *)(a1 + 32 * b)), ones), acc1);
+            acc2 = _mm256_fmadd_ps(_mm256_set1_ps(s * d2[b]),
+                                   block_lanes(wa, wv, _mm256_loadu_si256((const __m256i *)(a2 + 32 * b)), ones), acc2);
+            acc3 = _mm256_fmadd_ps(_mm256_set1_ps(s * d3[b]),
+                                   block_lanes(wa, wv, _mm256_loadu_si256((const __m256i *)(a3 + 32 * b)), ones), acc3);
+        }
+        out[(r + 0) * ldo + n] = hsum8_ps(acc0);
+        out[(r + 1) * ldo + n] = hsum8_ps(acc1);
+        out[(r + 2) * ldo + n] = hsum8_ps(acc2);
+        out[(r + 3) * ldo + n] = hsum8_ps(acc3);
+    }
+    for (; r < r1; r++) {
+        __m256 acc = _mm256_setzero_ps();
+        const int8_t *ar = a + r * k;
+        const float *dar = da + r * n_blocks;
+        for (int64_t b = 0; b < n_blocks; b++) {
+            const uint8_t *blk = wr + b * bb;
+            const __m256i wv = q80_vec(blk, qtype);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(blk) * dar[b]),
+                                  block_lanes(_mm256_sign_epi8(wv, wv), wv,
+                                              _mm256_loadu_si256((const __m256i *)(ar + 32 * b)), ones), acc);
+        }
+        out[r * ldo + n] = hsum8_ps(acc);
+    }
+#else
+    for (; r < r1; r++) {
+        float acc[8] = {0};
+        const int8_t *ar = a + r * k;
+        const float *dar = da + r * n_blocks;
+        for (int64_t b = 0; b < n_blocks; b++) {
+            int8_t wb[32];
+            q80_ints(wr + b * bb, qtype, wb);
+            const int8_t *ab = ar + 32 * b;
+            const float s = f16_at(wr + b * bb) * dar[b];
+            for (int l = 0; l < 8; l++) {
+                int32_t sum = 0;
+                for (int e = 0; e < 4; e++)
+                    sum += (int32_t)wb[4 * l + e] * (int32_t)ab[4 * l + e];
+                acc[l] = fmaf(s, (float)sum, acc[l]);
+            }
+        }
+        out[r * ldo + n] = hsum8(acc);
+    }
+#endif
+}
+
+// a chunk of weight rows: each tile of activation rows over all of them (the rows stay in cache)
+static void mm_chunk(const void *ctx, int64_t n0, int64_t n1, int worker) {
+    const mm_args *m = ctx;
+    (void)worker;
+    for (int64_t r0 = 0; r0 < m->t; r0 += ACT_TILE) {
+        const int64_t r1 = r0 + ACT_TILE < m->t ? r0 + ACT_TILE : m->t;
+        for (int64_t n = n0; n < n1; n++) m->row(m, n, r0, r1);
+    }
+}
+
+void q80_mm(const uint8_t *w, int qtype, int64_t n_rows, int64_t n_blocks, const int8_t *a, const float *da,
+            int64_t t, float *out, int64_t ldo, int nth) {
+    const mm_args m = {.w = w, .row_bytes = n_blocks * (qtype == 0 ? Q8_0_BYTES : Q5_0_BYTES), .n_blocks = n_blocks,
+                       .t = t, .ldo = ldo, .qtype = qtype, .a = a, .da = da, .out = out, .row = q80_row};
+    pool_run(mm_chunk, &m, n_rows, grain_for(n_rows, nth, 4), nth);
+}
+
+// ---- K-quants against Q8_K activations (256 per super-block, bsums per 16) ---------------
+// a [T, K] int8 (|a| <= 127), da [T, Bs] f32, bsums [T, K/16] int16.
+
+// Q6_K (ggml_vec_dot_q6_K_q8_K on AVX2, and ggml's tiled mul_mat from 8 rows): eight int32
+// lanes per super-block, lane l holding the unsigned quant (0..63) * its scale * a over elements
+// 128j + 32k + 4l + e (j < 2, k < 4, e < 4), less 32 * the scales times the bsums of sub-blocks
+// 2l, 2l+1. lanes (tiled == 0): acc_l = fma(f32(d_a * d_w), f32(lane), acc_l), hsum_float_8.
+// tiled: the lanes' integer total, to f32, times d_w (rounded), then acc = fma(that, d_a, acc).
+static inline void q6k_ints(const uint8_t *blk, uint8_t q[256]) {   // the unsigned quants, in order
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *ql = blk + 64 * h, *qh = blk + 128 + 32 * h;
+        uint8_t *o = q + 128 * h;
+        for (int l = 0; l < 32; l++) {
+            o[l] = (ql[l] & 0xF) | ((qh[l] & 3) << 4);
+            o[l + 32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
+            o[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+            o[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+        }
+    }
+}
+
+#if LANES_AVX2
+static inline void q6k_vecs(const uint8_t *blk, __m256i q[8]) {
+    const __m256i lo4 = _mm256_set1_epi8(0xF), three = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; h++) {
+        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+        const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+        q[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l0, lo4), _mm256_slli_epi16(_mm256_and_si256(hb, three), 4));
+        q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, lo4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), three), 4));
+        q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), lo4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), three), 4));
+        q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), lo4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), three), 4));
+    }
+}
+#endif
+
+static void q6k_row(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
+    const int tiled = m->tiled;
+    const int64_t n_super = m->n_blocks, ldo = m->ldo;
+    const uint8_t *wr = m->w + n * m->row_bytes;
+    const int8_t *a = m->a;
+    const float *da = m->da;
+    const int16_t *bsums = m->bsums;
+    float *out = m->out;
+    const int64_t k = n_super * 256;
+    for (int64_t r = r0; r < r1; r++) {
+        const int8_t *ar = a + r * k;
+        const float *dar = da + r * n_super;
+        const int16_t *bsr = bsums + r * n_super * 16;
+        float acc = 0.0f;
+#if LANES_AVX2
+        __m256 acc8 = _mm256_setzero_ps();
+#else
+        float acc8[8] = {0};
+#endif
+        for (int64_t b = 0; b < n_super; b++) {
+            const uint8_t *blk = wr + b * Q6_K_BYTES;
+            const int8_t *sb = (const int8_t *)(blk + 192);
+            const int16_t *bs = bsr + 16 * b;
+            const float dw = f16_at(blk + 208);
+#if LANES_AVX2
+            __m256i q[8];
+            q6k_vecs(blk, q);
+            __m256i lanes = _mm256_setzero_si256();
+            for (int c = 0; c < 8; c++) {              // c = 4j + k: 32 elements, scales 2c, 2c + 1
+                const __m256i s16 = _mm256_set_m128i(_mm_set1_epi16(sb[2 * c + 1]), _mm_set1_epi16(sb[2 * c]));
+                const __m256i p = _mm256_maddubs_epi16(q[c], _mm256_loadu_si256((const __m256i *)(ar + 256 * b + 32 * c)));
+                lanes = _mm256_add_epi32(lanes, _mm256_madd_epi16(p, s16));
+            }
+            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sb));
+            const __m256i corr = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)bs));
+            lanes = _mm256_sub_epi32(lanes, _mm256_slli_epi32(corr, 5));
+            if (tiled)
+                acc = fmaf((float)hsum_epi32(lanes) * dw, dar[b], acc);
+            else
+                acc8 = _mm256_fmadd_ps(_mm256_set1_ps(dar[b] * dw), _mm256_cvtepi32_ps(lanes), acc8);
+#else
+            uint8_t q[256];
+            q6k_ints(blk, q);
+            const int8_t *ab = ar + 256 * b;
+            int32_t lanes[8], total = 0;
+            for (int l = 0; l < 8; l++) {
+                int32_t lane = 0;
+                for (int c = 0; c < 8; c++) {
+                    const int base = 32 * c + 4 * l;
+                    int32_t sum = 0;
+                    for (int e = 0; e < 4; e++) sum += (int32_t)q[base + e] * (int32_t)ab[base + e];
+                    lane += sum * (int32_t)sb[2 * c + (l >= 4)];
+                }
+                lanes[l] = lane - 32 * ((int32_t)sb[2 * l] * bs[2 * l] + (int32_t)sb[2 * l + 1] * bs[2 * l + 1]);
+                total += lanes[l];
+            }
+            if (tiled) {
+                acc = fmaf((float)total * dw, dar[b], acc);
+            } else {
+                const float dd = dar[b] * dw;
+                for (int l = 0; l < 8; l++) acc8[l] = fmaf(dd, (float)lanes[l], acc8[l]);
+            }
+#endif
+        }
+#if LANES_AVX2
+        out[r * ldo + n] = tiled ? acc : hsum8_ps(acc8);
+#else
+        out[r * ldo + n] = tiled ? acc : hsum8(acc8);
 #endif
     }
 }
 
+void q6k_mm(const uint8_t *w, int64_t n_rows, int64_t n_super, const int8_t *a, const float *da,
+            const int16_t *bsums, int64_t t, int tiled, float *out, int64_t ldo, int nth) {
+    const mm_args m = {.w = w, .row_bytes = n_super * Q6_K_BYTES, .n_blocks = n_super, .t = t, .ldo = ldo,
+                       .tiled = tiled, .a = a, .da = da, .bsums = bsums, .out = out, .row = q6k_row};
+    pool_run(mm_chunk, &m, n_rows, grain_for(n_rows, nth, 4), nth);
+}
+
+// Q4_K as ggml_gemm / ggml_gemv_q4_K_8x8_q8_K (the repacked weight): per 64 elements (two
+// sub-blocks) sumi = sum of sc * (q . a), summ = sum of m * (a's sum over the sub-block); rows
+// r < t_gemm (the gemm's) do acc = fma(f32(sumi), f32(d_a * d_w), acc) and the same for the mins
+// with d_a * dmin, once per 64; the other rows (the gemv's) once per super-block, the four 64s'
+// int32 sums first. out = acc - acc_min.
+static void q4k_row(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
+    const int64_t n_super = m->n_blocks, ldo = m->ldo, t_gemm = m->t_gemm;
+    const uint8_t *wr = m->w + n * m->row_bytes;
+    const int8_t *a = m->a;
+    const float *da = m->da;
+    const int16_t *bsums = m->bsums;
+    float *out = m->out;
+    const int64_t k = n_super * 256;
+    float acc[4], acc_min[4];
+    for (int64_t rb = r0; rb < r1; rb += 4) {          // up to four activation rows share the unpacked block
+        const int64_t nr = r1 - rb < 4 ? r1 - rb : 4;
+        for (int i = 0; i < 4; i++) acc[i] = acc_min[i] = 0.0f;
+        for (int64_t b = 0; b < n_super; b++) {
+            const uint8_t *blk = wr + b * Q4_K_BYTES;
+            const float d = f16_at(blk), dmin = f16_at(blk + 2);
+            int32_t sc[8], mn[8];
+            q4k_scales(blk + 4, sc, mn);
+#if LANES_AVX2
+            __m256i q[8], s16[8];
+            const __m256i lo4 = _mm256_set1_epi8(0xF);
+            for (int c = 0; c < 4; c++) {
+                const __m256i qs = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
+                q[2 * c] = _mm256_and_si256(qs, lo4);
+                q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(qs, 4), lo4);
+            }
+            for (int s = 0; s < 8; s++) s16[s] = _mm256_set1_epi16((int16_t)sc[s]);
+#else
+            uint8_t q[256];
+            for (int c = 0; c < 4; c++)
+                for (int l = 0; l < 32; l++) {
+                    q[64 * c + l] = blk[16 + 32 * c + l] & 0xF;
+                    q[64 * c + 32 + l] = blk[16 + 32 * c + l] >> 4;
+                }
+#endif
+            for (int i = 0; i < nr; i++) {
+                const int64_t r = rb + i;
+                const int8_t *ab = a + r * k + 256 * b;
+                const int16_t *bs = bsums + r * n_super * 16 + 16 * b;
+                const float dd = da[r * n_super + b] * d, dm = da[r * n_super + b] * dmin;
+                int32_t si_all = 0, sm_all = 0;
+                for (int c = 0; c < 4; c++) {
+#if LANES_AVX2
+                    const __m256i p0 = _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(q[2 * c], _mm256_loadu_si256((const __m256i *)(ab + 64 * c))), s16[2 * c]);
+                    const __m256i p1 = _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(q[2 * c + 1], _mm256_loadu_si256((const __m256i *)(ab + 64 * c + 32))),
+                        s16[2 * c + 1]);
+                    const int32_t sumi = hsum_epi32(_mm256_add_epi32(p0, p1));
+#else
+                    int32_t sumi = 0;
+                    for (int h = 0; h < 2; h++) {
+                        int32_t sum = 0;
+                        for (int e = 0; e < 32; e++) sum += (int32_t)q[64 * c + 32 * h + e] * (int32_t)ab[64 * c + 32 * h + e];
+                        sumi += sum * sc[2 * c + h];
+                    }
+#endif
+                    const int32_t summ = mn[2 * c] * ((int32_t)bs[4 * c] + bs[4 * c + 1])
+                                       + mn[2 * c + 1] * ((int32_t)bs[4 * c + 2] + bs[4 * c + 3]);
+                    if (r < t_gemm) {
+                        acc[i] = fmaf((float)sumi, dd, acc[i]);
+                        acc_min[i] = fmaf((float)summ, dm, acc_min[i]);
+                    } else {
+                        si_all += sumi;
+                        sm_all += summ;
+                    }
+                }
+                if (r >= t_gemm) {
+                    acc[i] = fmaf((float)si_all, dd, acc[i]);
+                    acc_min[i] = fmaf((float)sm_all, dm, acc_min[i]);
+                }
+            }
+        }
+        for (int i = 0; i < nr; i++) out[(rb + i) * ldo + n] = acc[i] - acc_min[i];
+    }
+}
+
+void q4k_mm(const uint8_t *w, int64_t n_rows, int64_t n_super, const int8_t *a, const float *da,
+            const int16_t *bsums, int64_t t, int64_t t_gemm, float *out, int64_t ldo, int nth) {
+    const mm_args m = {.w = w, .row_bytes = n_super * Q4_K_BYTES, .n_blocks = n_super, .t = t, .t_gemm = t_gemm,
+                       .ldo = ldo, .a = a, .da = da, .bsums = bsums, .out = out, .row = q4k_row};
+    pool_run(mm_chunk, &m, n_rows, grain_for(n_rows, nth, 4), nth);
+}
+
 // ---- flash attention over the F16 KV cache, as ggml_compute_forward_flash_attn_ext_f16 -------
-// bloomery/engine/kv_cache.py describes both paths (and is their numpy form). One call does the
-// query rows r0..r1 of q [T, H, Dh] (row r = t * H + head); row t sees positions 0..pos0+t of
-// k, v [L, Hkv, Dh] (F16), head h reads KV head h / (H / Hkv). out [T, H, Dh] f32.
+// bloomery/engine/cpu/kv_cache.py describes both paths (and is their numpy form). One call does
+// the query rows 0..n_rows of q [T, H, Dh] (row r = t * H + head) over `nth` threads; row t sees
+// positions 0..pos0+t of k, v [L, Hkv, Dh] (F16), head h reads KV head h / (H / Hkv).
+// out [T, H, Dh] f32.
 //
 // The numpy form emulates each f32 fma by a float64 product and sum (two roundings in about
 // 2^-29 of the inexact cases); these are true fmas, as llama.cpp's.
-
-typedef _Float16 f16;
 
 // ggml_v_expf, the __m512 version (the AVX-512 build the reference runs), one lane
 static inline float v_expf1(float x) {
@@ -153,6 +634,23 @@ static inline float dot_f16(const float *q16, const f16 *k, int64_t dh) {
         for (int64_t i = 0; i < dh; i++) s += (double)(q16[i] * (float)k[i]);
         return (float)s;
     }
+#if LANES_AVX2
+    __m256 acc[8];                                 // lane i of the 64 is acc[i / 8][i % 8]
+    for (int j = 0; j < 8; j++)
+        acc[j] = _mm256_mul_ps(_mm256_loadu_ps(q16 + 8 * j), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(k + 8 * j))));
+    for (int64_t c = 64; c < n_main; c += 64)
+        for (int j = 0; j < 8; j++)
+            acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(_mm256_loadu_ps(q16 + c + 8 * j),
+                                                         _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(k + c + 8 * j)))));
+    // lanes 0..7 and 8..15 of (acc 0..15 + acc 32..47) + (acc 16..31 + acc 48..63), then halves 8, 4, 2, 1
+    const __m256 l0 = _mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6]));
+    const __m256 l1 = _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7]));
+    const __m256 h8 = _mm256_add_ps(l0, l1);
+    __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
+    h4 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+    h4 = _mm_add_ss(h4, _mm_shuffle_ps(h4, h4, 1));
+    s = (double)_mm_cvtss_f32(h4);
+#else
     float acc[64];
     for (int i = 0; i < 64; i++) acc[i] = q16[i] * (float)k[i];
     for (int64_t c = 64; c < n_main; c += 64)
@@ -160,60 +658,119 @@ static inline float dot_f16(const float *q16, const f16 *k, int64_t dh) {
     float lanes[16];
     for (int i = 0; i < 16; i++) lanes[i] = (acc[i] + acc[32 + i]) + (acc[16 + i] + acc[48 + i]);
     s = (double)reduce_add16(lanes);
+#endif
     for (int64_t i = n_main; i < dh; i++) s += (double)(q16[i] * (float)k[i]);
     return (float)s;
 }
 
+// the F16 accumulator's two steps, acc holding F16 values as f32: acc = f16(acc * ms) and
+// acc = f16(fma(v, vs, acc))
+static inline void acc_scale_f16(float *acc, int64_t dh, float ms) {
+    int64_t d = 0;
+#if LANES_AVX2
+    const __m256 m = _mm256_set1_ps(ms);
+    for (; d + 8 <= dh; d += 8)
+        _mm256_storeu_ps(acc + d, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_mul_ps(_mm256_loadu_ps(acc + d), m),
+                                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+#endif
+    for (; d < dh; d++) acc[d] = (float)(f16)(acc[d] * ms);
+}
+
+static inline void acc_mad_f16(float *acc, const f16 *v, int64_t dh, float vs) {
+    int64_t d = 0;
+#if LANES_AVX2
+    const __m256 s = _mm256_set1_ps(vs);
+    for (; d + 8 <= dh; d += 8) {
+        const __m256 y = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + d))), s, _mm256_loadu_ps(acc + d));
+        _mm256_storeu_ps(acc + d, _mm256_cvtph_ps(_mm256_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+    }
+#endif
+    for (; d < dh; d++) acc[d] = (float)(f16)fmaf((float)v[d], vs, acc[d]);
+}
+
+typedef struct {                                       // an attention call's arguments
+    const float *q;
+    const f16 *k, *v;
+    int64_t n_head, n_head_kv, dh, pos0, n_kv;
+    float scale;
+    float *out, *kq, *kt;
+} attn_args;
+
 // the one-chunk path (fewer than 64 query rows): F16 Q, position by position, F16 accumulator
-void attn_f16(const float *q, const f16 *k, const f16 *v, int64_t n_head, int64_t n_head_kv, int64_t dh,
-              int64_t pos0, float scale, float *out, int64_t r0, int64_t r1) {
-    const int64_t g = n_head / n_head_kv, kv_row = n_head_kv * dh;
-    float q16[1024];
-    f16 acc[1024];
+static void attn_f16_chunk(const void *ctx, int64_t r0, int64_t r1, int worker) {
+    const attn_args *A = ctx;
+    const f16 *k = A->k, *v = A->v;
+    const int64_t n_head = A->n_head, dh = A->dh, g = A->n_head / A->n_head_kv, kv_row = A->n_head_kv * A->dh;
+    const float scale = A->scale;
+    (void)worker;
     for (int64_t r = r0; r < r1; r++) {
+        float q16[1024], acc[1024];
         const int64_t t = r / n_head, h = r % n_head, kh = h / g;
-        const float *qr = q + r * dh;
+        const float *qr = A->q + r * dh;
         for (int64_t d = 0; d < dh; d++) q16[d] = (float)(f16)qr[d];
-        for (int64_t d = 0; d < dh; d++) acc[d] = (f16)0.0f;
+        for (int64_t d = 0; d < dh; d++) acc[d] = 0.0f;
         float m = -INFINITY, s_run = 0.0f;
-        const int64_t n_see = pos0 + t + 1;
+        const int64_t n_see = A->pos0 + t + 1;
         for (int64_t l = 0; l < n_see; l++) {
             const f16 *kl = k + l * kv_row + kh * dh, *vl = v + l * kv_row + kh * dh;
             float s = dot_f16(q16, kl, dh) * scale;
             float ms = 1.0f, vs = 1.0f;
             if (s > m) {                           // a new max: rescale what came before
                 ms = expf(m - s);
-                for (int64_t d = 0; d < dh; d++) acc[d] = (f16)((float)acc[d] * ms);
+                acc_scale_f16(acc, dh, ms);
                 s_run = fmaf(s_run, ms, vs);
                 m = s;
             } else {
                 vs = expf(s - m);
                 s_run = s_run + vs;
             }
-            for (int64_t d = 0; d < dh; d++) acc[d] = (f16)fmaf((float)vl[d], vs, (float)acc[d]);
+            acc_mad_f16(acc, vl, dh, vs);
         }
         const float inv = s_run == 0.0f ? 0.0f : 1.0f / s_run;
-        float *o = out + r * dh;
-        for (int64_t d = 0; d < dh; d++) o[d] = (float)acc[d] * inv;
+        float *o = A->out + r * dh;
+        for (int64_t d = 0; d < dh; d++) o[d] = acc[d] * inv;
     }
 }
 
-// the tiled path (64 query rows or more): F32, online softmax over tiles of 64 positions
-void attn_f32(const float *q, const f16 *k, const f16 *v, int64_t n_head, int64_t n_head_kv, int64_t dh,
-              int64_t pos0, int64_t n_kv, float scale, float *out, int64_t r0, int64_t r1, float *kq) {
-    const int64_t g = n_head / n_head_kv, kv_row = n_head_kv * dh;
-    float acc[1024], y[64];
+void attn_f16(const float *q, const f16 *k, const f16 *v, int64_t n_head, int64_t n_head_kv, int64_t dh,
+              int64_t pos0, float scale, float *out, int64_t n_rows, int nth) {
+    const attn_args A = {.q = q, .k = k, .v = v, .n_head = n_head, .n_head_kv = n_head_kv, .dh = dh, .pos0 = pos0,
+                         .scale = scale, .out = out};
+    pool_run(attn_f16_chunk, &A, n_rows, 1, nth);
+}
+
+// the tiled path (64 query rows or more): F32, online softmax over tiles of 64 positions;
+// kq holds n_kv scores per thread, kt K widened to f32 in blocks of 8 positions [Hkv][L/8][Dh][8]
+static void attn_f32_chunk(const void *ctx, int64_t r0, int64_t r1, int worker) {
+    const attn_args *A = ctx;
+    const f16 *k = A->k, *v = A->v;
+    const int64_t n_head = A->n_head, dh = A->dh, n_kv = A->n_kv, g = A->n_head / A->n_head_kv;
+    const int64_t kv_row = A->n_head_kv * A->dh;
+    const float scale = A->scale;
+    float *kq = A->kq + worker * n_kv;
     for (int64_t r = r0; r < r1; r++) {
+        float acc[1024], y[64];
         const int64_t t = r / n_head, h = r % n_head, kh = h / g;
-        const float *qr = q + r * dh;
-        const int64_t n_see = pos0 + t + 1;
+        const float *qr = A->q + r * dh;
+        const int64_t n_see = A->pos0 + t + 1;
         int64_t l = 0;
         for (; l + 8 <= n_kv; l += 8) {           // simd_gemm: one fma chain over Dh from 0 per
-            float s[8] = {0};                      // position; eight positions' chains side by side
-            const f16 *kl = k + l * kv_row + kh * dh;
+            if (l >= n_see) {                      // position; eight positions' chains side by side
+                for (int i = 0; i < 8; i++) kq[l + i] = -INFINITY;   // masked whatever the sums
+                continue;
+            }
+            const float *kt = A->kt + (kh * (n_kv / 8) + l / 8) * dh * 8;   // [Dh][8] as f32
+#if LANES_AVX2
+            __m256 s = _mm256_setzero_ps();
+            for (int64_t d = 0; d < dh; d++) s = _mm256_fmadd_ps(_mm256_set1_ps(qr[d]), _mm256_loadu_ps(kt + 8 * d), s);
+            float sv[8];
+            _mm256_storeu_ps(sv, s);
+#else
+            float sv[8] = {0};
             for (int64_t d = 0; d < dh; d++)
-                for (int i = 0; i < 8; i++) s[i] = fmaf(qr[d], (float)kl[i * kv_row + d], s[i]);
-            for (int i = 0; i < 8; i++) kq[l + i] = l + i < n_see ? s[i] * scale : -INFINITY;
+                for (int i = 0; i < 8; i++) sv[i] = fmaf(qr[d], kt[8 * d + i], sv[i]);
+#endif
+            for (int i = 0; i < 8; i++) kq[l + i] = l + i < n_see ? sv[i] * scale : -INFINITY;
         }
         for (; l < n_kv; l++) {
             const f16 *kl = k + l * kv_row + kh * dh;
@@ -241,164 +798,56 @@ void attn_f32(const float *q, const f16 *k, const f16 *v, int64_t n_head, int64_
             s_run = (float)((double)s_run + total);
             for (int64_t j = 0; j < n_tile; j++) {  // simd_gemm: VKQ += KQ[j] * V[j], in order
                 const f16 *vl = v + (c + j) * kv_row + kh * dh;
-                for (int64_t d = 0; d < dh; d++) acc[d] = fmaf(y[j], (float)vl[d], acc[d]);
+                int64_t d = 0;
+#if LANES_AVX2
+                const __m256 yj = _mm256_set1_ps(y[j]);
+                for (; d + 8 <= dh; d += 8)
+                    _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(yj, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(vl + d))),
+                                                              _mm256_loadu_ps(acc + d)));
+#endif
+                for (; d < dh; d++) acc[d] = fmaf(y[j], (float)vl[d], acc[d]);
             }
         }
         const float inv = s_run == 0.0f ? 0.0f : 1.0f / s_run;
-        float *o = out + r * dh;
+        float *o = A->out + r * dh;
         for (int64_t d = 0; d < dh; d++) o[d] = acc[d] * inv;
     }
 }
 
-// ---- K-quants against Q8_K activations (256 per super-block, bsums per 16) ---------------
-// a [T, K] int8 (|a| <= 127), da [T, K/256] f32, bsums [T, K/16] int32.
-
-// Q6_K: q [N, K] uint8 (the unsigned quants, 0..63), sc [N, K/16] int8, d [N, K/256] f32.
-// tiled (ggml's tiled mul_mat, 8+ rows): per super-block the exact sum of sc * ((q - 32) . a)
-// over its 16 sub-blocks, to f32, times d_w (rounded), then acc = fma(that, d_a, acc).
-// lanes (ggml_vec_dot_q6_K_q8_K, AVX2): eight int32 lanes, lane l holding q * scale * a of
-// elements 128j + 32k + 4l + e (j < 2, k < 4, e < 4), less 32 * the scales times the bsums of
-// sub-blocks 2l, 2l+1; to f32; acc_l = fma(f32(d_a * d_w), lane, acc_l); hsum_float_8.
-// Both from the same eight lanes: the tiled sum is their integer total less 32 * sum(sc * bsums).
-static inline void q6k_lanes(const uint8_t *qb, const int8_t *ab, const int8_t *sb, int32_t lanes[8]) {
-#if LANES_AVX2
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256i acc = _mm256_setzero_si256();
-    for (int c = 0; c < 8; c++) {                  // c = 4j + k: 32 elements, scales 2c, 2c + 1
-        __m256i qv = _mm256_loadu_si256((const __m256i *)(qb + 32 * c));
-        __m256i av = _mm256_loadu_si256((const __m256i *)(ab + 32 * c));
-        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(qv, av), ones);   // lane l: 4l..4l+3
-        __m256i s = _mm256_setr_epi32(sb[2 * c], sb[2 * c], sb[2 * c], sb[2 * c],
-                                      sb[2 * c + 1], sb[2 * c + 1], sb[2 * c + 1], sb[2 * c + 1]);
-        acc = _mm256_add_epi32(acc, _mm256_mullo_epi32(p, s));
-    }
-    _mm256_storeu_si256((__m256i *)lanes, acc);
-#else
-    for (int l = 0; l < 8; l++) {
-        int32_t lane = 0;
-        for (int c = 0; c < 8; c++) {
-            const int base = 32 * c + 4 * l;
-            int32_t sum = 0;
-            for (int e = 0; e < 4; e++) sum += (int32_t)qb[base + e] * (int32_t)ab[base + e];
-            lane += sum * (int32_t)sb[2 * c + (l >= 4)];
-        }
-        lanes[l] = lane;
-    }
-#endif
-}
-
-void q6k_dot(const uint8_t *q, const int8_t *sc, const float *d, int64_t n0, int64_t n1, int64_t n_super,
-             const int8_t *a, const float *da, const int32_t *bsums, int64_t t, int tiled,
-             float *out, int64_t ldo) {
-    const int64_t k = n_super * 256;
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *qr = q + n * k;
-        const int8_t *scr = sc + n * n_super * 16;
-        const float *dr = d + n * n_super;
-        for (int64_t r = 0; r < t; r++) {
-            const int8_t *ar = a + r * k;
-            const float *dar = da + r * n_super;
-            const int32_t *bsr = bsums + r * n_super * 16;
-            float acc8[8] = {0}, acc = 0.0f;
-            for (int64_t b = 0; b < n_super; b++) {
-                const int8_t *sb = scr + 16 * b;
-                const int32_t *bs = bsr + 16 * b;
-                int32_t lanes[8];
-                q6k_lanes(qr + 256 * b, ar + 256 * b, sb, lanes);
-                if (tiled) {
-                    int32_t total = 0;
-                    for (int l = 0; l < 8; l++)
-                        total += lanes[l] - 32 * ((int32_t)sb[2 * l] * bs[2 * l] + (int32_t)sb[2 * l + 1] * bs[2 * l + 1]);
-                    acc = fmaf((float)total * dr[b], dar[b], acc);
-                } else {
-                    const float dd = dar[b] * dr[b];
-                    for (int l = 0; l < 8; l++) {
-                        int32_t lane = lanes[l] - 32 * ((int32_t)sb[2 * l] * bs[2 * l] + (int32_t)sb[2 * l + 1] * bs[2 * l + 1]);
-                        acc8[l] = fmaf(dd, (float)lane, acc8[l]);
-                    }
-                }
-            }
-            out[r * ldo + n] = tiled ? acc : hsum8(acc8);
-        }
-    }
-}
-
-// the exact sum of 32 unsigned (<= 63) times signed int8 products
-static inline int32_t dot32_u8_s8(const uint8_t *q, const int8_t *a) {
-#if LANES_AVX2
-    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)q),
-                                                       _mm256_loadu_si256((const __m256i *)a)), _mm256_set1_epi16(1));
-    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
-    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
-    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
-    return _mm_cvtsi128_si32(h);
-#else
-    int32_t sum = 0;
-    for (int e = 0; e < 32; e++) sum += (int32_t)q[e] * (int32_t)a[e];
-    return sum;
-#endif
-}
-
-// Q4_K as ggml_gemm / ggml_gemv_q4_K_8x8_q8_K (the repacked weight): q [N, K] uint8 (0..15),
-// sc and m [N, K/32] uint8 (6-bit scales and mins), d and dmin [N, K/256] f32. Per 64 elements
-// (two sub-blocks) sumi = sum of sc * (q . a), summ = sum of m * (a's sum over the sub-block);
-// rows r < t_gemm (the gemm's) do acc = fma(f32(sumi), f32(d_a * d_w), acc) and the same for
-// the mins with d_a * dmin, once per 64; the other rows (the gemv's) once per super-block, the
-// four 64s' int32 sums first. out = acc - acc_min.
-void q4k_dot(const uint8_t *q, const uint8_t *sc, const uint8_t *m, const float *d, const float *dmin,
-             int64_t n0, int64_t n1, int64_t n_super, const int8_t *a, const float *da, const int32_t *bsums,
-             int64_t t, int64_t t_gemm, float *out, int64_t ldo) {
-    const int64_t k = n_super * 256;
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *qr = q + n * k, *scr = sc + n * n_super * 8, *mr = m + n * n_super * 8;
-        const float *dr = d + n * n_super, *dmr = dmin + n * n_super;
-        for (int64_t r = 0; r < t; r++) {
-            const int8_t *ar = a + r * k;
-            const float *dar = da + r * n_super;
-            const int32_t *bsr = bsums + r * n_super * 16;
-            float acc = 0.0f, acc_min = 0.0f;
-            for (int64_t b = 0; b < n_super; b++) {
-                const float dd = dar[b] * dr[b], dm = dar[b] * dmr[b];
-                int32_t si_all = 0, sm_all = 0;
-                for (int c = 0; c < 4; c++) {
-                    int32_t sumi = 0, summ = 0;
-                    for (int h = 0; h < 2; h++) {
-                        const int s = 2 * c + h;
-                        const uint8_t *qs = qr + 256 * b + 32 * s;
-                        const int8_t *as = ar + 256 * b + 32 * s;
-                        int32_t sum = dot32_u8_s8(qs, as);
-                        sumi += sum * (int32_t)scr[8 * b + s];
-                        const int32_t *bs = bsr + 16 * b + 2 * s;
-                        summ += (int32_t)mr[8 * b + s] * (bs[0] + bs[1]);
-                    }
-                    if (r < t_gemm) {
-                        acc = fmaf((float)sumi, dd, acc);
-                        acc_min = fmaf((float)summ, dm, acc_min);
-                    } else {
-                        si_all += sumi;
-                        sm_all += summ;
-                    }
-                }
-                if (r >= t_gemm) {
-                    acc = fmaf((float)si_all, dd, acc);
-                    acc_min = fmaf((float)sm_all, dm, acc_min);
-                }
-            }
-            out[r * ldo + n] = acc - acc_min;
-        }
-    }
+void attn_f32(const float *q, const f16 *k, const f16 *v, int64_t n_head, int64_t n_head_kv, int64_t dh,
+              int64_t pos0, int64_t n_kv, float scale, float *out, int64_t n_rows, float *kq_all, float *kt, int nth) {
+    const attn_args A = {.q = q, .k = k, .v = v, .n_head = n_head, .n_head_kv = n_head_kv, .dh = dh, .pos0 = pos0,
+                         .n_kv = n_kv, .scale = scale, .out = out, .kq = kq_all, .kt = kt};
+    for (int64_t kh = 0; kh < n_head_kv; kh++)    // exact: every F16 value is an f32
+        for (int64_t l = 0; l < n_kv - n_kv % 8; l++)
+            for (int64_t d = 0; d < dh; d++)
+                kt[((kh * (n_kv / 8) + l / 8) * dh + d) * 8 + l % 8] = (float)k[(l * n_head_kv + kh) * dh + d];
+    pool_run(attn_f32_chunk, &A, n_rows, 1, nth);
 }
 
 // ---- ggml_vec_swiglu_f32 (AVX-512 build): x / (1 + e^-x) * g, ggml_v_expf on each row's
-// 16-wide chunks and the C library's expf on the tail. Rows r0..r1 of [rows, n].
-void swiglu(const float *x, const float *g, float *out, int64_t n, int64_t r0, int64_t r1) {
-    const int64_t n_vec = n - n % 16;
+// 16-wide chunks and the C library's expf on the tail. Rows 0..n_rows of [rows, n].
+typedef struct {
+    const float *x, *g;
+    float *out;
+    int64_t n;
+} swiglu_args;
+
+static void swiglu_chunk(const void *ctx, int64_t r0, int64_t r1, int worker) {
+    const swiglu_args *S = ctx;
+    const int64_t n = S->n, n_vec = n - n % 16;
+    (void)worker;
     for (int64_t r = r0; r < r1; r++) {
-        const float *xr = x + r * n, *gr = g + r * n;
-        float *o = out + r * n;
+        const float *xr = S->x + r * n, *gr = S->g + r * n;
+        float *o = S->out + r * n;
         for (int64_t i = 0; i < n; i++) {
             const float e = i < n_vec ? v_expf1(0.0f - xr[i]) : expf(-xr[i]);
             o[i] = (xr[i] / (1.0f + e)) * gr[i];
         }
     }
+}
+
+void swiglu(const float *x, const float *g, float *out, int64_t n, int64_t n_rows, int nth) {
+    const swiglu_args S = {.x = x, .g = g, .out = out, .n = n};
+    pool_run(swiglu_chunk, &S, n_rows, 1, n_rows * n >= 16384 ? nth : 1);
 }

@@ -42,7 +42,7 @@ def test_compiled_product_equals_numpy_kernel(qt, n, k, t):
     if t > 2:
         x[1, :32] = 0                                                  # an all-zero activation block
     want = dots.dot_llama(x, blocks.decode_planes(qt, raw, n, k))
-    assert _bits_equal(dots.dot_c(x, blocks.int_rows(qt, raw, n, k)), want)
+    assert _bits_equal(dots.dot_c(x, qt, raw, n, k), want)
 
 
 @needs_c
@@ -53,7 +53,7 @@ def test_compiled_q4_K_expert_rows_take_the_gemv(t):
     raw = _weight(QT.Q4_K, 16, 512, rng)
     x = rng.standard_normal((t, 512)).astype(np.float32)
     want = dots.dot_llama(x, blocks.decode_planes(QT.Q4_K, raw, 16, 512), per_row=True)
-    assert _bits_equal(dots.dot_c(x, blocks.int_rows(QT.Q4_K, raw, 16, 512), per_row=True), want)
+    assert _bits_equal(dots.dot_c(x, QT.Q4_K, raw, 16, 512, per_row=True), want)
 
 
 @needs_c
@@ -62,8 +62,8 @@ def test_compiled_q8_0_takes_the_full_int8_range():
     rng = np.random.default_rng(11)
     raw = random_blocks(QT.Q8_0, 40, 256, seed=3)
     x = rng.standard_normal((5, 256)).astype(np.float32)
-    assert (blocks.int_rows(QT.Q8_0, raw, 40, 256).q == -128).any()
-    assert _bits_equal(dots.dot_c(x, blocks.int_rows(QT.Q8_0, raw, 40, 256)),
+    assert (blocks.decode_planes(QT.Q8_0, raw, 40, 256).q == -128).any()
+    assert _bits_equal(dots.dot_c(x, QT.Q8_0, raw, 40, 256),
                        dots.dot_llama(x, blocks.decode_planes(QT.Q8_0, raw, 40, 256)))
 
 
@@ -73,13 +73,12 @@ def test_q4_K_rows_not_in_eights_stay_off_the_compiled_kernel():
 
 
 @needs_c
-def test_int_rows_are_the_planes_integers():
+def test_compiled_product_refuses_blocks_of_the_wrong_size():
     rng = np.random.default_rng(5)
     raw = _weight(QT.Q5_0, 9, 128, rng)
-    w = blocks.int_rows(QT.Q5_0, raw, 9, 128)
-    p = blocks.decode_planes(QT.Q5_0, raw, 9, 128)
-    assert w.q.dtype == np.int8 and w.q.min() >= -16 and w.q.max() <= 15
-    assert np.array_equal(w.q.astype(np.float32), p.q.transpose(1, 0, 2).reshape(9, 128)) and np.array_equal(w.d, p.d)
+    x = rng.standard_normal((1, 128)).astype(np.float32)
+    with pytest.raises(blocks.QuantError, match="expected 792 bytes, got 770"):
+        dots.dot_c(x, QT.Q5_0, raw[:-22], 9, 128)
 
 
 @needs_c
@@ -92,7 +91,8 @@ def test_numpy_backend_takes_the_compiled_kernel():
     x = rng.standard_normal((2, 64)).astype(np.float32)
     assert _compiled(w)
     got = ops.matmul(x, w)
-    assert w._int_rows is not None and w._planes is None               # no float plane was built
+    from bloomery.engine.cpu.forms import form_bytes
+    assert form_bytes(w) == 0                                          # the blocks are read in place: no form kept
     assert _bits_equal(got, dots.dot_llama(x, blocks.decode_planes(QT.Q8_0, raw, 48, 64)))
 
 
@@ -180,6 +180,27 @@ def test_non_finite_rows_give_nan_rows_as_numpy(qt):
     x = rng.standard_normal((4, 256)).astype(np.float32)
     x[1, 7], x[2, 200] = np.nan, -np.inf
     want = dots.dot_llama(x, blocks.decode_planes(qt, raw, 16, 256))
-    got = dots.dot_c(x, blocks.int_rows(qt, raw, 16, 256))
+    got = dots.dot_c(x, qt, raw, 16, 256)
     assert np.isnan(want[1:3]).all() and np.isnan(got[1:3]).all()
     assert _bits_equal(got[[0, 3]], want[[0, 3]])
+
+
+@needs_c
+@pytest.mark.parametrize("t,k", [(1, 256), (5, 1024), (9, 4864)])
+def test_compiled_activation_quantizers_equal_numpy(t, k):
+    """quant_q8_0 / quant_q8_K give activations.py's integers, scales and bsums, ties included."""
+    from bloomery.engine.quant.activations import quantize_q8_0, quantize_q8_K
+    rng = np.random.default_rng(t * k)
+    x = (rng.standard_normal((t, k)) * rng.uniform(1e-3, 80, (t, 1))).astype(np.float32)
+    x[0, :32] = 0                                                      # an all-zero block
+    x[-1, 3], x[-1, 100] = 7.5, -7.5                                   # a +max / -max tie in a Q8_K block
+    x[-1, :256] = np.clip(x[-1, :256], -7.5, 7.5)
+    x[0, 40:48] = np.float32(127 / 2) / 127 * np.arange(8)              # halves: round to even
+    act = dots.CAct(x)
+    q, d = act.q8_0(cpu_kernels.lib())
+    wq, wd = quantize_q8_0(x)
+    assert np.array_equal(q, wq.astype(np.int8)) and _bits_equal(d, wd)
+    for t_gemm in (0, t - t % 4):
+        q, d, bs = act.q8_K(cpu_kernels.lib(), t_gemm)
+        wq, wd, wbs = quantize_q8_K(x, positive_wins=np.arange(t) < t_gemm)
+        assert np.array_equal(q, wq.astype(np.int8)) and _bits_equal(d, wd) and np.array_equal(bs, wbs.astype(np.int16))

@@ -2,10 +2,11 @@
 
 On the CPU, in a fresh process: the plan is made from the same open header the load then uses
 (parsed once), and after the load and its first requests (a prompt, a greedy step, a top-k
-step: every decoded form made) the process's anonymous memory has grown by the placement's
-decoded forms + KV within 3 %, and its file-backed pages by at most the stored weights (the
-stored blocks are a mapping of the file: pages the kernel may drop and read again; the token
-embedding's rows are read only as ids use them). On a card: the bytes CuPy holds after the
+step: every decoded form made; none where the compiled kernels read the blocks in place) the
+process's anonymous memory has grown by the placement's decoded forms + KV within 3 % (or 1 MiB
+where that is more: a small context's KV is a few MiB), and its file-backed pages by at most the
+stored weights (the stored blocks are a mapping of the file: pages the kernel may drop and read
+again; the token embedding's rows are read only as ids use them). On a card: the bytes CuPy holds after the
 load against the card's weights + KV.
 """
 from __future__ import annotations
@@ -57,8 +58,8 @@ def test_numpy_placement_counts_what_the_load_holds(real_model_path, tmp_path, c
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     counted = got["decoded"] + got["kv"]
-    assert got["decoded"] > got["weights"] // 2            # the decoded forms are most of what is held
-    assert abs(got["anon"] - counted) <= 0.03 * counted, got
+    assert got["decoded"] == 0                               # the compiled kernels read the blocks in place
+    assert abs(got["anon"] - counted) <= max(0.03 * counted, 1 << 20), got   # 1 MiB: the run's own small arrays
     assert got["weights"] - got["embd"] - 0.03 * got["weights"] <= got["file"] <= got["weights"], got
 
 

@@ -112,9 +112,10 @@ def test_cuda_puts_weights_and_f16_kv_on_the_largest_card():
 
 
 def test_numpy_counts_its_decoded_forms_and_cuda_does_not():
-    """The numpy backend keeps a decoded form of each matrix beside its blocks (int rows for the
-    compiled kernels, else planes); the plan counts it on the host. The cuda backend computes from
-    the stored blocks."""
+    """The numpy backend's compiled kernels read the stored blocks in place; where they are off,
+    its numpy kernels keep a decoded form (planes) of each matrix beside its blocks, and the plan
+    counts it on the host. The cuda backend computes from the stored blocks."""
+    from bloomery.engine.cpu import kernels
     from bloomery.engine.cpu.forms import decoded_bytes
     q8 = int(gguf.GGMLQuantizationType.Q8_0)
     tensors = (("blk.0.ffn_up.weight", q8, (896, 4864)), ("blk.0.attn_norm.weight", 0, (896,)),
@@ -122,12 +123,29 @@ def test_numpy_counts_its_decoded_forms_and_cuda_does_not():
     facts = dataclasses.replace(QWEN25, tensors=tensors)
     p = make_plan(facts, BIG, ctx_size=4096)
     n = decoded_bytes(tensors)
-    assert p.decoded_bytes == n >= 4864 * 896 + 151936 * 896      # at least a byte per element of the two matrices
+    if kernels.lib() is None:
+        assert p.decoded_bytes == n >= 4864 * 896 + 151936 * 896  # at least a byte per element of the two matrices
+    else:
+        assert p.decoded_bytes == n == 0                           # read in place: nothing decoded is kept
+    assert p.decoded_bytes == n
     assert p.host_bytes == host_need(4096) + n
     assert p.placement.device("host").terms.decoded == n
     assert decoded_bytes(tensors[:1]) + decoded_bytes(tensors[3:]) == n   # the norm's F32 is read in place, the
     cuda = make_plan(facts, Census(2**30, (10**12,)), backend="cuda", ctx_size=4096)   # embedding by rows
     assert cuda.decoded_bytes == 0 and cuda.placement.device("cuda:0").terms.decoded == 0
+
+
+def test_numpy_forms_without_the_compiled_kernels_are_planes(monkeypatch):
+    """BLOOMERY_CPU_KERNELS=off (or no compiler): the numpy kernels' planes, 4 bytes an element
+    or more, are counted."""
+    from bloomery.engine.cpu import kernels
+    from bloomery.engine.cpu.forms import bytes_per_row
+    monkeypatch.setattr(kernels, "lib", lambda: None)
+    bytes_per_row.cache_clear()
+    try:
+        assert bytes_per_row(int(gguf.GGMLQuantizationType.Q8_0), 896, "matrix", True) >= 4 * 896
+    finally:
+        bytes_per_row.cache_clear()
 
 
 def test_records():

@@ -3,8 +3,10 @@
 Each op mirrors the ggml-cpu kernel llama.cpp runs for it (named in its
 docstring), including where it rounds: activations quantized to the weight's
 vec_dot partner type, F16 where ggml uses F16, float64 where ggml sums in
-ggml_float. Weights stay as the GGUF's bytes until first use; a weight's
-integer planes are then decoded once and kept (about 4 bytes per parameter).
+ggml_float. Weights stay as the GGUF's bytes: the compiled kernels read the
+stored blocks in place (Q8_0, Q5_0, Q4_K, Q6_K); only the numpy kernels, where
+the compiled ones are off or cannot take a type, decode a weight's planes once
+and keep them (about 4 bytes per parameter).
 
 Legend: T = tokens, D = hidden, N = weight rows, K = weight row length,
 E = experts, A = experts used per token, H = heads, Dh = head size.
@@ -34,20 +36,14 @@ class NumpyWeight:
     def __init__(self, ggml_type: int, shape: Sequence[int], data: np.ndarray, cache_planes: bool = True):
         self.ggml_type = int(ggml_type)
         self.shape = tuple(int(s) for s in shape)                      # ne order: shape[0] = row length
+        self.n_cols = self.shape[0]
+        self.n_rows = int(np.prod(self.shape[1:2])) if len(self.shape) > 1 else 1
+        self.compiled: bool | None = None                               # blocks.c_takes, once known
         self.data = data
         self.cache_planes = cache_planes
         self._planes: blocks.Planes | None = None
-        self._int_rows: blocks.IntRows | None = None
         self._dense: np.ndarray | None = None
         self._experts: list[NumpyWeight] | None = None
-
-    @property
-    def n_cols(self) -> int:
-        return self.shape[0]
-
-    @property
-    def n_rows(self) -> int:
-        return int(np.prod(self.shape[1:2])) if len(self.shape) > 1 else 1
 
     def expert(self, e: int) -> "NumpyWeight":
         """Expert e of a [K, N, E] stack: its bytes are one contiguous slice."""
@@ -71,17 +67,17 @@ class NumpyWeight:
         """Float32 [N, K] (F32 / F16 weights, and types with no exact integer path)."""
         return self._form("_dense", blocks.dequantize)
 
-    def int_rows(self) -> blocks.IntRows:
-        """The quants as small integers in rows, and their scales (the compiled kernels' input)."""
-        return self._form("_int_rows", blocks.int_rows)
-
     def planes(self) -> blocks.Planes:
         return self._form("_planes", blocks.decode_planes)
 
 
 def _compiled(w: NumpyWeight) -> bool:
     """The compiled kernels compute this weight's llama-order product."""
-    return dots.KERNEL_ORDER and blocks.c_takes(w.ggml_type, w.n_rows) and cpu_kernels.lib() is not None
+    if not dots.KERNEL_ORDER:
+        return False
+    if w.compiled is None:
+        w.compiled = blocks.c_takes(w.ggml_type, w.n_rows)
+    return w.compiled and cpu_kernels.lib() is not None
 
 
 def _f32(x) -> np.ndarray:
@@ -171,7 +167,17 @@ class NumpyOps:
         return y if residual is None else y + _f32(residual)           # ggml_add after the mul_mat
 
     def matmuls(self, x, ws, biases) -> list[np.ndarray]:
-        return [self.matmul(x, w) if b is None else self.add(self.matmul(x, w), b) for w, b in zip(ws, biases)]
+        """Products of one input: where the compiled kernels take them, x is quantized once."""
+        if any(_compiled(w) for w in ws):
+            x = _f32(x)
+            if x.shape[-1] != ws[0].n_cols:
+                raise ValueError(f"matmul: input has {x.shape[-1]} columns, the weight's rows are {ws[0].n_cols} long")
+            act = dots.CAct(x)
+            ys = [dots.dot_c(act, w.ggml_type, w.data, w.n_rows, w.n_cols) if _compiled(w) else self._matmul(x, w)
+                  for w in ws]
+        else:
+            ys = [self._matmul(x, w) for w in ws]
+        return [y if b is None else self.add(y, b) for y, b in zip(ys, biases)]
 
     def rows(self, spans, positions) -> Rows:
         return Rows(list(spans), None, np.asarray(positions))
@@ -236,7 +242,7 @@ class NumpyOps:
         """ggml_compute_forward_mul_mat_id for one expert's routed rows: as mul_mat, except that
         a repacked Q4_K weight runs its gemv row by row (repack.cpp forward_mul_mat_id)."""
         if _compiled(w):
-            return dots.dot_c(_f32(x), w.int_rows(), per_row=True)
+            return dots.dot_c(_f32(x), w.ggml_type, w.data, w.n_rows, w.n_cols, per_row=True)
         if dots.KERNEL_ORDER and QT(w.ggml_type) in dots.LLAMA_ORDER_TYPES:
             return dots.dot_llama(_f32(x), w.planes(), per_row=True)
         return self._matmul(x, w)
@@ -254,7 +260,7 @@ class NumpyOps:
         if qt == QT.F16:
             return x.astype(np.float16).astype(np.float32) @ w.dense().T   # [T, N] f16 x f16 in f32
         if _compiled(w):
-            return dots.dot_c(x, w.int_rows())                         # [T, N] the same order, compiled
+            return dots.dot_c(x, w.ggml_type, w.data, w.n_rows, w.n_cols)   # [T, N] the same order, compiled
         if qt in dots.LLAMA_ORDER_TYPES and dots.KERNEL_ORDER:
             return dots.dot_llama(x, w.planes())                       # [T, N] llama.cpp's float order
         if qt in blocks.EXACT_TYPES:
@@ -287,8 +293,7 @@ class NumpyOps:
             out = np.empty_like(g)
             n = g.shape[-1]
             rows = g.size // max(1, n)
-            threads.row_chunks(lambda r0, r1: lib.swiglu(g.ctypes.data, up.ctypes.data, out.ctypes.data, n, r0, r1),
-                              rows, rows, g.size * 16)
+            lib.swiglu(g.ctypes.data, up.ctypes.data, out.ctypes.data, n, rows, threads.N_THREADS)
             return out
         n_vec = g.shape[-1] - g.shape[-1] % 16
         e = np.empty_like(g)

@@ -1,6 +1,6 @@
 """What the numpy backend holds beside the stored blocks: the decoded form each weight gets
-(the compiled kernels' int rows, the numpy kernels' planes and their kernel-order layouts, or a
-float32 copy), counted for the plan before any weight is read.
+(the numpy kernels' planes and their kernel-order layouts, or a float32 copy; none where the
+compiled kernels read the stored blocks in place), counted for the plan before any weight is read.
 
 The count is not a formula kept beside the backend: for each (type, row length, use) it builds
 the forms of a few rows of zero blocks through NumpyOps itself, the way a load and its first
@@ -56,7 +56,7 @@ def _arrays(obj, seen: set[int]) -> int:
 def form_bytes(w) -> int:
     """Bytes of the decoded forms a NumpyWeight holds now (its stored bytes not counted)."""
     seen = {id(_root(w.data))}
-    return sum(_arrays(getattr(w, attr), seen) for attr in ("_int_rows", "_planes", "_dense"))
+    return sum(_arrays(getattr(w, attr), seen) for attr in ("_planes", "_dense"))
 
 
 @lru_cache(maxsize=None)

@@ -2,8 +2,8 @@
 
 The C source is compiled by the system's C compiler (`cc`, or $CC) with -O3 -march=native
 -ffp-contract=off into `$BLOOMERY_CACHE/kernels/cpu_lanes-<key>.so` (default ~/.cache/bloomery),
-the key covering the source, the compiler and the CPU's flags, and loaded through ctypes. Every
-call releases the GIL, so the row chunks of a product run on the worker threads at once.
+the key covering the source, the compiler and the CPU's flags, and loaded through ctypes. One
+call spreads its rows over `nth` threads itself (the library's own pool, the GIL released).
 
 Where no compiler is found or the build fails, `lib()` is None and the numpy backend keeps its
 numpy kernels (same bits, slower); BLOOMERY_CPU_KERNELS=off chooses that on purpose, and
@@ -24,7 +24,7 @@ from pathlib import Path
 from bloomery.kernels import cache_dir, kernel_dir
 
 SOURCE = "cpu_lanes.c"
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared"]
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-pthread"]
 _LOCK = threading.Lock()
 _LIB: ctypes.CDLL | None = None
 _STATUS: str | None = None
@@ -90,18 +90,18 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"the C kernels did not build ({e}): numpy kernels"
     i64, p = ctypes.c_int64, ctypes.c_void_p
-    lib.q8_lanes.argtypes = [p, p, i64, i64, i64, p, p, i64, p, i64]
-    lib.q8_lanes.restype = None
-    lib.lanes_isa.restype = ctypes.c_int
-    f = ctypes.c_float
-    lib.q6k_dot.argtypes = [p, p, p, i64, i64, i64, p, p, p, i64, ctypes.c_int, p, i64]
-    lib.q4k_dot.argtypes = [p, p, p, p, p, i64, i64, i64, p, p, p, i64, i64, p, i64]
-    lib.q6k_dot.restype = lib.q4k_dot.restype = None
-    lib.swiglu.argtypes = [p, p, p, i64, i64, i64]
-    lib.swiglu.restype = None
-    lib.attn_f16.argtypes = [p, p, p, i64, i64, i64, i64, f, p, i64, i64]
-    lib.attn_f32.argtypes = [p, p, p, i64, i64, i64, i64, i64, f, p, i64, i64, p]
-    lib.attn_f16.restype = lib.attn_f32.restype = None
+    f, c_int = ctypes.c_float, ctypes.c_int
+    lib.lanes_isa.restype = c_int
+    lib.quant_q8_0.argtypes = [p, i64, i64, p, p]
+    lib.quant_q8_K.argtypes = [p, i64, i64, p, p, p, p]
+    lib.q80_mm.argtypes = [p, c_int, i64, i64, p, p, i64, p, i64, c_int]
+    lib.q6k_mm.argtypes = [p, i64, i64, p, p, p, i64, c_int, p, i64, c_int]
+    lib.q4k_mm.argtypes = [p, i64, i64, p, p, p, i64, i64, p, i64, c_int]
+    lib.swiglu.argtypes = [p, p, p, i64, i64, c_int]
+    lib.attn_f16.argtypes = [p, p, p, i64, i64, i64, i64, f, p, i64, c_int]
+    lib.attn_f32.argtypes = [p, p, p, i64, i64, i64, i64, i64, f, p, i64, p, p, c_int]
+    for fn in (lib.quant_q8_0, lib.quant_q8_K, lib.q80_mm, lib.q6k_mm, lib.q4k_mm, lib.swiglu, lib.attn_f16, lib.attn_f32):
+        fn.restype = None
     return lib, f"{so.name} ({'avx2+fma' if lib.lanes_isa() else 'portable C'})"
 
 

@@ -102,7 +102,7 @@ def _c_attention(head_dim: int) -> bool:
 
 
 def _attend_c(q, k, v, pos0: int, scale, tiled: bool) -> np.ndarray:
-    """Both paths through the compiled kernels, query rows (t, head) split over the worker threads."""
+    """Both paths through the compiled kernels, the query rows (t, head) spread over the threads."""
     from bloomery.engine.cpu import kernels as cpu_kernels
     from bloomery.engine.quant import threads
     lib = cpu_kernels.lib()
@@ -112,16 +112,15 @@ def _attend_c(q, k, v, pos0: int, scale, tiled: bool) -> np.ndarray:
     k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
     out = np.empty((t, h, dh), np.float32)
     n_rows = t * h
+    nth = threads.N_THREADS if n_rows > 1 else 1
     if tiled:
-        def run(r0: int, r1: int) -> None:
-            kq = np.empty(n_kv, np.float32)                             # the row's scores
-            lib.attn_f32(q.ctypes.data, k.ctypes.data, v.ctypes.data, h, hkv, dh, pos0, n_kv, float(scale),
-                         out.ctypes.data, r0, r1, kq.ctypes.data)
+        kq = np.empty((nth, n_kv), np.float32)                          # each thread's row of scores
+        kt = np.empty(hkv * (n_kv // 8) * dh * 8, np.float32)           # K widened, 8 positions side by side
+        lib.attn_f32(q.ctypes.data, k.ctypes.data, v.ctypes.data, h, hkv, dh, pos0, n_kv, float(scale),
+                     out.ctypes.data, n_rows, kq.ctypes.data, kt.ctypes.data, nth)
     else:
-        def run(r0: int, r1: int) -> None:
-            lib.attn_f16(q.ctypes.data, k.ctypes.data, v.ctypes.data, h, hkv, dh, pos0, float(scale),
-                         out.ctypes.data, r0, r1)
-    threads.row_chunks(run, n_rows, n_rows, n_rows * n_kv * dh * 2)
+        lib.attn_f16(q.ctypes.data, k.ctypes.data, v.ctypes.data, h, hkv, dh, pos0, float(scale),
+                     out.ctypes.data, n_rows, nth)
     return out
 
 

@@ -205,43 +205,16 @@ def planes_to_float(p: Planes) -> np.ndarray:
 
 # --- the compiled kernels (kernels/cpu_lanes.c) --------------------------------------------
 # The same float order as the numpy kernels above (_dot_q8_0_lanes / _axpy for Q8_0 and Q5_0,
-# _dot_q6_K_tiled / _lanes, _dot_q4_K_repacked), from the quants as small integers in rows (a
-# quarter of the float plane's bytes) with no block-diagonal product: a tenth of the time or
-# less. cpu_kernels.lib() is None where they cannot be built.
+# _dot_q6_K_tiled / _lanes, _dot_q4_K_repacked), reading the stored blocks in place: nothing is
+# decoded or kept beside them. cpu_kernels.lib() is None where they cannot be built.
 C_TYPES = frozenset({QT.Q8_0, QT.Q5_0, QT.Q6_K, QT.Q4_K})
 
 
-@dataclass
-class IntRows(_Split):
-    """A weight for the compiled kernels: q [N, K] int8 (uint8 for Q4_K, and Q6_K's unsigned
-    0..63), d [N, blocks] f32, and for K-quants sc [N, S] and (Q4_K) dmin [N, Bs], m [N, S]."""
-
-
-def int_rows(ggml_type: int, raw: np.ndarray, n_rows: int, n_cols: int) -> IntRows:
-    """A stored [N, K] matrix of a C_TYPES type as IntRows, row chunks over the worker threads."""
-    block_elems, block_bytes = _check(ggml_type, raw, n_rows, n_cols)
-    qt = QT(ggml_type)
-    n_blocks = n_cols // block_elems
-    rows = np.asarray(raw).reshape(n_rows, n_blocks * block_bytes)
-    q = np.empty((n_rows, n_cols), np.uint8 if qt in (QT.Q4_K, QT.Q6_K) else np.int8)
-    out: dict[str, np.ndarray] = {"d": np.empty((n_rows, n_blocks), np.float32)}
-    if qt == QT.Q6_K:
-        out["sc"] = np.empty((n_rows, n_cols // 16), np.int8)
-    if qt == QT.Q4_K:
-        out.update(sc=np.empty((n_rows, n_cols // 32), np.uint8), m=np.empty((n_rows, n_cols // 32), np.uint8),
-                   dmin=np.empty((n_rows, n_blocks), np.float32))
-
-    def chunk(n0: int, n1: int) -> None:
-        ints, f = _int_plane(ggml_type, rows[n0:n1].reshape((n1 - n0) * n_blocks, block_bytes))
-        ints = ints.reshape(n1 - n0, n_cols)
-        if qt == QT.Q6_K:
-            np.add(ints.view(np.uint8), 32, out=q[n0:n1])             # unsigned 0..63, as the kernel reads it
-        else:
-            q[n0:n1] = ints                                             # Q4_K's 0..15 as uint8
-        for name, arr in out.items():
-            arr[n0:n1] = f[name].reshape(n1 - n0, -1)
-    row_chunks(chunk, n_rows, max(1, DECODE_CHUNK_BYTES // rows.shape[1]), n_rows * n_cols * 32)
-    return IntRows(ggml_type, q, **out)
+def check_raw(ggml_type: int, raw: np.ndarray, n_rows: int, n_cols: int) -> None:
+    """A QuantError unless raw holds exactly the uint8 blocks of an [N, K] matrix of this type."""
+    if raw.dtype != np.uint8:
+        raise QuantError(f"{QT(ggml_type).name}: stored blocks must be uint8 bytes, got {raw.dtype}")
+    _check(ggml_type, raw.reshape(-1), n_rows, n_cols)
 
 
 def c_takes(ggml_type: int, n_rows: int) -> bool:

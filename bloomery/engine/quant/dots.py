@@ -17,8 +17,9 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from bloomery.engine.quant.activations import quantize_q8_0, quantize_q8_K
-from bloomery.engine.quant.blocks import VEC_DOT_TYPE, QK8_0, QK_K, IntRows, Planes, set_scaled
-from bloomery.engine.quant.threads import _OPENBLAS, OneBlasThread, row_chunks
+from bloomery.engine.quant import blocks
+from bloomery.engine.quant.blocks import VEC_DOT_TYPE, QK8_0, QK_K, Planes, set_scaled
+from bloomery.engine.quant.threads import _OPENBLAS, N_THREADS, OneBlasThread, row_chunks
 
 # --- dot products ------------------------------------------------------------
 
@@ -301,47 +302,78 @@ def _dot_q8_0_axpy(x: np.ndarray, p: Planes) -> np.ndarray:
     return out
 
 
-def dot_c(x: np.ndarray, w: IntRows, per_row: bool = False) -> np.ndarray:
-    """x [T, K] float32 @ w^T -> [T, N] in llama.cpp's order, through the compiled kernels
-    (cpu_kernels.lib() must not be None); per_row as dot_llama's."""
+def c_threads(macs: int) -> int:
+    """Threads a compiled call spreads over: N_THREADS, or one where the work is too small to share."""
+    return N_THREADS if macs >= C_PARALLEL_MIN_MACS else 1
+
+
+C_PARALLEL_MIN_MACS = 1 << 16   # OpenMP's hand-off costs microseconds, not the pool's tens of them
+
+
+class CAct:
+    """x [T, K] quantized once for the compiled kernels: to Q8_0, and to Q8_K with t_gemm rows
+    in the repacked gemm's tie rule, each made on first use (products of one input share them)."""
+
+    def __init__(self, x: np.ndarray):
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        self.bad = ~np.isfinite(x).all(axis=1)                          # such a row's quantized blocks are NaN:
+        if self.bad.any():                                              # its whole output is NaN, as the numpy
+            x = np.where(self.bad[:, None], np.float32(0), x)           # kernels' (no NaN cast to int8)
+        self.x = x
+        self.t, self.k = x.shape
+        self._q8_0 = None
+        self._q8_K: dict[int, tuple] = {}
+
+    def q8_0(self, lib):
+        if self._q8_0 is None:
+            q, d = np.empty((self.t, self.k), np.int8), np.empty((self.t, self.k // QK8_0), np.float32)
+            lib.quant_q8_0(self.x.ctypes.data, self.t, self.k, q.ctypes.data, d.ctypes.data)
+            self._q8_0 = (q, d)
+        return self._q8_0
+
+    def q8_K(self, lib, t_gemm: int):
+        if t_gemm not in self._q8_K:
+            q, d = np.empty((self.t, self.k), np.int8), np.empty((self.t, self.k // QK_K), np.float32)
+            bsums = np.empty((self.t, self.k // 16), np.int16)
+            wins = (np.arange(self.t) < t_gemm).astype(np.uint8)
+            lib.quant_q8_K(self.x.ctypes.data, self.t, self.k, wins.ctypes.data, q.ctypes.data, d.ctypes.data,
+                           bsums.ctypes.data)
+            self._q8_K[t_gemm] = (q, d, bsums)
+        return self._q8_K[t_gemm]
+
+
+def dot_c(x, ggml_type: int, raw: np.ndarray, n_rows: int, n_cols: int, per_row: bool = False) -> np.ndarray:
+    """x [T, K] float32 (or a CAct of it) @ w^T -> [T, N] in llama.cpp's order, through the compiled
+    kernels, which read the stored blocks `raw` of the [N, K] weight in place (cpu_kernels.lib()
+    must not be None; blocks.c_takes(ggml_type, n_rows) must hold); per_row as dot_llama's."""
     from bloomery.engine.cpu import kernels as cpu_kernels
     lib = cpu_kernels.lib()
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    bad = ~np.isfinite(x).all(axis=1)                                   # such a row's quantized blocks are NaN:
-    if bad.any():                                                       # its whole output is NaN, as the numpy
-        x = np.where(bad[:, None], np.float32(0), x)                    # kernels' (no NaN cast to int8)
-    t = x.shape[0]
-    n_rows, k = w.q.shape
-    qt = QT(w.ggml_type)
+    blocks.check_raw(ggml_type, raw, n_rows, n_cols)
+    raw = np.ascontiguousarray(raw)
+    act = x if isinstance(x, CAct) else CAct(x)
+    if act.k != n_cols:
+        raise ValueError(f"matmul: input has {act.k} columns, the weight's rows are {n_cols} long")
+    t, k = act.t, act.k
     out = np.empty((t, n_rows), np.float32)
-    if qt in (QT.Q8_0, QT.Q5_0):
-        qa, da = quantize_q8_0(x)
-        qa, da = qa.astype(np.int8), np.ascontiguousarray(da, np.float32)  # exact: |qa| <= 127
-
-        def run(n0: int, n1: int) -> None:
-            lib.q8_lanes(w.q.ctypes.data, w.d.ctypes.data, n0, n1, k // QK8_0, qa.ctypes.data, da.ctypes.data, t,
-                         out.ctypes.data, n_rows)
+    nth = c_threads(t * n_rows * k)
+    if ggml_type in (Q8_0, Q5_0):
+        qa, da = act.q8_0(lib)
+        lib.q80_mm(raw.ctypes.data, 0 if ggml_type == Q8_0 else 1, n_rows, k // QK8_0, qa.ctypes.data, da.ctypes.data,
+                   t, out.ctypes.data, n_rows, nth)
+    elif ggml_type == Q6_K:
+        qa, da, bsums = act.q8_K(lib, 0)
+        lib.q6k_mm(raw.ctypes.data, n_rows, k // QK_K, qa.ctypes.data, da.ctypes.data, bsums.ctypes.data, t,
+                   int(t >= TILED_MIN_T), out.ctypes.data, n_rows, nth)
     else:
-        t_gemm = _q4_K_gemm_rows(t, per_row) if qt == QT.Q4_K else 0
-        qa, da, bsums = quantize_q8_K(x, positive_wins=np.arange(t) < t_gemm)
-        qa, da = qa.astype(np.int8), np.ascontiguousarray(da, np.float32)
-        bsums = bsums.astype(np.int32)
-        if qt == QT.Q6_K:
-            tiled = int(t >= TILED_MIN_T)
-
-            def run(n0: int, n1: int) -> None:
-                lib.q6k_dot(w.q.ctypes.data, w.sc.ctypes.data, w.d.ctypes.data, n0, n1, k // QK_K,
-                            qa.ctypes.data, da.ctypes.data, bsums.ctypes.data, t, tiled, out.ctypes.data, n_rows)
-        else:
-            def run(n0: int, n1: int) -> None:
-                lib.q4k_dot(w.q.ctypes.data, w.sc.ctypes.data, w.m.ctypes.data, w.d.ctypes.data, w.dmin.ctypes.data,
-                            n0, n1, k // QK_K, qa.ctypes.data, da.ctypes.data, bsums.ctypes.data, t, t_gemm,
-                            out.ctypes.data, n_rows)
-    # one chunk per thread: each keeps the T activation rows in its cache and reads a weight row
-    # once for all of them, so smaller chunks would only add calls
-    row_chunks(run, n_rows, n_rows, t * n_rows * k)
-    out[bad] = np.nan
+        t_gemm = _q4_K_gemm_rows(t, per_row)
+        qa, da, bsums = act.q8_K(lib, t_gemm)
+        lib.q4k_mm(raw.ctypes.data, n_rows, k // QK_K, qa.ctypes.data, da.ctypes.data, bsums.ctypes.data, t,
+                   t_gemm, out.ctypes.data, n_rows, nth)
+    out[act.bad] = np.nan
     return out
+
+
+Q8_0, Q5_0, Q6_K = int(QT.Q8_0), int(QT.Q5_0), int(QT.Q6_K)
 
 
 def dot_f32_llama(x: np.ndarray, w: np.ndarray) -> np.ndarray:

@@ -62,3 +62,17 @@ def test_parse_checked_says_ok_bad_or_limit():
 ])
 def test_json_text_is_json_dumps(obj):
     assert workpool.json_text(obj) == json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def test_shutdown_ends_the_helper_processes_at_once():
+    """The server's stop ends the parser process itself (workpool.shutdown), and a later body starts a new one."""
+    import time
+    assert workpool.parser().submit(limits.parse_checked, b'{"prompt": "x"}').result(timeout=60) == \
+        ("ok", {"prompt": "x"})
+    procs = list(workpool.parser()._processes.values())
+    assert procs and all(p.is_alive() for p in procs)
+    t0 = time.monotonic()
+    workpool.shutdown()
+    assert time.monotonic() - t0 < 5 and not any(p.is_alive() for p in procs)
+    assert workpool.parser().submit(int).result(timeout=60) == 0     # a fresh one
+    workpool.shutdown()

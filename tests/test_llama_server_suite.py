@@ -43,7 +43,9 @@ def test_golden_baseline_is_consistent():
 def test_gap_is_only_tests_refused_by_name(real_model_path, tmp_path):
     selection, gap = _load("selection"), _load("gap")
     out = tmp_path / "bloomery.json"
-    cmd = [sys.executable, str(SUITE / "run.py"), "--server", "bloomery", "--select", "ci", "--model",
+    # two pytest runs side by side (each test's server on its own port): a test spends much of its time starting
+    # and stopping its server on one core, so two at once fill a 2-core machine (run.py --jobs)
+    cmd = [sys.executable, str(SUITE / "run.py"), "--server", "bloomery", "--select", "ci", "--jobs", "2", "--model",
            str(real_model_path), "--out", str(out), "--log", str(tmp_path / "pytest.log")]
     subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=3600)
     ours = json.loads(out.read_text())
@@ -123,3 +125,17 @@ def test_ci_leaves_out_refused_and_too_slow_tests_but_never_counts_them_as_passi
     # a too-slow test that was run and failed is still a gap (CI_TOO_SLOW is not a refusal)
     open_gap, _ = gap.gap(golden, {"tests": {slow: {"outcome": "failed", "reason": "x"}}})
     assert open_gap == [(slow, "x")]
+
+
+def test_chunks_cut_files_for_side_by_side_runs_longest_first(monkeypatch):
+    selection = _load("selection")
+    monkeypatch.setattr(selection, "CHUNK_TESTS", 2)
+    monkeypatch.setattr(selection, "TEST_S", {"unit/a.py": 1.0, "unit/b.py": 10.0})
+    tests = [f"unit/a.py::t{i}" for i in range(5)] + ["unit/b.py::x", "unit/c.py::y"]
+    assert selection.chunks(tests, split=False) == selection.by_file(tests)      # one run per file, in order
+    got = selection.chunks(tests, split=True)
+    assert sorted(n for g in got for n in g) == sorted(tests) and all(len(g) <= 2 for g in got)
+    assert all(len({n.split("::")[0] for n in g}) == 1 for g in got)             # a run holds one file's tests
+    # expected seconds: c (DEFAULT_TEST_S, 20), b (10), then a's runs of two (2, 2) and of one (1)
+    assert got == [["unit/c.py::y"], ["unit/b.py::x"], ["unit/a.py::t0", "unit/a.py::t1"],
+                   ["unit/a.py::t2", "unit/a.py::t3"], ["unit/a.py::t4"]]

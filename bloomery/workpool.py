@@ -17,6 +17,7 @@ import asyncio
 import json
 import multiprocessing
 import os
+import threading
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Callable, TypeVar
 
@@ -152,12 +153,24 @@ def _worker_encode(text: str, add_special: bool, parse_special: bool) -> bytes:
 class ProcessTokenizer:
     """The front's Tokenizer, with encode() of a long text done in a separate process that built the same
     Tokenizer from the same GGUF header; everything else is the local one. Call encode from a worker
-    thread (run() above): it waits there, holding no lock."""
+    thread (run() above): it waits there, holding no lock but the moment it takes to start the process.
+
+    The process starts with the first long text, not with the server: building its tokenizer is about
+    1.5 s of CPU (a Python start, the GGUF header, the vocabulary and merges), spent on every start
+    beside the server's first requests, while most servers never see a text this long. That first text
+    waits for it once (about a second here); the event loop does not."""
 
     def __init__(self, tok, gguf_path: str):
         self._tok = tok
-        self._pool = _helper(_load_worker_tokenizer, (os.getpid(), gguf_path))
-        self._pool.submit(int)     # start it (and load its tokenizer) now
+        self._path = gguf_path
+        self._pool: ProcessPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def _started(self) -> ProcessPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = _helper(_load_worker_tokenizer, (os.getpid(), self._path))
+            return self._pool
 
     def __getattr__(self, name):
         return getattr(self._tok, name)
@@ -167,5 +180,5 @@ class ProcessTokenizer:
             return self._tok.encode(text, add_special, parse_special)
         import array
         ids = array.array("i")
-        ids.frombytes(self._pool.submit(_worker_encode, text, add_special, parse_special).result())
+        ids.frombytes(self._started().submit(_worker_encode, text, add_special, parse_special).result())
         return ids.tolist()

@@ -41,17 +41,21 @@ def test_golden_baseline_is_consistent():
 @pytest.mark.real_model
 @pytest.mark.slow
 def test_gap_is_only_tests_refused_by_name(real_model_path, tmp_path):
+    from conftest import SUITE_BESIDE, suite_command
+
     selection, gap = _load("selection"), _load("gap")
-    out = tmp_path / "bloomery.json"
-    # two pytest runs side by side (each test's server on its own port): a test spends much of its time starting
-    # and stopping its server on one core, so two at once fill a 2-core machine (run.py --jobs)
-    cmd = [sys.executable, str(SUITE / "run.py"), "--server", "bloomery", "--select", "ci", "--jobs", "2", "--model",
-           str(real_model_path), "--out", str(out), "--log", str(tmp_path / "pytest.log")]
-    subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=3600)
+    if SUITE_BESIDE:      # started beside the other tests as collection ended (conftest.py): its results
+        out, log = SUITE_BESIDE["out"], SUITE_BESIDE["log"]
+        code = SUITE_BESIDE["proc"].wait(timeout=3600)
+        assert code == 0, f"run.py exited {code}: {(SUITE_BESIDE['folder'] / 'run.txt').read_text()[-3000:]}"
+    else:
+        out, log = tmp_path / "bloomery.json", tmp_path / "pytest.log"
+        subprocess.run(suite_command(real_model_path, out, log), check=True, cwd=REPO,
+                       env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=3600)
     ours = json.loads(out.read_text())
     golden = json.loads(selection.GOLDEN.read_text())
     missing = sorted(set(selection.ci_tests(golden)) - set(ours["tests"]))
-    assert not missing, f"tests selected but never reported (see {tmp_path / 'pytest.log'}): {missing[:20]}"
+    assert not missing, f"tests selected but never reported (see {log}): {missing[:20]}"
     open_gap, _refused = gap.gap(golden, ours)
     known = selection.KNOWN_OPEN_GAPS
     new_gap = [(n, why) for n, why in open_gap if n not in known]

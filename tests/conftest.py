@@ -128,18 +128,21 @@ def real_server(real_model_path):
 # Its ~150 tests start a server each: 10+ minutes of two busy cores. Most of the other tests are one
 # process waiting on another, a core or more idle. So when the suite's test is selected, the suite starts
 # as collection ends, under nice (the other tests keep the machine first, their timings as before), and
-# its test is moved last, where it waits for the run and checks what it found. BLOOMERY_SUITE_BESIDE=0
+# its test is moved last, where it lets the long generations start, waits for the run and checks what it
+# found. BLOOMERY_SUITE_BESIDE=0
 # runs it in its place instead, alone.
 SUITE_TEST = "test_gap_is_only_tests_refused_by_name"
 SUITE_NICE = 5
-SUITE_BESIDE: dict = {}       # "proc", "out", "log", "folder" of the run started beside the others
+SUITE_BESIDE: dict = {}       # "proc", "out", "log", "folder" of the run started beside the others ("go" in it:
+                              # the others are done, the long generations may start)
 
 
-def suite_command(model: Path, out: Path, log: Path) -> list[str]:
+def suite_command(model: Path, out: Path, log: Path, hold_heavy: Path | None = None) -> list[str]:
     """tools/llama_server_suite/run.py on CI's selection: two pytest runs side by side (a test spends much of its
-    time starting and stopping its server on one core)."""
+    time starting and stopping its server on one core); hold_heavy: the long generations wait for that file."""
     return [sys.executable, str(REPO / "tools/llama_server_suite/run.py"), "--server", "bloomery", "--select", "ci",
-            "--jobs", "2", "--model", str(model), "--out", str(out), "--log", str(log)]
+            "--jobs", "2", "--model", str(model), "--out", str(out), "--log", str(log),
+            *(["--hold-heavy", str(hold_heavy)] if hold_heavy else [])]
 
 
 def pytest_collection_finish(session):
@@ -159,7 +162,9 @@ def pytest_collection_finish(session):
     # the per-test alarm only catches a hung server: beside a busy test it allows more than alone (each test's
     # own HTTP timeouts, 60 s a request, still hold)
     env = {"BLOOMERY_SUITE_TEST_TIMEOUT_S": "300", **os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(suite_command(model, out, log), cwd=REPO, env=env,
+    # the files of long generations wait until the other tests are done (the test creates "go"): beside them,
+    # a request of 128 ids could meet its 60 s HTTP timeout on a core it shares
+    proc = subprocess.Popen(suite_command(model, out, log, folder / "go"), cwd=REPO, env=env,
                             stdout=open(folder / "run.txt", "w"), stderr=subprocess.STDOUT, start_new_session=True,
                             preexec_fn=lambda: os.nice(SUITE_NICE))
     SUITE_BESIDE.update(proc=proc, out=out, log=log, folder=folder)

@@ -46,6 +46,7 @@ def test_gap_is_only_tests_refused_by_name(real_model_path, tmp_path):
     selection, gap = _load("selection"), _load("gap")
     if SUITE_BESIDE:      # started beside the other tests as collection ended (conftest.py): its results
         out, log = SUITE_BESIDE["out"], SUITE_BESIDE["log"]
+        (SUITE_BESIDE["folder"] / "go").touch()       # the other tests are done: the long generations may start
         code = SUITE_BESIDE["proc"].wait(timeout=3600)
         assert code == 0, f"run.py exited {code}: {(SUITE_BESIDE['folder'] / 'run.txt').read_text()[-3000:]}"
     else:
@@ -143,3 +144,10 @@ def test_chunks_cut_files_for_side_by_side_runs_longest_first(monkeypatch):
     # expected seconds: c (DEFAULT_TEST_S, 20), b (10), then a's runs of two (2, 2) and of one (1)
     assert got == [["unit/c.py::y"], ["unit/b.py::x"], ["unit/a.py::t0", "unit/a.py::t1"],
                    ["unit/a.py::t2", "unit/a.py::t3"], ["unit/a.py::t4"]]
+
+
+def test_heavy_files_are_those_of_long_generations(monkeypatch):
+    selection = _load("selection")
+    monkeypatch.setattr(selection, "TEST_S", {"unit/a.py": 30.0, "unit/b.py": 5.0})
+    assert selection.heavy(["unit/a.py::x"]) and not selection.heavy(["unit/b.py::y"])
+    assert selection.heavy(["unit/c.py::z"]) == (selection.DEFAULT_TEST_S >= selection.HEAVY_TEST_S)

@@ -120,10 +120,13 @@ def outcomes(junit_xml: Path) -> dict[str, dict]:
 
 
 def run(server: str, tests: list[str], model: Path, log_path: Path | None, out: Path | None = None,
-        meta: dict | None = None, prior: dict | None = None, jobs: int = 1) -> dict[str, dict]:
+        meta: dict | None = None, prior: dict | None = None, jobs: int = 1,
+        hold_heavy: Path | None = None) -> dict[str, dict]:
     """One pytest per chunk of a file's tests (selection.chunks), `jobs` of them at once, each on its own
     port; the results are written to `out` after each chunk, so a long run keeps what it has, and a file's
-    time is the sum of its chunks' wall times."""
+    time is the sum of its chunks' wall times. With hold_heavy, the chunks of selection.heavy files go last
+    and wait until that file exists (the run beside other tests: those long generations start once the
+    machine is theirs, so that no request of theirs meets the tests' 60 s HTTP timeout on a shared core)."""
     tests_src = ref_source.tests_dir()
     result: dict[str, dict] = {}
     file_s: dict[str, float] = {}
@@ -137,6 +140,8 @@ def run(server: str, tests: list[str], model: Path, log_path: Path | None, out: 
                "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
                "BLOOMERY_SUITE_TARGET": "bloomery" if server == "bloomery" else ref_source.llama_server_bin()}
         todo = list(enumerate(selection.chunks(tests, split=jobs > 1)))
+        if hold_heavy is not None:    # stable: each part keeps its longest-first order
+            todo.sort(key=lambda c: selection.heavy(c[1]))
 
         def one(i: int, group: list[str]) -> None:
             sel = group[0].split("::", 1)[0]
@@ -167,7 +172,13 @@ def run(server: str, tests: list[str], model: Path, log_path: Path | None, out: 
                 with lock:
                     if not todo:
                         return
-                    i, group = todo.pop(0)
+                    i, group = todo[0]
+                    held = hold_heavy is not None and selection.heavy(group) and not hold_heavy.exists()
+                    if not held:
+                        todo.pop(0)
+                if held:
+                    time.sleep(1.0)
+                    continue
                 one(i, group)
 
         workers = [threading.Thread(target=worker) for _ in range(max(1, jobs))]
@@ -209,13 +220,15 @@ def main() -> None:
                     help="keep the files of --out this run does not take (add files to the golden one at a time)")
     ap.add_argument("--jobs", type=int, default=1,
                     help="pytest runs at once (each on its own port); above 1 a large file is also cut into chunks")
+    ap.add_argument("--hold-heavy", type=Path, metavar="FILE",
+                    help="run the long-generating files (selection.heavy) last, once FILE exists")
     ap.add_argument("tests", nargs="*", help="pytest node ids relative to the tests folder (default: --select)")
     a = ap.parse_args()
     tests = a.tests or selection.files(a.select, ref_source.tests_dir())
     meta = {"server": a.server, "llama_cpp": ref_source.VERSION, "model": a.model.name,
             "regenerate": " ".join(["python", "tools/llama_server_suite/run.py", *sys.argv[1:]])}
     prior = json.loads(a.out.read_text()) if a.merge and a.out and a.out.exists() else None
-    result = run(a.server, tests, a.model, a.log, a.out, meta, prior, a.jobs)
+    result = run(a.server, tests, a.model, a.log, a.out, meta, prior, a.jobs, a.hold_heavy)
     counts = {k: sum(1 for r in result.values() if r["outcome"] == k) for k in ("passed", "failed", "skipped")}
     print(json.dumps(counts))
 

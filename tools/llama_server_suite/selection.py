@@ -152,6 +152,12 @@ TEST_S: dict[str, float] = {
     "unit/test_tokenize.py": 5,
 }
 DEFAULT_TEST_S = 20.0
+# files whose tests generate long (a test's mean at or above this): run.py --hold-heavy keeps them until told
+HEAVY_TEST_S = 25.0
+
+
+def heavy(chunk: list[str]) -> bool:
+    return TEST_S.get(chunk[0].split("::", 1)[0], DEFAULT_TEST_S) >= HEAVY_TEST_S
 CHUNK_TESTS = 8      # with --jobs above 1 a file's tests are cut into pytest runs of at most this many
 
 

@@ -170,6 +170,19 @@ def pytest_collection_finish(session):
     SUITE_BESIDE.update(proc=proc, out=out, log=log, folder=folder)
 
 
+def of_the_suite_beside(process) -> bool:
+    """Whether a psutil.Process is the suite's run started beside the tests, or one of its descendants (a test
+    that checks what it left behind among this process's children must not count them)."""
+    proc = SUITE_BESIDE.get("proc")
+    if proc is None:
+        return False
+    import psutil
+    try:
+        return process.pid == proc.pid or any(a.pid == proc.pid for a in process.parents())
+    except psutil.Error:           # gone meanwhile: not alive, not left behind
+        return True
+
+
 def pytest_sessionfinish(session):
     proc = SUITE_BESIDE.get("proc")
     if proc is not None and proc.poll() is None:      # the run ended early (-x, Ctrl-C): the suite goes with it

@@ -73,7 +73,11 @@ def check_strings(path: str, metadata: Mapping[str, object], tensors: Mapping[st
 def _all_utf8(items: list) -> bool:
     """One encode over the whole array (a vocabulary is 150,000 strings); the slow walk only on a failure."""
     try:
-        "".join(x for x in items if isinstance(x, str)).encode("utf-8")
+        try:
+            joined = "".join(items)        # a list of str (every vocabulary): no per-item test
+        except TypeError:
+            joined = "".join(x for x in items if isinstance(x, str))
+        joined.encode("utf-8")
         return True
     except UnicodeEncodeError:
         return False

@@ -17,6 +17,7 @@ import asyncio
 import json
 import multiprocessing
 import os
+import threading
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Callable, TypeVar
 
@@ -29,6 +30,7 @@ SWITCH_INTERVAL_S = 0.0005
 PROCESS_BYTES = 256 << 10       # a body this large is parsed in the parser process
 _pool: ThreadPoolExecutor | None = None
 _parser: ProcessPoolExecutor | None = None
+_helpers: list[ProcessPoolExecutor] = []     # every helper process pool started (the parser, the tokenizer)
 
 
 def pool() -> ThreadPoolExecutor:
@@ -47,9 +49,29 @@ def parser() -> ProcessPoolExecutor:
     """One parser process, spawned (the supervisor holds threads and a ZeroMQ context: no fork)."""
     global _parser
     if _parser is None:
-        _parser = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                                      initializer=_die_with_parent, initargs=(os.getpid(),))
+        _parser = _helper(_die_with_parent, (os.getpid(),))
     return _parser
+
+
+def _helper(initializer, initargs) -> ProcessPoolExecutor:
+    """A one-process pool, spawned (the supervisor holds threads and a ZeroMQ context: no fork); shutdown() ends it."""
+    pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=initializer, initargs=initargs)
+    _helpers.append(pool)
+    return pool
+
+
+def shutdown() -> None:
+    """At the server's stop: end the helper processes at once. They hold nothing (a parse, a tokenizer built
+    from the file), and a pool left to the interpreter's exit waits for each to notice and wind down, still
+    loading its tokenizer when the stop came early: up to a second added to every stop."""
+    global _parser
+    while _helpers:
+        pool = _helpers.pop()
+        for proc in list((getattr(pool, "_processes", None) or {}).values()):
+            proc.kill()
+        pool.shutdown(wait=True, cancel_futures=True)
+    _parser = None
 
 
 def warm() -> None:
@@ -102,7 +124,6 @@ def json_text(obj: object, depth: int = 4) -> str:
 # --- the tokenizer process: a long text's tokenizing (regex splits are long C calls) ---------------------
 
 LONG_TEXT_CHARS = 32 << 10      # a text this long is tokenized in the tokenizer process
-_tok_pool: ProcessPoolExecutor | None = None
 _worker_tok = None              # in the tokenizer process: its own Tokenizer
 
 
@@ -132,13 +153,24 @@ def _worker_encode(text: str, add_special: bool, parse_special: bool) -> bytes:
 class ProcessTokenizer:
     """The front's Tokenizer, with encode() of a long text done in a separate process that built the same
     Tokenizer from the same GGUF header; everything else is the local one. Call encode from a worker
-    thread (run() above): it waits there, holding no lock."""
+    thread (run() above): it waits there, holding no lock but the moment it takes to start the process.
+
+    The process starts with the first long text, not with the server: building its tokenizer is about
+    1.5 s of CPU (a Python start, the GGUF header, the vocabulary and merges), spent on every start
+    beside the server's first requests, while most servers never see a text this long. That first text
+    waits for it once (about a second here); the event loop does not."""
 
     def __init__(self, tok, gguf_path: str):
         self._tok = tok
-        self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                                         initializer=_load_worker_tokenizer, initargs=(os.getpid(), gguf_path))
-        self._pool.submit(int)     # start it (and load its tokenizer) now
+        self._path = gguf_path
+        self._pool: ProcessPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def _started(self) -> ProcessPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = _helper(_load_worker_tokenizer, (os.getpid(), self._path))
+            return self._pool
 
     def __getattr__(self, name):
         return getattr(self._tok, name)
@@ -148,5 +180,5 @@ class ProcessTokenizer:
             return self._tok.encode(text, add_special, parse_special)
         import array
         ids = array.array("i")
-        ids.frombytes(self._pool.submit(_worker_encode, text, add_special, parse_special).result())
+        ids.frombytes(self._started().submit(_worker_encode, text, add_special, parse_special).result())
         return ids.tolist()

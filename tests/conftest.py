@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -120,3 +123,72 @@ def real_server(real_model_path):
     from serve_proc import Served
     with Served("-m", str(real_model_path), *REAL_SERVER_ARGS) as s:
         yield s
+
+
+# --- llama.cpp's server suite beside the other tests (tests/test_llama_server_suite.py) ---
+# Its ~150 tests start a server each: 10+ minutes of two busy cores. Most of the other tests are one
+# process waiting on another, a core or more idle. So when the suite's test is selected, the suite starts
+# as collection ends, under nice (the other tests keep the machine first, their timings as before), and
+# its test is moved last, where it lets the long generations start, waits for the run and checks what it
+# found. BLOOMERY_SUITE_BESIDE=0
+# runs it in its place instead, alone.
+SUITE_TEST = "test_gap_is_only_tests_refused_by_name"
+SUITE_NICE = 5
+SUITE_BESIDE: dict = {}       # "proc", "out", "log", "folder" of the run started beside the others ("go" in it:
+                              # the others are done, the long generations may start)
+
+
+def suite_command(model: Path, out: Path, log: Path, hold_heavy: Path | None = None) -> list[str]:
+    """tools/llama_server_suite/run.py on CI's selection: two pytest runs side by side (a test spends much of its
+    time starting and stopping its server on one core); hold_heavy: the long generations wait for that file."""
+    return [sys.executable, str(REPO / "tools/llama_server_suite/run.py"), "--server", "bloomery", "--select", "ci",
+            "--jobs", "2", "--model", str(model), "--out", str(out), "--log", str(log),
+            *(["--hold-heavy", str(hold_heavy)] if hold_heavy else [])]
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly or os.environ.get("BLOOMERY_SUITE_BESIDE") == "0":
+        return
+    found = [i for i in session.items if i.name == SUITE_TEST and i.module.__name__.endswith("test_llama_server_suite")]
+    if not found:
+        return
+    try:
+        model = Path(load_tool("fetch_model").fetch())
+    except (Exception, SystemExit):       # the test's own fixture skips it, naming why
+        return
+    session.items.remove(found[0])
+    session.items.append(found[0])
+    folder = Path(tempfile.mkdtemp(prefix="bloomery-llama-suite-"))
+    out, log = folder / "bloomery.json", folder / "pytest.log"
+    # the per-test alarm only catches a hung server: beside a busy test it allows more than alone (each test's
+    # own HTTP timeouts, 60 s a request, still hold)
+    env = {"BLOOMERY_SUITE_TEST_TIMEOUT_S": "300", **os.environ, "PYTHONPATH": str(REPO)}
+    # the files of long generations wait until the other tests are done (the test creates "go"): beside them,
+    # a request of 128 ids could meet its 60 s HTTP timeout on a core it shares
+    proc = subprocess.Popen(suite_command(model, out, log, folder / "go"), cwd=REPO, env=env,
+                            stdout=open(folder / "run.txt", "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=lambda: os.nice(SUITE_NICE))
+    SUITE_BESIDE.update(proc=proc, out=out, log=log, folder=folder)
+
+
+def of_the_suite_beside(process) -> bool:
+    """Whether a psutil.Process is the suite's run started beside the tests, or one of its descendants (a test
+    that checks what it left behind among this process's children must not count them)."""
+    proc = SUITE_BESIDE.get("proc")
+    if proc is None:
+        return False
+    import psutil
+    try:
+        return process.pid == proc.pid or any(a.pid == proc.pid for a in process.parents())
+    except psutil.Error:           # gone meanwhile: not alive, not left behind
+        return True
+
+
+def pytest_sessionfinish(session):
+    proc = SUITE_BESIDE.get("proc")
+    if proc is not None and proc.poll() is None:      # the run ended early (-x, Ctrl-C): the suite goes with it
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()

@@ -62,7 +62,7 @@ class Served:
                         return
             except OSError:
                 pass
-            time.sleep(0.2)
+            time.sleep(0.05)       # a start is 3-5 s: polled finely, no test waits past its ready
         raise RuntimeError("bloomery-serve not ready:\n" + "\n".join(self.lines))
 
     def stop(self) -> int:

@@ -99,9 +99,12 @@ def broker(tmp_path):
 @pytest.fixture(autouse=True)
 def no_process_left():
     """Every process a test started is gone when it ends (a left hook would wait for its grant forever);
-    those alive before it (a session's shared server) are not its."""
+    those alive before it (a session's shared server) and llama.cpp's suite running beside are not its."""
+    from conftest import of_the_suite_beside
+
     def alive() -> dict[int, psutil.Process]:
-        return {c.pid: c for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE}
+        return {c.pid: c for c in psutil.Process().children(recursive=True)
+                if not of_the_suite_beside(c) and c.status() != psutil.STATUS_ZOMBIE}
     before = alive()
     yield
     left = [(pid, c.cmdline()) for pid, c in alive().items() if pid not in before]

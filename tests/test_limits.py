@@ -62,3 +62,35 @@ def test_parse_checked_says_ok_bad_or_limit():
 ])
 def test_json_text_is_json_dumps(obj):
     assert workpool.json_text(obj) == json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def test_shutdown_ends_the_helper_processes_at_once():
+    """The server's stop ends the parser process itself (workpool.shutdown), and a later body starts a new one."""
+    import time
+    assert workpool.parser().submit(limits.parse_checked, b'{"prompt": "x"}').result(timeout=60) == \
+        ("ok", {"prompt": "x"})
+    procs = list(workpool.parser()._processes.values())
+    assert procs and all(p.is_alive() for p in procs)
+    t0 = time.monotonic()
+    workpool.shutdown()
+    assert time.monotonic() - t0 < 5 and not any(p.is_alive() for p in procs)
+    assert workpool.parser().submit(int).result(timeout=60) == 0     # a fresh one
+    workpool.shutdown()
+
+
+def test_the_tokenizer_process_starts_with_the_first_long_text(tokenizer_source):
+    """No tokenizer process at the server's start; the first text of LONG_TEXT_CHARS starts it, and its ids are
+    the local tokenizer's."""
+    from bloomery.gguf_file import open_gguf
+    from bloomery.tokenizer import Tokenizer
+    with open_gguf(tokenizer_source) as gf:
+        tok = Tokenizer.from_gguf(gf.metadata)
+    before = len(workpool._helpers)
+    split = workpool.ProcessTokenizer(tok, str(tokenizer_source))
+    assert split.encode("def f(x): return x") == tok.encode("def f(x): return x")
+    assert len(workpool._helpers) == before                     # nothing started yet
+    text = "def f(x):\n    return x  # é中\n" * (workpool.LONG_TEXT_CHARS // 20)
+    assert len(text) >= workpool.LONG_TEXT_CHARS
+    assert split.encode(text) == tok.encode(text)
+    assert len(workpool._helpers) == before + 1
+    workpool.shutdown()

@@ -41,15 +41,22 @@ def test_golden_baseline_is_consistent():
 @pytest.mark.real_model
 @pytest.mark.slow
 def test_gap_is_only_tests_refused_by_name(real_model_path, tmp_path):
+    from conftest import SUITE_BESIDE, suite_command
+
     selection, gap = _load("selection"), _load("gap")
-    out = tmp_path / "bloomery.json"
-    cmd = [sys.executable, str(SUITE / "run.py"), "--server", "bloomery", "--select", "ci", "--model",
-           str(real_model_path), "--out", str(out), "--log", str(tmp_path / "pytest.log")]
-    subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=3600)
+    if SUITE_BESIDE:      # started beside the other tests as collection ended (conftest.py): its results
+        out, log = SUITE_BESIDE["out"], SUITE_BESIDE["log"]
+        (SUITE_BESIDE["folder"] / "go").touch()       # the other tests are done: the long generations may start
+        code = SUITE_BESIDE["proc"].wait(timeout=3600)
+        assert code == 0, f"run.py exited {code}: {(SUITE_BESIDE['folder'] / 'run.txt').read_text()[-3000:]}"
+    else:
+        out, log = tmp_path / "bloomery.json", tmp_path / "pytest.log"
+        subprocess.run(suite_command(real_model_path, out, log), check=True, cwd=REPO,
+                       env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=3600)
     ours = json.loads(out.read_text())
     golden = json.loads(selection.GOLDEN.read_text())
     missing = sorted(set(selection.ci_tests(golden)) - set(ours["tests"]))
-    assert not missing, f"tests selected but never reported (see {tmp_path / 'pytest.log'}): {missing[:20]}"
+    assert not missing, f"tests selected but never reported (see {log}): {missing[:20]}"
     open_gap, _refused = gap.gap(golden, ours)
     known = selection.KNOWN_OPEN_GAPS
     new_gap = [(n, why) for n, why in open_gap if n not in known]
@@ -123,3 +130,24 @@ def test_ci_leaves_out_refused_and_too_slow_tests_but_never_counts_them_as_passi
     # a too-slow test that was run and failed is still a gap (CI_TOO_SLOW is not a refusal)
     open_gap, _ = gap.gap(golden, {"tests": {slow: {"outcome": "failed", "reason": "x"}}})
     assert open_gap == [(slow, "x")]
+
+
+def test_chunks_cut_files_for_side_by_side_runs_longest_first(monkeypatch):
+    selection = _load("selection")
+    monkeypatch.setattr(selection, "CHUNK_TESTS", 2)
+    monkeypatch.setattr(selection, "TEST_S", {"unit/a.py": 1.0, "unit/b.py": 10.0})
+    tests = [f"unit/a.py::t{i}" for i in range(5)] + ["unit/b.py::x", "unit/c.py::y"]
+    assert selection.chunks(tests, split=False) == selection.by_file(tests)      # one run per file, in order
+    got = selection.chunks(tests, split=True)
+    assert sorted(n for g in got for n in g) == sorted(tests) and all(len(g) <= 2 for g in got)
+    assert all(len({n.split("::")[0] for n in g}) == 1 for g in got)             # a run holds one file's tests
+    # expected seconds: c (DEFAULT_TEST_S, 20), b (10), then a's runs of two (2, 2) and of one (1)
+    assert got == [["unit/c.py::y"], ["unit/b.py::x"], ["unit/a.py::t0", "unit/a.py::t1"],
+                   ["unit/a.py::t2", "unit/a.py::t3"], ["unit/a.py::t4"]]
+
+
+def test_heavy_files_are_those_of_long_generations(monkeypatch):
+    selection = _load("selection")
+    monkeypatch.setattr(selection, "TEST_S", {"unit/a.py": 30.0, "unit/b.py": 5.0})
+    assert selection.heavy(["unit/a.py::x"]) and not selection.heavy(["unit/b.py::y"])
+    assert selection.heavy(["unit/c.py::z"]) == (selection.DEFAULT_TEST_S >= selection.HEAVY_TEST_S)

@@ -33,6 +33,7 @@ from bloomery.placement import Placement
 from bloomery.stages.common import parent_alive, run_stage
 
 IDLE_WAIT_S = 0.5
+INPUT_POLL_MS = 50        # the input thread looks at the stop flag this often: the stop joins it (was 200)
 PROGRESS_S = 1.0          # a Progress record about this often while the weights are read
 ENGINE_ID = b"engine"
 
@@ -45,7 +46,7 @@ def _input_thread(ctx: zmq.Context, req_addr: str, inbox: queue.Queue, stop: thr
     sock.send(em.encode(em.Hello(os.getpid())))     # the ROUTER learns our id before READY
     try:
         while not stop.is_set():
-            if not sock.poll(200):
+            if not sock.poll(INPUT_POLL_MS):
                 continue
             data = sock.recv()
             try:

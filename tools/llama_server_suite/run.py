@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -89,10 +90,16 @@ def _mirror(tests_src: Path, work: Path) -> Path:
     return work / "llama.cpp" / "tools" / "server" / "tests"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(taken: set[int] | None = None) -> int:
+    """A port free now and not in `taken` (the ports handed to runs side by side; added to it)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if taken is None or port not in taken:
+            if taken is not None:
+                taken.add(port)
+            return port
 
 
 def outcomes(junit_xml: Path) -> dict[str, dict]:
@@ -113,38 +120,72 @@ def outcomes(junit_xml: Path) -> dict[str, dict]:
 
 
 def run(server: str, tests: list[str], model: Path, log_path: Path | None, out: Path | None = None,
-        meta: dict | None = None, prior: dict | None = None) -> dict[str, dict]:
-    """One pytest per selection (a file or a node id), so a long run keeps what it has (written to `out`
-    after each file) and the per-file times are measured."""
+        meta: dict | None = None, prior: dict | None = None, jobs: int = 1,
+        hold_heavy: Path | None = None) -> dict[str, dict]:
+    """One pytest per chunk of a file's tests (selection.chunks), `jobs` of them at once, each on its own
+    port; the results are written to `out` after each chunk, so a long run keeps what it has, and a file's
+    time is the sum of its chunks' wall times. With hold_heavy, the chunks of selection.heavy files go last
+    and wait until that file exists (the run beside other tests: those long generations start once the
+    machine is theirs, so that no request of theirs meets the tests' 60 s HTTP timeout on a shared core)."""
     tests_src = ref_source.tests_dir()
     result: dict[str, dict] = {}
     file_s: dict[str, float] = {}
+    lock = threading.Lock()
+    ports: set[int] = set()
     with tempfile.TemporaryDirectory(prefix="llama-server-suite-") as tmp, \
             open(log_path or os.devnull, "w") as log:
         work = prepare(tests_src, Path(tmp))
-        env = {**os.environ, "LLAMA_SERVER_BIN_PATH": str(HERE / "wrapper.py"), "PORT": str(free_port()),
+        env = {**os.environ, "LLAMA_SERVER_BIN_PATH": str(HERE / "wrapper.py"),
                "BLOOMERY_SUITE_MODEL": str(model), "LLAMA_CACHE": str(Path(tmp) / "cache"),
                "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
                "BLOOMERY_SUITE_TARGET": "bloomery" if server == "bloomery" else ref_source.llama_server_bin()}
-        for i, group in enumerate(selection.by_file(tests)):
+        todo = list(enumerate(selection.chunks(tests, split=jobs > 1)))
+        if hold_heavy is not None:    # stable: each part keeps its longest-first order
+            todo.sort(key=lambda c: selection.heavy(c[1]))
+
+        def one(i: int, group: list[str]) -> None:
             sel = group[0].split("::", 1)[0]
-            junit = Path(tmp) / f"junit-{i}.xml"
+            junit, chunk_log = Path(tmp) / f"junit-{i}.xml", Path(tmp) / f"log-{i}.txt"
             cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", "-m", "not slow",
                    f"--junitxml={junit}", "-o", "junit_family=xunit1", *group]
-            t0 = time.monotonic()
-            log.write(f"==== {server}: {sel}\n")
-            log.flush()
             no_warmup = "1" if server == "bloomery" and sel in selection.NO_GENERATION else "0"
-            subprocess.run(cmd, cwd=work, env={**env, "BLOOMERY_SUITE_NO_WARMUP": no_warmup}, stdout=log,
-                           stderr=subprocess.STDOUT)
-            file_s[sel] = round(time.monotonic() - t0, 1)
-            if junit.exists():
-                result.update(outcomes(junit))
-            else:
-                result[sel] = {"outcome": "failed", "reason": "pytest wrote no results", "time_s": file_s[sel]}
-            print(f"llama_server_suite: {server}: {sel}: {file_s[sel]:.0f} s", file=sys.stderr)
-            if out is not None:
-                write(out, merged(prior, {**(meta or {}), "file_s": file_s, "tests": result}))
+            with lock:
+                port = free_port(ports)
+            t0 = time.monotonic()
+            with open(chunk_log, "w") as f:      # each chunk its own log (chunks run side by side), appended whole
+                subprocess.run(cmd, cwd=work, env={**env, "PORT": str(port), "BLOOMERY_SUITE_NO_WARMUP": no_warmup},
+                               stdout=f, stderr=subprocess.STDOUT)
+            took = time.monotonic() - t0
+            got = outcomes(junit) if junit.exists() else {
+                sel: {"outcome": "failed", "reason": "pytest wrote no results", "time_s": round(took, 1)}}
+            with lock:
+                log.write(f"==== {server}: {sel} ({len(group)} tests)\n{chunk_log.read_text()}")
+                log.flush()
+                file_s[sel] = round(file_s.get(sel, 0.0) + took, 1)
+                result.update(got)
+                print(f"llama_server_suite: {server}: {sel}: {len(group)} tests in {took:.0f} s", file=sys.stderr)
+                if out is not None:
+                    write(out, merged(prior, {**(meta or {}), "file_s": file_s, "tests": result}))
+
+        def worker() -> None:
+            while True:
+                with lock:
+                    if not todo:
+                        return
+                    i, group = todo[0]
+                    held = hold_heavy is not None and selection.heavy(group) and not hold_heavy.exists()
+                    if not held:
+                        todo.pop(0)
+                if held:
+                    time.sleep(1.0)
+                    continue
+                one(i, group)
+
+        workers = [threading.Thread(target=worker) for _ in range(max(1, jobs))]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
     return result
 
 
@@ -177,13 +218,17 @@ def main() -> None:
     ap.add_argument("--log", type=Path, help="pytest's output goes here")
     ap.add_argument("--merge", action="store_true",
                     help="keep the files of --out this run does not take (add files to the golden one at a time)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="pytest runs at once (each on its own port); above 1 a large file is also cut into chunks")
+    ap.add_argument("--hold-heavy", type=Path, metavar="FILE",
+                    help="run the long-generating files (selection.heavy) last, once FILE exists")
     ap.add_argument("tests", nargs="*", help="pytest node ids relative to the tests folder (default: --select)")
     a = ap.parse_args()
     tests = a.tests or selection.files(a.select, ref_source.tests_dir())
     meta = {"server": a.server, "llama_cpp": ref_source.VERSION, "model": a.model.name,
             "regenerate": " ".join(["python", "tools/llama_server_suite/run.py", *sys.argv[1:]])}
     prior = json.loads(a.out.read_text()) if a.merge and a.out and a.out.exists() else None
-    result = run(a.server, tests, a.model, a.log, a.out, meta, prior)
+    result = run(a.server, tests, a.model, a.log, a.out, meta, prior, a.jobs, a.hold_heavy)
     counts = {k: sum(1 for r in result.values() if r["outcome"] == k) for k in ("passed", "failed", "skipped")}
     print(json.dumps(counts))
 

@@ -141,3 +141,32 @@ def by_file(selections: list[str]) -> list[list[str]]:
     for sel in selections:
         groups.setdefault(sel.split("::", 1)[0], []).append(sel)
     return list(groups.values())
+
+
+# Seconds a CI test of each file took on bloomery-serve (the mean over the file's CI tests, one run here with other
+# jobs beside it, 2026-12-02): only the order in which chunks are handed to --jobs workers, longest first, so
+# that no long file starts last. A file not listed counts as DEFAULT_TEST_S a test.
+TEST_S: dict[str, float] = {
+    "unit/test_tool_call.py": 50, "unit/test_ctx_shift.py": 54, "unit/test_completion.py": 29,
+    "unit/test_basic.py": 18, "unit/test_ignore_eos.py": 17, "unit/test_metrics.py": 16, "unit/test_security.py": 15,
+    "unit/test_chat_completion.py": 14, "unit/test_compat_anthropic.py": 11, "unit/test_template.py": 5,
+    "unit/test_tokenize.py": 5,
+}
+DEFAULT_TEST_S = 20.0
+# files whose tests generate long (a test's mean at or above this): run.py --hold-heavy keeps them until told
+HEAVY_TEST_S = 25.0
+
+
+def heavy(chunk: list[str]) -> bool:
+    return TEST_S.get(chunk[0].split("::", 1)[0], DEFAULT_TEST_S) >= HEAVY_TEST_S
+CHUNK_TESTS = 8      # with --jobs above 1 a file's tests are cut into pytest runs of at most this many
+
+
+def chunks(selections: list[str], split: bool) -> list[list[str]]:
+    """by_file's groups, each cut into runs of at most CHUNK_TESTS when split (one pytest run each; runs side by
+    side balance better in small pieces), longest expected run first. Unsplit, by_file's order is kept."""
+    groups = by_file(selections)
+    if not split:
+        return groups
+    cut = [g[i:i + CHUNK_TESTS] for g in groups for i in range(0, len(g), CHUNK_TESTS)]
+    return sorted(cut, key=lambda g: -len(g) * TEST_S.get(g[0].split("::", 1)[0], DEFAULT_TEST_S))

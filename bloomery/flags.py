@@ -141,7 +141,8 @@ TABLE: tuple[Flag, ...] = (
          "all, auto, a negative count or at least the file's layers + 1 (every layer runs on the device)",
          dest="ngl"),
     Flag("--threads", ("-t",), "LLAMA_ARG_THREADS", "int", -1,
-         "host threads for the experts the placement keeps in host RAM (-1: every core but two)", dest="threads"),
+         "threads: the CPU backend's (-1: 2, or BLOOMERY_NUMPY_THREADS), and on the card the host threads of the experts "
+         "the placement keeps in host RAM (-1: every core but two)", dest="threads"),
     _noop("--threads-batch", ("-tb",), None, "int"),
     _noop("--threads-http", (), "LLAMA_ARG_THREADS_HTTP", "int"),
     Flag("--batch-size", ("-b",), "LLAMA_ARG_BATCH", "int", 2048,

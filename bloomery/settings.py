@@ -67,7 +67,7 @@ class Settings:
     placement_ask: PlacementAsk = field(default_factory=PlacementAsk)   # how they were read (placement_flags)
     endpoint_slots: bool = True        # --no-slots: GET /slots answers 501
     warmup: bool = True                # --no-warmup: the first request prepares the weights
-    threads: int = -1                  # -t: host threads of the offload tier's host experts (-1: every core)
+    threads: int = -1                  # -t: host threads of the offload tier's host experts (-1: every core but two)
     metrics: bool = False              # --metrics: GET /metrics serves Prometheus text (without it: 501)
     verbose: bool = False              # -v: a request's verbose defaults to true (the __verbose debug field)
     reasoning: str = "auto"            # --reasoning on|off|auto: the template's enable_thinking default

@@ -189,6 +189,15 @@ def test_kernel_order_lever_is_read_and_recorded(tiny_model, value, shown):
     assert lever and shown in lever[0], s.lines
 
 
+def test_threads_flag_sets_the_cpu_backends_threads(tiny_model):
+    """-t as llama-server: the CPU threads the engine computes with."""
+    s = Served("-m", str(tiny_model), "-c", "256", "-t", "1")
+    s.env.pop("BLOOMERY_NUMPY_THREADS", None)
+    with s:
+        got = [line for line in s.lines if "engine: threads" in line]
+    assert got and "threads=1" in got[0], s.lines
+
+
 @pytest.mark.parametrize("flag,warmed", [((), True), (("--no-warmup",), False)])
 def test_warmup_prepares_the_weights_at_load_unless_told_not_to(tiny_model, flag, warmed):
     with Served("-m", str(tiny_model), "-c", "256", *flag) as s:

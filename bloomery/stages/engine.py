@@ -183,6 +183,10 @@ def serve(engine, inbox: queue.Queue, push: zmq.Socket, ppid: int, load=None) ->
 
 
 def main(args: dict) -> int:
+    threads = int(args.get("threads", -1))
+    if threads > 0 and placement_of(args).backend == "numpy":
+        # -t on the CPU backend: its kernels' row threads (read when the quant modules load, just below)
+        os.environ["BLOOMERY_NUMPY_THREADS"] = str(threads)
     from bloomery.engine.core import Engine
     from bloomery.engine.loader import load_model
     from bloomery.engine.warmup import warm_up
@@ -210,6 +214,9 @@ def main(args: dict) -> int:
         from bloomery.engine.cpu import kernels as cpu_kernels
         records.record("load", "lever", component="engine", name="BLOOMERY_CPU_KERNELS",
                        value="off" if cpu_kernels.lib() is None else "on", means=cpu_kernels.status())
+        from bloomery.engine.quant import threads as cpu_threads
+        records.record("load", "threads", component="engine", threads=cpu_threads.N_THREADS,
+                       means="the CPU backend's kernel threads (-t)")
     from bloomery.gguf_file import open_gguf
     anon0 = anon_bytes()
 

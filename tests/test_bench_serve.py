@@ -155,3 +155,18 @@ def test_the_tool_end_to_end_on_the_cpu_backend(tmp_path, tokenizer_source):
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert again.returncode == 0 and "bloomery/k1/p24: in " in again.stdout
     assert json.loads(out.read_text())["cells"]["bloomery/k2/p24"] == k2
+
+
+def test_a_cell_longer_than_the_files_training_context_is_refused_before_any_server(tmp_path, capsys,
+                                                                                   tokenizer_source):
+    path = load_tool("make_synthetic").write_synthetic(tmp_path / "short.gguf", "qwen3", ctx_train=1024,
+                                                       tokenizer_from=str(tokenizer_source))
+    base = ["--model", str(path), "--engines", "bloomery", "--out", str(tmp_path / "o.json"), "--n-gen", "16"]
+    a = bs.parse_args(base + ["--prompts", "512", "--system-ids", "600", "--turns", "2", "--user-ids", "64"])
+    assert [c.name for c in a.cell_list][-1] == "bloomery/replay/cram"          # 600 + 128 + 16 + 16 fits
+    with pytest.raises(SystemExit):
+        bs.parse_args(base + ["--prompts", "1024", "--cells", "k1/*"])
+    assert "a slot needs 1040 positions" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bs.parse_args(base + ["--prompts", "64", "--system-ids", "1000"])
+    assert "above the file's qwen3.context_length 1024" in capsys.readouterr().err

@@ -357,6 +357,24 @@ def parse_counts(flag: str, text: str) -> list[int]:
     return out
 
 
+def check_context(a) -> None:
+    """llama-server cuts a slot's context to the file's training context: a cell needing more is
+    refused here, before any server starts, rather than failed by one engine alone."""
+    from bloomery.gguf_file import GGUFError, open_gguf
+    try:
+        with open_gguf(a.model) as gf:
+            arch = gf.get("general.architecture")
+            train = gf.get(f"{arch}.context_length")
+    except (GGUFError, OSError) as e:
+        raise BenchError(f"--model {a.model}: {e}") from None
+    cells = a.cell_list
+    longest = max(c.p if c.k else replay_longest(a.system_ids, a.turns, a.user_ids, a.n_gen) for c in cells)
+    if train and longest + a.n_gen > int(train):
+        raise BenchError(f"--model {a.model}: a slot needs {longest + a.n_gen} positions (the longest prompt "
+                         f"and --n-gen), above the file's {arch}.context_length {train}, which llama-server "
+                         f"keeps to")
+
+
 def parse_args(argv: list[str] | None = None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n".join(__doc__.splitlines()[2:]))
@@ -394,6 +412,7 @@ def parse_args(argv: list[str] | None = None):
         if a.n_gen < 2 or a.runs < 1 or a.replay_np < 1:
             raise BenchError("--n-gen (>= 2), --runs and --replay-np must be positive")
         replay_schedule(a.users, a.turns, a.system_ids, a.user_ids)
+        check_context(a)
     except BenchError as e:
         ap.error(str(e))
     return a

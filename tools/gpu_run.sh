@@ -2,7 +2,7 @@
 # On a GPU machine with no network (the device): install the carried wheels, then run the
 # steps named, in order, each under its own time limit, results under $OUT (or ./gpu-out).
 #
-#   tools/gpu_run.sh [tests] [bench] [variants] [profile] [llama]
+#   tools/gpu_run.sh [tests] [bench] [variants] [profile] [llama] [grammar] [offload] [serve]
 #
 #   tests     the GPU tests (tests/test_cuda_*.py, or the pytest arguments in $TESTS), tests.log
 #   bench     tools/bench_cuda.py on the Qwen3-30B-A3B-shaped file (written once into
@@ -17,6 +17,10 @@
 #             $dev/llama/llama-server; without one, bloomery alone) at the card budgets; the JSON
 #             stays in $BENCH_WORK, so the same step in the next call goes on with the cells left
 #             ($OFFLOAD_CELLS: --cells patterns), offload.json and offload.log
+#   serve     tools/bench_serve.py on the bench file: K concurrent streams (K = 1, 4, 8, 16; P = 512
+#             and 4096) and the multi-turn replay with and without the prompt cache, bloomery-serve
+#             and llama-server (as for offload); the JSON stays in $BENCH_WORK, so the same step in
+#             the next call goes on ($SERVE_CELLS: --cells patterns), serve.json and serve.log
 #
 # Carried beside the tree in $BLOOMERY_DEVICE_DIR (default .device, git-ignored):
 #   whl/*.whl            pyzmq, structlog, gguf, llguidance (the device image lacks them)
@@ -42,7 +46,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 BLOOMERY_TOKENIZER_GGUF=$PWD
 nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm,clocks.max.sm --format=csv,noheader
 
 big=$work/qwen3moe-30b-a3b-shape-q4_k_m-L48.gguf
-if { has bench || has grammar; } && [ ! -s "$big" ]; then        # the same file bench_cuda.py would write, started early
+if { has bench || has grammar || has serve; } && [ ! -s "$big" ]; then        # the same file bench_cuda.py would write, started early
   (python3 - "$work" "$BLOOMERY_TOKENIZER_GGUF" > "$out/write.log" 2>&1 <<'EOF'
 import sys, time
 from pathlib import Path
@@ -112,4 +116,16 @@ if has offload; then
   timeout "${OFFLOAD_S:-540}" python3 tools/bench_offload.py "${args[@]}" 2>&1 | tee "$out/offload.log" | tail -n 40
   cp -r "$work/offload.json" "$work/logs" "$out/" 2>/dev/null
   echo "offload: $((SECONDS - t0)) s"
+fi
+
+if has serve; then
+  [ -n "${writer:-}" ] && wait "$writer" 2>/dev/null
+  args=(--model "$big" --backend cuda --out "$work/serve.json")
+  ls=${LLAMA_SERVER:-$dev/llama/llama-server}
+  if [ -x "$ls" ]; then args+=(--llama-server "$ls"); else args+=(--engines bloomery); fi
+  [ -n "${SERVE_CELLS:-}" ] && args+=(--cells "$SERVE_CELLS")
+  t0=$SECONDS
+  timeout "${SERVE_S:-540}" python3 tools/bench_serve.py "${args[@]}" 2>&1 | tee "$out/serve.log" | tail -n 40
+  cp -r "$work/serve.json" "$work/logs" "$out/" 2>/dev/null
+  echo "serve: $((SECONDS - t0)) s"
 fi

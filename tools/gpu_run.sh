@@ -100,6 +100,17 @@ if has grammar; then
   echo "grammar: $((SECONDS - t0)) s"
 fi
 
+# tools/bench_$1.py with "${args[@]}" against llama-server ($LLAMA_SERVER, else the carried one; without
+# one, bloomery alone), cells $2, under $3 seconds; its JSON stays in $work for the next call
+against_llama() {
+  local ls=${LLAMA_SERVER:-$dev/llama/llama-server} t0=$SECONDS
+  if [ -x "$ls" ]; then args+=(--llama-server "$ls"); else args+=(--engines bloomery); fi
+  [ -n "$2" ] && args+=(--cells "$2")
+  timeout "$3" python3 "tools/bench_$1.py" "${args[@]}" 2>&1 | tee "$out/$1.log" | tail -n 40
+  cp -r "$work/$1.json" "$work/logs" "$out/" 2>/dev/null
+  echo "$1: $((SECONDS - t0)) s"
+}
+
 if has offload; then
   for share in 0.2 0.6; do
     f=$work/qwen3-30b-a3b-r$share.gguf
@@ -109,23 +120,11 @@ if has offload; then
   wait
   args=(--model "even=$work/qwen3-30b-a3b-r0.2.gguf" --model "skew=$work/qwen3-30b-a3b-r0.6.gguf"
         --out "$work/offload.json")
-  ls=${LLAMA_SERVER:-$dev/llama/llama-server}
-  if [ -x "$ls" ]; then args+=(--llama-server "$ls"); else args+=(--engines bloomery); fi
-  [ -n "${OFFLOAD_CELLS:-}" ] && args+=(--cells "$OFFLOAD_CELLS")
-  t0=$SECONDS
-  timeout "${OFFLOAD_S:-540}" python3 tools/bench_offload.py "${args[@]}" 2>&1 | tee "$out/offload.log" | tail -n 40
-  cp -r "$work/offload.json" "$work/logs" "$out/" 2>/dev/null
-  echo "offload: $((SECONDS - t0)) s"
+  against_llama offload "${OFFLOAD_CELLS:-}" "${OFFLOAD_S:-540}"
 fi
 
 if has serve; then
   [ -n "${writer:-}" ] && wait "$writer" 2>/dev/null
   args=(--model "$big" --backend cuda --out "$work/serve.json")
-  ls=${LLAMA_SERVER:-$dev/llama/llama-server}
-  if [ -x "$ls" ]; then args+=(--llama-server "$ls"); else args+=(--engines bloomery); fi
-  [ -n "${SERVE_CELLS:-}" ] && args+=(--cells "$SERVE_CELLS")
-  t0=$SECONDS
-  timeout "${SERVE_S:-540}" python3 tools/bench_serve.py "${args[@]}" 2>&1 | tee "$out/serve.log" | tail -n 40
-  cp -r "$work/serve.json" "$work/logs" "$out/" 2>/dev/null
-  echo "serve: $((SECONDS - t0)) s"
+  against_llama serve "${SERVE_CELLS:-}" "${SERVE_S:-540}"
 fi

@@ -187,23 +187,3 @@ def test_two_prompts_on_the_numpy_backend_run_in_one_model_call_and_pick_the_ids
     assert calls[1:] == ["prefill", ("prefill_slots", 1)] * 2    # each alone (prefill runs through prefill_slots)
     assert together == alone
 
-
-@pytest.mark.gpu
-def test_the_cuda_backend_reads_two_slots_prompts_in_one_pass_as_it_reads_each_alone(gpu, tokenizer_source,
-                                                                                     synthetic_dir):
-    from conftest import load_tool
-    from bloomery.engine.loader import load_model
-    from bloomery.placement import whole
-    path = load_tool("make_synthetic").write_synthetic(synthetic_dir / "shared-pass-qwen3.gguf", arch="qwen3",
-                                                        mode="blocks", mix="q4_k_m", seed=5,
-                                                        tokenizer_from=str(tokenizer_source), **SHAPE)
-    model = load_model(path, whole("cuda", 2, 512))
-    a, b = np.arange(100, 400, dtype=np.int32), np.arange(900, 917, dtype=np.int32)   # the prompt path and the split one
-    alone = np.stack([model.prefill(0, a, 0), model.prefill(1, b, 0)])
-    together = model.prefill_slots([(0, a, 0), (1, b, 0)])
-    np.testing.assert_allclose(together, alone, rtol=2e-2, atol=2e-2)
-    assert (together.argmax(-1) == alone.argmax(-1)).all()
-    # what each slot holds afterwards is the same: the next step reads it
-    nxt = model.decode([0, 1], [5, 6], [a.size, b.size])
-    model.prefill(0, a, 0), model.prefill(1, b, 0)
-    np.testing.assert_allclose(nxt, model.decode([0, 1], [5, 6], [a.size, b.size]), rtol=2e-2, atol=2e-2)

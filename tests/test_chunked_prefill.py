@@ -8,6 +8,7 @@ import json
 import threading
 import time
 
+import numpy as np
 import pytest
 import requests
 
@@ -70,6 +71,46 @@ def test_a_prompt_alone_runs_whole():
     assert [c[2:] for c in model.calls if c[0] == "prefill"] == [(18, 0)]
 
 
+class SharedPassModel(ChunkedModel):
+    """The stand-in that also takes several slots' prompt ids in one call, as CausalLM.prefill_slots."""
+
+    def prefill_slots(self, parts):
+        self.calls.append(("prefill_slots", tuple((slot, len(ids), pos0) for slot, ids, pos0 in parts)))
+        for slot, ids, pos0 in parts:
+            self._write(slot, list(ids), pos0)
+        return np.stack([self._logits(self.kv[slot]) for slot, _, _ in parts])
+
+
+def test_prompts_admitted_together_share_each_pass_within_one_chunk():
+    model = SharedPassModel(3, 64)
+    engine = Engine(model, 3, 64)
+    prompts = {"a": [1, 2, 3], "b": [4, 5, 6, 7, 8, 9], "c": [10, 11]}
+    for rid, p in prompts.items():
+        engine.add(greq(rid, p, n_predict=4))
+    outs = drain(engine)
+    passes = [c for c in model.calls if c[0].startswith("prefill")]
+    slot = {rid: o[0].slot for rid, o in outs.items()}
+    assert (slot["c"], slot["b"], slot["a"]) == (0, 1, 2)   # the least recently used free slot, the last of equals
+    # 4 ids a pass in all (n_ubatch), filled in slot order: c's 2 and b's first 2; b's last 4 fill the
+    # next (a one-slot call, a waits); then a's 3
+    assert passes == [("prefill_slots", ((0, 2, 0), (1, 2, 0))), ("prefill", 1, 4, 2), ("prefill", 2, 3, 0)]
+    for rid, p in prompts.items():
+        assert [o.token for o in outs[rid]] == model.reference(p, 4)
+        assert outs[rid][0].n_prompt == len(p)
+
+
+def test_a_shared_pass_that_fails_is_run_again_a_slot_at_a_time_so_only_the_faulty_request_fails():
+    from test_engine_core import POISON
+    model = SharedPassModel(2, 64)
+    engine = Engine(model, 2, 64)
+    engine.add(greq("a", [1, 2], n_predict=3))
+    engine.add(greq("bad", [3, POISON], n_predict=3))
+    outs = drain(engine)
+    assert model.calls[0] == ("prefill_slots", ((0, 2, 0), (1, 2, 0)))   # tried together first
+    assert [o.finish for o in outs["bad"]] == ["error"] and "poisoned" in outs["bad"][0].error
+    assert [o.token for o in outs["a"]] == model.reference([1, 2], 3)
+
+
 @pytest.fixture(scope="module")
 def tiny_model(real_model_path, tmp_path_factory):
     from conftest import load_tool
@@ -114,3 +155,35 @@ def test_a_long_prompt_in_one_slot_does_not_stop_another_slots_stream(tiny_model
     # a's tokens kept arriving while b's prompt ran: without chunked prefill the whole prompt is one step
     arrived = [t for t, e in a_events if progress[0] < t < first_token and e.get("content")]
     assert len(arrived) >= 10, (len(arrived), len(progress))
+
+
+SHAPE = dict(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_ff=512)
+
+
+def test_two_prompts_on_the_numpy_backend_run_in_one_model_call_and_pick_the_ids_they_pick_alone(
+        tokenizer_source, synthetic_dir):
+    from conftest import load_tool
+    from bloomery.engine.loader import load_model
+    from bloomery.placement import whole
+    path = load_tool("make_synthetic").write_synthetic(synthetic_dir / "shared-pass-qwen3.gguf", arch="qwen3",
+                                                        mode="blocks", mix="q4_k_m", seed=5,
+                                                        tokenizer_from=str(tokenizer_source), **SHAPE)
+    model = load_model(path, whole("numpy", 2, 128))
+    calls = []
+    one_slot, many = model.prefill, model.prefill_slots
+    model.prefill = lambda *a: (calls.append("prefill"), one_slot(*a))[1]
+    model.prefill_slots = lambda parts: (calls.append(("prefill_slots", len(parts))), many(parts))[1]
+    prompts = {"a": [int(i) for i in np.arange(100, 140)], "b": [int(i) for i in np.arange(900, 917)]}
+
+    def run(rids):
+        engine = Engine(model, 2, 128)
+        for rid in rids:
+            engine.add(greq(rid, prompts[rid], n_predict=6))
+        return {rid: [o.token for o in out] for rid, out in drain(engine).items()}
+
+    together = run(["a", "b"])
+    assert calls == [("prefill_slots", 2)]                  # both prompts, one model call
+    alone = {**run(["a"]), **run(["b"])}
+    assert calls[1:] == ["prefill", ("prefill_slots", 1)] * 2    # each alone (prefill runs through prefill_slots)
+    assert together == alone
+

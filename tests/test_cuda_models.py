@@ -195,3 +195,16 @@ def test_served_chat_same_text_on_both_backends(files):
             backend = "numpy" if device == "cpu" else "cuda"
             assert any("loading weights" in line and f"backend={backend}" in line for line in srv.lines), srv.lines
     assert texts["cuda"] == texts["cpu"] and texts["cpu"], texts
+
+
+def test_two_slots_prompts_in_one_pass_as_each_alone(files):
+    """CausalLM.prefill_slots on the cuda backend: a 300-id prompt (the GEMM path) and a 17-id one in one
+    pass give each slot the logits and the KV it gets alone."""
+    model = _load(files["qwen3moe"], "cuda")
+    a, b = np.arange(100, 400, dtype=np.int32), np.arange(900, 917, dtype=np.int32)
+    alone = np.stack([model.prefill(0, a, 0), model.prefill(1, b, 0)])
+    nxt_alone = model.decode([0, 1], [5, 6], [a.size, b.size])
+    together = model.prefill_slots([(0, a, 0), (1, b, 0)])
+    np.testing.assert_allclose(together, alone, rtol=2e-2, atol=2e-2)
+    assert (together.argmax(-1) == alone.argmax(-1)).all()
+    np.testing.assert_allclose(model.decode([0, 1], [5, 6], [a.size, b.size]), nxt_alone, rtol=2e-2, atol=2e-2)

@@ -2,7 +2,7 @@
 # On a GPU machine with no network (the device): install the carried wheels, then run the
 # steps named, in order, each under its own time limit, results under $OUT (or ./gpu-out).
 #
-#   tools/gpu_run.sh [tests] [bench] [variants] [profile] [llama]
+#   tools/gpu_run.sh [tests] [bench] [variants] [profile] [llama] [grammar] [offload] [serve]
 #
 #   tests     the GPU tests (tests/test_cuda_*.py, or the pytest arguments in $TESTS), tests.log
 #   bench     tools/bench_cuda.py on the Qwen3-30B-A3B-shaped file (written once into
@@ -17,6 +17,10 @@
 #             $dev/llama/llama-server; without one, bloomery alone) at the card budgets; the JSON
 #             stays in $BENCH_WORK, so the same step in the next call goes on with the cells left
 #             ($OFFLOAD_CELLS: --cells patterns), offload.json and offload.log
+#   serve     tools/bench_serve.py on the bench file: K concurrent streams (K = 1, 4, 8, 16; P = 512
+#             and 4096) and the multi-turn replay with and without the prompt cache, bloomery-serve
+#             and llama-server (as for offload); the JSON stays in $BENCH_WORK, so the same step in
+#             the next call goes on ($SERVE_CELLS: --cells patterns), serve.json and serve.log
 #
 # Carried beside the tree in $BLOOMERY_DEVICE_DIR (default .device, git-ignored):
 #   whl/*.whl            pyzmq, structlog, gguf, llguidance (the device image lacks them)
@@ -42,7 +46,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 BLOOMERY_TOKENIZER_GGUF=$PWD
 nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm,clocks.max.sm --format=csv,noheader
 
 big=$work/qwen3moe-30b-a3b-shape-q4_k_m-L48.gguf
-if { has bench || has grammar; } && [ ! -s "$big" ]; then        # the same file bench_cuda.py would write, started early
+if { has bench || has grammar || has serve; } && [ ! -s "$big" ]; then        # the same file bench_cuda.py would write, started early
   (python3 - "$work" "$BLOOMERY_TOKENIZER_GGUF" > "$out/write.log" 2>&1 <<'EOF'
 import sys, time
 from pathlib import Path
@@ -96,6 +100,17 @@ if has grammar; then
   echo "grammar: $((SECONDS - t0)) s"
 fi
 
+# tools/bench_$1.py with "${args[@]}" against llama-server ($LLAMA_SERVER, else the carried one; without
+# one, bloomery alone), cells $2, under $3 seconds; its JSON stays in $work for the next call
+against_llama() {
+  local ls=${LLAMA_SERVER:-$dev/llama/llama-server} t0=$SECONDS
+  if [ -x "$ls" ]; then args+=(--llama-server "$ls"); else args+=(--engines bloomery); fi
+  [ -n "$2" ] && args+=(--cells "$2")
+  timeout "$3" python3 "tools/bench_$1.py" "${args[@]}" 2>&1 | tee "$out/$1.log" | tail -n 40
+  cp -r "$work/$1.json" "$work/logs" "$out/" 2>/dev/null
+  echo "$1: $((SECONDS - t0)) s"
+}
+
 if has offload; then
   for share in 0.2 0.6; do
     f=$work/qwen3-30b-a3b-r$share.gguf
@@ -105,11 +120,11 @@ if has offload; then
   wait
   args=(--model "even=$work/qwen3-30b-a3b-r0.2.gguf" --model "skew=$work/qwen3-30b-a3b-r0.6.gguf"
         --out "$work/offload.json")
-  ls=${LLAMA_SERVER:-$dev/llama/llama-server}
-  if [ -x "$ls" ]; then args+=(--llama-server "$ls"); else args+=(--engines bloomery); fi
-  [ -n "${OFFLOAD_CELLS:-}" ] && args+=(--cells "$OFFLOAD_CELLS")
-  t0=$SECONDS
-  timeout "${OFFLOAD_S:-540}" python3 tools/bench_offload.py "${args[@]}" 2>&1 | tee "$out/offload.log" | tail -n 40
-  cp -r "$work/offload.json" "$work/logs" "$out/" 2>/dev/null
-  echo "offload: $((SECONDS - t0)) s"
+  against_llama offload "${OFFLOAD_CELLS:-}" "${OFFLOAD_S:-540}"
+fi
+
+if has serve; then
+  [ -n "${writer:-}" ] && wait "$writer" 2>/dev/null
+  args=(--model "$big" --backend cuda --out "$work/serve.json")
+  against_llama serve "${SERVE_CELLS:-}" "${SERVE_S:-540}"
 fi

@@ -4,7 +4,9 @@ step() is one round: cancels, admissions, prompt passes, then one batched model.
 every slot that has a sampled id to feed. A prompt runs whole in the round it was admitted
 when no other slot is busy; beside busy slots it runs in chunked prefill: one pass of at most
 min(n_batch, the model's n_ubatch) ids a round, so the other slots' streams keep stepping
-between its passes. Its first id is sampled after its last pass.
+between its passes. Several slots with prompt ids to read share that round's pass: its ids are
+filled from each prompt in slot order and run as one model call (model.prefill_slots). A
+prompt's first id is sampled after its last pass.
 Finishing follows llama-server's process_token: the context check (prompt ids +
 sampled ids reach n_ctx_slot -> "length"), then n_predict ("length"), then a stop
 id ("stop", reported in the same output, winning over the other two).
@@ -169,11 +171,13 @@ class Engine:
                 outs.append(failed)
         with self._lock:
             prefilling = [s for s in self.scheduler.busy() if s.next_id is None]
-        for slot in prefilling:
+        if len(prefilling) == 1:
             # alone, a prompt runs whole; beside other busy slots, one chunk a round (chunked prefill)
-            out = self._prefill(slot, outs, whole=not decoding and len(prefilling) == 1)
+            out = self._prefill(prefilling[0], outs, whole=not decoding)
             if out is not None:
                 outs.append(out)                  # progress outputs (when not emitted) go first
+        elif prefilling:
+            outs.extend(self._prefill_round(prefilling, outs))
         if decoding:
             outs.extend(self._decode(decoding))
         return outs
@@ -256,29 +260,76 @@ class Engine:
             self._report(slot, progress)
         return None
 
+    def _chunk(self) -> int:
+        """The ids of one chunked-prefill pass, all slots' together: min(n_batch, the model's n_ubatch)."""
+        return max(min(self.n_batch, getattr(self.model, "n_ubatch", self.n_batch)), 1)
+
     def _prefill(self, slot: Slot, progress: list[TokenOut], whole: bool) -> TokenOut | None:
         """The slot's prompt from where it stands: whole (in passes of n_batch ids when it reports its
         progress, else one call), or one chunk of at most min(n_batch, n_ubatch) ids. After its last
         pass the first id is sampled; None while the prompt is not done."""
         req, st = slot.req, slot.state
-        n_prompt, n_cached = len(req.prompt_ids), slot.n_cached
+        n_prompt = len(req.prompt_ids)
         if whole:
             step = max(self.n_batch, 1) if req.return_progress else n_prompt
         else:
-            step = max(min(self.n_batch, getattr(self.model, "n_ubatch", self.n_batch)), 1)
-        logits = None
-        try:
-            while st.n_done < n_prompt:
-                ids = np.asarray(req.prompt_ids[st.n_done:st.n_done + step], dtype=np.int32)   # [T]
-                logits = self.model.prefill(slot.id, ids, st.n_done)             # [V] of the pass's last id
-                st.n_done += len(ids)
-                if req.return_progress:
-                    self._report(slot, progress)
-                if not whole:
-                    break
-        except Exception as e:   # one request's failure must not stop the others
-            return self._fail(slot, e, n_prompt, n_cached)
-        if st.n_done < n_prompt:
+            step = self._chunk()
+        while True:
+            ids = np.asarray(req.prompt_ids[st.n_done:st.n_done + step], dtype=np.int32)   # [T]
+            logits = self._prompt_pass([(slot, ids)])[0]                   # [V] of the pass's last id
+            if isinstance(logits, Exception) or not whole or st.n_done + len(ids) >= n_prompt:
+                return self._passed(slot, len(ids), logits, progress)
+            self._passed(slot, len(ids), None, progress)
+
+    def _prefill_round(self, slots: list[Slot], progress: list[TokenOut]) -> list[TokenOut]:
+        """Several slots with prompt ids to read: one chunk of min(n_batch, n_ubatch) ids in all,
+        filled from each slot's prompt in slot order (as llama-server fills its batch), run as one
+        model call where the model takes several slots (prefill_slots), else one call a slot."""
+        parts, room = [], self._chunk()
+        shared = getattr(self.model, "prefill_slots", None) is not None
+        for slot in slots:
+            st = slot.state
+            n = min(len(slot.req.prompt_ids) - st.n_done, room)
+            parts.append((slot, np.asarray(slot.req.prompt_ids[st.n_done:st.n_done + n], dtype=np.int32)))
+            room = room - n if shared else room
+            if room <= 0:
+                break
+        got = self._prompt_pass(parts)
+        outs = [self._passed(slot, len(ids), logits, progress) for (slot, ids), logits in zip(parts, got)]
+        return [o for o in outs if o is not None]
+
+    def _prompt_pass(self, parts: list[tuple[Slot, np.ndarray]]) -> list:
+        """Each part's ids into its slot from where its prompt stands, in one model call when there
+        are several and the model takes them (prefill_slots); per part, the logits [V] of its last
+        id or the exception that failed it."""
+        if len(parts) > 1 and getattr(self.model, "prefill_slots", None) is not None:
+            try:
+                logits = np.asarray(self.model.prefill_slots([(s.id, ids, s.state.n_done) for s, ids in parts]))
+                if logits.shape != (len(parts), self.n_vocab):
+                    raise ValueError(f"model.prefill_slots returned shape {logits.shape}, "
+                                     f"expected ({len(parts)}, {self.n_vocab})")
+                return list(logits)
+            except Exception:
+                pass      # which request failed is unknown: each alone below, so only the faulty one fails
+        out = []
+        for slot, ids in parts:
+            try:
+                out.append(self.model.prefill(slot.id, ids, slot.state.n_done))
+            except Exception as e:   # one request's failure must not stop the others
+                out.append(e)
+        return out
+
+    def _passed(self, slot: Slot, n: int, logits, progress: list[TokenOut]) -> TokenOut | None:
+        """n more prompt ids of the slot went through the model (logits: of the last, or the exception
+        that failed the pass): its progress, and after the prompt's last pass its first id."""
+        req, st = slot.req, slot.state
+        n_prompt = len(req.prompt_ids)
+        if isinstance(logits, Exception):
+            return self._fail(slot, logits, n_prompt, slot.n_cached)
+        st.n_done += n
+        if req.return_progress:
+            self._report(slot, progress)
+        if st.n_done < n_prompt or logits is None:
             return None
         st.prompt_ms = (time.perf_counter() - st.t0) * 1000.0
         with self._lock:

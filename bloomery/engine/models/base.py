@@ -158,18 +158,55 @@ class CausalLM:
 
     def prefill(self, slot: int, ids, pos0: int) -> np.ndarray:
         """The last position's logits [V]; fills the slot's KV at pos0 .. pos0+T-1."""
-        ids = self._check(slot, ids, pos0)
-        x = None
-        for c0 in range(0, ids.size, self.n_ubatch):
-            chunk = ids[c0:c0 + self.n_ubatch]
-            p0 = pos0 + c0
-            pos = np.arange(p0, p0 + chunk.size, dtype=np.int32)
-            x = self._run(chunk, pos, [AttnSpan(slot, p0, 0, chunk.size)])
-        logits = self.ops.to_host(self.head(x[-1:]))[0]                 # [V]
-        if self.ops.caps.prompt_scratch and ids.size > self.ops.caps.decode_rows:   # a prompt-path pass ran
+        return self.prefill_slots([(slot, ids, pos0)])[0]
+
+    def prefill_slots(self, parts: Sequence[tuple[int, object, int]]) -> np.ndarray:
+        """Several slots' prompt ids in shared passes: parts are (slot, ids [T], pos0), each slot at
+        most once; the rows of all parts fill passes of up to n_ubatch rows in order, one span per
+        part in a pass. Each part's last position's logits [n_parts, V]; fills each slot's KV at
+        pos0 .. pos0+T-1."""
+        checked = [(slot, self._check(slot, ids, pos0), pos0) for slot, ids, pos0 in parts]
+        if not checked:
+            raise ModelError("prefill_slots needs at least one (slot, ids, pos0)")
+        slots = [slot for slot, _, _ in checked]
+        if len(set(slots)) != len(slots):
+            raise ModelError(f"prefill_slots got slot(s) more than once: {slots}")
+        out = [None] * len(checked)
+        ids_p, pos_p, spans, lasts = [], [], [], []                       # the pass being filled
+        n_rows, big = 0, False
+
+        def flush() -> None:
+            nonlocal n_rows, big
+            ids = np.concatenate(ids_p)                                   # [t]
+            x = self._run(ids, np.concatenate(pos_p), spans)              # [t, D]
+            if lasts:
+                rows = self.ops.from_host(np.array([r for _, r in lasts], np.int64))
+                logits = self.ops.to_host(self.head(x[rows]))             # [n, V]
+                for j, (i, _) in enumerate(lasts):
+                    out[i] = logits[j]
+            big = big or ids.size > self.ops.caps.decode_rows
+            ids_p.clear(), pos_p.clear(), spans.clear(), lasts.clear()
+            n_rows = 0
+
+        for i, (slot, ids, pos0) in enumerate(checked):
+            off = 0
+            while off < ids.size:
+                take = min(self.n_ubatch - n_rows, ids.size - off)
+                p0 = pos0 + off
+                ids_p.append(ids[off:off + take])
+                pos_p.append(np.arange(p0, p0 + take, dtype=np.int32))
+                spans.append(AttnSpan(slot, p0, n_rows, n_rows + take))
+                n_rows, off = n_rows + take, off + take
+                if off == ids.size:
+                    lasts.append((i, n_rows - 1))
+                if n_rows == self.n_ubatch:
+                    flush()
+        if n_rows:
+            flush()
+        if self.ops.caps.prompt_scratch and big:                          # a prompt-path pass ran
             self.ops.release_scratch()
         self.ops.after_step(decode=False)
-        return logits
+        return np.stack(out)
 
     @property
     def kv_bytes_per_position(self) -> int:

@@ -15,12 +15,13 @@ import pytest
 from bloomery.api.app import App
 from bloomery.engine.core import Engine
 from bloomery.engine.inproc import InProcessEngineClient
+from bloomery.engine.model_api import EngineModel
 from bloomery.engine.types import EngineRequest, SamplingParams, TokenOut
 from bloomery.http.types import Request
 from test_api_shapes import INFO, ByteTok, Scripted, Template, assert_same_shape, dispatch, load_case, scripted_app
 
 
-class NextByte:
+class NextByte(EngineModel):
     """Stand-in model over ByteTok's 257 ids: logits favour (last id + 1), so text is predictable."""
     n_vocab, n_ctx_train, arch = 257, 4096, "standin"
 

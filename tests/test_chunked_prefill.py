@@ -73,6 +73,7 @@ def test_a_prompt_alone_runs_whole():
 
 class SharedPassModel(ChunkedModel):
     """The stand-in that also takes several slots' prompt ids in one call, as CausalLM.prefill_slots."""
+    shares_passes = True
 
     def prefill_slots(self, parts):
         self.calls.append(("prefill_slots", tuple((slot, len(ids), pos0) for slot, ids, pos0 in parts)))

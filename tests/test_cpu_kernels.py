@@ -9,7 +9,7 @@ from gguf import quants as gguf_quants
 
 from bloomery.engine.cpu import kernels as cpu_kernels
 from bloomery.engine.cpu import kv_cache
-from bloomery.engine.quant import blocks, dots
+from bloomery.engine.quant import formats
 from test_quant import random_blocks
 
 needs_c = pytest.mark.skipif(cpu_kernels.lib() is None, reason=f"no compiled kernels: {cpu_kernels.status()}")
@@ -41,8 +41,8 @@ def test_compiled_product_equals_numpy_kernel(qt, n, k, t):
     x = (rng.standard_normal((t, k)) * rng.uniform(1e-3, 50, (t, 1))).astype(np.float32)
     if t > 2:
         x[1, :32] = 0                                                  # an all-zero activation block
-    want = dots.dot_llama(x, blocks.decode_planes(qt, raw, n, k))
-    assert _bits_equal(dots.dot_c(x, qt, raw, n, k), want)
+    want = formats.dot_llama(x, formats.decode_planes(qt, raw, n, k))
+    assert _bits_equal(formats.dot_c(x, qt, raw, n, k), want)
 
 
 @needs_c
@@ -52,8 +52,8 @@ def test_compiled_q4_K_expert_rows_take_the_gemv(t):
     rng = np.random.default_rng(t)
     raw = _weight(QT.Q4_K, 16, 512, rng)
     x = rng.standard_normal((t, 512)).astype(np.float32)
-    want = dots.dot_llama(x, blocks.decode_planes(QT.Q4_K, raw, 16, 512), per_row=True)
-    assert _bits_equal(dots.dot_c(x, QT.Q4_K, raw, 16, 512, per_row=True), want)
+    want = formats.dot_llama(x, formats.decode_planes(QT.Q4_K, raw, 16, 512), per_row=True)
+    assert _bits_equal(formats.dot_c(x, QT.Q4_K, raw, 16, 512, per_row=True), want)
 
 
 @needs_c
@@ -62,14 +62,14 @@ def test_compiled_q8_0_takes_the_full_int8_range():
     rng = np.random.default_rng(11)
     raw = random_blocks(QT.Q8_0, 40, 256, seed=3)
     x = rng.standard_normal((5, 256)).astype(np.float32)
-    assert (blocks.decode_planes(QT.Q8_0, raw, 40, 256).q == -128).any()
-    assert _bits_equal(dots.dot_c(x, QT.Q8_0, raw, 40, 256),
-                       dots.dot_llama(x, blocks.decode_planes(QT.Q8_0, raw, 40, 256)))
+    assert (formats.decode_planes(QT.Q8_0, raw, 40, 256).q == -128).any()
+    assert _bits_equal(formats.dot_c(x, QT.Q8_0, raw, 40, 256),
+                       formats.dot_llama(x, formats.decode_planes(QT.Q8_0, raw, 40, 256)))
 
 
 def test_q4_K_rows_not_in_eights_stay_off_the_compiled_kernel():
-    assert blocks.c_takes(QT.Q4_K, 16) and not blocks.c_takes(QT.Q4_K, 12)
-    assert blocks.c_takes(QT.Q5_0, 7) and not blocks.c_takes(QT.Q4_0, 8)
+    assert formats.c_takes(QT.Q4_K, 16) and not formats.c_takes(QT.Q4_K, 12)
+    assert formats.c_takes(QT.Q5_0, 7) and not formats.c_takes(QT.Q4_0, 8)
 
 
 @needs_c
@@ -77,8 +77,8 @@ def test_compiled_product_refuses_blocks_of_the_wrong_size():
     rng = np.random.default_rng(5)
     raw = _weight(QT.Q5_0, 9, 128, rng)
     x = rng.standard_normal((1, 128)).astype(np.float32)
-    with pytest.raises(blocks.QuantError, match="expected 792 bytes, got 770"):
-        dots.dot_c(x, QT.Q5_0, raw[:-22], 9, 128)
+    with pytest.raises(formats.QuantError, match="expected 792 bytes, got 770"):
+        formats.dot_c(x, QT.Q5_0, raw[:-22], 9, 128)
 
 
 @needs_c
@@ -93,7 +93,7 @@ def test_numpy_backend_takes_the_compiled_kernel():
     got = ops.matmul(x, w)
     from bloomery.engine.cpu.forms import form_bytes
     assert form_bytes(w) == 0                                          # the blocks are read in place: no form kept
-    assert _bits_equal(got, dots.dot_llama(x, blocks.decode_planes(QT.Q8_0, raw, 48, 64)))
+    assert _bits_equal(got, formats.dot_llama(x, formats.decode_planes(QT.Q8_0, raw, 48, 64)))
 
 
 @needs_c
@@ -179,8 +179,8 @@ def test_non_finite_rows_give_nan_rows_as_numpy(qt):
     raw = _weight(qt, 16, 256, rng)
     x = rng.standard_normal((4, 256)).astype(np.float32)
     x[1, 7], x[2, 200] = np.nan, -np.inf
-    want = dots.dot_llama(x, blocks.decode_planes(qt, raw, 16, 256))
-    got = dots.dot_c(x, qt, raw, 16, 256)
+    want = formats.dot_llama(x, formats.decode_planes(qt, raw, 16, 256))
+    got = formats.dot_c(x, qt, raw, 16, 256)
     assert np.isnan(want[1:3]).all() and np.isnan(got[1:3]).all()
     assert _bits_equal(got[[0, 3]], want[[0, 3]])
 
@@ -188,15 +188,16 @@ def test_non_finite_rows_give_nan_rows_as_numpy(qt):
 @needs_c
 @pytest.mark.parametrize("t,k", [(1, 256), (5, 1024), (9, 4864)])
 def test_compiled_activation_quantizers_equal_numpy(t, k):
-    """quant_q8_0 / quant_q8_K give activations.py's integers, scales and bsums, ties included."""
-    from bloomery.engine.quant.activations import quantize_q8_0, quantize_q8_K
+    """quant_q8_0 / quant_q8_K give q8_0.py's and k_quants.py's integers, scales and bsums, ties included."""
+    from bloomery.engine.quant.k_quants import quantize_q8_K
+    from bloomery.engine.quant.q8_0 import quantize_q8_0
     rng = np.random.default_rng(t * k)
     x = (rng.standard_normal((t, k)) * rng.uniform(1e-3, 80, (t, 1))).astype(np.float32)
     x[0, :32] = 0                                                      # an all-zero block
     x[-1, 3], x[-1, 100] = 7.5, -7.5                                   # a +max / -max tie in a Q8_K block
     x[-1, :256] = np.clip(x[-1, :256], -7.5, 7.5)
     x[0, 40:48] = np.float32(127 / 2) / 127 * np.arange(8)              # halves: round to even
-    act = dots.CAct(x)
+    act = formats.CAct(x)
     q, d = act.q8_0(cpu_kernels.lib())
     wq, wd = quantize_q8_0(x)
     assert np.array_equal(q, wq.astype(np.int8)) and _bits_equal(d, wd)

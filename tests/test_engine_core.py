@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from bloomery.engine.core import Engine
 from bloomery.engine.inproc import InProcessEngineClient
+from bloomery.engine.model_api import EngineModel
 from bloomery.engine.scheduler import QueueFullError
 from bloomery.engine.types import EngineRequest, ModelInfo, SamplingParams
 
@@ -22,7 +24,9 @@ V, D, POISON = 64, 16, 63   # POISON: an id the stand-in refuses, to raise insid
 GREEDY = SamplingParams(temperature=0.0)
 
 
-class StandInModel:
+class StandInModel(EngineModel):
+    """A model of no optional ability: whole rows of logits from decode(), picked by the sampler."""
+
     def __init__(self, n_slots: int, n_ctx_slot: int, delay_s: float = 0.0):
         rng = np.random.default_rng(0)
         self.emb = rng.normal(size=(V, D)).astype(np.float32)      # [V, D]
@@ -354,6 +358,7 @@ def test_engine_on_synthetic_qwen2_matches_full_recomputation(real_model_path, s
 class PicksOnDevice(StandInModel):
     """A model with decode_greedy (a backend that picks on its card): the engine must use it
     for plain greedy batches and fall back to decode() + the sampler otherwise."""
+    picks_on_device = True
 
     def decode_greedy(self, slots, ids, positions):
         self.calls.append(("decode_greedy", tuple(slots)))
@@ -362,12 +367,17 @@ class PicksOnDevice(StandInModel):
         return np.array([int(np.argmax(self._logits(self.kv[s]))) for s in slots], np.int32)
 
 
+def greedy_run(model, n_slots: int, prompt, n: int) -> Engine:
+    """One greedy request on a fresh engine over model, its ids checked against the reference."""
+    engine = Engine(model, n_slots, 64)
+    engine.add(greq("g", prompt, n_predict=n))
+    assert [o.token for o in drain(engine)["g"]] == model.reference(prompt, n)
+    return engine
+
+
 def test_plain_greedy_batches_take_only_ids_from_the_model():
     model = PicksOnDevice(2, 64)
-    engine = Engine(model, 2, 64)
-    engine.add(greq("g", [1, 2, 3], n_predict=5))
-    outs = drain(engine)
-    assert [o.token for o in outs["g"]] == model.reference([1, 2, 3], 5)
+    engine = greedy_run(model, 2, [1, 2, 3], 5)
     assert {c[0] for c in model.calls} == {"prefill", "decode_greedy"}
     model.calls.clear()
     # asking for probabilities needs the logits on the host: a batch with such a request decodes
@@ -429,6 +439,23 @@ def test_a_nan_in_the_top_k_path_fails_that_request_by_name():
     engine.add(greq("x", [1, 2], n_predict=4, sampling=SamplingParams(temperature=0.8, top_k=5, seed=1)))
     outs = drain(engine)
     assert outs["x"][-1].finish == "error" and "NaN" in outs["x"][-1].error
+
+
+def test_the_engine_reads_the_declared_abilities_and_probes_for_none():
+    """A decode_greedy the model does not declare (picks_on_device False) is never called: the
+    batch goes through decode() and the sampler; calling an undeclared ability names the
+    declaration; a model without the contract is refused by name."""
+    class Undeclared(PicksOnDevice):
+        picks_on_device = False
+    model = Undeclared(1, 64)
+    greedy_run(model, 1, [1, 2, 3], 4)
+    assert {c[0] for c in model.calls} == {"prefill", "decode"}
+    with pytest.raises(NotImplementedError, match="no decode_greedy: it declares picks_on_device = False"):
+        StandInModel(1, 64).decode_greedy([0], [1], [0])
+    with pytest.raises(NotImplementedError, match="no decode_topk: it declares topk_max = 0"):
+        StandInModel(1, 64).decode_topk([0], [1], [0], 4)
+    with pytest.raises(TypeError, match="the engine runs an EngineModel .* not a SimpleNamespace"):
+        Engine(SimpleNamespace(n_vocab=V, prefill=None, decode=None), 1, 64)
 
 
 def test_a_greedy_pick_outside_the_vocabulary_fails_that_request_by_name():

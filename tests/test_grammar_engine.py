@@ -10,6 +10,7 @@ import numpy as np
 
 from byte_vocab import EOS, PIECES, VOCAB
 from bloomery.engine.core import Engine
+from bloomery.engine.model_api import EngineModel
 from bloomery.engine.types import EngineRequest, SamplingParams
 from bloomery.grammar import schema_grammar
 
@@ -19,7 +20,7 @@ SCHEMAS = [{"type": "object", "properties": {"n": {"type": "integer", "minimum":
            {"type": "array", "items": {"enum": ["x\ny", "q\"q"]}, "minItems": 2, "maxItems": 2}]
 
 
-class ByteModel:
+class ByteModel(EngineModel):
     """Random logits over the byte vocabulary; decode() waits (at most 2 s) for each grammar slot's
     next mask and records whether it was ready while the model ran."""
 

@@ -8,6 +8,7 @@ import pytest
 
 from byte_vocab import EOS, PIECES, VOCAB
 from bloomery.engine.core import Engine
+from bloomery.engine.model_api import EngineModel
 from bloomery.engine.sampler import sorted_top
 from bloomery.engine.types import EngineRequest, SamplingParams
 from bloomery.grammar import schema_grammar
@@ -20,7 +21,7 @@ SCHEMAS = [{"type": "object", "properties": {"n": {"type": "integer", "minimum":
             "required": ["ok", "v"]}]
 
 
-class RowModel:
+class RowModel(EngineModel):
     """Logits that depend only on (slot, position, id fed), so a step run twice gives the same rows.
     `refuse`: on even positions every id the slot's schema refuses is lifted above every id it allows.
     `ties`: logits rounded to integers (many equal values)."""

@@ -1,4 +1,4 @@
-"""The head's k largest logits without every row's llama-order sum (dots.top_llama, NumpyOps.matmul_topk
+"""The head's k largest logits without every row's llama-order sum (formats.top_llama, NumpyOps.matmul_topk
 / matmul_argmax): ids and values bit-equal to the full product's top-k, ties to the lower id, and the
 full product taken where the shortcut cannot be sure (non-finite input, a type it does not cover)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from bloomery.engine.quant import dots
+from bloomery.engine.quant import formats, q8_0
 from bloomery.engine.cpu.backend import NumpyOps
 from bloomery.engine.sampler import sorted_top
 from tests.test_quant import random_blocks
@@ -57,8 +57,8 @@ def test_few_rows_get_the_llama_order_sum():
     """The shortcut is only worth it if the candidates are few: on random rows, about k of 3000."""
     w = _head(3000, 256, seed=9)
     x = np.random.default_rng(2).standard_normal((1, 256)).astype(np.float32)
-    est, bound = dots._q8_0_estimate(x, w.planes())
-    full = dots.dot_llama(x, w.planes())[0]
+    est, bound = q8_0._estimate(x, w.planes())
+    full = formats.dot_llama(x, w.planes())[0]
     assert (np.abs(est[0] - full) <= bound[0]).all()                   # the bound holds
     kth = np.sort(est[0] - bound[0])[-40]
     assert np.count_nonzero(est[0] + bound[0] >= kth) < 60
@@ -79,7 +79,7 @@ def test_non_finite_input_takes_the_full_product():
 def test_other_types_take_the_full_product():
     ops = NumpyOps()
     w = _head(512, 256, seed=5, qt=QT.Q6_K)
-    assert QT.Q6_K not in dots.TOP_TYPES
+    assert QT.Q6_K not in formats.TOP_TYPES
     x = np.random.default_rng(4).standard_normal((1, 256)).astype(np.float32)
     ids, vals, _ = ops.matmul_topk(x, w, 10)
     want_ids, want_vals = _want(ops, x, w, 10)

@@ -20,7 +20,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from bloomery.engine.cpu import host_moe as hm
-from bloomery.engine.quant.blocks import dequantize
+from bloomery.engine.quant.formats import dequantize
 from test_quant import random_blocks
 
 X86 = os.uname().machine in ("x86_64", "AMD64")

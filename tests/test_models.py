@@ -61,8 +61,8 @@ def _golden(name: str) -> dict:
 def test_greedy_and_logits_match_llama_cpp(synth, arch, monkeypatch):
     """Three prompts each: llama.cpp's 32 greedy ids, free-running and teacher-forced; the
     logits after `step` ids bit for bit, the prompt's within PREFILL_BAND."""
-    from bloomery.engine.quant import dots
-    monkeypatch.setattr(dots, "KERNEL_ORDER", True)
+    from bloomery.engine.quant import formats
+    monkeypatch.setattr(formats, "KERNEL_ORDER", True)
     cases = sorted(p.stem for p in GOLDEN.glob(f"{arch}_*.npz"))
     assert len(cases) >= 3, f"expected 3 goldens for {arch} in {GOLDEN}, found {cases}"
     digest = hashlib.sha256(Path(synth[arch]).read_bytes()).hexdigest()
@@ -95,10 +95,10 @@ def test_greedy_and_logits_match_llama_cpp(synth, arch, monkeypatch):
 
 @pytest.fixture
 def one_kernel_order(monkeypatch):
-    """llama.cpp's quantized kernels (so ours, see dots.KERNEL_ORDER) sum in a different
+    """llama.cpp's quantized kernels (so ours, see formats.KERNEL_ORDER) sum in a different
     float order for 1, 2..7 and 8+ columns; tests comparing batch shapes take one order."""
-    from bloomery.engine.quant import dots
-    monkeypatch.setattr(dots, "KERNEL_ORDER", False)
+    from bloomery.engine.quant import formats
+    monkeypatch.setattr(formats, "KERNEL_ORDER", False)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen3moe"])
@@ -202,8 +202,8 @@ def test_layer0_ops_match_llama_cpp_bit_for_bit(synth, monkeypatch):
     layer-0 tensors for one prompt) gives llama.cpp's output: bit for bit where we
     mirror its rounding (norms, RoPE, the F16 flash-attention path, the quantized
     matmuls' kernel float order, SwiGLU's SIMD expf): every op, bit for bit."""
-    from bloomery.engine.quant import dots
-    monkeypatch.setattr(dots, "KERNEL_ORDER", True)     # the lever on: llama.cpp's kernel order
+    from bloomery.engine.quant import formats
+    monkeypatch.setattr(formats, "KERNEL_ORDER", True)  # the lever on: llama.cpp's kernel order
     from bloomery.engine.ops import AttnSpan
     g = _golden("ops_qwen3_c")
     assert str(g["sha256"]) == hashlib.sha256(Path(synth["qwen3"]).read_bytes()).hexdigest(), \

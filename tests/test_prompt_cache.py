@@ -61,6 +61,7 @@ def test_budget_zero_is_off_and_a_negative_budget_is_refused():
 class SavingModel(StandInModel):
     """The stand-in with save_kv / restore_kv: its "KV" is the ids, saved as an int32 array."""
 
+    saves_kv = True
     kv_bytes_per_position = 4
 
     def save_kv(self, slot, n):

@@ -1,11 +1,11 @@
-"""bloomery.engine.dots.dots: block decoding and llama.cpp's activation quantization."""
+"""bloomery.engine.quant: block decoding and llama.cpp's activation quantization."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
-from bloomery.engine.quant import activations, blocks, dots, threads
+from bloomery.engine.quant import formats, k_quants, q8_0, threads
 
 # byte offsets of each type's f16 scale fields inside a block
 F16_FIELDS = {QT.Q8_0: [0], QT.Q4_0: [0], QT.Q5_0: [0], QT.Q4_K: [0, 2], QT.Q5_K: [0, 2], QT.Q6_K: [208]}
@@ -26,8 +26,8 @@ def random_blocks(qt: QT, n_rows: int, n_cols: int, seed: int = 0) -> np.ndarray
 @pytest.mark.parametrize("qt", BLOCK_TYPES, ids=lambda t: t.name)
 def test_planes_rebuild_gguf_dequantize_exactly(qt):
     raw = random_blocks(qt, 6, 512)
-    ref = blocks.dequantize(qt, raw, 6, 512)                            # gguf's reference numpy code
-    got = blocks.planes_to_float(blocks.decode_planes(qt, raw, 6, 512))
+    ref = formats.dequantize(qt, raw, 6, 512)                         # gguf's reference numpy code
+    got = formats.planes_to_float(formats.decode_planes(qt, raw, 6, 512))
     assert np.array_equal(got, ref), f"{qt.name}: max diff {np.abs(got - ref).max()}"
 
 
@@ -36,18 +36,18 @@ def test_dot_is_exact_block_sums(qt):
     """dot_planes equals float64 math on the quantized activation and the dequantized weight."""
     n_rows, n_cols = 40, 512
     raw = random_blocks(qt, n_rows, n_cols, seed=1)
-    w = blocks.dequantize(qt, raw, n_rows, n_cols).astype(np.float64)
+    w = formats.dequantize(qt, raw, n_rows, n_cols).astype(np.float64)
     x = np.random.default_rng(2).standard_normal((3, n_cols)).astype(np.float32)
-    if blocks.VEC_DOT_TYPE[qt] == QT.Q8_0:
-        qa, da = activations.quantize_q8_0(x)
+    if formats.VEC_DOT_TYPE[qt] == QT.Q8_0:
+        qa, da = q8_0.quantize_q8_0(x)
         xa = (qa.reshape(3, -1, 32) * da[:, :, None]).reshape(3, -1)
     else:
-        qa, da, _ = activations.quantize_q8_K(x)
+        qa, da, _ = k_quants.quantize_q8_K(x)
         xa = (qa.reshape(3, -1, 256) * da[:, :, None]).reshape(3, -1)
     want = xa.astype(np.float64) @ w.T                                  # [T, N]
-    p = blocks.decode_planes(qt, raw, n_rows, n_cols)
+    p = formats.decode_planes(qt, raw, n_rows, n_cols)
     for t in (1, 3):                                                    # the GEMV and the GEMM branches
-        got = dots.dot_planes(x[:t], p)
+        got = formats.dot_planes(x[:t], p)
         scale = np.abs(want[:t]).max()
         assert np.abs(got - want[:t]).max() <= 2e-6 * scale, f"{qt.name} T={t}"
 
@@ -56,45 +56,45 @@ def test_q8_0_rounds_half_to_even_with_127_over_amax():
     # amax 127 -> multiplier exactly 1: the halves show the rounding mode (AVX _mm256_round_ps)
     x = np.zeros((1, 32), np.float32)
     x[0, :5] = [127.0, 0.5, 1.5, 2.5, -2.5]
-    q, d = activations.quantize_q8_0(x)
+    q, d = q8_0.quantize_q8_0(x)
     assert q[0, :5].tolist() == [127, 0, 2, 2, -2]
     assert d[0, 0] == np.float32(np.float16(1.0))
     # the scale is stored as f16: amax/127 rounded to half precision
     y = np.full((1, 32), 0.3, np.float32)
-    _, d = activations.quantize_q8_0(y)
+    _, d = q8_0.quantize_q8_0(y)
     assert d[0, 0] == np.float32(np.float16(np.float32(0.3) / np.float32(127)))
     assert d[0, 0] != np.float32(0.3) / np.float32(127)
 
 
 def test_q8_0_zero_block():
-    q, d = activations.quantize_q8_0(np.zeros((2, 64), np.float32))
+    q, d = q8_0.quantize_q8_0(np.zeros((2, 64), np.float32))
     assert not q.any() and not d.any()
 
 
 def test_q8_K_largest_magnitude_maps_to_minus_127():
     x = np.random.default_rng(3).uniform(-1, 1, (1, 256)).astype(np.float32)
     x[0, 10] = 2.0
-    q, d, bsums = activations.quantize_q8_K(x)
+    q, d, bsums = k_quants.quantize_q8_K(x)
     assert q[0, 10] == -127 and d[0, 0] == np.float32(1) / (np.float32(-127) / np.float32(2.0))
     assert np.array_equal(bsums[0], q[0].reshape(16, 16).sum(axis=1))
     x[0, 10] = -2.0                                                     # negative max: it still maps to -127
-    q, d, _ = activations.quantize_q8_K(x)
+    q, d, _ = k_quants.quantize_q8_K(x)
     assert q[0, 10] == -127 and d[0, 0] > 0
 
 
 def test_q8_K_first_max_wins_and_caps_at_127():
     x = np.zeros((1, 256), np.float32)
     x[0, 3], x[0, 7] = -1.0, 1.0                                        # tie on magnitude: the first one
-    q, _, _ = activations.quantize_q8_K(x)
+    q, _, _ = k_quants.quantize_q8_K(x)
     assert q[0, 3] == -127 and q[0, 7] == 127
 
 
 def test_bad_sizes_are_named():
     raw = np.zeros(33, np.uint8)
-    with pytest.raises(blocks.QuantError, match="expected 34 bytes, got 33"):
-        blocks.decode_planes(QT.Q8_0, raw, 1, 32)
-    with pytest.raises(blocks.QuantError, match="row length 48 is not a multiple of the block size 32"):
-        blocks.dequantize(QT.Q8_0, np.zeros(34, np.uint8), 1, 48)
+    with pytest.raises(formats.QuantError, match="expected 34 bytes, got 33"):
+        formats.decode_planes(QT.Q8_0, raw, 1, 32)
+    with pytest.raises(formats.QuantError, match="row length 48 is not a multiple of the block size 32"):
+        formats.dequantize(QT.Q8_0, np.zeros(34, np.uint8), 1, 48)
 
 
 def test_q8_K_mat_4x8_rows_let_the_positive_max_win_a_tie():
@@ -102,8 +102,8 @@ def test_q8_K_mat_4x8_rows_let_the_positive_max_win_a_tie():
     # when there is one anywhere; quantize_row_q8_K_ref takes the first max's sign
     x = np.zeros((2, 256), np.float32)
     x[:, 3], x[:, 9], x[:, 20] = -2.0, 2.0, 1.0
-    q_ref, d_ref, _ = activations.quantize_q8_K(x)
-    q_mat, d_mat, _ = activations.quantize_q8_K(x, positive_wins=np.array([True, False]))
+    q_ref, d_ref, _ = k_quants.quantize_q8_K(x)
+    q_mat, d_mat, _ = k_quants.quantize_q8_K(x, positive_wins=np.array([True, False]))
     assert q_ref[0, [3, 9, 20]].tolist() == [-127, 127, 64] and d_ref[0, 0] > 0
     assert q_mat[0, [3, 9, 20]].tolist() == [127, -127, -64] and d_mat[0, 0] == -d_ref[0, 0]
     assert np.array_equal(q_mat[1], q_ref[1]) and d_mat[1, 0] == d_ref[1, 0]     # row 1: the ref rule
@@ -136,9 +136,9 @@ def _q8_0_family_reference(x: np.ndarray, qt, raw: np.ndarray, n_rows: int) -> n
     hsum_float_8; plain Python, from gguf's dequantizer for the integers."""
     from fractions import Fraction
     t, k = x.shape
-    ref = blocks.dequantize(qt, raw, n_rows, k)                          # d_w * q, exact
-    p = blocks.decode_planes(qt, raw, n_rows, k)
-    qa, da = activations.quantize_q8_0(x)
+    ref = formats.dequantize(qt, raw, n_rows, k)                       # d_w * q, exact
+    p = formats.decode_planes(qt, raw, n_rows, k)
+    qa, da = q8_0.quantize_q8_0(x)
     out = np.zeros((t, n_rows), np.float32)
     for r in range(t):
         for n in range(n_rows):
@@ -158,16 +158,16 @@ def _q8_0_family_reference(x: np.ndarray, qt, raw: np.ndarray, n_rows: int) -> n
 @pytest.mark.parametrize("qt", [QT.Q8_0, QT.Q5_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("saxpy", [True, False], ids=["saxpy", "float64"])
 def test_q8_0_family_llama_order_equals_the_written_out_kernel(qt, saxpy, monkeypatch):
-    if saxpy and not dots.USE_SAXPY:
+    if saxpy and not q8_0.USE_SAXPY:
         pytest.skip("numpy's BLAS has no fused saxpy here: the float64 path is the one in use")
-    monkeypatch.setattr(dots, "USE_SAXPY", saxpy)
+    monkeypatch.setattr(q8_0, "USE_SAXPY", saxpy)
     n_rows, n_cols = 12, 128
     raw = random_blocks(qt, n_rows, n_cols, seed=5)
     x = np.random.default_rng(6).standard_normal((3, n_cols)).astype(np.float32) * 3
-    p = blocks.decode_planes(qt, raw, n_rows, n_cols)
+    p = formats.decode_planes(qt, raw, n_rows, n_cols)
     want = _q8_0_family_reference(x, qt, raw, n_rows)
     for t in (1, 3):                                                    # vec_dot, tinyBLAS: one order
-        got = dots.dot_llama(x[:t], p)
+        got = formats.dot_llama(x[:t], p)
         assert np.array_equal(got, want[:t]), f"{qt.name} T={t}: {int((got != want[:t]).sum())} differ"
 
 
@@ -176,21 +176,21 @@ def test_scaled_plane_round_trips_and_both_orders_share_it():
     planes_to_float) scale it back, exactly, a zero-scale block included."""
     raw = random_blocks(QT.Q5_0, 8, 256, seed=9)
     raw.reshape(-1, 22)[3, 0:2] = 0                                     # one block with d = 0
-    p = blocks.decode_planes(QT.Q5_0, raw, 8, 256)
+    p = formats.decode_planes(QT.Q5_0, raw, 8, 256)
     q0 = p.q.copy()
     x = np.random.default_rng(1).standard_normal((2, 256)).astype(np.float32)
-    a = dots.dot_planes(x, p)
-    b = dots.dot_llama(x, p)
-    scaling = QT.Q5_0 in dots.AXPY_TYPES and dots.USE_SAXPY        # a fused saxpy in this BLAS
+    a = formats.dot_planes(x, p)
+    b = formats.dot_llama(x, p)
+    scaling = QT.Q5_0 in q8_0.AXPY_TYPES and q8_0.USE_SAXPY        # a fused saxpy in this BLAS
     assert p.scaled == scaling
-    assert np.array_equal(dots.dot_planes(x, p), a) and not p.scaled
+    assert np.array_equal(formats.dot_planes(x, p), a) and not p.scaled
     keep = np.ones(q0.shape, bool)
     keep[3, 0] = False                                                  # block 3 of row 0: d = 0
     assert np.array_equal(p.q[keep], q0[keep])
     # scaled by d = 0 and back: that block's codes are gone (they never count); without the
     # fused saxpy the plane is never scaled, so it is untouched
     assert not p.q[3, 0].any() if scaling else np.array_equal(p.q[3, 0], q0[3, 0])
-    assert np.array_equal(dots.dot_llama(x, p), b)
+    assert np.array_equal(formats.dot_llama(x, p), b)
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-4)             # two float orders, one sum
 
 
@@ -203,8 +203,8 @@ def test_f32_weights_in_llama_order():
     x = rng.standard_normal((3, 200)).astype(np.float32)
     w = rng.standard_normal((8, 200)).astype(np.float32)
     exact = x.astype(np.float64) @ w.T.astype(np.float64)
-    one = np.concatenate([dots.dot_f32_llama(x[i:i + 1], w) for i in range(3)])   # vec_dot
-    many = dots.dot_f32_llama(x, w)                                               # tinyBLAS
+    one = np.concatenate([formats.dot_f32_llama(x[i:i + 1], w) for i in range(3)])   # vec_dot
+    many = formats.dot_f32_llama(x, w)                                            # tinyBLAS
     np.testing.assert_allclose(one, exact, rtol=0, atol=2e-5)
     np.testing.assert_allclose(many, exact, rtol=0, atol=2e-5)
     assert not np.array_equal(one, many)
@@ -237,9 +237,9 @@ def _fake_saxpy(fused_below: int | None):
 def test_saxpy_fused_grain():
     """A BLAS whose saxpy fuses only whole 32-float steps (seen: OpenBLAS's Zen kernel here)
     is still used, for lengths that are whole steps; one that never fuses is not."""
-    assert dots.fused_grain(_fake_saxpy(1)) == 1
-    assert dots.fused_grain(_fake_saxpy(32)) == 32
-    assert dots.fused_grain(_fake_saxpy(None)) is None
+    assert q8_0.fused_grain(_fake_saxpy(1)) == 1
+    assert q8_0.fused_grain(_fake_saxpy(32)) == 32
+    assert q8_0.fused_grain(_fake_saxpy(None)) is None
 
 
 def test_row_chunks_keep_the_saxpy_multiple(monkeypatch):
@@ -258,20 +258,20 @@ def test_q5_0_saxpy_path_in_whole_steps_equals_the_emulation(monkeypatch, t):
     saxpy path in chunks of whole steps, and gives the float64 emulation's bits exactly; rows
     that cannot be cut so (not a multiple of 4) take the emulation."""
     saxpy = _fake_saxpy(32)
-    monkeypatch.setattr(dots, "_SAXPY", saxpy)
-    monkeypatch.setattr(dots, "SAXPY_GRAIN", 32)
+    monkeypatch.setattr(q8_0, "_SAXPY", saxpy)
+    monkeypatch.setattr(q8_0, "SAXPY_GRAIN", 32)
     n_rows, n_cols = 2052, 256                                          # > 1024 rows: several chunks
     raw = random_blocks(QT.Q5_0, n_rows, n_cols, seed=3)
     x = np.random.default_rng(4).standard_normal((t, n_cols)).astype(np.float32)
-    p = blocks.decode_planes(QT.Q5_0, raw, n_rows, n_cols)
-    monkeypatch.setattr(dots, "USE_SAXPY", True)
-    got = dots.dot_llama(x, p)
+    p = formats.decode_planes(QT.Q5_0, raw, n_rows, n_cols)
+    monkeypatch.setattr(q8_0, "USE_SAXPY", True)
+    got = formats.dot_llama(x, p)
     assert p.scaled
-    monkeypatch.setattr(dots, "USE_SAXPY", False)
-    want = dots.dot_llama(x, p)
+    monkeypatch.setattr(q8_0, "USE_SAXPY", False)
+    want = formats.dot_llama(x, p)
     assert not p.scaled
     np.testing.assert_array_equal(got, want)
-    monkeypatch.setattr(dots, "USE_SAXPY", True)
-    odd = blocks.decode_planes(QT.Q5_0, random_blocks(QT.Q5_0, 6, n_cols, seed=5), 6, n_cols)
-    dots.dot_llama(x, odd)
+    monkeypatch.setattr(q8_0, "USE_SAXPY", True)
+    odd = formats.decode_planes(QT.Q5_0, random_blocks(QT.Q5_0, 6, n_cols, seed=5), 6, n_cols)
+    formats.dot_llama(x, odd)
     assert not odd.scaled

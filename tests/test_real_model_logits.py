@@ -27,8 +27,8 @@ pytestmark = pytest.mark.real_model
 @pytest.fixture(autouse=True)
 def llama_order(monkeypatch):
     """These goldens are llama.cpp's bits: the kernel order must be llama.cpp's (the default)."""
-    from bloomery.engine.quant import dots
-    monkeypatch.setattr(dots, "KERNEL_ORDER", True)
+    from bloomery.engine.quant import formats
+    monkeypatch.setattr(formats, "KERNEL_ORDER", True)
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +107,8 @@ def test_quantized_matmuls_bit_for_bit(model, case, monkeypatch):
     own input, gives llama.cpp's output bit for bit: one token runs ggml_vec_dot_* and
     the repacked q4_K gemv, six tokens llamafile's tinyBLAS and the q4_K gemm + gemv,
     thirteen also the tiled Q6_K path."""
-    from bloomery.engine.quant import dots
-    monkeypatch.setattr(dots, "KERNEL_ORDER", True)
+    from bloomery.engine.quant import formats
+    monkeypatch.setattr(formats, "KERNEL_ORDER", True)
     g = _golden(case)
     seen = set()
     for key in sorted(k for k in g if k.endswith("_in")):

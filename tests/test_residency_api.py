@@ -27,6 +27,7 @@ from bloomery.api.app import App
 from bloomery.engine import experts_query
 from bloomery.engine.core import Engine
 from bloomery.engine.inproc import InProcessEngineClient
+from bloomery.engine.model_api import EngineModel
 from bloomery.engine.types import EngineRequest, SamplingParams
 from bloomery.http.types import Request
 from test_api_shapes import INFO, ByteTok, Template
@@ -74,7 +75,7 @@ class Ops:
         self.offload = offload
 
 
-class NextByte:
+class NextByte(EngineModel):
     """Stand-in model over ByteTok's 257 ids (logits favour last id + 1); `step_s` per pass; with_tier:
     its ops carry the stand-in tier, as a load with host experts carries the Offload."""
     n_vocab, n_ctx_train, arch = 257, 4096, "standin"

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import zmq
 
+from bloomery.engine.model_api import EngineModel
 from bloomery.engine.types import EngineRequest, ModelInfo, SamplingParams
 from bloomery.http.types import Request
 from bloomery.lifecycle import Lifecycle, LifecycleError, Phase, sd_notify
@@ -222,7 +223,7 @@ def test_plan_stage_refuses_a_truncated_file(real_model_path, tmp_path):
 
 
 # -- the zmq client against the real engine loop -----------------------------------------
-class TinyModel:
+class TinyModel(EngineModel):
     """A stand-in model (not the thing under test): logits favour (last id + 1) % V."""
     n_vocab, n_ctx_train, arch = 16, 64, "tiny"
 

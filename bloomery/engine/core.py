@@ -30,6 +30,7 @@ from typing import Callable
 import numpy as np
 
 from bloomery.engine.limits import finish_reason
+from bloomery.engine.model_api import EngineModel
 from bloomery.engine.prompt_cache import PromptCache
 from bloomery.engine.sampler import Sample, Sampler, SamplerError
 from bloomery.engine.scheduler import Scheduler, Slot
@@ -55,8 +56,10 @@ class Engine:
     top_steps = 0          # decode steps that fetched each row's largest logits for a greedy pick
     top_misses = 0         # ... of which ran again with whole rows (no candidate settled a pick)
 
-    def __init__(self, model, n_slots: int, n_ctx_slot: int, max_queue: int | None = None, n_batch: int = 2048,
-                 prompt_cache_bytes: int = 0):
+    def __init__(self, model: EngineModel, n_slots: int, n_ctx_slot: int, max_queue: int | None = None,
+                 n_batch: int = 2048, prompt_cache_bytes: int = 0):
+        if not isinstance(model, EngineModel):
+            raise TypeError(f"the engine runs an EngineModel (engine/model_api.py), not a {type(model).__name__}")
         self.model = model
         # saved slot states in host RAM, within this budget (0: off); only a model with save_kv / restore_kv
         self.prompt_cache = PromptCache(prompt_cache_bytes)
@@ -67,7 +70,7 @@ class Engine:
         self.n_vocab = int(model.n_vocab)
         self.n_ctx_slot = n_ctx_slot
         # a model whose slot state cannot step back (recurrent layers) keeps a slot only for a prompt that extends it
-        self.scheduler = Scheduler(n_slots, n_ctx_slot, max_queue, rewinds=getattr(model, "rewinds", True))
+        self.scheduler = Scheduler(n_slots, n_ctx_slot, max_queue, rewinds=model.rewinds)
         self._lock = threading.Lock()
         self._cancels: list[str] = []
         # per slot, its current or last request's counts (llama-server's /slots keeps task_prev too)
@@ -110,7 +113,7 @@ class Engine:
                 out.append(entry)
             return out
 
-    def swap_model(self, model) -> None:
+    def swap_model(self, model: EngineModel | None) -> None:
         """--sleep-idle-seconds: None frees the model (its weights and KV) while the engine is idle; a freshly
         loaded model wakes it. Either way the slots' cached prompts are gone with the old KV."""
         with self._lock:
@@ -195,11 +198,10 @@ class Engine:
             progress.append(out)
 
     def _cache_calls(self):
-        """The model's (save_kv, restore_kv) when the prompt cache is on and the model has them, else None
-        (also for a model whose recurrent state cannot step back: its saved KV alone could not restore it)."""
-        save, restore = getattr(self.model, "save_kv", None), getattr(self.model, "restore_kv", None)
-        ok = self.prompt_cache.enabled and save and restore and self.scheduler.rewinds
-        return (save, restore) if ok else None
+        """The model's (save_kv, restore_kv) when the prompt cache is on and the model saves its state, else
+        None (also for a model whose recurrent state cannot step back: its saved KV alone could not restore it)."""
+        ok = self.prompt_cache.enabled and self.model.saves_kv and self.scheduler.rewinds
+        return (self.model.save_kv, self.model.restore_kv) if ok else None
 
     def _save_held(self, slot: Slot) -> None:
         """Keep what the slot held in the prompt cache before its new prompt overwrites it."""
@@ -210,7 +212,7 @@ class Engine:
         with self._lock:
             if self.prompt_cache.covers(held):
                 return
-        per_pos = getattr(self.model, "kv_bytes_per_position", 0)
+        per_pos = self.model.kv_bytes_per_position
         if per_pos and not self.prompt_cache.fits(per_pos * len(held)):
             return                   # it alone passes the budget: not copied at all
         state = calls[0](slot.id, len(held))
@@ -262,7 +264,7 @@ class Engine:
 
     def _chunk(self) -> int:
         """The ids of one chunked-prefill pass, all slots' together: min(n_batch, the model's n_ubatch)."""
-        return max(min(self.n_batch, getattr(self.model, "n_ubatch", self.n_batch)), 1)
+        return max(min(self.n_batch, self.model.n_ubatch or self.n_batch), 1)
 
     def _prefill(self, slot: Slot, progress: list[TokenOut], whole: bool) -> TokenOut | None:
         """The slot's prompt from where it stands: whole (in passes of n_batch ids when it reports its
@@ -286,7 +288,7 @@ class Engine:
         filled from each slot's prompt in slot order (as llama-server fills its batch), run as one
         model call where the model takes several slots (prefill_slots), else one call a slot."""
         parts, room = [], self._chunk()
-        shared = getattr(self.model, "prefill_slots", None) is not None
+        shared = self.model.shares_passes
         for slot in slots:
             st = slot.state
             n = min(len(slot.req.prompt_ids) - st.n_done, room)
@@ -302,7 +304,7 @@ class Engine:
         """Each part's ids into its slot from where its prompt stands, in one model call when there
         are several and the model takes them (prefill_slots); per part, the logits [V] of its last
         id or the exception that failed it."""
-        if len(parts) > 1 and getattr(self.model, "prefill_slots", None) is not None:
+        if len(parts) > 1 and self.model.shares_passes:
             try:
                 logits = np.asarray(self.model.prefill_slots([(s.id, ids, s.state.n_done) for s, ids in parts]))
                 if logits.shape != (len(parts), self.n_vocab):
@@ -356,15 +358,13 @@ class Engine:
         slot's _sample arguments: the model's own greedy ids (every slot plain greedy), each row's
         top_k candidates (every slot's chain needs no more), or whole rows of logits."""
         b_ids, n = [s.id for s in slots], len(slots)
-        greedy = getattr(self.model, "decode_greedy", None)
-        if greedy is not None and all(s.state.sampler.plain_greedy for s in slots):
-            picks = np.asarray(greedy(b_ids, ids, positions)).reshape(-1)       # [B]
+        if self.model.picks_on_device and all(s.state.sampler.plain_greedy for s in slots):
+            picks = np.asarray(self.model.decode_greedy(b_ids, ids, positions)).reshape(-1)   # [B]
             if picks.shape != (n,):
                 raise ValueError(f"model.decode_greedy returned shape {picks.shape}, expected ({n},)")
             return [dict(token=int(t)) for t in picks]
         ks = [s.state.sampler.candidates_k for s in slots]
-        topk = getattr(self.model, "decode_topk", None)
-        k_max = getattr(self.model, "topk_max", 0) if topk is not None else 0
+        k_max = self.model.topk_max
         k_greedy = min(self.greedy_top_k, k_max)
         from_top = [k_greedy > 0 and s.state.sampler.greedy_from_top and s.state.top_miss < self.TOP_MISS_MAX
                     for s in slots]
@@ -374,7 +374,8 @@ class Engine:
         if k_max and all(0 < kb <= k_max or g for kb, g in zip(ks, from_top)):
             # a greedy slot with no mask needs the largest alone
             k = max(ks + [k_greedy if s.state.sampler.matcher is not None else 1 for s, g in zip(slots, from_top) if g])
-            c_ids, c_vals, n_nan = (np.asarray(a) for a in topk(b_ids, ids, positions, k))   # [B, k] x2, [B]
+            top = self.model.decode_topk(b_ids, ids, positions, k)
+            c_ids, c_vals, n_nan = (np.asarray(a) for a in top)                  # [B, k] x2, [B]
             if c_ids.shape != (n, k) or c_vals.shape != c_ids.shape or n_nan.shape != (n,):
                 raise ValueError(f"model.decode_topk returned shapes {c_ids.shape}, {c_vals.shape}, {n_nan.shape}, "
                                  f"expected ({n}, {k}) twice and ({n},)")
@@ -438,7 +439,7 @@ class Engine:
         if not req.sampling.grammar:
             return None
         if self._grammar_vocab is None:
-            gf = getattr(self.model, "gf", None)
+            gf = self.model.gf
             if gf is None:
                 raise GrammarError("this model carries no vocabulary to run structured output against")
             from bloomery.tokenizer import Tokenizer

@@ -207,10 +207,10 @@ def main(args: dict) -> int:
     records.record("load", "loading weights", component="engine", backend=placement.backend,
                    slots=placement.n_slots, n_ctx_slot=placement.n_ctx_slot, device=placement.default_device)
     if placement.backend == "numpy":
-        from bloomery.engine.quant import dots
+        from bloomery.engine.quant import formats
         records.record("load", "lever", component="engine", name="BLOOMERY_KERNEL_ORDER",
-                       value="on" if dots.KERNEL_ORDER else "off",
-                       means="llama.cpp's kernel float order" if dots.KERNEL_ORDER else "exact integer sums, our float order")
+                       value="on" if formats.KERNEL_ORDER else "off",
+                       means="llama.cpp's kernel float order" if formats.KERNEL_ORDER else "exact integer sums, our float order")
         from bloomery.engine.cpu import kernels as cpu_kernels
         records.record("load", "lever", component="engine", name="BLOOMERY_CPU_KERNELS",
                        value="off" if cpu_kernels.lib() is None else "on", means=cpu_kernels.status())

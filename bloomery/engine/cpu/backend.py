@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType as QT
 
 from bloomery.engine.cpu import kernels as cpu_kernels
 from bloomery.engine.cpu import recurrent
-from bloomery.engine.quant import blocks, dots, threads
+from bloomery.engine.quant import formats, threads
 from bloomery.engine.cpu.kv_cache import KVCache
 from bloomery.engine.cpu.sizes import UBATCH
 from bloomery.engine.ops import AttnSpan, Caps, Rows
@@ -38,10 +38,10 @@ class NumpyWeight:
         self.shape = tuple(int(s) for s in shape)                      # ne order: shape[0] = row length
         self.n_cols = self.shape[0]
         self.n_rows = int(np.prod(self.shape[1:2])) if len(self.shape) > 1 else 1
-        self.compiled: bool | None = None                               # blocks.c_takes, once known
+        self.compiled: bool | None = None                               # formats.c_takes, once known
         self.data = data
         self.cache_planes = cache_planes
-        self._planes: blocks.Planes | None = None
+        self._planes: formats.Planes | None = None
         self._dense: np.ndarray | None = None
         self._experts: list[NumpyWeight] | None = None
 
@@ -65,18 +65,18 @@ class NumpyWeight:
 
     def dense(self) -> np.ndarray:
         """Float32 [N, K] (F32 / F16 weights, and types with no exact integer path)."""
-        return self._form("_dense", blocks.dequantize)
+        return self._form("_dense", formats.dequantize)
 
-    def planes(self) -> blocks.Planes:
-        return self._form("_planes", blocks.decode_planes)
+    def planes(self) -> formats.Planes:
+        return self._form("_planes", formats.decode_planes)
 
 
 def _compiled(w: NumpyWeight) -> bool:
     """The compiled kernels compute this weight's llama-order product."""
-    if not dots.KERNEL_ORDER:
+    if not formats.KERNEL_ORDER:
         return False
     if w.compiled is None:
-        w.compiled = blocks.c_takes(w.ggml_type, w.n_rows)
+        w.compiled = formats.c_takes(w.ggml_type, w.n_rows)
     return w.compiled and cpu_kernels.lib() is not None
 
 
@@ -160,7 +160,7 @@ class NumpyOps:
             bad = int(ids[(ids < 0) | (ids >= n_rows)][0])
             raise ValueError(f"token id {bad} is out of range: the vocabulary has {n_rows} entries (0..{n_rows - 1})")
         rows = w.data.reshape(n_rows, -1)[ids]                          # [T, row_bytes]
-        return blocks.dequantize(w.ggml_type, rows.reshape(-1), len(ids), w.n_cols).copy()
+        return formats.dequantize(w.ggml_type, rows.reshape(-1), len(ids), w.n_cols).copy()
 
     def matmul(self, x, w: NumpyWeight, residual=None) -> np.ndarray:
         y = self._matmul(x, w)
@@ -172,8 +172,8 @@ class NumpyOps:
             x = _f32(x)
             if x.shape[-1] != ws[0].n_cols:
                 raise ValueError(f"matmul: input has {x.shape[-1]} columns, the weight's rows are {ws[0].n_cols} long")
-            act = dots.CAct(x)
-            ys = [dots.dot_c(act, w.ggml_type, w.data, w.n_rows, w.n_cols) if _compiled(w) else self._matmul(x, w)
+            act = formats.CAct(x)
+            ys = [formats.dot_c(act, w.ggml_type, w.data, w.n_rows, w.n_cols) if _compiled(w) else self._matmul(x, w)
                   for w in ws]
         else:
             ys = [self._matmul(x, w) for w in ws]
@@ -207,7 +207,7 @@ class NumpyOps:
 
     def matmul_topk(self, x, w: NumpyWeight, k: int):
         """topk(matmul(x, w), k), computing the exact sums only of the rows that can be among the k
-        largest where the weight's type allows (dots.top_llama); else the whole batch's product,
+        largest where the weight's type allows (formats.top_llama); else the whole batch's product,
         whose float order may depend on the batch size (Q6_K's tiled path from 8 rows)."""
         x = _f32(x)
         tops = self._tops(x, w, k)
@@ -226,25 +226,25 @@ class NumpyOps:
         return np.array([i[0] for i, _ in tops], np.int32)
 
     def _tops(self, x, w: NumpyWeight, k: int):
-        """dots.top_llama's answer for every row, or None where any row needs the full product."""
+        """formats.top_llama's answer for every row, or None where any row needs the full product."""
         if not self._top_exact(w):
             return None
-        tops = dots.top_llama(x, w.planes(), k)
+        tops = formats.top_llama(x, w.planes(), k)
         return None if any(t is None for t in tops) else tops
 
     @staticmethod
     def _top_exact(w: NumpyWeight) -> bool:
         """top_llama reproduces _matmul's values: the llama-order kernel of a type it covers
         (where the C kernel takes the type, its whole product is quicker than the estimate)."""
-        return dots.KERNEL_ORDER and QT(w.ggml_type) in dots.TOP_TYPES and not _compiled(w)
+        return formats.KERNEL_ORDER and QT(w.ggml_type) in formats.TOP_TYPES and not _compiled(w)
 
     def _expert_matmul(self, x, w: NumpyWeight) -> np.ndarray:
         """ggml_compute_forward_mul_mat_id for one expert's routed rows: as mul_mat, except that
         a repacked Q4_K weight runs its gemv row by row (repack.cpp forward_mul_mat_id)."""
         if _compiled(w):
-            return dots.dot_c(_f32(x), w.ggml_type, w.data, w.n_rows, w.n_cols, per_row=True)
-        if dots.KERNEL_ORDER and QT(w.ggml_type) in dots.LLAMA_ORDER_TYPES:
-            return dots.dot_llama(_f32(x), w.planes(), per_row=True)
+            return formats.dot_c(_f32(x), w.ggml_type, w.data, w.n_rows, w.n_cols, per_row=True)
+        if formats.KERNEL_ORDER and QT(w.ggml_type) in formats.LLAMA_ORDER_TYPES:
+            return formats.dot_llama(_f32(x), w.planes(), per_row=True)
         return self._matmul(x, w)
 
     def _matmul(self, x, w: NumpyWeight) -> np.ndarray:
@@ -254,17 +254,17 @@ class NumpyOps:
             raise ValueError(f"matmul: input has {x.shape[-1]} columns, the weight's rows are {w.n_cols} long")
         qt = QT(w.ggml_type)
         if qt == QT.F32:
-            if dots.KERNEL_ORDER:
-                return dots.dot_f32_llama(x, w.dense())                # [T, N] llama.cpp's float order
+            if formats.KERNEL_ORDER:
+                return formats.dot_f32_llama(x, w.dense())             # [T, N] llama.cpp's float order
             return x @ w.dense().T                                      # [T, N]
         if qt == QT.F16:
             return x.astype(np.float16).astype(np.float32) @ w.dense().T   # [T, N] f16 x f16 in f32
         if _compiled(w):
-            return dots.dot_c(x, w.ggml_type, w.data, w.n_rows, w.n_cols)   # [T, N] the same order, compiled
-        if qt in dots.LLAMA_ORDER_TYPES and dots.KERNEL_ORDER:
-            return dots.dot_llama(x, w.planes())                       # [T, N] llama.cpp's float order
-        if qt in blocks.EXACT_TYPES:
-            return dots.dot_planes(x, w.planes())                      # [T, N]
+            return formats.dot_c(x, w.ggml_type, w.data, w.n_rows, w.n_cols)   # [T, N] the same order, compiled
+        if qt in formats.LLAMA_ORDER_TYPES and formats.KERNEL_ORDER:
+            return formats.dot_llama(x, w.planes())                    # [T, N] llama.cpp's float order
+        if qt in formats.EXACT_TYPES:
+            return formats.dot_planes(x, w.planes())                   # [T, N]
         return x @ w.dense().T                                          # float fallback: no exact path
 
     # --- elementwise and norms ---

@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from bloomery.engine.model_api import EngineModel
 from bloomery.engine.ops import AttnSpan, Ops, Rows
 from bloomery.gguf_file import GGUFFile
 
@@ -31,13 +32,16 @@ def meta(gf: GGUFFile, key: str, default=None, required: bool = True):
     return value
 
 
-class CausalLM:
-    """A decoder-only model over an Ops backend; subclasses fill in the architecture."""
+class CausalLM(EngineModel):
+    """A decoder-only model over an Ops backend; subclasses fill in the architecture. Of the
+    engine's optional calls (model_api.EngineModel) it has decode_greedy, save_kv / restore_kv,
+    and decode_topk where the backend hands over a row's largest (topk_max > 0); a recurrent
+    architecture sets rewinds = False."""
 
     arch: str = ""
-    # a slot's state can be cut back to any earlier position (a KV cache): prefix reuse keeps any
-    # common prefix. False for a recurrent state, which keeps only a prompt that extends it.
-    rewinds: bool = True
+    picks_on_device = True
+    saves_kv = True
+    shares_passes = True
 
     def __init__(self, gf: GGUFFile, ops: Ops, n_slots: int, n_ctx_slot: int,
                  progress: Callable[[int, int], None] | None = None,

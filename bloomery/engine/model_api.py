@@ -1,0 +1,67 @@
+"""What the engine core asks of a model, said once.
+
+Every model answers prefill and decode. What a model may lack is declared by an attribute, never
+found by probing for a method: `picks_on_device` (decode_greedy), `topk_max` (decode_topk; 0:
+none), `saves_kv` (save_kv / restore_kv / kv_bytes_per_position, the prompt cache's calls),
+`shares_passes` (prefill_slots), `rewinds`, `n_ubatch` and `gf`. models/base.CausalLM is the real model; a stand-in (a test's)
+subclasses EngineModel and declares what it has. Calling an ability the model declares it
+lacks raises NotImplementedError naming the attribute.
+
+Legend: T = ids of one pass, B = slots in a decode batch, V = vocabulary.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from bloomery.gguf_file import GGUFFile
+
+
+class EngineModel:
+    """The model contract of engine/core.py; the defaults are a model with no optional ability."""
+
+    n_vocab: int
+    # a slot's state can be cut back to any earlier position (a KV cache): prefix reuse keeps any
+    # common prefix. False for a recurrent state, which keeps only a prompt that extends it.
+    rewinds: bool = True
+    picks_on_device: bool = False    # decode_greedy: each slot's argmax picked where the logits are
+    topk_max: int = 0                # decode_topk takes k in 1..topk_max; 0: whole rows of logits only
+    saves_kv: bool = False           # save_kv / restore_kv copy a slot's state out and back (the prompt cache)
+    kv_bytes_per_position: int = 0   # what a saved state costs per id (0: not known)
+    n_ubatch: int = 0                # the most ids one prompt pass computes at once (0: no bound of its own)
+    shares_passes: bool = False      # prefill_slots: several slots' prompt ids in one pass
+    gf: GGUFFile | None = None       # the model's file, whose vocabulary structured output runs against
+
+    def prefill(self, slot: int, ids, pos0: int) -> np.ndarray:
+        """The last position's logits [V]; fills the slot's state at pos0 .. pos0+T-1."""
+        raise NotImplementedError(f"{type(self).__name__} has no prefill")
+
+    def decode(self, slots: Sequence[int], ids, positions) -> np.ndarray:
+        """One id per slot, batched: logits [B, V]."""
+        raise NotImplementedError(f"{type(self).__name__} has no decode")
+
+    def decode_greedy(self, slots: Sequence[int], ids, positions) -> np.ndarray:
+        """One id per slot, each slot's next id by argmax (the first largest logit): ids [B]."""
+        raise self._lacks("decode_greedy", "picks_on_device", self.picks_on_device)
+
+    def decode_topk(self, slots: Sequence[int], ids, positions, k: int):
+        """One id per slot; of each row only the k largest logits (descending, ties to the lower
+        id): (ids [B, k] int32, values [B, k] float32, NaN count [B])."""
+        raise self._lacks("decode_topk", "topk_max", self.topk_max)
+
+    def prefill_slots(self, parts: Sequence[tuple[int, object, int]]) -> np.ndarray:
+        """Several slots' prompt ids (slot, ids, pos0) in shared passes: each part's last logits [n, V]."""
+        raise self._lacks("prefill_slots", "shares_passes", self.shares_passes)
+
+    def save_kv(self, slot: int, n: int) -> tuple:
+        """The slot's state at positions 0 .. n-1 as host arrays (the prompt cache's entry)."""
+        raise self._lacks("save_kv", "saves_kv", self.saves_kv)
+
+    def restore_kv(self, slot: int, state: tuple, n: int) -> None:
+        """Positions 0 .. n-1 of the slot from a save_kv copy."""
+        raise self._lacks("restore_kv", "saves_kv", self.saves_kv)
+
+    def _lacks(self, call: str, attr: str, value) -> NotImplementedError:
+        return NotImplementedError(f"{type(self).__name__} has no {call}: it declares {attr} = {value!r}")

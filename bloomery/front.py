@@ -78,7 +78,7 @@ def make_app(s: Settings, tokenizer, template, client, info, **kw):
                verbose_default=s.verbose, reasoning=s.reasoning, reasoning_format=s.reasoning_format,
                reasoning_budget=s.reasoning_budget, reasoning_budget_message=s.reasoning_budget_message,
                spm_infill=s.spm_infill, n_batch=s.batch_size,
-               sleep_idle_s=s.sleep_idle_seconds, gcp_mode=gcp.from_env(dict(os.environ)))
+               sleep_idle_s=s.sleep_idle_seconds, slot_save_path=s.slot_save_path, gcp_mode=gcp.from_env(dict(os.environ)))
 
 
 def choice_records(s: Settings, facts: dict) -> None:

@@ -78,6 +78,7 @@ class Settings:
     batch_size: int = 2048             # -b: prompt-pass size under return_progress, /infill's budget
     cache_ram: int | None = None       # -cram MiB: the prompt cache's budget (0: off; None: the plan's default)
     sleep_idle_seconds: int = -1       # --sleep-idle-seconds: free the weights after this idle time (-1: never)
+    slot_save_path: str | None = None  # --slot-save-path: the folder of POST /slots/{id}'s save and restore files
     need_hook: str | None = None       # --need-hook PATH (None: $BLOOMERY_NEED_HOOK, else the broker's hook if any)
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)   # SamplingParams field -> flag value
     sources: dict[str, str] = field(default_factory=dict)             # field -> where its value came from
@@ -437,6 +438,8 @@ def _check(s: Settings, keys: list[str]) -> None:
         raise SettingsError(f"--reasoning-budget {s.reasoning_budget}: must be >= -1 (-1: unrestricted)")
     if s.sleep_idle_seconds == 0 or s.sleep_idle_seconds < -1:
         raise SettingsError(f"--sleep-idle-seconds {s.sleep_idle_seconds}: cannot be 0 or less than -1 (-1: never)")
+    if s.slot_save_path is not None and not os.path.isdir(s.slot_save_path):
+        raise SettingsError(f"--slot-save-path {s.slot_save_path}: not a directory")
     if s.cache_ram is not None and s.cache_ram < 0:
         raise SettingsError(f"--cache-ram {s.cache_ram}: the prompt cache always has a budget here (llama-server's "
                             f"-1, no limit, is refused); give MiB >= 1, or 0 to turn it off")

@@ -17,6 +17,7 @@ import zmq.asyncio
 
 from bloomery import workpool
 from bloomery.engine import experts_query
+from bloomery.engine.slot_file import SlotAnswer
 from bloomery.engine.types import EngineRequest, ModelInfo, TokenOut
 from bloomery.messages import engine as em
 from bloomery.messages.codec import MessageError
@@ -92,7 +93,7 @@ class ZmqEngineClient:
                 fut = self._queries.pop(msg.query_id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(self._slots)
-            elif isinstance(msg, (em.ResidencyReply, em.ExpertsReply)):
+            elif isinstance(msg, (em.ResidencyReply, em.ExpertsReply, em.SlotActionReply)):
                 fut = self._queries.pop(msg.query_id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
@@ -171,6 +172,13 @@ class ZmqEngineClient:
         trip, answered by the engine between steps; experts_query.ExpertsError when it could not answer."""
         reply = await self._ask("e", lambda qid: em.ExpertsQuery(qid, reset), timeout_s)
         return experts_query.result(experts_query.ExpertsAnswer(reply.report, reply.error, reply.kind))
+
+    async def slot_action(self, action: str, id_slot: int, path: str = "", filename: str = "",
+                          model_name: str = "", timeout_s: float = 120.0):
+        """POST /slots/{id}'s save, restore or erase, run by the engine between steps: a slot_file.SlotAnswer."""
+        reply = await self._ask("s", lambda qid: em.SlotAction(qid, action, id_slot, path, filename, model_name),
+                                timeout_s)
+        return SlotAnswer(reply.status, dict(reply.body), reply.error)
 
     # -- the supervisor's side ---------------------------------------------------------
     @property

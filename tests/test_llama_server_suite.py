@@ -151,3 +151,27 @@ def test_heavy_files_are_those_of_long_generations(monkeypatch):
     monkeypatch.setattr(selection, "TEST_S", {"unit/a.py": 30.0, "unit/b.py": 5.0})
     assert selection.heavy(["unit/a.py::x"]) and not selection.heavy(["unit/b.py::y"])
     assert selection.heavy(["unit/c.py::z"]) == (selection.DEFAULT_TEST_S >= selection.HEAVY_TEST_S)
+
+
+@pytest.mark.slow
+def test_the_per_test_alarm_is_reported_as_itself_not_as_the_requests_read_timeout(tmp_path, monkeypatch):
+    """A request of llama.cpp's tests (timeout 600 s) cut by the runner's alarm names the alarm; a
+    TimeoutError would be socket.timeout to urllib3 and read "Read timed out. (read timeout=600)"."""
+    import socket
+    monkeypatch.setenv("BLOOMERY_SUITE_TEST_TIMEOUT_S", "1")
+    run = _load("run")
+    (tmp_path / "conftest.py").write_text("import pytest\n" + run.ADDED_CONFTEST)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(1)                        # accepts, never answers
+    port = silent.getsockname()[1]
+    (tmp_path / "test_hang.py").write_text(
+        "import requests\n\n\ndef test_hang():\n"
+        f"    requests.get('http://127.0.0.1:{port}/', timeout=600)\n")
+    try:
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    finally:
+        silent.close()
+    assert done.returncode == 1
+    assert "the test ran past 1 s" in done.stdout and "Read timed out" not in done.stdout, done.stdout[-2000:]

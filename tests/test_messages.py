@@ -34,12 +34,16 @@ EXPERTS_REPORT = {"offload": True, "residency": "on", "moved_experts": 3, "moved
                   "host_wait_s": 0.125, "updates": 2,
                   "layers": [{"layer": 0, "counts": [5, 0, 2, 9], "on_card": [0, 3], "hits": 14, "misses": 2}]}
 ENGINE_TO = [em.Generate(REQ), em.Cancel("r1"), em.SlotsQuery("q1"), em.Shutdown("SIGTERM"),
-             em.ExpertsQuery("e1"), em.ExpertsQuery("e2", reset=True)]
+             em.ExpertsQuery("e1"), em.ExpertsQuery("e2", reset=True),
+             em.SlotAction("s1", "save", 1, "/srv/slots/a.bin", "a.bin", "model.gguf"), em.SlotAction("s2", "erase", 0)]
 ENGINE_FROM = [em.Hello(123), em.Tokens((OUT, TokenOut("r2", None, "cancel"))),
                em.SlotsReply("", ({"id": 0, "n_ctx": 4096, "is_processing": False, "id_task": -1},)),
                em.ExpertsReply("e1", EXPERTS_REPORT),
                em.ExpertsReply("e2", {"offload": False, "layers": []}, "no routed experts in host RAM: nothing to reset",
-                               "no_offload")]
+                               "no_offload"),
+               em.SlotActionReply("s1", 200, {"id_slot": 1, "filename": "a.bin", "n_saved": 7, "n_written": 900,
+                                              "timings": {"save_ms": 1.5}}),
+               em.SlotActionReply("s2", 503, {}, "slot 0 is processing a request: erase needs an idle slot")]
 
 
 def same(a, b) -> bool:

@@ -259,6 +259,21 @@ def test_metrics_add_the_expert_series_only_for_a_load_with_host_experts():
     assert status == 200 and "llamacpp:" in text and "bloomery:" not in text
 
 
+def test_asleep_the_expert_series_are_those_of_the_last_awake_scrape():
+    """llama-server serves /metrics from the snapshot taken on entering sleep: the expert series too, and
+    no comment line appears (llama.cpp's test_server_sleep_read_only_endpoints compares the texts)."""
+    app, client = inproc_app(NextByte(), metrics_requested=True)
+    try:
+        asyncio.run(app.dispatch(Request("POST", "/completion", {}, {}, b'{"prompt": "a", "n_predict": 3}')))
+        _, awake = call(app, "GET", "/metrics")
+        client.engine.swap_model(None)                 # as --sleep-idle-seconds does
+        _, asleep = call(app, "GET", "/metrics")
+    finally:
+        client.close()
+    ours = [line for line in awake.splitlines() if "bloomery" in line]
+    assert ours and [line for line in asleep.splitlines() if "bloomery" in line] == ours
+
+
 def test_a_scrape_during_a_long_step_leaves_the_expert_series_out(monkeypatch):
     monkeypatch.setattr(experts, "METRICS_TIMEOUT_S", 0.2)
     app, client = inproc_app(NextByte(step_s=1.5), metrics_requested=True)

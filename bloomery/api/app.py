@@ -15,7 +15,7 @@ from typing import Awaitable, Callable
 from bloomery import workpool
 from bloomery.api import limits
 from bloomery.api import (anthropic, chat, completion, experts, gcp, infill, input_tokens, models, ollama, props,
-                          responses, slots, sleep, tokenize)
+                          responses, slot_actions, slots, sleep, tokenize)
 from bloomery.api.metrics import Metrics
 from bloomery.api.generate import Generation
 from bloomery.api.params import GenParams
@@ -117,8 +117,7 @@ PATTERN_ROUTES: list[tuple[str, "re.Pattern[str]", Route]] = [
     ("GET", re.compile(r"/(?:v1/)?responses/[^/]+"), responses.handle_get),
     ("DELETE", re.compile(r"/(?:v1/)?responses/[^/]+"), responses.handle_delete),
     ("POST", re.compile(r"/(?:v1/)?responses/[^/]+/cancel"), responses.handle_cancel),
-    ("POST", re.compile(r"/slots/[^/]+"), not_served("This server does not support slots action: slot save, "
-                                                     "restore and erase (--slot-save-path) are not in this build")),
+    ("POST", re.compile(r"/slots/[^/]+"), slot_actions.handle_slot_action),
 ]
 
 
@@ -141,7 +140,7 @@ class App:
                  metrics_requested: bool = False, verbose_default: bool = False,
                  endpoint_props: bool = False, reasoning: str = "auto", reasoning_format: str = "auto",
                  reasoning_budget: int = -1, reasoning_budget_message: str | None = None,
-                 spm_infill: bool = False, n_batch: int = 2048, sleep_idle_s: int = -1, gcp_mode: "gcp.GcpMode | None" = None, log: Callable[[str], None] = _record):
+                 spm_infill: bool = False, n_batch: int = 2048, sleep_idle_s: int = -1, slot_save_path: str | None = None, gcp_mode: "gcp.GcpMode | None" = None, log: Callable[[str], None] = _record):
         self.tok = tokenizer
         self.template = template
         self.client = client
@@ -164,6 +163,7 @@ class App:
         self.reasoning_budget_message = reasoning_budget_message or ""
         self.spm_infill = spm_infill                  # --spm-infill: /infill puts the suffix before the prefix
         self.n_batch = n_batch                        # -b: /infill's prefix/suffix budget
+        self.slot_save_path = slot_save_path          # --slot-save-path: POST /slots/{id}'s folder (None: 501)
         self.gcp_mode = gcp_mode                      # AIP_MODE=PREDICTION: Vertex AI's predict (and health) route
         self.residency = sleep.Residency(client, sleep_idle_s, log)   # --sleep-idle-seconds (-1: never)
         self.metrics = Metrics()

@@ -42,6 +42,7 @@ class ApiContext(Protocol):
     n_batch: int                  # -b: the prompt's pass size where progress is reported
     residency: Any                # --sleep-idle-seconds' idle watch (api/sleep.py)
     recent: Recent                # generations for /slots (done ones as memos in a byte budget)
+    slot_save_path: str | None    # --slot-save-path: POST /slots/{id}'s folder (None: those answer 501)
 
     def gen_defaults(self) -> dict: ...
     def sse_headers(self) -> list[tuple[str, str]]: ...

@@ -13,6 +13,7 @@ between its steps (engine/experts_query.py); this file asks it and shapes the an
 from __future__ import annotations
 
 import asyncio
+import weakref
 from typing import TYPE_CHECKING
 
 from bloomery.engine.experts_query import ASLEEP, NO_OFFLOAD, ExpertsError
@@ -23,6 +24,10 @@ if TYPE_CHECKING:
 
 QUERY_TIMEOUT_S = 30.0      # a route waits this long for the engine's step to end (a long prompt's pass)
 METRICS_TIMEOUT_S = 2.0     # a scrape waits this long; past it the expert series sit that scrape out
+
+# per App, the expert series of its last awake scrape: what /metrics shows while the engine sleeps
+# (llama-server serves its metrics from the snapshot taken on entering sleep)
+_LAST_AWAKE: "weakref.WeakKeyDictionary[object, str]" = weakref.WeakKeyDictionary()
 
 _STATUS = {NO_OFFLOAD: (409, "invalid_request_error"), ASLEEP: (503, "unavailable_error")}
 
@@ -77,13 +82,18 @@ def render(report: dict) -> str:
 
 async def metrics_text(app: "App") -> str:
     """/metrics' expert series, asked of the engine with a short timeout: a scrape the engine does not
-    answer in time (or a sleeping one) leaves them out with a comment saying why, and never fails."""
+    answer in time leaves them out with a comment saying why, and never fails; a sleeping engine's are
+    those of the last awake scrape, so /metrics reads the same asleep as just before."""
     query = getattr(app.client, "query_experts", None)
     if query is None:        # a client that cannot ask has no host experts to show
         return ""
     try:
-        return render(await query(timeout_s=METRICS_TIMEOUT_S))
+        text = render(await query(timeout_s=METRICS_TIMEOUT_S))
     except asyncio.TimeoutError:
         return f"# bloomery: expert series left out: the engine did not answer within {METRICS_TIMEOUT_S:g} s\n"
     except ExpertsError as e:
+        if e.kind == ASLEEP:      # asleep: the last awake scrape's series (none for a load without host experts)
+            return _LAST_AWAKE.get(app, "")
         return f"# bloomery: expert series left out: {e}\n"
+    _LAST_AWAKE[app] = text
+    return text

@@ -3,7 +3,7 @@
 The worker sleeps on a condition variable while the engine has nothing to do and
 runs engine.step() while it has; each TokenOut is handed to the asyncio loop of
 the request's generate() via call_soon_threadsafe, into that request's queue.
-Work that must not overlap a step (query_experts: a reset rewrites the kernels' tables)
+Work that must not overlap a step (query_experts: a reset rewrites the kernels' tables; slot_action)
 is queued for the worker, which runs it between steps and hands the result back the same way.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import threading
 import time
 from typing import AsyncIterator, Callable
 
-from bloomery.engine import experts_query
+from bloomery.engine import experts_query, slot_file
 from bloomery.engine.core import Engine
 from bloomery.engine.types import EngineRequest, ModelInfo, TokenOut
 
@@ -84,6 +84,12 @@ class InProcessEngineClient:
         between steps; experts_query.ExpertsError when it could not answer."""
         ans = await self._between_steps(lambda: experts_query.answer(self.engine.model, reset), timeout_s)
         return experts_query.result(ans)
+
+    async def slot_action(self, action: str, id_slot: int, path: str = "", filename: str = "",
+                          model_name: str = "", timeout_s: float = 120.0) -> slot_file.SlotAnswer:
+        """POST /slots/{id}'s save, restore or erase, on the worker thread between steps."""
+        return await self._between_steps(
+            lambda: slot_file.answer(self.engine, action, id_slot, path, filename, model_name), timeout_s)
 
     async def _between_steps(self, fn: Callable[[], object], timeout_s: float):
         """fn() on the worker thread, before its next step."""

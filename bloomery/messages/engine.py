@@ -1,12 +1,14 @@
 """Front <-> engine process: the whole conversation on the request and output sockets.
 
-front ROUTER -> engine DEALER: Generate, Cancel, SlotsQuery, Shutdown, Residency, ExpertsQuery
+front ROUTER -> engine DEALER: Generate, Cancel, SlotsQuery, Shutdown, Residency, ExpertsQuery, SlotAction
 engine DEALER -> front ROUTER: Hello (once, so the ROUTER knows the engine's id)
-engine PUSH  -> front PULL:    Tokens (one message per engine step), SlotsReply, ResidencyReply, ExpertsReply
+engine PUSH  -> front PULL:    Tokens (one message per engine step), SlotsReply, ResidencyReply, ExpertsReply,
+                               SlotActionReply
 
 Residency / ResidencyReply are --sleep-idle-seconds' sleep and wake (the weights held or freed);
 ExpertsQuery / ExpertsReply are the routed experts' residency between card and host RAM
-(GET /residency, POST /residency/reset, /metrics).
+(GET /residency, POST /residency/reset, /metrics). SlotAction / SlotActionReply are POST /slots/{id}'s
+save, restore and erase (--slot-save-path; engine/slot_file.py).
 """
 from __future__ import annotations
 
@@ -73,6 +75,27 @@ class ExpertsReply:
 
 
 @dataclass(frozen=True)
+class SlotAction:
+    """Save, restore or erase one slot between steps (engine/slot_file.py); path: the file, already checked
+    to lie in --slot-save-path; model_name: the served file's name, written in and checked against."""
+
+    query_id: str
+    action: str
+    id_slot: int
+    path: str = ""
+    filename: str = ""
+    model_name: str = ""
+
+
+@dataclass(frozen=True)
+class SlotActionReply:
+    query_id: str
+    status: int                   # the HTTP status of the answer
+    body: dict[str, object]       # llama-server's answer (status 200)
+    error: str = ""               # why not (status != 200)
+
+
+@dataclass(frozen=True)
 class Hello:
     pid: int
 
@@ -91,17 +114,18 @@ class SlotsReply:
 
 
 TO_ENGINE: dict[str, type] = {c.__name__: c for c in (Generate, Cancel, SlotsQuery, Shutdown, Residency,
-                                                      ExpertsQuery)}
-FROM_ENGINE: dict[str, type] = {c.__name__: c for c in (Hello, Tokens, SlotsReply, ResidencyReply, ExpertsReply)}
+                                                      ExpertsQuery, SlotAction)}
+FROM_ENGINE: dict[str, type] = {c.__name__: c for c in (Hello, Tokens, SlotsReply, ResidencyReply, ExpertsReply,
+                                                        SlotActionReply)}
 
 
 def encode(msg: object) -> bytes:
     return codec.encode(msg, type(msg).__name__)
 
 
-def decode_to_engine(data: bytes) -> Generate | Cancel | SlotsQuery | Shutdown | Residency | ExpertsQuery:
+def decode_to_engine(data: bytes) -> Generate | Cancel | SlotsQuery | Shutdown | Residency | ExpertsQuery | SlotAction:
     return codec.decode(data, TO_ENGINE)
 
 
-def decode_from_engine(data: bytes) -> Hello | Tokens | SlotsReply | ResidencyReply | ExpertsReply:
+def decode_from_engine(data: bytes) -> Hello | Tokens | SlotsReply | ResidencyReply | ExpertsReply | SlotActionReply:
     return codec.decode(data, FROM_ENGINE)

@@ -2,7 +2,7 @@
 
 Threads (vLLM v1's shape):
 - input thread: the DEALER socket -> a queue (Generate, Cancel, SlotsQuery, Shutdown, Residency,
-  ExpertsQuery);
+  ExpertsQuery, SlotAction);
 - busy loop (main thread): drain the queue (add / cancel), engine.step(), one
   Tokens message per step on PUSH; while idle it blocks on the queue (no spin)
   and checks that the supervisor is still its parent.
@@ -23,7 +23,7 @@ import numpy as np
 import zmq
 
 from bloomery import records
-from bloomery.engine import experts_query
+from bloomery.engine import experts_query, slot_file
 from bloomery.engine.types import ModelInfo, TokenOut
 from bloomery.messages import engine as em
 from bloomery.messages import codec
@@ -162,6 +162,9 @@ def serve(engine, inbox: queue.Queue, push: zmq.Socket, ppid: int, load=None) ->
                 if msg.reset and not ans.error:
                     records.record("serve", "routed experts back to the load's placement", component="engine")
                 push.send(em.encode(em.ExpertsReply(msg.query_id, ans.report, ans.error, ans.kind)))
+            elif isinstance(msg, em.SlotAction):       # between steps: the slot's KV is copied out or in
+                got = slot_file.answer(engine, msg.action, msg.id_slot, msg.path, msg.filename, msg.model_name)
+                push.send(em.encode(em.SlotActionReply(msg.query_id, got.status, got.body, got.error)))
         if not parent_alive(ppid):
             return "the supervisor is gone"
         if not engine.has_work():

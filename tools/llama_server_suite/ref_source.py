@@ -49,7 +49,10 @@ def unpack_only() -> None:
 
 
 def llama_server_bin() -> str:
-    """The CPU llama-server (built by build-llama.sh; only the baseline run needs it)."""
+    """The CPU llama-server (built by build-llama.sh; only the baseline run needs it).
+    BLOOMERY_LLAMA_SERVER names a llama-server built elsewhere (same version) instead."""
+    if os.environ.get("BLOOMERY_LLAMA_SERVER"):
+        return os.environ["BLOOMERY_LLAMA_SERVER"]
     path = ref_root() / f"build-cpu-{VERSION}" / "bin" / "llama-server"
     if not path.exists():
         out = subprocess.run(["bash", str(BUILD_SCRIPT)], check=True, capture_output=True, text=True).stdout

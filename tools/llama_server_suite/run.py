@@ -43,8 +43,13 @@ ADDED_CONFTEST = f'''
 import signal as _signal
 
 
+class SuiteTestTimeout(Exception):
+    """Not a TimeoutError: that is socket.timeout, which urllib3 would report as the request's own
+    ReadTimeout (read timeout=600), hiding that the runner's per-test alarm ended the test."""
+
+
 def _suite_alarm(signum, frame):
-    raise TimeoutError("llama_server_suite: the test ran past {TEST_TIMEOUT_S} s")
+    raise SuiteTestTimeout("llama_server_suite: the test ran past {TEST_TIMEOUT_S} s")
 
 
 @pytest.fixture(autouse=True)

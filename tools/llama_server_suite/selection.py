@@ -16,8 +16,8 @@ SERVED: tuple[str, ...] = (
     "unit/test_completion.py", "unit/test_chat_completion.py", "unit/test_stream.py", "unit/test_ignore_eos.py",
     "unit/test_compat_anthropic.py", "unit/test_compat_oai_responses.py", "unit/test_tool_call.py",
     "unit/test_metrics.py", "unit/test_ctx_shift.py", "unit/test_kv_keep_only_active.py",
-    # served since 2026-12-02; not in the golden yet (measure them on llama-server with --merge, README.md)
-    "unit/test_infill.py", "unit/test_compat_gcp.py", "unit/test_sleep.py",
+    # served since 2026-12-02, in the golden since (measured on llama-server b11434's CPU build)
+    "unit/test_infill.py", "unit/test_compat_gcp.py", "unit/test_sleep.py", "unit/test_slot_save.py",
 )
 
 REFUSED_FILES: dict[str, str] = {
@@ -31,8 +31,6 @@ REFUSED_FILES: dict[str, str] = {
     "unit/test_tools_builtin.py": "built-in server tools (--tools) are not served",
     "unit/test_vision_api.py": "images need a vision model and --mmproj; the substitute has none",
     "unit/test_proxy.py": "the web UI's CORS proxy (--ui-mcp-proxy, /cors-proxy) is not served",
-    "unit/test_slot_save.py": "slot save/restore (--slot-save-path, /slots?action=) is refused by name; every test "
-                              "here also asserts the tiny stories model's words or id counts (n_saved == 84)",
     "unit/test_systemone.py": "/v1/systemone is a decision-model route; not on this seat yet",
 }
 

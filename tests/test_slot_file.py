@@ -9,18 +9,20 @@ import pytest
 from bloomery.api.slot_actions import filename_problem
 from bloomery.engine import slot_file
 from bloomery.engine.core import Engine
+from bloomery.engine.model_api import EngineModel
 from bloomery.engine.types import EngineRequest, SamplingParams
 
 N_VOCAB, N_CTX = 32, 64
 
 
-class KVModel:
+class KVModel(EngineModel):
     """A model whose KV is one [slot, pos, 3] f16 array: each position holds (id, pos, slot);
     logits favour (last id + 1) so a run is deterministic."""
     arch = "toy"
     n_vocab = N_VOCAB
     n_ctx_train = N_CTX
     rewinds = True
+    saves_kv = True
 
     def __init__(self, n_slots: int = 2):
         self.kv = np.zeros((n_slots, N_CTX, 3), np.float16)

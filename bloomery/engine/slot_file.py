@@ -120,10 +120,10 @@ def _refusal(engine, id_slot: int, action: str) -> SlotAnswer | None:
     if model is None:
         return SlotAnswer(UNAVAILABLE, error="the engine is asleep (--sleep-idle-seconds): no slot state to "
                                              f"{action}")
-    if not getattr(model, "rewinds", True):
+    if not model.rewinds:
         return SlotAnswer(NOT_SUPPORTED, error=f"slot {action} is not supported for this model ({model.arch}): its "
                                                "recurrent layers keep a state the slot file does not hold")
-    if getattr(model, "save_kv", None) is None or getattr(model, "restore_kv", None) is None:
+    if not model.saves_kv:
         return SlotAnswer(NOT_SUPPORTED, error=f"slot {action} is not supported for this model ({model.arch}): "
                                                "it cannot copy a slot's KV out and back")
     return None

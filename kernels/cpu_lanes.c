@@ -3,8 +3,8 @@
 //
 // The quantized products read the GGUF blocks in place (Q8_0, Q5_0, Q4_K, Q6_K: no decoded
 // copy of a weight is kept) against activations already quantized to the weight's vec_dot
-// partner (Q8_0 or Q8_K, bloomery/engine/quant/activations.py), in the float order of llama.cpp's
-// CPU kernels, which bloomery/engine/quant/dots.py spells out in numpy:
+// partner (Q8_0 or Q8_K, bloomery/engine/quant/q8_0.py and k_quants.py), in the float order of llama.cpp's
+// CPU kernels, which the same files spell out in numpy:
 //   Q8_0 family: per output eight f32 lanes, lane l of block b holding the exact integer sum of
 //   elements 4l..4l+3; each block does acc = fma(d_w * d_a, (float)lane, acc), the scale product
 //   rounded to f32 (exact here: two f16 values); then hsum_float_8.
@@ -226,7 +226,7 @@ static inline __m256i q80_vec(const uint8_t *blk, int qtype) {
 }
 #endif
 
-// ---- activations quantized as ggml-cpu's x86 build does (quant/activations.py is the numpy form)
+// ---- activations quantized as ggml-cpu's x86 build does (quant/q8_0.py and k_quants.py hold the numpy form)
 // quantize_row_q8_0: per 32, d = f16(amax / 127), the multiplier 127 / amax in f32, round half
 // to even. x [T, K] -> q [T, K], d [T, K/32].
 void quant_q8_0(const float *x, int64_t t, int64_t k, int8_t *q, float *d) {

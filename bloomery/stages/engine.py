@@ -19,7 +19,6 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import zmq
 
 from bloomery import records
@@ -186,8 +185,9 @@ def serve(engine, inbox: queue.Queue, push: zmq.Socket, ppid: int, load=None) ->
 
 
 def main(args: dict) -> int:
+    placement = placement_of(args)
     threads = int(args.get("threads", -1))
-    if threads > 0 and placement_of(args).backend == "numpy":
+    if threads > 0 and placement.backend == "numpy":
         # -t on the CPU backend: its kernels' row threads (read when the quant modules load, just below)
         os.environ["BLOOMERY_NUMPY_THREADS"] = str(threads)
     from bloomery.engine.core import Engine
@@ -196,7 +196,6 @@ def main(args: dict) -> int:
 
     ppid = os.getppid()
     facts = args["facts"]
-    placement = placement_of(args)
     ctx = zmq.Context.instance()
     inbox: queue.Queue = queue.Queue()
     stop = threading.Event()

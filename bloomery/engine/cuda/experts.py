@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import cupy
 import numpy as np
@@ -126,14 +126,13 @@ class _HostCall:
     wts: np.ndarray
     out: np.ndarray
     args: object
-    keep: list = field(default_factory=list)
 
 
 class ExpertLayer:
     """A layer's three stacks moved together: which expert holds which slot, the host function's
     skip flags (1: on the card), and the layer's routing counts on the card."""
 
-    def __init__(self, index: int, gate: ExpertStack, up: ExpertStack, down: ExpertStack, counts, host_fn):
+    def __init__(self, index: int, gate: ExpertStack, up: ExpertStack, down: ExpertStack, counts):
         if not (gate.on_card == up.on_card == down.on_card):
             raise ValueError(f"layer {index}: gate, up and down hold different experts on the card")
         self.index, self.stacks = index, (gate, up, down)
@@ -147,7 +146,6 @@ class ExpertLayer:
         self.skip[:] = self.slot_of >= 0
         self.home = frozenset(gate.on_card)                                   # the load's placement
         self.counts = counts                                                  # [E] int32 view on the card
-        self.host_fn = host_fn
         self.calls: dict[int, _HostCall] = {}
         self.expert_bytes = sum(s.expert_bytes for s in self.stacks)
         self.pending: list[tuple[int, int, object]] = []                      # (expert, slot, copy done event)
@@ -209,7 +207,7 @@ class Offload:
         self.threads = threads if threads > 0 else max(1, len(os.sched_getaffinity(0)) - 2)
         self.layers: list[ExpertLayer] = []
         self._by_gate: dict[int, ExpertLayer] = {}
-        self._pending_stacks: list[ExpertStack] = []
+        self._stacks: list[ExpertStack] = []
         self.side = cupy.cuda.Stream(non_blocking=True)                      # host experts' copies and calls
         self.copy = cupy.cuda.Stream(non_blocking=True)                      # residency copies
         self.counts = None                                                    # [L, E] int32 on the card
@@ -229,7 +227,7 @@ class Offload:
         """A block of zero bytes at least `nbytes` long: a host expert's table entry."""
         if self._zero is None or self._zero.size < nbytes:
             self._zero = cupy.zeros(nbytes, cupy.uint8)
-            for st in self._pending_stacks:                                   # re-point what was made before
+            for st in self._stacks:                                   # re-point what was made before
                 st.mirror[st.mirror == st.zero_ptr] = int(self._zero.data.ptr)
                 st.zero_ptr = int(self._zero.data.ptr)
                 st.table.set(st.mirror)
@@ -240,7 +238,7 @@ class Offload:
         n_exp = int(shape[2])
         on_card = [e for e in range(n_exp) if not first <= e < stop]
         st = ExpertStack(name, ggml_type, shape, data, row_bytes, on_card, self.zero_ptr(row_bytes * int(shape[1])))
-        self._pending_stacks.append(st)
+        self._stacks.append(st)
         return st
 
     def layer(self, gate, up, down, n_used: int) -> ExpertLayer | None:
@@ -261,7 +259,7 @@ class Offload:
             self.counts = grown
             for j, ly in enumerate(self.layers):
                 ly.counts = grown[j]
-            got = ExpertLayer(i, gate, up, down, grown[i], self.host_fn)
+            got = ExpertLayer(i, gate, up, down, grown[i])
             for t in range(1, DECODE_ROWS + 1):
                 got.host_call(t, gate.n_cols, n_used, self.threads)
             self.layers.append(got)

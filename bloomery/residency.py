@@ -13,8 +13,41 @@ No device code here; the engine carries the moves out and rewrites the table the
 """
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 from typing import Sequence
+
+
+# The share of each layer's host experts the card copies over PCIe in decode (the rest the host
+# computes): about the bus's copy rate over the sum of it and the host kernel's own rate. On the
+# H200 host: the copy kernel 50 GB/s, the host kernel 55-60 GB/s at 14-15 threads; measured best
+# of 0.3 / 0.4 / 0.5 in decode with every expert on the host: 0.5 (docs/verify.md, session 9).
+STREAM_SHARE = 0.5
+
+
+def stream_share() -> float:
+    """BLOOMERY_STREAM_SHARE (a fraction in [0, 1]; 0: the host computes every host expert), else
+    STREAM_SHARE."""
+    raw = os.environ.get("BLOOMERY_STREAM_SHARE", "").strip()
+    if not raw:
+        return STREAM_SHARE
+    try:
+        share = float(raw)
+    except ValueError:
+        share = -1.0
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"BLOOMERY_STREAM_SHARE={raw!r}: give a fraction from 0 to 1 (the share of host experts "
+                         f"the card reads over the bus in decode)")
+    return share
+
+
+def stream_lane(n_expert: int, share: float) -> list[bool]:
+    """Per expert, whether the card reads it over the bus while it sits on the host: `share` of the
+    ids, spread evenly (expert e is in when floor((e+1)*share) > floor(e*share))."""
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"the streamed share must lie in [0, 1], not {share}")
+    return [math.floor((e + 1) * share + 1e-9) > math.floor(e * share + 1e-9) for e in range(n_expert)]
 
 
 @dataclass(frozen=True)

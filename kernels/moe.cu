@@ -378,3 +378,37 @@ extern "C" __global__ void combine_rows(const float* __restrict__ y, const int* 
         out[(i64)t * D + i] = (res ? res[(i64)t * D + i] : 0.f) + acc;
     }
 }
+
+// Decode's streamed lane (engine/cuda/experts.py): a picked host expert the card computes itself is
+// copied from pinned host RAM (mapped into the card's address space) into its staging slot over the
+// bus, before the layer's expert kernels read it there. src [3, E]: each stack's host address of
+// expert e; dst [E]: e's staging slot (0: not streamed); seg0..2: the stacks' bytes per expert (the
+// slot holds them back to back). grid (chunks, T*A), block 256: 16-byte loads, four in flight.
+extern "C" __global__ void __launch_bounds__(256) moe_stream_in(const u64* __restrict__ src, const u64* __restrict__ dst,
+                                                                int E, const int* __restrict__ ids, int n_pairs,
+                                                                i64 seg0, i64 seg1, i64 seg2) {
+    pdl_wait();
+    pdl_next();
+    int p = blockIdx.y;
+    if (p >= n_pairs) return;
+    int e = ids[p];
+    u64 to = dst[e];
+    if (!to) return;
+    for (int q = 0; q < p; q++)
+        if (ids[q] == e) return;                       // copied by the first pair that picked it
+    const i64 seg[3] = {seg0, seg1, seg2};
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    i64 off = 0;
+    for (int k = 0; k < 3; k++) {
+        const uint4* s = (const uint4*)src[(i64)k * E + e];
+        uint4* d = (uint4*)(to + off);
+        const i64 n = seg[k] / 16;
+        i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+        for (; i + 3 * stride < n; i += 4 * stride) {
+            uint4 a = s[i], b = s[i + stride], c = s[i + 2 * stride], f = s[i + 3 * stride];
+            d[i] = a; d[i + stride] = b; d[i + 2 * stride] = c; d[i + 3 * stride] = f;
+        }
+        for (; i < n; i += stride) d[i] = s[i];
+        off += seg[k];
+    }
+}

@@ -128,3 +128,32 @@ def test_residency_moves_hot_experts_in_and_reset_returns_to_the_load(moe_file, 
     for k in range(8):
         got = model.decode([1], [whole[1][k]], [len(PROMPT) + k])[0]
         assert np.max(np.abs(got - whole[2][k])) <= BAND, k
+
+
+def test_every_host_expert_streamed_to_the_card_equals_the_whole_card_bit_for_bit(moe_file, whole, monkeypatch):
+    # share 1: the copy kernel brings each picked host expert into staging and the card's own kernels
+    # compute it, so a decode step is the whole card's, bit for bit; share 0: the host computes all
+    monkeypatch.setenv("BLOOMERY_STREAM_SHARE", "1")
+    model = load(moe_file, placement([0] * L, "flags"))
+    off = model.ops.offload
+    first, ids, steps = greedy(model, 0, 12)
+    assert all(ly.streams and not ly.host_computes for ly in off.layers)
+    assert ids == whole[1][:13]
+    for got, want in zip(steps, whole[2]):
+        np.testing.assert_array_equal(got, want)
+    monkeypatch.setenv("BLOOMERY_STREAM_SHARE", "0")
+    model0 = load(moe_file, placement([0] * L, "flags"))
+    greedy(model0, 0, 2)
+    assert all(ly.host_computes and not ly.streams for ly in model0.ops.offload.layers)
+
+
+def test_a_residency_move_keeps_the_streamed_lane_exact(moe_file, whole, monkeypatch):
+    # with every host expert streamed, moves between card slots and staging keep the step exact
+    from bloomery.engine.cuda.experts import RESIDENCY_EVERY
+    monkeypatch.setenv("BLOOMERY_STREAM_SHARE", "1")
+    model = load(moe_file, placement([4] * L, "budget"))
+    greedy(model, 0, 3 * RESIDENCY_EVERY)
+    assert model.ops.offload.report()["moved_experts"] > 0
+    model.prefill(1, PROMPT, 0)
+    for k in range(8):
+        np.testing.assert_array_equal(model.decode([1], [whole[1][k]], [len(PROMPT) + k])[0], whole[2][k])

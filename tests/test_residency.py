@@ -54,3 +54,26 @@ def test_decay_halves():
 def test_bad_input_is_refused(args, match):
     with pytest.raises(ValueError, match=match):
         moves(*args)
+
+
+def test_the_streamed_lane_takes_its_share_spread_over_the_ids():
+    from bloomery.residency import stream_lane
+    lane = stream_lane(128, 0.43)
+    assert sum(lane) == 55                                  # floor(128 * 0.43)
+    assert max(len(run) for run in "".join("x" if x else "." for x in lane).split(".")) == 1   # never two in a row
+    assert not any(stream_lane(16, 0.0)) and all(stream_lane(16, 1.0))
+    assert [i for i, x in enumerate(stream_lane(10, 0.5)) if x] == [1, 3, 5, 7, 9]
+    with pytest.raises(ValueError, match="share"):
+        stream_lane(8, 1.5)
+
+
+def test_the_streamed_share_comes_from_the_environment_and_a_bad_one_is_named(monkeypatch):
+    from bloomery.residency import STREAM_SHARE, stream_share
+    monkeypatch.delenv("BLOOMERY_STREAM_SHARE", raising=False)
+    assert stream_share() == STREAM_SHARE
+    monkeypatch.setenv("BLOOMERY_STREAM_SHARE", "0.25")
+    assert stream_share() == 0.25
+    for bad in ("half", "-0.1", "2"):
+        monkeypatch.setenv("BLOOMERY_STREAM_SHARE", bad)
+        with pytest.raises(ValueError, match="BLOOMERY_STREAM_SHARE"):
+            stream_share()

@@ -7,11 +7,18 @@ addresses that the MoE kernels read: a resident expert points at its card slot, 
 block of zero bytes, whose product is exactly zero. So the card kernels run unchanged and add
 nothing for host experts, and moving an expert is a table rewrite: no graph is recaptured.
 
-Decode-sized batches (moe.ffn's mat-vec path) compute the host experts on the host, in the same
-step: on a side stream the rows, ids and weights are copied to pinned buffers, a C host function
-(kernels/host_moe.c, launched with cuLaunchHostFunc so it is captured in the decode graph) sums
-the host experts' outputs, and the sum comes back and is added after the card's experts, which
-run meanwhile. Prompt batches stream the used host experts' bytes to a card staging buffer
+Decode-sized batches (moe.ffn's mat-vec path) split the host experts in two lanes, fixed per
+expert (`lane`, a share of each layer's experts spread evenly over the ids):
+- computed on the host, in the same step: on a side stream the rows, ids and weights are copied
+  to pinned buffers, a C host function (kernels/host_moe.c, launched with cuLaunchHostFunc so it
+  is captured in the decode graph) sums these experts' outputs, and the sum comes back and is
+  added after the card's experts, which run meanwhile;
+- streamed to the card: the table entry is the expert's slot in the card staging buffer, and a
+  copy kernel (moe_stream_in) fills the step's picked ones from pinned host RAM (mapped into the
+  card's address space) over the bus, while the host computes the other lane; the card's expert
+  kernels then read them there. The host's memory read and the bus's copy rate add up: the share
+  that balances them is the bus's rate over the sum of both (residency.STREAM_SHARE). A direct
+  read of host RAM by the expert kernels themselves was measured slower (docs/verify.md). Prompt batches stream the used host experts' bytes to a card staging buffer
 and compute every expert on the card (stage_tables); the prompt's most-used ones then take card
 slots from the staging copy (adopt), so decode starts warm.
 
@@ -36,6 +43,7 @@ from bloomery.engine.cuda.sizes import DECODE_ROWS
 
 H2D, D2H, D2D = 1, 2, 3
 RESIDENCY_EVERY = 16                     # decode steps between residency updates
+STREAM_CHUNKS = 48                       # blocks per picked expert of the streamed lane's copy
 
 
 def _cuda():
@@ -132,7 +140,8 @@ class ExpertLayer:
     """A layer's three stacks moved together: which expert holds which slot, the host function's
     skip flags (1: on the card), and the layer's routing counts on the card."""
 
-    def __init__(self, index: int, gate: ExpertStack, up: ExpertStack, down: ExpertStack, counts):
+    def __init__(self, index: int, gate: ExpertStack, up: ExpertStack, down: ExpertStack, counts,
+                 share: float = 0.0):
         if not (gate.on_card == up.on_card == down.on_card):
             raise ValueError(f"layer {index}: gate, up and down hold different experts on the card")
         self.index, self.stacks = index, (gate, up, down)
@@ -143,12 +152,20 @@ class ExpertLayer:
             self.slot_of[e] = s
         self.n_slots = len(gate.on_card)
         self.skip = pinned(self.n_expert)                                     # [E] read by the host function
-        self.skip[:] = self.slot_of >= 0
         self.home = frozenset(gate.on_card)                                   # the load's placement
         self.counts = counts                                                  # [E] int32 view on the card
         self.calls: dict[int, _HostCall] = {}
         self.expert_bytes = sum(s.expert_bytes for s in self.stacks)
         self.pending: list[tuple[int, int, object]] = []                      # (expert, slot, copy done event)
+        # the streamed lane: [3, E] each stack's host address of every expert (fixed), and [E] the
+        # staging slot a streamed host expert is copied to in a decode step (0: none)
+        self.src = cupy.asarray(np.stack([st.host_ptrs for st in self.stacks]))
+        self.dst_mirror = np.zeros(self.n_expert, np.uint64)
+        self.dst = cupy.asarray(self.dst_mirror)
+        self.stream_base = 0                                                  # the staging buffer (Offload sets it)
+        self.can_stream = all(st.expert_bytes % 16 == 0 for st in self.stacks)   # the copy moves 16 bytes a load
+        self.lane = np.array(policy.stream_lane(self.n_expert, share if self.can_stream else 0.0), bool)
+        self._relane()
 
     @property
     def on_card(self) -> frozenset[int]:
@@ -158,24 +175,63 @@ class ExpertLayer:
     def host_count(self) -> int:
         return int(self.n_expert - (self.slot_of >= 0).sum())
 
+    @property
+    def host_computes(self) -> bool:
+        """Whether the host function may have work in this layer: some expert outside the streamed
+        lane (it can be on the host now or after a residency move), or no staging to stream into.
+        Fixed for a given share, so a captured step never lacks a call a later move needs."""
+        return bool((~self.lane).any()) or not self.stream_base
+
+    @property
+    def streams(self) -> bool:
+        """Whether a decode step copies streamed experts in (fixed for a given share, as above)."""
+        return bool(self.lane.any()) and bool(self.stream_base)
+
+    def set_share(self, share: float) -> None:
+        """Re-split the host experts' lanes (between steps; the tables are uploaded here). A captured
+        step holds the kernels of the share it was captured with: recapture after this."""
+        self.lane = np.array(policy.stream_lane(self.n_expert, share if self.can_stream else 0.0), bool)
+        self._relane()
+        self._upload()
+
     # --- table writes (between steps only: nothing in flight reads them) ---
     def _upload(self) -> None:
         for st in self.stacks:
             st.table.set(st.mirror)
+        self.dst.set(self.dst_mirror)
+
+    def _relane(self) -> None:
+        """Every host expert's table entries, staging slot and skip flag by its lane: a streamed one
+        points at its staging slot (the rank among this layer's streamed host experts), which the
+        step's copy fills from host RAM over the bus before the card's expert kernels read it (the
+        host function skips it); any other host expert points at the zero block (the host computes
+        it). Card experts point at their slots (seat)."""
+        host = self.slot_of < 0
+        streamed = host & self.lane if self.stream_base else np.zeros_like(host)
+        self.skip[:] = ~host | streamed
+        rank = np.cumsum(streamed) - 1
+        self.dst_mirror[:] = 0
+        self.dst_mirror[streamed] = (self.stream_base + rank[streamed] * self.expert_bytes).astype(np.uint64)
+        off = 0
+        for st in self.stacks:
+            st.mirror[host & ~streamed] = st.zero_ptr
+            st.mirror[streamed] = self.dst_mirror[streamed] + np.uint64(off)
+            off += st.expert_bytes
+
+    def streamed_count(self) -> int:
+        return int(((self.slot_of < 0) & self.lane).sum())
 
     def evict(self, e: int) -> int:
         s = int(self.slot_of[e])
         self.slot_of[e] = -1
-        self.skip[e] = 0
-        for st in self.stacks:
-            st.mirror[e] = st.zero_ptr
+        self._relane()
         return s
 
     def seat(self, e: int, s: int) -> None:
         self.slot_of[e] = s
-        self.skip[e] = 1
         for st in self.stacks:
             st.mirror[e] = st.slot_ptr(s)
+        self._relane()
 
     # --- host calls ---
     def host_call(self, t: int, d: int, n_used: int, threads: int) -> _HostCall:
@@ -216,12 +272,21 @@ class Offload:
         self.recent = None                                                    # [L, E] routing since the last update
         self.steps = 0
         self.budget = budget if budget is not None else int(os.environ.get("BLOOMERY_RESIDENCY_MIB", "256")) << 20
+        self.share = policy.stream_share()
         self.stats = {"moved_experts": 0, "moved_bytes": 0, "host_wait_s": 0.0, "updates": 0}
         self.hits = self.misses = None
         self._zero = None
         self.staging = None                                                   # card buffer for streamed prompts
         from bloomery.engine.cpu import host_moe
         self.host_fn = host_moe.fn_pointer()
+
+    def set_share(self, share: float) -> None:
+        """Re-split every layer's host experts between the host and the bus (between steps)."""
+        policy.stream_lane(1, share)                                          # a bad share is refused here
+        self.share = share
+        for ly in self.layers:
+            ly.set_share(share)
+        cupy.cuda.Device().synchronize()
 
     def zero_ptr(self, nbytes: int) -> int:
         """A block of zero bytes at least `nbytes` long: a host expert's table entry."""
@@ -259,11 +324,12 @@ class Offload:
             self.counts = grown
             for j, ly in enumerate(self.layers):
                 ly.counts = grown[j]
-            got = ExpertLayer(i, gate, up, down, grown[i])
+            got = ExpertLayer(i, gate, up, down, grown[i], self.share)
             for t in range(1, DECODE_ROWS + 1):
                 got.host_call(t, gate.n_cols, n_used, self.threads)
             self.layers.append(got)
             self._by_gate[id(gate)] = got
+            self._ensure_staging(self.staging_bytes(0))
             self.seen = np.zeros((i + 1, n_exp), np.int64)
             self.score = np.zeros((i + 1, n_exp), np.int64)
             self.recent = np.zeros((i + 1, n_exp), np.int64)
@@ -272,7 +338,10 @@ class Offload:
 
     # --- the decode path: host experts computed on the host, in the step ---
     def host_start(self, layer: ExpertLayer, x, ids, wts):
-        """Launch the host part on the side stream; returns (done event, device buffer it fills)."""
+        """Launch the host part on the side stream; returns (done event, device buffer it fills, event
+        of its inputs copied out). The streamed lane's copy waits for the last: started before them,
+        its reads over the bus held the small copies out back by as long as it ran, and the host
+        computed after the copy instead of beside it (measured on the H200, docs/verify.md)."""
         t, d = x.shape
         c = layer.host_call(t, d, ids.shape[1], self.threads)
         main = cupy.cuda.get_current_stream()
@@ -283,12 +352,14 @@ class Offload:
         _memcpy(c.x.ctypes.data, x.data.ptr, x.nbytes, D2H, side)
         _memcpy(c.ids.ctypes.data, ids.data.ptr, ids.nbytes, D2H, side)
         _memcpy(c.wts.ctypes.data, wts.data.ptr, wts.nbytes, D2H, side)
+        sent = cupy.cuda.Event(disable_timing=True)
+        sent.record(side)
         launch_host_func(side.ptr, self.host_fn, ctypes.addressof(c.args))
         out = cupy.empty((t, d), cupy.float32)
         _memcpy(out.data.ptr, c.out.ctypes.data, out.nbytes, H2D, side)
         done = cupy.cuda.Event(disable_timing=True)
         done.record(side)
-        return done, out
+        return done, out, sent
 
     # --- the prompt path: used host experts streamed to the card ---
     def stage_tables(self, layer: ExpertLayer, used: np.ndarray):
@@ -298,9 +369,7 @@ class Offload:
         if not want:
             return tuple(st.table for st in layer.stacks), {}
         need = len(want) * layer.expert_bytes
-        if self.staging is None or self.staging.size < need:
-            self.staging = None
-            self.staging = cupy.empty(self.staging_bytes(need), cupy.uint8)
+        self._ensure_staging(self.staging_bytes(need))
         main = cupy.cuda.get_current_stream()
         base, at, tables = int(self.staging.data.ptr), 0, []
         where = {}
@@ -313,6 +382,28 @@ class Offload:
                 at += st.expert_bytes
             tables.append(cupy.asarray(mirror))
         return tuple(tables), where
+
+    def _ensure_staging(self, need: int) -> None:
+        """The card staging buffer at `need` bytes at least (made while the layers are first seen,
+        before any step is captured), and every layer's streamed lane pointed into it."""
+        if need > 0 and (self.staging is None or self.staging.size < need):
+            self.staging = None
+            self.staging = cupy.empty(need, cupy.uint8)
+        base = int(self.staging.data.ptr) if self.staging is not None else 0
+        for ly in self.layers:
+            if ly.stream_base != base:
+                ly.stream_base = base
+                ly._relane()
+                ly._upload()
+
+    # --- the decode path's streamed lane ---
+    def stream_in(self, layer: ExpertLayer, ids) -> None:
+        """Copy the step's picked streamed experts from host RAM into their staging slots, on the
+        current stream, before the layer's expert kernels (kernels/moe.cu moe_stream_in)."""
+        g, u, d = layer.stacks
+        self.ops.k.moe_stream_in((STREAM_CHUNKS, int(ids.size)), (256,), (
+            layer.src, layer.dst, np.int32(layer.n_expert), ids, np.int32(ids.size), np.int64(g.expert_bytes),
+            np.int64(u.expert_bytes), np.int64(d.expert_bytes)))
 
     def staging_bytes(self, need: int) -> int:
         """The staging buffer holds the largest layer's host experts (what the plan counts)."""
@@ -422,8 +513,9 @@ class Offload:
             ly._upload()
         self.copy.synchronize()
         cupy.cuda.Device().synchronize()
-        self.score[:] = 0
-        self.recent[:] = 0
+        if self.score is not None:                                            # layers seen (a step ran)
+            self.score[:] = 0
+            self.recent[:] = 0
 
     def report(self) -> dict:
         """What GET /residency and /metrics show (between steps)."""

@@ -82,8 +82,12 @@ def ffn(ops, x, ids, wts, gate, up, down, residual=None):
     host = None
     if layer is not None:          # host experts: summed on the host meanwhile (experts.py), added below
         ops.offload.count(layer, ids)
-        if layer.host_count:
+        if layer.host_computes:
             host = ops.offload.host_start(layer, x, ids, wts)
+        if layer.streams:          # the streamed lane: copied over the bus into staging, computed below
+            if host is not None:   # once the host part's inputs are out: a copy behind the bus's reads waits
+                cupy.cuda.get_current_stream().wait_event(host[2])
+            ops.offload.stream_in(layer, ids)
     xq, xd, xs = ops.q8(x)
     aq = cupy.empty((t * n_used, f), cupy.int8)                           # [T*A, F]
     ad = cupy.empty((t * n_used, f // 32), cupy.float32)
@@ -106,7 +110,7 @@ def ffn(ops, x, ids, wts, gate, up, down, residual=None):
     else:
         ops.k.moe_down((d // DOWN_R, t), (32 * n_warps,), down_args)
     if host is not None:
-        done, host_out = host
+        done, host_out, _ = host
         cupy.cuda.get_current_stream().wait_event(done)
         out += host_out
     return out

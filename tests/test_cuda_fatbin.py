@@ -168,7 +168,7 @@ def test_the_command_line_refuses_a_bad_arch_by_name(capsys):
 class FakeCupy:
     """What kernels.Kernels asks of CuPy: the card, RawModule by code (NVRTC) or by path."""
 
-    def __init__(self, cc: str, compile_wait=None):
+    def __init__(self, cc: str, compile_wait=None, load_fails=()):
         self.loaded: list[str] = []                 # fatbin paths
         self.compiled: list[tuple[str, str]] = []   # (module name, thread name)
         self.compile_wait = compile_wait
@@ -191,6 +191,8 @@ class FakeCupy:
 
             def compile(self):
                 if self.path is not None:
+                    if Path(self.path).stem in load_fails:
+                        raise RuntimeError("CUDA_ERROR_UNSUPPORTED_PTX_VERSION")
                     fake.loaded.append(self.path)
                     return
                 name = next(m for m in fatbin.MODULES if fatbin.source(m) == self.code)
@@ -208,8 +210,8 @@ class FakeCupy:
 
 @pytest.fixture
 def fake_cupy(monkeypatch, tmp_path):
-    def make(cc="90", compile_wait=None):
-        fake = FakeCupy(cc, compile_wait)
+    def make(cc="90", compile_wait=None, load_fails=()):
+        fake = FakeCupy(cc, compile_wait, load_fails)
         monkeypatch.setitem(sys.modules, "cupy", fake)
         monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path / "cupy-cache"))
         return fake
@@ -248,6 +250,18 @@ def test_a_stale_module_compiles_in_a_thread_and_is_named(fake_cupy, tree_built)
     assert fake.compiled[0][1].startswith("nvrtc")                # not the caller's thread
     assert str(tree_built / "attention.fatbin") not in fake.loaded and len(fake.loaded) == 3
     assert got["compiled"].startswith("attention ") and got["compiled"].endswith(" s (the prebuilt fatbin is of another source)")
+
+
+def test_a_fatbin_the_driver_refuses_is_compiled_instead(fake_cupy, tree_built, monkeypatch):
+    from bloomery.engine.cuda.kernels import Kernels
+    fake = fake_cupy("90", load_fails=("moe",))
+    got = Kernels().wait()
+    assert [n for n, _ in fake.compiled] == ["moe"] and len(fake.loaded) == 3
+    assert got["compiled"].endswith("(the fatbin did not load: RuntimeError: CUDA_ERROR_UNSUPPORTED_PTX_VERSION)")
+    monkeypatch.setenv("BLOOMERY_CUDA_KERNELS", "prebuilt")              # told to compile none: refused by name
+    fake_cupy("90", load_fails=("moe",))
+    with pytest.raises(RuntimeError, match=r"BLOOMERY_CUDA_KERNELS=prebuilt: .*moe\.fatbin: the fatbin did not load"):
+        Kernels()
 
 
 def test_modules_without_a_cubin_compile_at_once_in_parallel(fake_cupy, tree_built):

@@ -170,20 +170,27 @@ class Kernels:
         self.mode = os.environ.get("BLOOMERY_CUDA_KERNELS", "auto")
         plan = fatbin.plan(dev.compute_capability, self.mode)
         self.report: dict[str, tuple[str, float, str]] = {}   # module -> (how it came, seconds, why)
-        self._pending: dict[str, Future] = {}
-        todo = [m for m, (how, _, _) in plan.items() if how == "nvrtc"]
-        if todo:
-            pool = ThreadPoolExecutor(max_workers=len(todo), thread_name_prefix="nvrtc")
-            self._pending = {m: pool.submit(_compile, cupy, m, dev.id) for m in todo}
-            pool.shutdown(wait=False)         # the threads end with their compile
-        for m, (how, path, why) in plan.items():
-            if how == "prebuilt":
-                t = time.monotonic()
-                mod = cupy.RawModule(path=path)
-                mod.compile()                 # cuModuleLoad: the driver takes the card's cubin
-                self._mods[m] = mod
-                self.report[m] = ("prebuilt", time.monotonic() - t, why)
         self._why = {m: why for m, (how, _, why) in plan.items() if how == "nvrtc"}
+        for m, (how, path, why) in plan.items():
+            if how != "prebuilt":
+                continue
+            t = time.monotonic()
+            mod = cupy.RawModule(path=path)
+            try:
+                mod.compile()                 # cuModuleLoad: the driver takes the card's cubin
+            except Exception as e:            # e.g. a driver older than the nvcc that built it: compile instead
+                why = f"the fatbin did not load: {type(e).__name__}: {e}"
+                if self.mode == "prebuilt":
+                    raise RuntimeError(f"BLOOMERY_CUDA_KERNELS=prebuilt: {path}: {why}") from e
+                self._why[m] = why
+                continue
+            self._mods[m] = mod
+            self.report[m] = ("prebuilt", time.monotonic() - t, why)
+        self._pending: dict[str, Future] = {}
+        if self._why:
+            pool = ThreadPoolExecutor(max_workers=len(self._why), thread_name_prefix="nvrtc")
+            self._pending = {m: pool.submit(_compile, cupy, m, dev.id) for m in self._why}
+            pool.shutdown(wait=False)         # the threads end with their compile
 
     def _join(self, mod: str) -> None:
         fut = self._pending.pop(mod, None)

@@ -326,7 +326,7 @@ def _wheel(tmp_path, env) -> zipfile.ZipFile:
             (src / f).symlink_to(os.readlink(REPO / f))
         elif (REPO / f).is_file():
             shutil.copy2(REPO / f, src / f)
-    run = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+    run = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
                           "-w", str(tmp_path / "wheel"), str(src)], capture_output=True, text=True,
                          env={**os.environ, **env}, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -72,6 +72,11 @@ mkdir -p "$WORK/src"
 if git -C "$REPO" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
     (cd "$REPO" && git ls-files -co --exclude-standard -z -- . ':!tests' ':!tools' ':!dist' \
         | tar --null -T - -cf -) | tar -xf - -C "$WORK/src"
+    # the prebuilt kernels are build output git ignores; fresh ones spare the wheel's nvcc step (setup.py)
+    PREBUILT=bloomery/engine/cuda/prebuilt
+    if [ -d "$REPO/$PREBUILT" ]; then
+        mkdir -p "$WORK/src/$PREBUILT" && cp -pR "$REPO/$PREBUILT"/. "$WORK/src/$PREBUILT/"
+    fi
 else
     (cd "$REPO" && tar --exclude=__pycache__ --exclude=./tests --exclude=./tools --exclude=./dist --exclude=./build \
         --exclude=./.git -cf - .) | tar -xf - -C "$WORK/src"

@@ -2,7 +2,7 @@
 # On a GPU machine with no network (the device): install the carried wheels, then run the
 # steps named, in order, each under its own time limit, results under $OUT (or ./gpu-out).
 #
-#   tools/gpu_run.sh [tests] [bench] [variants] [profile] [llama] [grammar] [offload] [serve]
+#   tools/gpu_run.sh [tests] [bench] [variants] [profile] [llama] [grammar] [offload] [serve] [start]
 #
 #   tests     the GPU tests (tests/test_cuda_*.py, or the pytest arguments in $TESTS), tests.log
 #   bench     tools/bench_cuda.py on the Qwen3-30B-A3B-shaped file (written once into
@@ -21,6 +21,9 @@
 #             and 4096) and the multi-turn replay with and without the prompt cache, bloomery-serve
 #             and llama-server (as for offload); the JSON stays in $BENCH_WORK, so the same step in
 #             the next call goes on ($SERVE_CELLS: --cells patterns), serve.json and serve.log
+#   start     tools/bench_start.py on the bench file: seconds to /health 200 with CuPy's kernel cache
+#             empty, with the prebuilt kernels and with every module compiled by NVRTC ($START_MODES),
+#             -c 32768 -np 4; start.json and start.log (the fatbins: carry bloomery/engine/cuda/prebuilt)
 #
 # Carried beside the tree in $BLOOMERY_DEVICE_DIR (default .device, git-ignored):
 #   whl/*.whl            pyzmq, structlog, gguf, llguidance (the device image lacks them)
@@ -46,7 +49,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 BLOOMERY_TOKENIZER_GGUF=$PWD
 nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm,clocks.max.sm --format=csv,noheader
 
 big=$work/qwen3moe-30b-a3b-shape-q4_k_m-L48.gguf
-if { has bench || has grammar || has serve; } && [ ! -s "$big" ]; then        # the same file bench_cuda.py would write, started early
+if { has bench || has grammar || has serve || has start; } && [ ! -s "$big" ]; then        # the same file bench_cuda.py would write, started early
   (python3 - "$work" "$BLOOMERY_TOKENIZER_GGUF" > "$out/write.log" 2>&1 <<'EOF'
 import sys, time
 from pathlib import Path
@@ -127,4 +130,12 @@ if has serve; then
   [ -n "${writer:-}" ] && wait "$writer" 2>/dev/null
   args=(--model "$big" --backend cuda --out "$work/serve.json")
   against_llama serve "${SERVE_CELLS:-}" "${SERVE_S:-540}"
+fi
+
+if has start; then
+  [ -n "${writer:-}" ] && wait "$writer" 2>/dev/null
+  t0=$SECONDS
+  timeout "${START_S:-540}" python3 tools/bench_start.py --model "$big" --modes "${START_MODES:-auto,nvrtc}" \
+    --work "$work/start" --bloomery-args "-c 32768 -np 4" --out "$out/start.json" 2>&1 | tee "$out/start.log" | tail -n 20
+  echo "start: $((SECONDS - t0)) s"
 fi

@@ -228,6 +228,12 @@ def main(args: dict) -> int:
         return load_model(open_gguf(args["model_file"]), placement, progress=progress,
                           threads=max(0, int(args.get("threads", -1))))
     model = load(LoadProgress(float(args.get("progress_s", PROGRESS_S))))
+    if placement.backend == "cuda":
+        # the kernel modules: the prebuilt ones loaded with the backend, the rest compiling since then
+        # (engine/cuda/kernels.py); which came which way, and how long the load still waited for them
+        t_k = time.monotonic()
+        got = model.ops.k.wait()
+        records.record("load", "cuda kernels", component="engine", waited_s=round(time.monotonic() - t_k, 3), **got)
     if args.get("warmup", True):
         # As llama-server's warmup, and each path a request can take (engine/warmup.py): nothing is
         # compiled or captured on a request's path. The slots' bookkeeping stays empty (the engine

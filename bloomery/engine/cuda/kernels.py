@@ -1,9 +1,16 @@
-"""The one loader of kernels/*.cu: NVRTC through CuPy RawModule, compiled once per card.
+"""The one loader of kernels/*.cu: each module from its prebuilt fatbin where one covers the card,
+else compiled by NVRTC through CuPy RawModule, once per card.
+
+The fatbins ship in the wheel (fatbin.py builds them with nvcc; bloomery/engine/cuda/prebuilt/)
+and are taken only when built from today's source. The modules without one compile in parallel,
+one thread each, from the moment the backend is made, so they compile while the weights load;
+wait() joins them before the warm-up and says how each module came. BLOOMERY_CUDA_KERNELS
+chooses: auto (the default), nvrtc (compile every module), prebuilt (compile none: fatbin.plan).
 
 CuPy caches each compiled module on disk keyed by its source, options and the card's
 architecture; we point that cache at ~/.cache/bloomery/kernels (BLOOMERY_CACHE moves it)
-unless CUPY_CACHE_DIR is set. `#include "x.cuh"` lines are inlined here, so NVRTC needs no
-include path and the cache key covers the headers too.
+unless CUPY_CACHE_DIR is set. `#include "x.cuh"` lines are inlined (fatbin.source), so NVRTC
+needs no include path and the cache key covers the headers too.
 
 Every kernel is launched through one Launcher: CuPy's own launch, or, while `Kernels.pdl` is
 set (a decode step being captured, cuda_graph.py), the driver's cuLaunchKernelEx with the
@@ -16,33 +23,16 @@ from __future__ import annotations
 import ctypes
 import os
 import re
-from pathlib import Path
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from bloomery.kernels import cache_dir, kernel_dir
+from bloomery.engine.cuda import fatbin
+from bloomery.engine.cuda.fatbin import MODULES, OPTIONS, source
+from bloomery.kernels import cache_dir, kernel_dir  # noqa: F401  (kernel_dir: the tests' way to the sources)
 
-MODULES = ("matvec", "moe", "attention", "layers")
 BIG_SMEM = frozenset({"moe_gate_up_s", "moe_down_s"})    # kernels whose shared memory may pass 48 KiB
-_INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.M)
-
-
-def source(name: str, kdir: Path | None = None) -> str:
-    """kernels/<name>.cu with its includes inlined (each header once)."""
-    kdir = kdir or kernel_dir()
-    seen: set[str] = set()
-
-    def inline(fname: str) -> str:
-        text = (kdir / fname).read_text()
-
-        def sub(m: re.Match) -> str:
-            inc = m.group(1)
-            if inc in seen:
-                return ""
-            seen.add(inc)
-            return inline(inc)
-        return _INCLUDE.sub(sub, text)
-    return inline(f"{name}.cu")
 
 
 _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6       # CUlaunchAttributeID (cuda.h)
@@ -138,9 +128,34 @@ class Launcher:
         return int(driver.occupancyMaxActiveBlocksPerMultiprocessor(self.fn.kernel.ptr, block, shared_mem))
 
 
+def kernel_names(src: str) -> list[str]:
+    """The kernels a module's source defines: its extern "C" __global__ functions and the ones its
+    macros make (one per macro line)."""
+    names = re.findall(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s+)?(?!__launch_bounds__)(\w+)\(', src)
+    names += [f"mmv3_b{n}" for n in re.findall(r"^MMV3\((\d+)\)", src, re.M)]
+    names += [f"mmv3n_b{n}" for n in re.findall(r"^MMV3N\((\d+)\)", src, re.M)]
+    names += [f"attn_dec_{a}_{b}" for a, b in re.findall(r"^ATTN_DEC\((\d+), (\d+)\)", src, re.M)]
+    names += [f"moe_route_w{n}" for n in re.findall(r"^MOE_ROUTE_W\((\d+)\)", src, re.M)]
+    return names
+
+
+def _compile(cupy, name: str, device: int):
+    """One module through NVRTC (CuPy's disk cache first), in a worker thread: the card made
+    current there, since a new thread has none. Returns the loaded module and its seconds."""
+    t = time.monotonic()
+    cupy.cuda.Device(device).use()
+    mod = cupy.RawModule(code=source(name), options=OPTIONS)
+    try:
+        mod.compile()
+    except Exception as e:
+        raise RuntimeError(f"compiling kernels/{name}.cu with NVRTC failed: {type(e).__name__}: {e}") from e
+    return mod, time.monotonic() - t
+
+
 class Kernels:
-    """Functions by name across the modules; compiled on first use. `pdl`: launch with
-    programmatic dependent launch (set while a decode step is captured)."""
+    """Functions by name across the modules. Made: the prebuilt modules load and the rest start
+    compiling (fatbin.plan); wait() joins them. `pdl`: launch with programmatic dependent launch
+    (set while a decode step is captured)."""
 
     def __init__(self):
         self.pdl = False
@@ -149,18 +164,55 @@ class Kernels:
         self._cupy = cupy
         self._mods: dict[str, object] = {}
         self._fns: dict[str, object] = {}
-        self._where = {}
-        for mod in MODULES:
-            src = source(mod)
-            names = re.findall(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s+)?(?!__launch_bounds__)(\w+)\(', src)
-            names += [f"mmv3_b{n}" for n in re.findall(r"^MMV3\((\d+)\)", src, re.M)]
-            names += [f"mmv3n_b{n}" for n in re.findall(r"^MMV3N\((\d+)\)", src, re.M)]
-            names += [f"attn_dec_{a}_{b}" for a, b in re.findall(r"^ATTN_DEC\((\d+), (\d+)\)", src, re.M)]
-            names += [f"moe_route_w{n}" for n in re.findall(r"^MOE_ROUTE_W\((\d+)\)", src, re.M)]
-            for fn in names:
-                self._where[fn] = mod
+        self._where = {fn: mod for mod in MODULES for fn in kernel_names(source(mod))}
+        dev = cupy.cuda.Device()
+        self.arch = f"sm_{dev.compute_capability}"
+        self.mode = os.environ.get("BLOOMERY_CUDA_KERNELS", "auto")
+        plan = fatbin.plan(dev.compute_capability, self.mode)
+        self.report: dict[str, tuple[str, float, str]] = {}   # module -> (how it came, seconds, why)
+        self._why = {m: why for m, (how, _, why) in plan.items() if how == "nvrtc"}
+        for m, (how, path, why) in plan.items():
+            if how != "prebuilt":
+                continue
+            t = time.monotonic()
+            mod = cupy.RawModule(path=path)
+            try:
+                mod.compile()                 # cuModuleLoad: the driver takes the card's cubin
+            except Exception as e:            # e.g. a driver older than the nvcc that built it: compile instead
+                why = f"the fatbin did not load: {type(e).__name__}: {e}"
+                if self.mode == "prebuilt":
+                    raise RuntimeError(f"BLOOMERY_CUDA_KERNELS=prebuilt: {path}: {why}") from e
+                self._why[m] = why
+                continue
+            self._mods[m] = mod
+            self.report[m] = ("prebuilt", time.monotonic() - t, why)
+        self._pending: dict[str, Future] = {}
+        if self._why:
+            pool = ThreadPoolExecutor(max_workers=len(self._why), thread_name_prefix="nvrtc")
+            self._pending = {m: pool.submit(_compile, cupy, m, dev.id) for m in self._why}
+            pool.shutdown(wait=False)         # the threads end with their compile
+
+    def _join(self, mod: str) -> None:
+        fut = self._pending.pop(mod, None)
+        if fut is not None:
+            self._mods[mod], took = fut.result()
+            self.report[mod] = ("compiled", took, self._why[mod])
+
+    def wait(self) -> dict[str, str]:
+        """Every module loaded (the compiles joined); how each came, for the start record:
+        arch, mode, and `prebuilt` / `compiled` as "module seconds s (why)" lists."""
+        for mod in list(self._pending):
+            self._join(mod)
+        out = {"arch": self.arch, "mode": self.mode}
+        for how in ("prebuilt", "compiled"):
+            got = [f"{m} {took:.3f} s" + ("" if how == "prebuilt" and why == "cubin" else f" ({why})")
+                   for m, (h, took, why) in self.report.items() if h == how]
+            if got:
+                out[how] = ", ".join(got)
+        return out
 
     def compile_all(self) -> None:
+        self.wait()
         for fn in self._where:
             getattr(self, fn)
 
@@ -172,6 +224,6 @@ class Kernels:
             if mod is None:
                 raise AttributeError(f"no kernel {fn!r} in kernels/ ({', '.join(MODULES)})")
             if mod not in self._mods:
-                self._mods[mod] = self._cupy.RawModule(code=source(mod), options=("--std=c++17",))
+                self._join(mod)
             self._fns[fn] = Launcher(self, self._mods[mod].get_function(fn), big_smem=fn in BIG_SMEM)
         return self._fns[fn]

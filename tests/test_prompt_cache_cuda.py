@@ -50,5 +50,10 @@ def test_a_b_a_restores_on_the_card_with_the_first_runs_ids(gpu, tokenizer_sourc
             outs += engine.step()
         runs[rid] = outs
     assert runs["a2"][0].n_cached == len(a) - 1 and runs["b"][0].n_cached == 0
-    assert [o.token for o in runs["a2"]] == [o.token for o in runs["a1"]]
+    # On the card the restored run reads the prompt's last id through the decode path (int8 rows per 32)
+    # where the first run read it in the prompt pass (f16 GEMM): the same function rounded differently,
+    # so greedy ids agree until a near tie of this random-weight file (on the H200: the first 5 of 16,
+    # 2026-12-02). A wrong restore changes the first id; the CPU backend's test asserts all 16.
+    got, want = [o.token for o in runs["a2"]], [o.token for o in runs["a1"]]
+    assert got[:4] == want[:4], (got, want)
     assert engine.prompt_cache.n_bytes == model.kv_bytes_per_position * (len(a) + 15 + len(b) + 15)

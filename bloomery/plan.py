@@ -220,6 +220,12 @@ SIGMOID_BYTES = 72               # per element of NumpyOps.sigmoid: the negated 
                                  # float64/int64 locals and its polynomial's products, 1 + e and the result
 
 
+def _compiled_attention(head_dim: int) -> bool:
+    """The numpy backend's attention runs in the compiled kernels (cpu/kv_cache.py: head sizes up to 1024)."""
+    from bloomery.engine.cpu import kernels as cpu_kernels
+    return head_dim <= 1024 and cpu_kernels.lib() is not None
+
+
 def _numpy_scratch(facts: ModelFacts, n_ctx_slot: int, n_slots: int) -> int:
     """The numpy backend's transient peak: the largest of the moments below, each the arrays alive at
     once (models/layers.py over cpu/backend.py, the compiled kernels on). T = rows of the largest
@@ -237,6 +243,11 @@ def _numpy_scratch(facts: ModelFacts, n_ctx_slot: int, n_slots: int) -> int:
         - the attention: rotated q and k, the span's output and the backend's [T, H, Dh] beside it,
           K widened to f32 for the tiled path [L, Hkv, Dh] and each thread's row of scores [L];
         - the output projection: its input, the input's codes, the product and the residual sum;
+        - without the compiled kernels (BLOOMERY_CPU_KERNELS=off, or no C compiler), the numpy
+          attention's tiled path instead: q grouped in f32 and f64, K and V widened to f32 [L, Hkv,
+          Dh], and the scores [H, T, L] in f32 with each FMA step's f64 product and f32 result
+          beside them (16 bytes a score); the numpy kernels' own chunk temporaries in the products
+          (tens of MB, bounded by their chunk sizes, not by the model) are not counted;
         - a hybrid's gated attention: the output beside a copy of the gate [T, H Dh] each, and the
           gate's sigmoid (SIGMOID_BYTES per element);
         - a hybrid's linear-attention layer (in its place): the norm's output, the output gate z
@@ -275,6 +286,9 @@ def _numpy_scratch(facts: ModelFacts, n_ctx_slot: int, n_slots: int) -> int:
         t * (h + hkv) * dh * F32 + 2 * t * h * dh * F32 + n_ctx_slot * (hkv * dh + N_THREADS) * F32,
         t * h * dh * (F32 + ACT_CODES) + 2 * row,
         (2 * F32 + SIGMOID_BYTES) * t * h * dh if channels else 0)
+    if not _compiled_attention(dh):                              # the numpy attention's tiled path over L positions
+        attention = max(attention, row + qkv + t * (h + hkv) * dh * F32 + t * h * dh * (2 * F32 + 8)
+                        + 8 * hkv * dh * n_ctx_slot + 16 * t * h * n_ctx_slot)
     if channels:                                               # a linear-attention layer's conv step
         attention = max(attention, row + t * inner * F32 + 5 * t * channels * F32)
     if facts.n_expert:

@@ -35,6 +35,13 @@ WEIGHTS = 485_452_288
 BIG = Census(host_avail_bytes=10**12)
 
 
+@pytest.fixture(autouse=True)
+def compiled_attention(monkeypatch):
+    """The hand numbers are the compiled kernels' (a machine without a C compiler runs the numpy attention,
+    whose scores the plan counts too: test_numpy_scratch_without_the_compiled_attention)."""
+    monkeypatch.setattr(plan_mod, "_compiled_attention", lambda head_dim: True)
+
+
 def host_need(slot: int, n_slots: int = 1) -> int:     # the docstring's formula, any slot count
     return WEIGHTS + 268_435_456 + 6144 * 2 * slot * n_slots + 41_900_032
 
@@ -136,6 +143,17 @@ def test_numpy_counts_its_decoded_forms_and_cuda_does_not():
     assert decoded_bytes(tensors[:1]) + decoded_bytes(tensors[3:]) == n   # the norm's F32 is read in place, the
     cuda = make_plan(facts, Census(2**30, (10**12,)), backend="cuda", ctx_size=4096)   # embedding by rows
     assert cuda.decoded_bytes == 0 and cuda.placement.device("cuda:0").terms.decoded == 0
+
+
+def test_numpy_scratch_without_the_compiled_attention(monkeypatch):
+    """BLOOMERY_CPU_KERNELS=off (or no compiler): the numpy attention's tiled path holds the scores [H, T, L]
+    at 16 bytes each (f32, and each FMA step's f64 product and f32 result), beside q in f32 and f64 and K, V
+    widened to f32: at S = 4096 that moment passes the dense FFN's."""
+    monkeypatch.setattr(plan_mod, "_compiled_attention", lambda head_dim: False)
+    assert plan_mod.scratch_bytes_for(QWEN25, 4096) == (
+        2 * 512 * 896 * 4 + 512 * 896 * 4 + 512 * 18 * 64 * 4      # the block's input, embedded rows, norm, q k v
+        + 512 * 16 * 64 * 4 + 512 * 14 * 64 * 16                     # rotated q and k; grouped q, f64 q, output
+        + 8 * 2 * 64 * 4096 + 16 * 512 * 14 * 4096) == 491_257_856   # K and V in f32; the scores
 
 
 def test_numpy_forms_without_the_compiled_kernels_are_planes(monkeypatch):

@@ -135,8 +135,8 @@ SCRATCH_SHAPES = {
                                                              head_dim=64, n_ff=256)),
     "routed FFN": ("qwen3moe", 1024, dict(n_layer=2, n_embd=256, n_head=2, n_head_kv=1, head_dim=64,
                                           n_expert=4, n_expert_used=4, n_ff_exp=512)),
-    "hybrid's gate": ("qwen35moe", 1024, dict(n_layer=4, n_embd=256, n_head=4, n_head_kv=2, head_dim=64,
-                                             n_expert=8, n_expert_used=2, n_ff_exp=256, n_ff_shexp=256)),
+    "hybrid's gate": ("qwen35moe", 1024, dict(n_layer=2, full_attn_interval=2, n_embd=256, n_head=4, n_head_kv=2,
+                                             head_dim=64, n_expert=8, n_expert_used=2, n_ff_exp=256, n_ff_shexp=256)),
 }
 
 

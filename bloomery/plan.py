@@ -16,7 +16,8 @@ Byte terms, per device, as the backend allocates them: weights as stored, the nu
 backend's decoded forms of them (engine/cpu/forms.py builds a few rows of each to count
 them), KV for every slot (f16 on both backends; the same K+V count llama.cpp allocates;
 a hybrid file's KV only for its full-attention layers, plus each slot's float32 recurrent
-state of its linear-attention layers, counted in the kv term), scratch for one prompt pass, then the host reserve or the card margin. The result is a
+state of its linear-attention layers, counted in the kv term), scratch (the transient peak of a prompt pass or
+decode step: scratch_bytes_for), then the host reserve or the card margin. The result is a
 Placement (bloomery/placement.py), which the engine stage's load carries out.
 """
 from __future__ import annotations

@@ -98,6 +98,12 @@ def _int_key(meta: dict, key: str, default=None, allow_list: bool = False):
     return v
 
 
+def _int_or_0(meta: dict, key: str) -> int:
+    """An optional positive integer key (a scratch term's size), 0 where it is absent or not one."""
+    v = meta.get(key)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
+
+
 def model_facts(gguf_file) -> ModelFacts:
     """The facts a plan needs, from an open GGUFFile's header (no tensor data read)."""
     meta = gguf_file.metadata
@@ -135,14 +141,12 @@ def model_facts(gguf_file) -> ModelFacts:
     tensors = tuple((name, int(t.ggml_type), tuple(int(s) for s in t.shape)) for name, t in gguf_file.tensors.items())
     sizes = tuple(int(t.n_bytes) for t in gguf_file.tensors.values())
     n_head_kv, state_bytes, ssm_widths = _recurrent_terms(meta, arch, n_layer, n_head_kv)
-    n_rot = meta.get(f"{arch}.rope.dimension_count", 0)
-    n_ff_shexp = meta.get(f"{arch}.expert_shared_feed_forward_length", 0) if n_expert else 0
     return ModelFacts(arch, n_layer, _int_key(meta, f"{arch}.context_length"), n_embd, n_head,
                       n_head_kv, dk, dv, n_ff, n_vocab, dict(sorted(by_type.items())), n_weights, max_elems,
                       tensors, sizes, int(n_expert), state_bytes,
-                      int(meta.get(f"{arch}.expert_used_count", 0)) if n_expert else 0,
-                      n_rot if isinstance(n_rot, int) and not isinstance(n_rot, bool) and n_rot > 0 else 0,
-                      int(n_ff_shexp or 0), ssm_widths)
+                      _int_or_0(meta, f"{arch}.expert_used_count") if n_expert else 0,
+                      _int_or_0(meta, f"{arch}.rope.dimension_count"),
+                      _int_or_0(meta, f"{arch}.expert_shared_feed_forward_length") if n_expert else 0, ssm_widths)
 
 
 def _recurrent_terms(meta: dict, arch: str, n_layer: int,

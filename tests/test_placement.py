@@ -54,8 +54,8 @@ print(json.dumps({"anon": after["RssAnon"] - before["RssAnon"], "file": after["R
 """
 
 
-# After a load (and HELD's run, where it is given one): the tracemalloc peak of each pass below above
-# what was traced before it. Two slots: slot 1 takes a first short prompt (every lazy form and handle
+# In a fresh process after the load: the tracemalloc peak of each pass below above what was traced
+# before it. Two slots: slot 1 takes a first short prompt and decode steps (every lazy form and handle
 # made), slot 0 the measured passes, so a hybrid's state only moves forward. The RoPE rows of every
 # position are made first: the backend keeps them (held, not scratch).
 SCRATCH = r"""
@@ -98,7 +98,8 @@ def scratch_peaks(path, ctx: int) -> dict:
                        timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    assert not got["kernels"].startswith(("off", "no C", "the C")), got   # the compiled kernels' path is counted
+    assert not got["kernels"].startswith(("off", "no C", "the C")), (
+        f"the compiled kernels are off ({got['kernels']}): the plan does not count the numpy kernels' chunk temporaries")
     return got
 
 

@@ -24,7 +24,7 @@ class Terms:
     weights: int = 0        # the stored tensors placed here, as stored
     decoded: int = 0        # the backend's decoded forms of them (numpy: int rows, planes, dense copies)
     kv: int = 0             # the KV cache of every slot, as the backend allocates it
-    scratch: int = 0        # the peak of one prompt pass (transient: not held between requests)
+    scratch: int = 0        # the peak of a prompt pass or decode step (transient: not held between requests)
     pinned: int = 0         # staging buffers for host experts streamed to a card (host: pinned; card: receive)
     margin: int = 0         # kept free on a card, or reserved on the host (interpreter, tables, sockets)
     # the host: the prompt cache's budget (-cram), filled by saved slot states as requests come; counted

@@ -16,7 +16,8 @@ Byte terms, per device, as the backend allocates them: weights as stored, the nu
 backend's decoded forms of them (engine/cpu/forms.py builds a few rows of each to count
 them), KV for every slot (f16 on both backends; the same K+V count llama.cpp allocates;
 a hybrid file's KV only for its full-attention layers, plus each slot's float32 recurrent
-state of its linear-attention layers, counted in the kv term), scratch for one prompt pass, then the host reserve or the card margin. The result is a
+state of its linear-attention layers, counted in the kv term), scratch (the transient peak of a prompt pass or
+decode step: scratch_bytes_for), then the host reserve or the card margin. The result is a
 Placement (bloomery/placement.py), which the engine stage's load carries out.
 """
 from __future__ import annotations
@@ -76,6 +77,10 @@ class ModelFacts:
     sizes: tuple[int, ...] = field(default=(), compare=False, repr=False)   # each tensor's stored bytes, same order
     n_expert: int = 0               # routed experts per layer (0: dense)
     state_bytes: int = 0            # a slot's recurrent state (linear-attention layers), float32 as held
+    n_expert_used: int = 0          # routed experts each row takes (0: dense)
+    n_rot: int = 0                  # rotated dims of a head (0: the key length, the file's default)
+    n_ff_shexp: int = 0             # a shared expert's FFN width (qwen35moe; 0: none)
+    ssm_widths: tuple[int, int] = (0, 0)   # a linear-attention layer's conv channels and value width (hybrid files)
 
 
 def _pad(n: int, to: int) -> int:
@@ -91,6 +96,12 @@ def _int_key(meta: dict, key: str, default=None, allow_list: bool = False):
         got = "missing" if v is None else repr(v if not isinstance(v, list) else v[:8])
         raise PlanError(f"model key {key} is {got}; it must be a positive integer")
     return v
+
+
+def _int_or_0(meta: dict, key: str) -> int:
+    """An optional positive integer key (a scratch term's size), 0 where it is absent or not one."""
+    v = meta.get(key)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
 
 
 def model_facts(gguf_file) -> ModelFacts:
@@ -129,19 +140,24 @@ def model_facts(gguf_file) -> ModelFacts:
         max_elems = max(max_elems, n)
     tensors = tuple((name, int(t.ggml_type), tuple(int(s) for s in t.shape)) for name, t in gguf_file.tensors.items())
     sizes = tuple(int(t.n_bytes) for t in gguf_file.tensors.values())
-    n_head_kv, state_bytes = _recurrent_terms(meta, arch, n_layer, n_head_kv)
+    n_head_kv, state_bytes, ssm_widths = _recurrent_terms(meta, arch, n_layer, n_head_kv)
     return ModelFacts(arch, n_layer, _int_key(meta, f"{arch}.context_length"), n_embd, n_head,
                       n_head_kv, dk, dv, n_ff, n_vocab, dict(sorted(by_type.items())), n_weights, max_elems,
-                      tensors, sizes, int(n_expert), state_bytes)
+                      tensors, sizes, int(n_expert), state_bytes,
+                      _int_or_0(meta, f"{arch}.expert_used_count") if n_expert else 0,
+                      _int_or_0(meta, f"{arch}.rope.dimension_count"),
+                      _int_or_0(meta, f"{arch}.expert_shared_feed_forward_length") if n_expert else 0, ssm_widths)
 
 
-def _recurrent_terms(meta: dict, arch: str, n_layer: int, n_head_kv: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
-    """A hybrid file's (KV heads per layer, recurrent state bytes per slot): its linear-attention
+def _recurrent_terms(meta: dict, arch: str, n_layer: int,
+                     n_head_kv: tuple[int, ...]) -> tuple[tuple[int, ...], int, tuple[int, int]]:
+    """A hybrid file's (KV heads per layer, recurrent state bytes per slot, a linear-attention layer's conv
+    channels and value width): its linear-attention
     layers and its MTP layers hold no KV (llama.cpp's hybrid memory keeps KV for the trunk's
     full-attention layers), each linear-attention layer a float32 conv window and delta-rule state
-    per slot. Other files: unchanged, 0."""
+    per slot. Other files: unchanged, 0, (0, 0)."""
     if f"{arch}.ssm.state_size" not in meta:
-        return n_head_kv, 0
+        return n_head_kv, 0, (0, 0)
     from bloomery.engine.models.base import ModelError
     from bloomery.engine.models.layers import DeltaNetParams, recurrent_layers
     try:
@@ -154,7 +170,7 @@ def _recurrent_terms(meta: dict, arch: str, n_layer: int, n_head_kv: tuple[int, 
     if dn.problem():
         raise PlanError(f"model keys {arch}.ssm.*: {dn.problem()}")
     kv = tuple(0 if il >= n_trunk or recurrent[il] else h for il, h in enumerate(n_head_kv))
-    return kv, 4 * dn.state_floats * sum(recurrent)
+    return kv, 4 * dn.state_floats * sum(recurrent), (dn.conv_channels, dn.d_inner)
 
 
 def layout_of(facts: ModelFacts) -> offload.Layout:
@@ -183,24 +199,114 @@ def kv_bytes_for(facts: ModelFacts, n_ctx: int, bytes_per_elem: int) -> int:
     return n_ctx * per_pos * bytes_per_elem
 
 
-def scratch_bytes_for(facts: ModelFacts, n_ctx_slot: int, backend: str = "numpy") -> int:
-    """Transient bytes of one prompt pass.
+def scratch_bytes_for(facts: ModelFacts, n_ctx_slot: int, backend: str = "numpy", n_slots: int = 1) -> int:
+    """Transient bytes at the peak of one prompt pass or decode step (what is allocated during it and
+    handed back after).
 
-    numpy: float32 activations of one N_UBATCH pass (hidden, q/k/v, FFN, scores, logits).
+    numpy: _numpy_scratch, counted from the backend's own arrays.
     cuda (an estimate, not yet checked against the card): the prompt path's f16 copies of up to
     three weights at once (the largest tensor: MoE gate, up and down stacks), float32/f16
     activations of a CUDA_UBATCH-row pass with MoE rows padded by half for the grouping, the
     attention's score chunk (CUDA_SCORE_BYTES f32 + its f16 probabilities), one row of logits.
     """
-    kv_width = 2 * max(facts.n_head_kv) * facts.head_dim_k
     if backend == "cuda":
+        kv_width = 2 * max(facts.n_head_kv) * facts.head_dim_k
         q_width = (facts.n_head + kv_width // facts.head_dim_k) * facts.head_dim_k
         per_row = 6 * facts.n_embd + 2 * q_width + 6 * facts.n_ff
         return (3 * 2 * facts.max_tensor_elems + 4 * CUDA_UBATCH * per_row
                 + CUDA_SCORE_BYTES * 3 // 2 + 4 * facts.n_vocab)
-    per_row = (4 * facts.n_embd + kv_width + 3 * facts.n_ff
-               + facts.n_head * n_ctx_slot + facts.n_vocab)
-    return 4 * N_UBATCH * per_row
+    return _numpy_scratch(facts, n_ctx_slot, n_slots)
+
+
+F32 = 4                          # bytes of one float32 activation
+ACT_CODES = 1 + 4 / 256 + 2 / 16  # bytes per element of an input quantized for the compiled kernels (formats.CAct):
+                                 # q8_K's int8 code, f32 scale per 256 and int16 sum per 16 (q8_0's 1 + 4/32 is less)
+SIGMOID_BYTES = 72               # per element of NumpyOps.sigmoid: the negated input, ops_math.expf_libm's seven
+                                 # float64/int64 locals and its polynomial's products, 1 + e and the result
+
+
+def _compiled_attention(head_dim: int) -> bool:
+    """The numpy backend's attention runs in the compiled kernels (cpu/kv_cache.py: head sizes up to 1024)."""
+    from bloomery.engine.cpu import kernels as cpu_kernels
+    return head_dim <= 1024 and cpu_kernels.lib() is not None
+
+
+def _numpy_scratch(facts: ModelFacts, n_ctx_slot: int, n_slots: int) -> int:
+    """The numpy backend's transient peak: the largest of the moments below, each the arrays alive at
+    once (models/layers.py over cpu/backend.py, the compiled kernels on). T = rows of the largest
+    prompt pass, L = a slot's positions; D, H, Hkv, Dh, F as the legend of models/layers.py.
+
+    Alive through the whole pass: the embedded rows (the model's _run keeps them) and the block's
+    input, 2 x [T, D] (the same array in a one-layer model). On top of them, whichever is largest:
+      attention: the norm's output [T, D] and q, k, v [T, (H + 2 Hkv) Dh], then
+        - Q/K/V's products: the input's codes (2 sets: Q4_K's gemm rows and Q6_K's are quantized
+          apart) and, with biases, q, k, v before the bias add;
+        - RoPE of q (then of k, q's result beside it), after the per-head norms where the model has
+          them (qwen3 and later: normed copies of q and k, each dropped once rotated): the cos and
+          sin tables, x0 and x1 widened to f64, the output copy, x0*cos and x1*sin in f64 and one of
+          them cast to f32: (18 n_rot + 4 Dh) bytes per head and row;
+        - the attention: rotated q and k, the span's output and the backend's [T, H, Dh] beside it,
+          K widened to f32 for the tiled path [L, Hkv, Dh] and each thread's row of scores [L];
+        - the output projection: its input, the input's codes, the product and the residual sum;
+        - without the compiled kernels (BLOOMERY_CPU_KERNELS=off, or no C compiler), the numpy
+          attention's tiled path instead: q grouped in f32 and f64, K and V widened to f32 [L, Hkv,
+          Dh], and the scores [H, T, L] in f32 with each FMA step's f64 product and f32 result
+          beside them (16 bytes a score); the numpy kernels' own chunk temporaries in the products
+          (tens of MB, bounded by their chunk sizes, not by the model) are not counted;
+        - a hybrid's gated attention: the output beside a copy of the gate [T, H Dh] each, and the
+          gate's sigmoid (SIGMOID_BYTES per element);
+        - a hybrid's linear-attention layer (in its place): the norm's output, the output gate z
+          [T, d_inner], the fused q, k, v [T, C] and, in the conv step, its output, the window, the
+          running sum and one tap's product [T, C] each;
+      dense FFN (the down projection): the attention half's output, the norm's output, gate, up
+        and their SwiGLU [T, F] each, the SwiGLU's codes and the product [T, D];
+      routed FFN: the attention half's and norm's outputs, router logits [T, E], ids (int64) and
+        weights [T, A], the outputs per rank [T, A, D], and for one expert, counted at T rows (a
+        router may send every row of a pass to one expert): its rows' ids, its input [T, D], and
+        the larger of gate + up + SwiGLU [T, Fe] each with the previous expert's SwiGLU still bound
+        to the loop's name (its T rows too where rows take two or more experts), and SwiGLU + its
+        codes + the down product;
+        beside them a shared expert's gate and up [T, Fs] and its gate logit [T] (qwen35moe);
+      a decode step's head: logits [B, V] with their NaN mask for B = every slot, and for one row its
+        copy, negation and argpartition's int64 order (top-k picks).
+    """
+    from bloomery.engine.quant.threads import N_THREADS          # the attention's score rows, one per thread
+    t = min(N_UBATCH, n_slots * n_ctx_slot)
+    d, h, dh, v = facts.n_embd, facts.n_head, facts.head_dim_k, facts.n_vocab
+    hkv = max(facts.n_head_kv) or h
+    rot = facts.n_rot or dh
+    names = {name.split(".", 2)[-1] for name, _, _ in facts.tensors}
+    biased = "attn_q.bias" in names if names else facts.arch == "qwen2"
+    qk_norm = "attn_q_norm.weight" in names if names else facts.arch != "qwen2"
+    channels, inner = facts.ssm_widths                         # hybrid files: (0, 0) in others
+    row = t * d * F32                                          # one [T, D] activation
+    held = (2 if facts.n_layer > 1 else 1) * row
+    qkv = t * ((2 if channels else 1) * h + 2 * hkv) * dh * F32   # a hybrid's Q projection holds each head's gate
+    norm = F32 if qk_norm else 0                               # bytes per element of a normed copy
+    tables = 12 * t * rot                                      # RoPE's cos and sin [T, n_rot/2] in f32 and f64
+    attention = row + qkv + max(
+        (qkv if biased else 0) + 2 * ACT_CODES * t * d,
+        t * (h + hkv) * dh * norm + tables + t * h * (18 * rot + 4 * dh),
+        t * hkv * dh * norm + t * h * dh * F32 + tables + t * hkv * (18 * rot + 4 * dh),
+        t * (h + hkv) * dh * F32 + 2 * t * h * dh * F32 + n_ctx_slot * (hkv * dh + N_THREADS) * F32,
+        t * h * dh * (F32 + ACT_CODES) + 2 * row,
+        (2 * F32 + SIGMOID_BYTES) * t * h * dh if channels else 0)
+    if not _compiled_attention(dh):                              # the numpy attention's tiled path over L positions
+        attention = max(attention, row + qkv + t * (h + hkv) * dh * F32 + t * h * dh * (2 * F32 + 8)
+                        + 8 * hkv * dh * n_ctx_slot + 16 * t * h * n_ctx_slot)
+    if channels:                                               # a linear-attention layer's conv step
+        attention = max(attention, row + t * inner * F32 + 5 * t * channels * F32)
+    if facts.n_expert:
+        a = facts.n_expert_used or 1
+        fe = facts.n_ff // a
+        ffn = (2 * row + t * facts.n_expert * F32 + t * a * (8 + F32) + t * a * d * F32 + 16 * t + row
+               + t * (2 * facts.n_ff_shexp + 1) * F32
+               + max((4 if a > 1 else 3) * t * fe * F32, 2 * t * fe * F32 + ACT_CODES * t * d,
+                     t * fe * (F32 + ACT_CODES) + row, t * fe * F32 + 2 * row))
+    else:
+        ffn = 3 * row + t * facts.n_ff * (3 * F32 + ACT_CODES)
+    decode = n_slots * v * (F32 + 1) + v * 16
+    return int(max(held + attention, held + ffn, decode))
 
 
 CASES = {"whole": "the model fits the card: every tensor there",
@@ -339,7 +445,7 @@ def _terms(facts: ModelFacts, backend: str, n_slots: int, n_ctx_slot: int) -> di
     return {"weights": sum(facts.tensor_bytes.values()),
             "decoded": decoded_bytes_for(facts, backend),
             "kv": kv_bytes_for(facts, n_slots * n_ctx_slot, KV_BYTES_PER_ELEM[backend]) + n_slots * facts.state_bytes,
-            "scratch": scratch_bytes_for(facts, n_ctx_slot, backend)}
+            "scratch": scratch_bytes_for(facts, n_ctx_slot, backend, n_slots)}
 
 
 def _place(facts, census, n_slots, n_ctx_slot, ask, fit_experts) -> offload.Result:

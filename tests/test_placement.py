@@ -8,6 +8,11 @@ where that is more: a small context's KV is a few MiB), and its file-backed page
 stored weights (the stored blocks are a mapping of the file: pages the kernel may drop and read
 again; the token embedding's rows are read only as ids use them). On a card: the bytes CuPy holds after the
 load against the card's weights + KV.
+
+The CPU's transient bytes: the tracemalloc peak (numpy's arrays are traced) of a prompt pass of the full
+ubatch, at the slot's start and where the pass ends at the slot's last position (the attention's
+longest reach), and of decode steps there, against the plan's scratch term within 10 %, on the real file
+and on synthetic dense, routed, hybrid and long-context files.
 """
 from __future__ import annotations
 
@@ -49,6 +54,60 @@ print(json.dumps({"anon": after["RssAnon"] - before["RssAnon"], "file": after["R
 """
 
 
+# In a fresh process after the load: the tracemalloc peak of each pass below above what was traced
+# before it. Two slots: slot 1 takes a first short prompt and decode steps (every lazy form and handle
+# made), slot 0 the measured passes, so a hybrid's state only moves forward. The RoPE rows of every
+# position are made first: the backend keeps them (held, not scratch).
+SCRATCH = r"""
+import json, sys, tracemalloc
+import numpy as np
+from bloomery.engine.cpu import backend, kernels
+from bloomery.engine.loader import load_model
+from bloomery.gguf_file import open_gguf
+from bloomery.plan import Census, make_plan, model_facts
+
+gf = open_gguf(sys.argv[1])
+plan = make_plan(model_facts(gf), Census(10**12), "numpy", ctx_size=2 * int(sys.argv[2]), n_parallel=2)
+model = load_model(gf, plan.placement)
+n, u = plan.n_ctx_slot, min(model.n_ubatch, plan.n_ctx_slot)
+rng = np.random.default_rng(0)
+ids = lambda k: rng.integers(100, model.n_vocab, k).astype(np.int32)
+model.prefill(1, ids(9), 0)
+model.decode_greedy([1], [5], [9]), model.decode_topk([1], [6], [10], 40), model.decode([1], [7], [11])
+backend.rope_table(np.arange(n), model.hp.n_rot, model.hp.freq_base)
+tracemalloc.start()
+def peak(call):
+    tracemalloc.reset_peak()
+    before = tracemalloc.get_traced_memory()[0]
+    call()
+    return tracemalloc.get_traced_memory()[1] - before
+end = n - u if model.rewinds and n > u else u                # a pass that ends at the slot's last position
+got = {"prompt": peak(lambda: model.prefill(0, ids(u), 0))}
+if end > u:
+    got["prompt at the end"] = peak(lambda: model.prefill(0, ids(u), end))
+last = n - 3 if model.rewinds else u                        # decode steps that read the most positions
+got["greedy"] = peak(lambda: model.decode_greedy([0, 1], [5, 6], [last, 12]))
+got["top-k"] = peak(lambda: model.decode_topk([0], [5], [last + 1], 40))
+got["logits"] = peak(lambda: model.decode([0, 1], [5, 6], [last + 2, 13]))
+print(json.dumps({"peaks": got, "scratch": plan.scratch_bytes, "kernels": kernels.status()}))
+"""
+
+
+def scratch_peaks(path, ctx: int) -> dict:
+    r = subprocess.run([sys.executable, "-c", SCRATCH, str(path), str(ctx)], capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert not got["kernels"].startswith(("off", "no C", "the C")), (
+        f"the compiled kernels are off ({got['kernels']}): the plan does not count the numpy kernels' chunk temporaries")
+    return got
+
+
+def assert_scratch_counted(got: dict) -> None:
+    top = max(got["peaks"].values())
+    assert abs(top - got["scratch"]) <= 0.10 * got["scratch"], got
+
+
 @pytest.mark.slow
 @pytest.mark.real_model
 @pytest.mark.parametrize("ctx", [512, 8192])
@@ -61,6 +120,39 @@ def test_numpy_placement_counts_what_the_load_holds(real_model_path, tmp_path, c
     assert got["decoded"] == 0                               # the compiled kernels read the blocks in place
     assert abs(got["anon"] - counted) <= max(0.03 * counted, 1 << 20), got   # 1 MiB: the run's own small arrays
     assert got["weights"] - got["embd"] - 0.03 * got["weights"] <= got["file"] <= got["weights"], got
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_numpy_scratch_counts_the_real_files_peak(real_model_path):
+    """A 512-row pass fills the slot: the dense FFN's down projection makes the peak."""
+    assert_scratch_counted(scratch_peaks(real_model_path, 512))
+
+
+# synthetic files whose peak is each of the moments the plan counts (plan._numpy_scratch), at Q4_K_M
+SCRATCH_SHAPES = {
+    "dense FFN": ("qwen2", 1024, dict(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=1024)),
+    "attention over a long context": ("qwen3", 16384, dict(n_layer=2, n_embd=128, n_head=2, n_head_kv=2,
+                                                             head_dim=64, n_ff=256)),
+    "routed FFN": ("qwen3moe", 1024, dict(n_layer=2, n_embd=256, n_head=2, n_head_kv=1, head_dim=64,
+                                          n_expert=4, n_expert_used=4, n_ff_exp=512)),
+    "hybrid's gate": ("qwen35moe", 1024, dict(n_layer=2, full_attn_interval=2, n_embd=256, n_head=4, n_head_kv=2,
+                                             head_dim=64, n_expert=8, n_expert_used=2, n_ff_exp=256, n_ff_shexp=256)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", sorted(SCRATCH_SHAPES))
+def test_numpy_scratch_counts_the_peak(tokenizer_source, synthetic_dir, shape):
+    from tests.conftest import load_tool
+
+    arch, ctx, dims = SCRATCH_SHAPES[shape]
+    path = synthetic_dir / f"scratch-{arch}-{ctx}.gguf"
+    if not path.exists():
+        load_tool("make_synthetic").write_synthetic(path, arch=arch, mode="blocks", mix="q4_k_m", seed=3,
+                                                    ctx_train=max(ctx, 4096), tokenizer_from=str(tokenizer_source),
+                                                    **dims)
+    assert_scratch_counted(scratch_peaks(path, ctx))
 
 
 # the card-side shapes: a dense and a MoE file of a few hundred MB (the card has no network for the real

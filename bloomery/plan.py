@@ -181,6 +181,15 @@ def layout_of(facts: ModelFacts) -> offload.Layout:
                           ((),) * facts.n_layer, (0,) * facts.n_layer)
 
 
+def rope_bytes_for(facts: ModelFacts, n_ctx_slot: int, backend: str) -> int:
+    """numpy: RoPE's cos and sin table, kept for every position seen (engine/cpu/backend.rope_table),
+    counted with the KV cache since it grows with the positions the slots reach. cuda: none."""
+    if backend != "numpy" or not facts.n_head:
+        return 0
+    from bloomery.engine.cpu.backend import rope_table_bytes
+    return rope_table_bytes(n_ctx_slot, facts.n_rot or facts.head_dim_k)
+
+
 @lru_cache(maxsize=8)
 def _numpy_decoded(tensors: tuple) -> int:
     from bloomery.engine.cpu.forms import decoded_bytes
@@ -444,7 +453,8 @@ class Plan:
 def _terms(facts: ModelFacts, backend: str, n_slots: int, n_ctx_slot: int) -> dict[str, int]:
     return {"weights": sum(facts.tensor_bytes.values()),
             "decoded": decoded_bytes_for(facts, backend),
-            "kv": kv_bytes_for(facts, n_slots * n_ctx_slot, KV_BYTES_PER_ELEM[backend]) + n_slots * facts.state_bytes,
+            "kv": (kv_bytes_for(facts, n_slots * n_ctx_slot, KV_BYTES_PER_ELEM[backend]) + n_slots * facts.state_bytes
+                   + rope_bytes_for(facts, n_ctx_slot, backend)),
             "scratch": scratch_bytes_for(facts, n_ctx_slot, backend, n_slots)}
 
 

@@ -10,7 +10,8 @@ list no tensors, so no decoded forms are counted; test_numpy_counts_its_decoded_
   512-row pass, 5 [T, D] float32 rows and, per [T, F] element, gate, up and SwiGLU in float32
   plus the SwiGLU's q8_K codes: 512*896*4*5 + 512*4864*(12 + 1.140625); the attention's moment,
   13,631,488 + 520 * S, passes it only past S = 54,364)
-  = 795,787,776 + 12,288 * S
+  + RoPE's cos and sin table 256 * S (32 pairs of f32 per position seen, kept: cpu/backend.rope_table)
+  = 795,787,776 + 12,544 * S
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def compiled_attention(monkeypatch):
 
 
 def host_need(slot: int, n_slots: int = 1) -> int:     # the docstring's formula, any slot count
-    return WEIGHTS + 268_435_456 + 6144 * 2 * slot * n_slots + 41_900_032
+    return WEIGHTS + 268_435_456 + 6144 * 2 * slot * n_slots + 256 * slot + 41_900_032
 
 
 @pytest.mark.real_model
@@ -56,16 +57,16 @@ def test_set_context_one_slot():
     p = make_plan(QWEN25, BIG, ctx_size=4096)
     assert (p.n_ctx, p.n_ctx_slot, p.n_slots, p.ctx_rule) == (4096, 4096, 1, "set")
     assert p.weights_bytes == WEIGHTS == sum(p.tensor_bytes.values())
-    assert p.kv_bytes == 50_331_648                       # 4096 * 6144 * 2
+    assert p.kv_bytes == 51_380_224                       # 4096 * 6144 * 2 + RoPE's 4096 * 256
     assert p.scratch_bytes == 41_900_032                  # 512*896*4*5 + 512*4864*(12 + 1.140625)
-    assert p.host_bytes == 846_119_424 == host_need(4096)
+    assert p.host_bytes == 847_168_000 == host_need(4096)
     assert p.card_bytes == ()
 
 
 def test_slots_share_a_set_context_like_llama_server():
     p = make_plan(QWEN25, BIG, ctx_size=8192, n_parallel=4)
     assert (p.n_ctx, p.n_ctx_slot, p.n_slots) == (8192, 2048, 4)
-    assert p.kv_bytes == 8192 * 6144 * 2
+    assert p.kv_bytes == 8192 * 6144 * 2 + 2048 * 256       # RoPE's table: the slots share positions
     # llama.cpp pads n_ctx to 256 and each slot's share to 256: 4096/3 = 1365 -> 1536
     p = make_plan(QWEN25, BIG, ctx_size=4096, n_parallel=3)
     assert (p.n_ctx, p.n_ctx_slot) == (4608, 1536)
@@ -76,7 +77,7 @@ def test_slots_share_a_set_context_like_llama_server():
 
 def test_default_context_is_the_trained_limit_per_slot():
     p = make_plan(QWEN25, Census(host_need(32768)))        # exactly enough
-    assert (p.n_ctx_slot, p.ctx_rule, p.host_bytes) == (32768, "target", 1_198_440_960)
+    assert (p.n_ctx_slot, p.ctx_rule, p.host_bytes) == (32768, "target", 1_206_829_568)
     p = make_plan(QWEN25, BIG, n_parallel=2)
     assert (p.n_ctx, p.n_ctx_slot, p.ctx_rule) == (65536, 32768, "target")
 
@@ -84,12 +85,12 @@ def test_default_context_is_the_trained_limit_per_slot():
 def test_default_context_fits_down_in_steps_of_1024():
     p = make_plan(QWEN25, Census(host_need(32768) - 1))   # one byte short of the target
     assert (p.n_ctx_slot, p.ctx_rule) == (31744, "fitted")
-    # 1.06e9 bytes: S <= (1.06e9 - 795,787,776) / 12,288 = 21501.6 -> 20480
+    # 1.06e9 bytes: S <= (1.06e9 - 795,787,776) / 12,544 = 21063.0 -> 20480
     p = make_plan(QWEN25, Census(1_060_000_000))
     assert (p.n_ctx_slot, p.n_ctx, p.ctx_rule) == (20480, 20480, "fitted")
     assert p.host_bytes == host_need(20480) <= 1_060_000_000
     assert make_plan(QWEN25, Census(host_need(4096))).n_ctx_slot == 4096
-    with pytest.raises(PlanError, match=r"no context fits 1 slot\(s\).*floor 4096.*846119424 bytes"):
+    with pytest.raises(PlanError, match=r"no context fits 1 slot\(s\).*floor 4096.*847168000 bytes"):
         make_plan(QWEN25, Census(host_need(4096) - 1))
 
 
@@ -97,9 +98,9 @@ def test_a_set_context_that_does_not_fit_names_every_term():
     with pytest.raises(PlanError) as e:
         make_plan(QWEN25, Census(1_060_000_000), ctx_size=32768)
     msg = str(e.value)
-    for part in ("--ctx-size 32768", "host needs 1198440960 bytes", "weights 485452288",
-                 "kv 402653184", "scratch 41900032", "reserve 268435456", "1060000000 available",
-                 "largest context that fits is 21248"):       # 21501 rounded down to 256
+    for part in ("--ctx-size 32768", "host needs 1206829568 bytes", "weights 485452288",
+                 "kv 411041792", "scratch 41900032", "reserve 268435456", "1060000000 available",
+                 "largest context that fits is 20992"):       # 21063 rounded down to 256
         assert part in msg, msg
     with pytest.raises(PlanError, match=r"largest context that fits is 8192 \(2 slots x 4096\)"):
         # two slots: 795,787,776 + 2*12,288 * S <= host_need(4096, 2) -> S = 4096

@@ -96,29 +96,40 @@ for _fn in ("cosf", "sinf", "powf"):
     getattr(_LIBM, _fn).restype = ctypes.c_float
 _LIBM.cosf.argtypes = _LIBM.sinf.argtypes = [ctypes.c_float]
 _LIBM.powf.argtypes = [ctypes.c_float, ctypes.c_float]
-_ROPE_ROWS: dict[tuple[int, int, float], tuple[np.ndarray, np.ndarray]] = {}
+_ROPE_TABLES: dict[tuple[int, float], tuple[np.ndarray, np.ndarray, int]] = {}
+ROPE_GROW = 256                      # positions a RoPE table grows by
+
+
+def rope_table_bytes(n_ctx_slot: int, n_rot: int) -> int:
+    """What rope_table holds once positions up to n_ctx_slot - 1 were seen (the plan counts it):
+    cos and sin [positions rounded up to ROPE_GROW, n_rot/2] in f32."""
+    return -(-max(1, n_ctx_slot) // ROPE_GROW) * ROPE_GROW * (n_rot // 2) * 4 * 2
 
 
 def rope_table(positions: np.ndarray, n_rot: int, freq_base: float) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin [T, n_rot/2] as ggml_rope_cache_init builds them: theta starts at the
     position and is multiplied by powf(base, -2/n_rot) in f32 per pair; libm's cosf and
-    sinf (not always correctly rounded, so we call the same ones). Rows are cached."""
+    sinf (not always correctly rounded, so we call the same ones). Rows are kept in one table per
+    (n_rot, base), grown ROPE_GROW positions at a time up to the largest position seen."""
     half = n_rot // 2
-    cos = np.empty((len(positions), half), np.float32)
-    sin = np.empty_like(cos)
-    for r, p in enumerate(positions.tolist()):
-        key = (int(p), n_rot, float(freq_base))
-        row = _ROPE_ROWS.get(key)
-        if row is None:
-            theta_scale = np.float32(_LIBM.powf(np.float32(freq_base), np.float32(-2.0) / np.float32(n_rot)))
+    key = (n_rot, float(freq_base))
+    cos_t, sin_t, filled = _ROPE_TABLES.get(key, (np.empty((0, half), np.float32), np.empty((0, half), np.float32), 0))
+    top = int(positions.max()) + 1 if len(positions) else 0
+    if top > filled:
+        size = -(-top // ROPE_GROW) * ROPE_GROW
+        if size > len(cos_t):
+            cos_t = np.concatenate([cos_t, np.empty((size - len(cos_t), half), np.float32)])
+            sin_t = np.concatenate([sin_t, np.empty((size - len(sin_t), half), np.float32)])
+        theta_scale = np.float32(_LIBM.powf(np.float32(freq_base), np.float32(-2.0) / np.float32(n_rot)))
+        for p in range(filled, size):
             theta = np.float32(p)
-            c_row, s_row = np.empty(half, np.float32), np.empty(half, np.float32)
             for i in range(half):
-                c_row[i], s_row[i] = _LIBM.cosf(theta), _LIBM.sinf(theta)
+                cos_t[p, i], sin_t[p, i] = _LIBM.cosf(theta), _LIBM.sinf(theta)
                 theta = np.float32(theta * theta_scale)
-            row = _ROPE_ROWS[key] = (c_row, s_row)
-        cos[r], sin[r] = row
-    return cos, sin
+        filled = size
+        _ROPE_TABLES[key] = (cos_t, sin_t, filled)
+    idx = positions.astype(np.int64)
+    return cos_t[idx], sin_t[idx]
 
 
 def imrope_text_pairs(half: int, sections) -> np.ndarray:

@@ -435,4 +435,6 @@ def test_the_plan_stage_sends_the_seat_to_the_cpu_backend_by_name(synthetic_dir)
     with pytest.raises(StageRefusal, match="qwen35moe runs on the CPU backend in this build .* --backend cpu"):
         make_stage_plan({"device": "cuda"}, gf, card)
     plan, _ = make_stage_plan({"device": "cpu", "ctx_size": 256}, gf, card)
-    assert plan.backend == "numpy" and plan.kv_bytes == 256 * 2 * 2 * 32 * 2 + model_facts(gf).state_bytes
+    facts = model_facts(gf)
+    rope = 256 * (facts.n_rot or facts.head_dim_k) // 2 * 4 * 2          # RoPE's cos and sin for 256 positions
+    assert plan.backend == "numpy" and plan.kv_bytes == 256 * 2 * 2 * 32 * 2 + facts.state_bytes + rope

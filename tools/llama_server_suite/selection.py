@@ -55,9 +55,6 @@ REFUSED_TESTS: dict[str, str] = {
     "unit/test_security.py::test_local_media_file": "images (--media-path, a vision model) are not served",
     "unit/test_security.py::test_cors_origins_defaults_to_localhost_with_tools_enabled":
         "built-in server tools (--tools) are not served",
-    **{f"unit/test_security.py::test_cors_origins_localhost_{kind}": "router mode (no -m, models on demand) is "
-       "not served; --cors-origins localhost itself is (tests/test_security.py::test_cors_origins_setting)"
-       for kind in ("reflects", "rejects")},
     "unit/test_compat_oai_responses.py::test_responses_stream_with_llama_telemetry": "a reply cut by "
         "max_output_tokens ends with response.incomplete (OpenAI's status); llama-server says response.completed "
         "(docs/serving.md). The prompt progress and timings the test is about are served",

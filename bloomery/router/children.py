@@ -9,6 +9,7 @@ Ready is its /health answering 200; a child that exits first failed to load.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import signal
 import socket
@@ -18,6 +19,15 @@ from bloomery.router import proxy
 
 STOP_S = 10.0           # llama-server's stop-timeout: after the asked stop, how long before the kill
 HEALTH_POLL_S = 0.1
+PR_SET_PDEATHSIG = 1
+
+
+def _term_with_parent() -> None:
+    """In the child before exec: PR_SET_PDEATHSIG, SIGTERM (Linux; elsewhere nothing)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def free_port(host: str = proxy.CHILD_HOST) -> int:
@@ -40,8 +50,10 @@ class Child:
         self.proc: asyncio.subprocess.Process | None = None
 
     async def start(self) -> None:
+        # its own process group (a terminal's Ctrl-C reaches the router, which stops each child in order), and
+        # SIGTERM when the router dies without stopping it (Linux's parent-death signal), so none outlives it
         self.proc = await asyncio.create_subprocess_exec(*self.argv, env=self.env, stdin=asyncio.subprocess.DEVNULL,
-                                                         start_new_session=True)
+                                                         start_new_session=True, preexec_fn=_term_with_parent)
 
     async def ready(self) -> dict:
         """Wait until the child's /health says ok; its /v1/models entry (the listing merges it). RuntimeError
@@ -77,14 +89,16 @@ class Child:
                 self.proc.send_signal(signal.SIGTERM)
                 await asyncio.wait_for(self.proc.wait(), stop_s)
             except asyncio.TimeoutError:
-                self.proc.kill()
+                self.kill()
             except ProcessLookupError:
                 pass
         return await self.proc.wait()
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.returncode is None:
+        """SIGKILL to the child's whole group: its stage processes cannot outlive a supervisor that had no time
+        to end them."""
+        if self.proc is not None:
             try:
-                os.kill(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
                 pass

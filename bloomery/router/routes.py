@@ -12,8 +12,6 @@ llama-server's words and codes.
 """
 from __future__ import annotations
 
-import asyncio
-import json
 import time
 from typing import AsyncIterator, Callable
 
@@ -23,8 +21,8 @@ from bloomery.http.types import ApiError, Request, Response, StreamResponse
 from bloomery.records import record
 from bloomery.router import proxy
 from bloomery.router.catalog import CACHE, Entry
-from bloomery.router.children import Child, child_argv, free_port
-from bloomery.router.table import LOADED, LOADING, UNLOADED, ModelTable
+from bloomery.router.pool import ModelPool
+from bloomery.router.table import LOADED
 
 GET_BY_QUERY = ("/props", "/metrics", "/slots", "/residency")   # GET routes a child answers, named by ?model=
 NOT_SERVED = {("POST", "/models"): "downloading a model through the router (POST /models) is not served; "
@@ -41,116 +39,10 @@ class Router:
     def __init__(self, entries: dict[str, Entry], base_args: list[str], env: dict[str, str], *,
                  models_max: int, autoload: bool, log: Callable[..., None] = record):
         self.entries = entries
-        self.base_args = base_args      # the router's own flags, router-only ones taken out (settings.argv_without)
-        self.env = env
         self.autoload = autoload
-        self.table = ModelTable(list(entries), models_max)
-        self.children: dict[str, Child] = {}
-        self.tasks: set[asyncio.Task] = set()
+        self.pool = ModelPool(entries, base_args, env, models_max=models_max, log=log)
+        self.table = self.pool.table
         self.created = int(time.time())
-        self._changed = asyncio.Event()
-        self.log = log
-
-    # -- the one place the table's changes are announced ------------------------------------------
-    def _notify(self) -> None:
-        event, self._changed = self._changed, asyncio.Event()
-        event.set()
-
-    def _task(self, coro) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-
-    # -- loading and unloading ----------------------------------------------------------------
-    def _claim(self, name: str, victim: str | None) -> None:
-        """Mark the model loading now (it holds its place under --models-max from here), then load it in a task
-        of its own: a client that leaves does not stop a load it started."""
-        entry = self.entries[name]
-        port = free_port()
-        argv = child_argv(self.base_args + (["--offline"] if entry.source == CACHE else []), entry.model_args(),
-                          name, port)
-        self.table.loading(name, port, argv)
-        if victim is not None:   # from now on no request is routed to it, so none can hold it up
-            self.table.get(victim).stopping = True
-        self.log("router", "loading model", model=name, port=port, **({"evicting": victim} if victim else {}))
-        self._notify()
-        self._task(self._run_child(name, victim, Child(argv, port, self.env)))
-
-    async def _run_child(self, name: str, victim: str | None, child: Child) -> None:
-        code: int | None = None
-        try:
-            if victim is not None:
-                await self.unload(victim)
-            if self.table.get(name).stopping:
-                return
-            self.children[name] = child
-            await child.start()
-            info = await child.ready()
-            if self.table.get(name).stopping:
-                await child.stop()
-                return
-            self.table.loaded(name, info)
-            self.log("router", "model loaded", model=name, port=child.port)
-            self._notify()
-            code = await child.wait()
-        except asyncio.CancelledError:
-            child.kill()
-            raise
-        except Exception as e:
-            self.log("router", "model failed to load", level="error", model=name, error=str(e))
-            code = child.proc.returncode if child.proc is not None and child.proc.returncode is not None else -1
-            child.kill()
-        finally:
-            asked = self.table.get(name).stopping
-            if self.children.get(name) is child:
-                del self.children[name]
-            self.table.ended(name, None if asked else code)
-            if code is not None and not asked:
-                self.log("router", "model's server exited", level="warning", model=name, exit_code=code)
-            self._notify()
-
-    async def unload(self, name: str) -> None:
-        """Stop the model's child and wait until it is gone."""
-        st = self.table.get(name)
-        if not st.running:
-            return
-        st.stopping = True
-        self.log("router", "unloading model", model=name)
-        self._notify()
-        child = self.children.get(name)
-        if child is not None:
-            await child.stop()
-        while self.table.get(name).status != UNLOADED:
-            await self._changed.wait()
-
-    def _load_now(self, name: str) -> bool:
-        """Start the model's load if there is room, or room once an idle model is given up; False: wait."""
-        if self.table.has_capacity():
-            self._claim(name, None)
-            return True
-        victim = self.table.victim()
-        if victim is None:
-            return False
-        self._claim(name, victim)
-        return True
-
-    async def ready(self, name: str) -> int:
-        """Wait until the model is loaded; count the request against it (a model serving one is never given
-        up) and return its child's port."""
-        saw_loading = False
-        while True:
-            st, changed = self.table.get(name), self._changed
-            if st.status == LOADED and not st.stopping:
-                self.table.acquire(name)
-                return st.port
-            if st.status == LOADING:
-                saw_loading = True
-            elif st.status == UNLOADED:
-                if saw_loading and st.exit_code is not None:
-                    raise ApiError(500, f"model name={name} failed to load", "server_error")
-                if self._load_now(name):
-                    continue
-            await changed.wait()
 
     # -- the routes ---------------------------------------------------------------------------
     async def dispatch(self, req: Request) -> Response | StreamResponse:
@@ -198,7 +90,7 @@ class Router:
         word = req.query.get("autoload", "")
         autoload = (word in ("true", "1")) if word else self.autoload
         self._check(name, autoload)
-        port = await self.ready(name)
+        port = await self.pool.ready(name)
         try:
             res = await proxy.forward(port, req)
         except BaseException:
@@ -212,7 +104,7 @@ class Router:
 
     def _release(self, name: str) -> None:
         self.table.release(name)
-        self._notify()
+        self.pool.notify()
 
     async def _released(self, chunks: AsyncIterator[bytes], name: str) -> AsyncIterator[bytes]:
         try:
@@ -229,7 +121,7 @@ class Router:
             raise ApiError(404, "model is not found", "not_found_error")
         if st.running:
             raise ApiError(400, "model is already running")
-        if not self._load_now(name):
+        if not self.pool.load_now(name):
             raise ApiError(500, "model limit reached, try again later", "server_error")
         return Response.json({"success": True})
 
@@ -240,7 +132,7 @@ class Router:
             raise ApiError(400, "model is not found")
         if not st.running:
             raise ApiError(400, "model is not running")
-        self._task(self.unload(name))
+        self.pool.task(self.pool.unload(name))
         return Response.json({"success": True})
 
     def listing(self) -> dict:
@@ -266,13 +158,7 @@ class Router:
                 "cors_proxy_enabled": False}
 
     async def close(self) -> None:
-        """Stop every child (they drain as under systemd), then end the tasks that watched them."""
-        await asyncio.gather(*(self.unload(n) for n, st in self.table.states.items() if st.running),
-                             return_exceptions=True)
-        for task in list(self.tasks):
-            task.cancel()
-        for child in self.children.values():
-            child.kill()
+        await self.pool.close()
 
 
 def _body(req: Request) -> dict:

@@ -96,7 +96,8 @@ def _placement_rows() -> tuple[Flag, ...]:
 TABLE: tuple[Flag, ...] = (
     Flag("--model", ("-m", "--model-file"), "LLAMA_ARG_MODEL", "path", None,
          "GGUF file to serve (first shard of a split set); a seat word (" + ", ".join(SEATS) + ") where no "
-         "file of that name exists is read as --seat", dest="model_file"),
+         "file of that name exists is read as --seat; with no model (nor -hf) bloomery-serve is a router of "
+         "several models (--models-dir)", dest="model_file"),
     Flag("--seat", (), None, "choice", None, "the seat (model family engine; default: the file's architecture): "
          + ", ".join(SEATS), choices=SEATS),
     Flag("--ctx-size", ("-c", "--ctx"), "LLAMA_ARG_CTX_SIZE", "int", None,

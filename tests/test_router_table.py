@@ -2,6 +2,7 @@
 --models-dir holds, the cache's models, and what a child is given (no process, no socket)."""
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -95,10 +96,29 @@ def test_cache_models_are_named_by_repo_and_quant(tmp_path):
     models_dir = tmp_path / "dir"
     models_dir.mkdir()
     (models_dir / "local.gguf").write_bytes(b"x")
-    found = catalog(str(models_dir), {"BLOOMERY_CACHE": str(tmp_path)})
-    assert sorted(found) == ["local", "owner/Model-GGUF:Q8_0"]
+    hub = tmp_path / "hub"             # huggingface_hub's layout (hf download, llama-server's -hf)
+    hub_snapshot = _hub_file(hub, "other/Hub-GGUF", commit, "Hub-Q4_K_M.gguf")
+    _hub_file(hub, "other/Hub-GGUF", commit, "mmproj-Hub-F16.gguf")
+    _hub_file(hub, "owner/Model-GGUF", commit, "Model-Q8_0.gguf")      # in both caches: bloomery's wins
+    found = catalog(str(models_dir), {"BLOOMERY_CACHE": str(tmp_path), "HF_HUB_CACHE": str(hub)})
+    assert sorted(found) == ["local", "other/Hub-GGUF:Q4_K_M", "owner/Model-GGUF:Q8_0"]
     entry = found["owner/Model-GGUF:Q8_0"]
-    assert entry.source == CACHE and entry.model_args() == ["--hf-repo", f"owner/Model-GGUF@{commit}:Q8_0"]
+    assert entry.source == CACHE and entry.model_args() == ["--hf-repo", f"owner/Model-GGUF@{commit}:Q8_0",
+                                                            "--offline"]
+    assert found["other/Hub-GGUF:Q4_K_M"].model_args() == ["--model", str(hub_snapshot)]
+
+
+def _hub_file(hub, repo: str, commit: str, name: str):
+    folder = hub / ("models--" + repo.replace("/", "--"))
+    (folder / "refs").mkdir(parents=True, exist_ok=True)
+    (folder / "refs" / "main").write_text(commit)
+    blob = folder / "blobs" / f"{abs(hash(name)):064x}"[:64]
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    blob.write_bytes(b"gguf")
+    link = folder / "snapshots" / commit / name
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(os.path.relpath(blob, link.parent))
+    return link
 
 
 def test_no_model_is_router_mode_and_children_get_the_rest_of_the_command_line():

@@ -13,7 +13,7 @@ from typing import Callable
 
 from bloomery.http.types import ApiError
 from bloomery.records import record
-from bloomery.router.catalog import CACHE, Entry
+from bloomery.router.catalog import Entry
 from bloomery.router.children import Child, child_argv, free_port
 from bloomery.router.table import LOADED, LOADING, UNLOADED, ModelTable
 
@@ -46,8 +46,7 @@ class ModelPool:
         of its own: a client that leaves does not stop a load it started."""
         entry = self.entries[name]
         port = free_port()
-        argv = child_argv(self.base_args + (["--offline"] if entry.source == CACHE else []), entry.model_args(),
-                          name, port)
+        argv = child_argv(self.base_args, entry.model_args(), name, port)
         self.table.loading(name, port, argv)
         if victim is not None:   # from now on no request is routed to it, so none can hold it up
             self.table.get(victim).stopping = True

@@ -12,6 +12,7 @@ llama-server's words and codes.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import AsyncIterator, Callable
 
@@ -24,6 +25,7 @@ from bloomery.router.catalog import CACHE, Entry
 from bloomery.router.pool import ModelPool
 from bloomery.router.table import LOADED
 
+FAKE_BUSY_S = 2.0
 GET_BY_QUERY = ("/props", "/metrics", "/slots", "/residency")   # GET routes a child answers, named by ?model=
 NOT_SERVED = {("POST", "/models"): "downloading a model through the router (POST /models) is not served; "
                                    "fetch it with bloomery-serve -hf REPO or put the file in --models-dir",
@@ -40,6 +42,9 @@ class Router:
                  models_max: int, autoload: bool, log: Callable[..., None] = record):
         self.entries = entries
         self.autoload = autoload
+        # llama-server's debug variable (server-models.cpp; llama.cpp's server tests set it): a routed request
+        # holds its model busy this long before it is forwarded, so tests can see a busy model
+        self.fake_busy_s = FAKE_BUSY_S if env.get("LLAMA_SERVER_DEBUG_FAKE_TIMING") else 0.0
         self.pool = ModelPool(entries, base_args, env, models_max=models_max, log=log)
         self.table = self.pool.table
         self.created = int(time.time())
@@ -92,6 +97,8 @@ class Router:
         self._check(name, autoload)
         port = await self.pool.ready(name)
         try:
+            if self.fake_busy_s:
+                await asyncio.sleep(self.fake_busy_s)
             res = await proxy.forward(port, req)
         except BaseException:
             self._release(name)

@@ -29,6 +29,13 @@ def models_dir(tmp_path_factory, tokenizer_source) -> Path:
     return folder
 
 
+@pytest.fixture
+def empty_caches(tmp_path) -> dict[str, str]:
+    """No cached model beside the --models-dir: the listing is the folder's two."""
+    return {"BLOOMERY_CACHE": str(tmp_path / "bloomery"), "LLAMA_CACHE": str(tmp_path / "llama"),
+            "HF_HUB_CACHE": str(tmp_path / "hub")}
+
+
 def call(server: Served, method: str, path: str, body: dict | None = None,
          headers: dict | None = None) -> tuple[int, dict | bytes]:
     data = None if body is None else json.dumps(body).encode()
@@ -58,8 +65,8 @@ def chat(model: str, **kw) -> dict:
     return {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3, **kw}
 
 
-def test_router_routes_by_model_within_the_cap(models_dir):
-    with Served("--models-dir", str(models_dir), "--models-max", "1", *CHILD_FLAGS) as server:
+def test_router_routes_by_model_within_the_cap(models_dir, empty_caches):
+    with Served("--models-dir", str(models_dir), "--models-max", "1", *CHILD_FLAGS, env=empty_caches) as server:
         status, props = call(server, "GET", "/props")
         assert status == 200 and props["role"] == "router" and props["max_instances"] == 1
         assert props["models_autoload"] is True and props["build_info"].startswith("b")
@@ -107,10 +114,10 @@ def test_router_routes_by_model_within_the_cap(models_dir):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
 
 
-def test_router_without_autoload_loads_on_request_and_keeps_two(models_dir):
+def test_router_without_autoload_loads_on_request_and_keeps_two(models_dir, empty_caches):
     key = {"Authorization": "Bearer sk-router-test"}
     with Served("--models-dir", str(models_dir), "--models-max", "2", "--no-models-autoload", *CHILD_FLAGS,
-                env={"LLAMA_API_KEY": "sk-router-test"}) as server:
+                env={**empty_caches, "LLAMA_API_KEY": "sk-router-test"}) as server:
         assert call(server, "POST", "/v1/chat/completions", chat("alpha"))[0] == 401
         assert call(server, "POST", "/v1/chat/completions", chat("alpha"), key) == (400, {"error": {
             "code": 400, "message": "model is not loaded", "type": "invalid_request_error"}})

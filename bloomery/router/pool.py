@@ -28,6 +28,7 @@ class ModelPool:
         self.children: dict[str, Child] = {}
         self.tasks: set[asyncio.Task] = set()
         self._changed = asyncio.Event()
+        self.closing = False            # the router is stopping: nothing new is loaded, waiters are answered 503
         self.log = log
 
     # -- the one place the table's changes are announced ------------------------------------------
@@ -118,6 +119,8 @@ class ModelPool:
         saw_loading = False
         while True:
             st, changed = self.table.get(name), self._changed
+            if self.closing:
+                raise ApiError(503, "Server is shutting down", "unavailable_error")
             if st.status == LOADED and not st.stopping:
                 self.table.acquire(name)
                 return st.port
@@ -132,6 +135,8 @@ class ModelPool:
 
     async def close(self) -> None:
         """Stop every child (they drain as under systemd), then end the tasks that watched them."""
+        self.closing = True
+        self.notify()
         await asyncio.gather(*(self.unload(n) for n, st in self.table.states.items() if st.running),
                              return_exceptions=True)
         for task in list(self.tasks):

@@ -96,7 +96,8 @@ def _placement_rows() -> tuple[Flag, ...]:
 TABLE: tuple[Flag, ...] = (
     Flag("--model", ("-m", "--model-file"), "LLAMA_ARG_MODEL", "path", None,
          "GGUF file to serve (first shard of a split set); a seat word (" + ", ".join(SEATS) + ") where no "
-         "file of that name exists is read as --seat", dest="model_file"),
+         "file of that name exists is read as --seat; with no model (nor -hf) bloomery-serve is a router of "
+         "several models (--models-dir)", dest="model_file"),
     Flag("--seat", (), None, "choice", None, "the seat (model family engine; default: the file's architecture): "
          + ", ".join(SEATS), choices=SEATS),
     Flag("--ctx-size", ("-c", "--ctx"), "LLAMA_ARG_CTX_SIZE", "int", None,
@@ -225,6 +226,15 @@ TABLE: tuple[Flag, ...] = (
     _noop("--mmproj-auto", (), "LLAMA_ARG_MMPROJ_AUTO", negs=("--no-mmproj", "--no-mmproj-auto"),
           why="no image encoder is loaded"),
     *_placement_rows(),
+    Flag("--models-dir", (), "LLAMA_ARG_MODELS_DIR", "path", None,
+         "router mode (no -m/-hf): a folder of GGUF files (or a folder per model) served on demand; a request's "
+         "\"model\" names one"),
+    Flag("--models-max", (), "LLAMA_ARG_MODELS_MAX", "int", 4,
+         "router mode: models loaded at once (each its own bloomery-serve); past it the least recently used "
+         "idle one is unloaded (0: no limit)"),
+    Flag("--models-autoload", (), "LLAMA_ARG_MODELS_AUTOLOAD", "switch", True,
+         "router mode: load a model a request names (--no-models-autoload: POST /models/load first)",
+         negs=("--no-models-autoload",)),
     Flag("--hf-repo", ("-hf", "-hfr", "--hf"), "LLAMA_ARG_HF_REPO", "str", None,
          "<user>/<model>[@<rev>][:<quant>]: the GGUF of that quant (default Q4_K_M, then Q8_0, then the first) "
          "from the Hugging Face hub (HF_ENDPOINT) into $BLOOMERY_CACHE/hf (~/.cache/bloomery/hf)"),

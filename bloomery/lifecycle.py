@@ -62,7 +62,9 @@ def status_text(phase: Phase, reason: str = "", **kv) -> str:
 
 
 class Lifecycle:
-    def __init__(self, notifier: Notifier | None = None, *, notify_env: dict | None = None):
+    def __init__(self, notifier: Notifier | None = None, *, notify_env: dict | None = None, router: bool = False):
+        # a router (no model; bloomery/router) has nothing to fetch, plan or load: it is ready at once
+        self._next = {**_NEXT, Phase.FETCH: _NEXT[Phase.FETCH] | {Phase.READY}} if router else _NEXT
         self.phase = Phase.FETCH
         self.since_s = time.monotonic()
         self.reason = ""
@@ -81,9 +83,10 @@ class Lifecycle:
     def advance(self, to: Phase, reason: str = "", **kv) -> None:
         if to == self.phase:
             return
-        if to not in _NEXT[self.phase]:
+        allowed = self._next[self.phase]
+        if to not in allowed:
             raise LifecycleError(f"phase {self.phase.value} cannot go to {to.value} "
-                                 f"(it goes to {', '.join(sorted(p.value for p in _NEXT[self.phase])) or 'nothing'})")
+                                 f"(it goes to {', '.join(sorted(p.value for p in allowed)) or 'nothing'})")
         took_s = round(time.monotonic() - self.since_s, 3)
         record(to.value, "phase", component="lifecycle", **{"from": self.phase.value}, took_s=took_s,
                **({"reason": reason} if reason else {}), **kv)

@@ -79,6 +79,11 @@ class Settings:
     cache_ram: int | None = None       # -cram MiB: the prompt cache's budget (0: off; None: the plan's default)
     sleep_idle_seconds: int = -1       # --sleep-idle-seconds: free the weights after this idle time (-1: never)
     slot_save_path: str | None = None  # --slot-save-path: the folder of POST /slots/{id}'s save and restore files
+    models_dir: str | None = None      # router mode (no model): a folder of models served on demand
+    models_max: int = 4                # router mode: models loaded at once (0: no limit)
+    models_autoload: bool = True       # router mode: a request's model is loaded when it is not
+    router: bool = False               # no -m/-hf: llama-server's router mode (bloomery/router)
+    argv: list[str] = field(default_factory=list)   # the command line as given (a router's children get it)
     need_hook: str | None = None       # --need-hook PATH (None: $BLOOMERY_NEED_HOOK, else the broker's hook if any)
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)   # SamplingParams field -> flag value
     sources: dict[str, str] = field(default_factory=dict)             # field -> where its value came from
@@ -93,7 +98,7 @@ class Settings:
 
     def redacted(self) -> dict:
         """The settings as plain data, API keys replaced by their count."""
-        d = {k: v for k, v in self.__dict__.items() if k not in ("api_keys", "hf_token", "notes", "sources")}
+        d = {k: v for k, v in self.__dict__.items() if k not in ("api_keys", "hf_token", "notes", "sources", "argv")}
         d["n_api_keys"] = len(self.api_keys)
         return d
 
@@ -105,13 +110,14 @@ class _Entry:
     switch_on: bool      # for switches: which spelling was given
     source: str          # "command line", "config FILE", "LLAMA_ARG_X"
     name: str            # how the user spelled it: "-c", "config key ctx-size", "LLAMA_ARG_CTX_SIZE"
+    tokens: tuple[str, ...] = ()   # the command-line words it took (the flag and its values)
 
 
 def _from_argv(argv: list[str]) -> list[_Entry]:
     out: list[_Entry] = []
     i = 0
     while i < len(argv):
-        tok = argv[i]
+        tok, start = argv[i], i
         spelling, eq, inline = tok.partition("=") if tok.startswith("--") else (tok, "", "")
         if spelling.startswith("--"):
             spelling = spelling.replace("_", "-")      # llama-server reads --ctx_size as --ctx-size
@@ -131,9 +137,15 @@ def _from_argv(argv: list[str]) -> list[_Entry]:
                 raise SettingsError(f"{spelling} needs {'two values' if n_values == 2 else 'a value'} ({flag.type})")
             raw = " ".join(argv[i + 1:i + 1 + n_values])
             i += n_values
-        out.append(_Entry(flag, raw, on, "command line", spelling))
+        out.append(_Entry(flag, raw, on, "command line", spelling, tuple(argv[start:i + 1])))
         i += 1
     return out
+
+
+def argv_without(argv: list[str], longs: set[str]) -> list[str]:
+    """The command line without the flags named (by their long name, any spelling) and their values: what a
+    router's children are given (bloomery/router)."""
+    return [word for e in _from_argv(argv) if e.flag.long not in longs for word in e.tokens]
 
 
 def _config_pairs(pairs):
@@ -261,7 +273,7 @@ def _read_key_file(path: str) -> list[str]:
 def parse(argv: list[str], env: dict[str, str] | None = None) -> Settings:
     """Command line (+ --config file + LLAMA_ARG_*) -> Settings, or SettingsError naming the problem."""
     env = dict(os.environ if env is None else env)
-    s = Settings()
+    s = Settings(argv=list(argv))
     cmd = _model_readings(_from_argv(argv))
     seen: dict[str, str] = {}
     for e in cmd:
@@ -360,10 +372,15 @@ def _check_model_source(s: Settings) -> None:
             parse_spec(s.hf_repo)
         except SpecError as e:
             raise SettingsError(str(e)) from None
-    elif not s.model_file:
-        raise SettingsError("no model (llama-server's router mode, several models loaded on demand without -m, "
-                            "is not served): give -m/--model FILE or --hf-repo <user>/<model>[:quant], "
-                            "or LLAMA_ARG_MODEL / LLAMA_ARG_HF_REPO")
+    elif not s.model_file:      # llama-server's router mode: models from --models-dir and the cache, on demand
+        if s.plan:
+            raise SettingsError("--plan needs a model: give -m/--model FILE or --hf-repo <user>/<model>[:quant] "
+                                "(with neither, bloomery-serve is a router of several models)")
+        if s.models_max < 0:
+            raise SettingsError(f"--models-max {s.models_max}: must be >= 0 (0: no limit)")
+        s.router = True
+        s.notes.append(("router mode: no model given; models are served on demand", {
+            "models_dir": s.models_dir or "none", "models_max": s.models_max, "autoload": s.models_autoload}))
 
 
 def _check_backend(s: Settings) -> None:

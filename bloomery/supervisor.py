@@ -82,7 +82,7 @@ class Supervisor:
         self.s = s
         self.drain_s = s.drain_timeout if drain_s is None else drain_s   # how long generations may go on
         self.notifier = Notifier()      # $NOTIFY_SOCKET / $WATCHDOG_USEC, read once
-        self.life = Lifecycle(self.notifier)
+        self.life = Lifecycle(self.notifier, router=s.router)
         self.gate = Gate(self.life, s.api_keys, Cors(s.cors_origins, s.cors_methods, s.cors_headers,
                                                      s.cors_credentials))
         self.client = None
@@ -162,6 +162,9 @@ class Supervisor:
             self.server = HttpServer(self.dispatch, precheck=self.precheck, drain_timeout_s=DRAIN_S,
                                      log=lambda event, **kv: record(self.life.phase.value, event, component="http", **kv))
             tasks.append(asyncio.create_task(self.server.serve(socks)))
+            if s.router:      # no model: llama-server's router mode, each model in a child bloomery-serve
+                from bloomery.router.serve import run_router
+                return await run_router(self)
             self.client = ZmqEngineClient(ctx, f"ipc://{rt}/req", f"ipc://{rt}/out")
             self.client.start()
         if s.hf_token:   # the fetch stage reads it from its environment, never from argv (ps shows argv)

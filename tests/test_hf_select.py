@@ -123,7 +123,7 @@ def test_hf_flags_are_read():
     (["-m", "x.gguf", "-hf", "org/m"], "give one model source"),
     (["-hff", "m.gguf"], "needs --hf-repo"),
     (["-hf", "org/m:Q4 K"], "quant 'Q4 K'"),
-    ([], "no model.*give -m/--model FILE.* or --hf-repo"),
+    (["--plan"], "--plan needs a model: give -m/--model FILE or --hf-repo"),   # no model and no --plan: a router
 ])
 def test_hf_flag_refusals(argv, match):
     with pytest.raises(SettingsError, match=match):

@@ -175,3 +175,18 @@ def test_the_per_test_alarm_is_reported_as_itself_not_as_the_requests_read_timeo
         silent.close()
     assert done.returncode == 1
     assert "the test ran past 1 s" in done.stdout and "Read timed out" not in done.stdout, done.stdout[-2000:]
+
+
+def test_router_presets_are_listed_by_the_router_under_the_tests_names(tmp_path):
+    """presets.py stands in for the tests' preload: a router started on that cache (LLAMA_CACHE) lists each
+    preset under the name test_router.py routes to, served from the real file."""
+    from bloomery.router.catalog import catalog
+    model = tmp_path / "real.gguf"
+    model.write_bytes(b"GGUF")
+    names = _load("presets").write_cache(tmp_path / "cache", model)
+    assert names == ["ggml-org/tinygemma3-GGUF:Q8_0", "ggml-org/test-model-stories260K:F32",
+                     "ggml-org/test-model-stories260K-infill:F32"]
+    found = catalog(None, {"LLAMA_CACHE": str(tmp_path / "cache"), "BLOOMERY_CACHE": str(tmp_path / "none")})
+    assert sorted(found) == sorted(names)
+    assert all(Path(e.path).resolve() == model.resolve() for e in found.values())
+

@@ -43,7 +43,7 @@ def test_spellings(argv, field, value):
 def test_model_file_long_and_env():
     assert parse(["--model-file", "a.gguf"], {}).model_file == "a.gguf"
     assert parse([], {"LLAMA_ARG_MODEL": "b.gguf"}).model_file == "b.gguf"
-    refused([], {}, "no model")
+    assert parse([], {}).router and not parse([], {"LLAMA_ARG_MODEL": "b.gguf"}).router   # no model: router mode
 
 
 def test_precedence_command_line_over_config_over_env(tmp_path):

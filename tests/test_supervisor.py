@@ -53,6 +53,14 @@ def test_lifecycle_refuses_a_wrong_step(path, bad):
         life.advance(bad)
 
 
+def test_a_router_lifecycle_is_ready_at_once():
+    life = Lifecycle(notify_env={}, router=True)     # no model: nothing to fetch, plan or load
+    life.advance(Phase.READY)
+    assert life.gate() is None
+    with pytest.raises(LifecycleError, match="cannot go to load"):
+        life.advance(Phase.LOAD)
+
+
 def test_sd_notify_sends_ready(tmp_path):
     addr = str(tmp_path / "notify")
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:

@@ -31,6 +31,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
+import presets  # noqa: E402
 import ref_source  # noqa: E402
 import selection  # noqa: E402
 
@@ -140,6 +141,7 @@ def run(server: str, tests: list[str], model: Path, log_path: Path | None, out: 
     with tempfile.TemporaryDirectory(prefix="llama-server-suite-") as tmp, \
             open(log_path or os.devnull, "w") as log:
         work = prepare(tests_src, Path(tmp))
+        presets.write_cache(Path(tmp) / "cache", model)    # the router tests' models, as the preload left them
         env = {**os.environ, "LLAMA_SERVER_BIN_PATH": str(HERE / "wrapper.py"),
                "BLOOMERY_SUITE_MODEL": str(model), "LLAMA_CACHE": str(Path(tmp) / "cache"),
                "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),

@@ -18,6 +18,8 @@ SERVED: tuple[str, ...] = (
     "unit/test_metrics.py", "unit/test_ctx_shift.py", "unit/test_kv_keep_only_active.py",
     # served since 2026-12-02, in the golden since (measured on llama-server b11434's CPU build)
     "unit/test_infill.py", "unit/test_compat_gcp.py", "unit/test_sleep.py", "unit/test_slot_save.py",
+    # router mode, served since 2026-12-02 (bloomery/router); its models are the presets in the cache (presets.py)
+    "unit/test_router.py",
 )
 
 REFUSED_FILES: dict[str, str] = {
@@ -26,7 +28,6 @@ REFUSED_FILES: dict[str, str] = {
     "unit/test_rerank.py": "reranking (--reranking) is not served: /rerank and its aliases answer 501",
     "unit/test_lora.py": "LoRA adapters (--lora, the request's lora field) are refused by name",
     "unit/test_speculative.py": "speculative decoding (--model-draft, --spec-*) is not in this build",
-    "unit/test_router.py": "router mode (several models, --models-dir) is not served",
     "unit/test_mcp_servers.py": "MCP servers (--mcp-servers-*) are not served",
     "unit/test_tools_builtin.py": "built-in server tools (--tools) are not served",
     "unit/test_vision_api.py": "images need a vision model and --mmproj; the substitute has none",
@@ -55,9 +56,13 @@ REFUSED_TESTS: dict[str, str] = {
     "unit/test_security.py::test_local_media_file": "images (--media-path, a vision model) are not served",
     "unit/test_security.py::test_cors_origins_defaults_to_localhost_with_tools_enabled":
         "built-in server tools (--tools) are not served",
-    **{f"unit/test_security.py::test_cors_origins_localhost_{kind}": "router mode (no -m, models on demand) is "
-       "not served; --cors-origins localhost itself is (tests/test_security.py::test_cors_origins_setting)"
-       for kind in ("reflects", "rejects")},
+    **{f"unit/test_router.py::{t}": "router presets (--models-preset, INI files) are refused by name"
+       for t in ("test_router_reload_models", "test_router_dedup_cache_models")},
+    **{f"unit/test_router.py::{t}": "downloading and removing models through the router (POST /models, "
+       "DELETE /models, GET /models/sse) answer 501 not_supported_error; fetch with -hf or use --models-dir"
+       for t in ("test_router_download_model", "test_router_delete_model")},
+    "unit/test_router.py::test_router_remote_preset": "an -hf repo of router presets (INI) is not served; and "
+        "wrapper.py swaps the test's -hf repo for the real file, so the server it starts is no router",
     "unit/test_compat_oai_responses.py::test_responses_stream_with_llama_telemetry": "a reply cut by "
         "max_output_tokens ends with response.incomplete (OpenAI's status); llama-server says response.completed "
         "(docs/serving.md). The prompt progress and timings the test is about are served",
@@ -148,7 +153,7 @@ TEST_S: dict[str, float] = {
     "unit/test_tool_call.py": 50, "unit/test_ctx_shift.py": 54, "unit/test_completion.py": 29,
     "unit/test_basic.py": 18, "unit/test_ignore_eos.py": 17, "unit/test_metrics.py": 16, "unit/test_security.py": 15,
     "unit/test_chat_completion.py": 14, "unit/test_compat_anthropic.py": 11, "unit/test_template.py": 5,
-    "unit/test_tokenize.py": 5,
+    "unit/test_tokenize.py": 5, "unit/test_router.py": 22,
 }
 DEFAULT_TEST_S = 20.0
 # files whose tests generate long (a test's mean at or above this): run.py --hold-heavy keeps them until told

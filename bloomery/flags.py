@@ -187,8 +187,13 @@ TABLE: tuple[Flag, ...] = (
          "weights (--no-warmup: skip it)", negs=("--no-warmup",), dest="warmup"),
     Flag("--offline", (), "LLAMA_ARG_OFFLINE", "switch", False,
          "--hf-repo from the download cache only, never the network (HF_HUB_OFFLINE=1 does the same)"),
-    _noop("--kv-unified", ("-kvu",), "LLAMA_ARG_KV_UNIFIED", negs=("--no-kv-unified", "-no-kvu"),
-          why="each slot holds its own KV"),
+    Flag("--kv-unified", ("-kvu",), "LLAMA_ARG_KV_UNIFIED", "switch", False,
+         "each slot keeps its own KV region here; as in llama-server, an idle slot that --cache-idle-slots saved "
+         "is then emptied (it frees no room here: a prompt for that text restores it from the prompt cache)",
+         negs=("--no-kv-unified", "-no-kvu")),
+    Flag("--cache-idle-slots", (), "LLAMA_ARG_CACHE_IDLE_SLOTS", "switch", True,
+         "when a request starts, save every idle slot's state to the prompt cache (needs --cache-ram above 0); "
+         "with --kv-unified the idle slot is then emptied", negs=("--no-cache-idle-slots",)),
     _noop("--context-shift", (), "LLAMA_ARG_CONTEXT_SHIFT", negs=("--no-context-shift",),
           why="a full slot ends with length"),
     _noop("--cache-reuse", (), "LLAMA_ARG_CACHE_REUSE", "int"),

@@ -130,7 +130,6 @@ ROWS: tuple[tuple[str, str, str, str, str | None], ...] = (
     ("kv", "--swa-full", "", "switch", "LLAMA_ARG_SWA_FULL"),
     ("kv", "-ctxcp --ctx-checkpoints --swa-checkpoints", "", "1", "LLAMA_ARG_CTX_CHECKPOINTS"),
     ("kv", "-cms --checkpoint-min-step", "", "1", "LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT"),
-    ("kv", "--cache-idle-slots", "--no-cache-idle-slots", "switch", "LLAMA_ARG_CACHE_IDLE_SLOTS"),
     ("kv", "-kvo --kv-offload", "-nkvo --no-kv-offload", "switch", "LLAMA_ARG_KV_OFFLOAD"),
     ("kv", "--repack", "-nr --no-repack", "switch", "LLAMA_ARG_REPACK"),
     ("kv", "--no-host", "", "switch", "LLAMA_ARG_NO_HOST"),

@@ -77,6 +77,8 @@ class Settings:
     spm_infill: bool = False           # --spm-infill: /infill's suffix/prefix/middle order
     batch_size: int = 2048             # -b: prompt-pass size under return_progress, /infill's budget
     cache_ram: int | None = None       # -cram MiB: the prompt cache's budget (0: off; None: the plan's default)
+    cache_idle_slots: bool = True      # --no-cache-idle-slots: idle slots are not saved when a request starts
+    kv_unified: bool = False           # --kv-unified: idle slots saved by --cache-idle-slots are also emptied
     sleep_idle_seconds: int = -1       # --sleep-idle-seconds: free the weights after this idle time (-1: never)
     slot_save_path: str | None = None  # --slot-save-path: the folder of POST /slots/{id}'s save and restore files
     need_hook: str | None = None       # --need-hook PATH (None: $BLOOMERY_NEED_HOOK, else the broker's hook if any)

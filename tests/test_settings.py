@@ -129,12 +129,15 @@ def test_noop_flags_are_read_and_recorded():
                    "--no-warmup", "-v", "--kv-unified", "--context-shift", "--cache-reuse", "256", "--no-jinja"], {})
     flags = [kv["flag"] for msg, kv in s.notes if msg == "flag read, no effect here"]
     assert s.threads == 4                          # -t: the offload tier's host threads
-    assert flags == ["-fa", "--no-mmap", "--no-webui", "-cb",
-                     "--kv-unified", "--context-shift", "--cache-reuse", "--no-jinja"]
+    assert flags == ["-fa", "--no-mmap", "--no-webui", "-cb", "--context-shift", "--cache-reuse", "--no-jinja"]
+    assert s.kv_unified and s.cache_idle_slots      # --kv-unified: idle slots saved are emptied too
     assert s.jinja and not s.warmup          # --no-warmup has an effect: it is honoured, not noted
     assert s.batch_size == 512               # -b too: return_progress's pass size, /infill's budget
     assert s.verbose                         # -v has one too: answers carry __verbose
     refused(M + ["-t", "x"], {}, "--threads takes an integer")
+    off = parse(M + ["--no-cache-idle-slots"], {})
+    assert not off.cache_idle_slots and not off.kv_unified
+    assert not parse(M, {"LLAMA_ARG_CACHE_IDLE_SLOTS": "0"}).cache_idle_slots
 
 
 def test_unknown_llama_variable_gets_a_line():

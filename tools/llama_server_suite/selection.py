@@ -65,10 +65,6 @@ REFUSED_TESTS: dict[str, str] = {
        "reads text only; a client error is never a 500 here); llama-server answers 500 'image input is not "
        "supported' for a model without --mmproj" for t in (
            "test_anthropic_tool_result_with_image", "test_anthropic_vision_format_accepted")},
-    **{f"unit/test_kv_keep_only_active.py::{t}": "idle-slot clearing (--cache-idle-slots, "
-       "--no-cache-idle-slots) is not in this build (its prompt cache saves a slot when the next request "
-       "overwrites it); the tests read llama-server's own log tags"
-       for t in ("test_clear_and_restore", "test_disabled_with_flag")},
 }
 
 # Tests that pass on llama-server but run too long for CI's budget (the suite's share is ~15-25 min on

@@ -26,7 +26,6 @@ WHY = {
     "ui": "no web UI, tool runtime or MCP proxy is served",
     "http": "this HTTP option is not served (put a TLS proxy in front for TLS)",
     "chat": "this chat option is not served yet",
-    "embd": "no embedding model",
     "cli": "an option of llama.cpp's command-line tools, not of a server",
 }
 
@@ -181,8 +180,6 @@ ROWS: tuple[tuple[str, str, str, str, str | None], ...] = (
     ("chat", "--skip-chat-parsing", "--no-skip-chat-parsing", "switch", "LLAMA_ARG_SKIP_CHAT_PARSING"),
     ("chat", "--prefill-assistant", "--no-prefill-assistant", "switch", "LLAMA_ARG_PREFILL_ASSISTANT"),
     ("chat", "-sps --slot-prompt-similarity", "", "1", None),
-    ("embd", "--pooling", "", "1", "LLAMA_ARG_POOLING"),
-    ("embd", "--embd-normalize", "", "1", None),
     ("cli", "-cl --cache-list", "", "switch", None),
     ("cli", "--completion-bash", "", "switch", None),
     ("cli", "--perf", "--no-perf", "switch", "LLAMA_ARG_PERF"),

@@ -29,6 +29,7 @@ for that text restores it from the prompt cache instead of reusing the live slot
 """
 from __future__ import annotations
 
+import base64
 import threading
 import time
 from dataclasses import dataclass
@@ -44,6 +45,16 @@ from bloomery.engine.sampler import Sample, Sampler, SamplerError
 from bloomery.engine.scheduler import Scheduler, Slot
 from bloomery.engine.types import EngineRequest, TokenOut
 from bloomery.grammar import GrammarError, Matcher, Vocab
+
+
+# llama.cpp's pooling types over the final-norm rows [T, D] of one prompt -> [R, D] (rank is not served: it needs
+# a reranker's classification head)
+POOLINGS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "none": lambda rows: rows,
+    "mean": lambda rows: rows.mean(axis=0, dtype=np.float64, keepdims=True).astype(np.float32),
+    "cls": lambda rows: rows[:1],
+    "last": lambda rows: rows[-1:],
+}
 
 
 @dataclass
@@ -184,6 +195,9 @@ class Engine:
             self._save_idle()
         admitted = [s for s in admitted if s.req is not None]
         for slot in admitted:
+            if slot.req.pooling:      # an embedding request: its whole prompt now, then the slot is free
+                outs.append(self._embed(slot))
+                continue
             failed = self._start(slot, outs)
             if failed is not None:
                 outs.append(failed)
@@ -488,6 +502,33 @@ class Engine:
             from bloomery.tokenizer import Tokenizer
             self._grammar_vocab = Vocab.from_tokenizer(Tokenizer.from_gguf(gf.metadata), self.n_vocab)
         return Matcher(req.sampling.grammar, self._grammar_vocab, req.stop_ids)
+
+    def _embed(self, slot: Slot) -> TokenOut:
+        """An embedding request: the prompt run whole from position 0 (model.hidden_states), its final-norm rows
+        pooled as the request says (none: every row; mean; cls: the first; last), as float32 bytes in base64.
+        The slot then holds the prompt, as after a prompt pass."""
+        req = slot.req
+        t0 = time.perf_counter()
+        try:
+            if req.pooling not in POOLINGS:
+                raise ValueError(f"pooling {req.pooling!r} is not one of {', '.join(POOLINGS)}")
+            with self._lock:
+                self.scheduler.forget(slot)
+            rows = np.asarray(self.model.hidden_states(slot.id, req.prompt_ids), dtype=np.float32)   # [T, D]
+            pooled = POOLINGS[req.pooling](rows)
+        except Exception as e:
+            return self._fail(slot, e, len(req.prompt_ids))
+        ms = (time.perf_counter() - t0) * 1000.0
+        with self._lock:
+            self.scheduler.prefilled(slot)
+            last = self._last.get(slot.id)
+            if last is not None and last["req_id"] == req.req_id:
+                last["n_cached"], last["n_processed"] = 0, len(req.prompt_ids)
+            self._note_done(slot.id, req.req_id, 0)
+            self.scheduler.release(slot)
+        return TokenOut(req.req_id, None, "stop", n_prompt=len(req.prompt_ids), prompt_ms=ms, slot=slot.id,
+                        embedding=base64.b64encode(np.ascontiguousarray(pooled, "<f4").tobytes()).decode("ascii"),
+                        embd_rows=int(pooled.shape[0]))
 
     def _note_done(self, slot_id: int, req_id: str, n_decoded: int) -> None:
         """Keep the finished request's counts for /slots (the lock is held)."""

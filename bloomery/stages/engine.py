@@ -69,7 +69,20 @@ def model_info(args: dict, facts: dict, placement: Placement, model) -> ModelInf
                      backend=placement.backend, model_path=args["model_file"],
                      n_params=int(facts.get("n_params", 0)), size_bytes=int(facts.get("size_bytes", 0)),
                      n_embd=int(facts.get("n_embd", 0)), vocab_type=int(facts.get("vocab_type", 0)),
-                     ftype=str(facts.get("ftype", "")))
+                     ftype=str(facts.get("ftype", "")), pooling=pooling_of(args, model))
+
+
+# llama.cpp's enum llama_pooling_type, as {arch}.pooling_type stores it
+POOLING_TYPES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
+
+
+def pooling_of(args: dict, model) -> str:
+    """--pooling as given, else the file's {arch}.pooling_type, else none (llama.cpp's rule)."""
+    if args.get("pooling"):
+        return str(args["pooling"])
+    gf = getattr(model, "gf", None)
+    value = gf.get(f"{model.arch}.pooling_type") if gf is not None else None
+    return POOLING_TYPES.get(int(value), "none") if isinstance(value, int) else "none"
 
 
 def anon_bytes() -> int | None:

@@ -18,11 +18,11 @@ SERVED: tuple[str, ...] = (
     "unit/test_metrics.py", "unit/test_ctx_shift.py", "unit/test_kv_keep_only_active.py",
     # served since 2026-12-02, in the golden since (measured on llama-server b11434's CPU build)
     "unit/test_infill.py", "unit/test_compat_gcp.py", "unit/test_sleep.py", "unit/test_slot_save.py",
+    # served since 2026-12-02 (--embeddings, --pooling): bert-bge-small's tests, run on the Qwen file
+    "unit/test_embedding.py",
 )
 
 REFUSED_FILES: dict[str, str] = {
-    "unit/test_embedding.py": "embeddings (--embedding) are not served on a generative seat: /embedding(s) and "
-                              "/v1/embeddings answer 501 not_supported_error (serving guide 10.3)",
     "unit/test_rerank.py": "reranking (--reranking) is not served: /rerank and its aliases answer 501",
     "unit/test_lora.py": "LoRA adapters (--lora, the request's lora field) are refused by name",
     "unit/test_speculative.py": "speculative decoding (--model-draft, --spec-*) is not in this build",

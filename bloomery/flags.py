@@ -188,8 +188,13 @@ TABLE: tuple[Flag, ...] = (
          "weights (--no-warmup: skip it)", negs=("--no-warmup",), dest="warmup"),
     Flag("--offline", (), "LLAMA_ARG_OFFLINE", "switch", False,
          "--hf-repo from the download cache only, never the network (HF_HUB_OFFLINE=1 does the same)"),
-    _noop("--kv-unified", ("-kvu",), "LLAMA_ARG_KV_UNIFIED", negs=("--no-kv-unified", "-no-kvu"),
-          why="each slot holds its own KV"),
+    Flag("--kv-unified", ("-kvu",), "LLAMA_ARG_KV_UNIFIED", "switch", False,
+         "each slot keeps its own KV region here; as in llama-server, an idle slot that --cache-idle-slots saved "
+         "is then emptied (it frees no room here: a prompt for that text restores it from the prompt cache)",
+         negs=("--no-kv-unified", "-no-kvu")),
+    Flag("--cache-idle-slots", (), "LLAMA_ARG_CACHE_IDLE_SLOTS", "switch", True,
+         "when a request starts, save every idle slot's state to the prompt cache (needs --cache-ram above 0); "
+         "with --kv-unified the idle slot is then emptied", negs=("--no-cache-idle-slots",)),
     _noop("--context-shift", (), "LLAMA_ARG_CONTEXT_SHIFT", negs=("--no-context-shift",),
           why="a full slot ends with length"),
     _noop("--cache-reuse", (), "LLAMA_ARG_CACHE_REUSE", "int"),
@@ -243,7 +248,16 @@ TABLE: tuple[Flag, ...] = (
     Flag("--hf-token", ("-hft",), "HF_TOKEN", "str", None, "Hugging Face access token (default: HF_TOKEN)"),
     _refuse("--lora", (), why="no LoRA adapters"), _refuse("--lora-scaled", (), why="no LoRA adapters"),
     _refuse("--mmproj", ("-mm",), "LLAMA_ARG_MMPROJ", why="no image encoder"),
-    _refuse("--embeddings", ("--embedding",), "LLAMA_ARG_EMBEDDINGS", "switch", why="no embedding model"),
+    Flag("--embeddings", ("--embedding",), "LLAMA_ARG_EMBEDDINGS", "switch", False,
+         "serve POST /embedding, /embeddings and /v1/embeddings: the model's hidden states after its final norm, "
+         "pooled (--pooling); generation stays served", dest="embeddings"),
+    Flag("--pooling", (), "LLAMA_ARG_POOLING", "choice", None,
+         "how an embedding pools a prompt's rows: none (every id's row; not on /v1/embeddings), mean, cls (the "
+         "first), last; default: the file's pooling_type, else none. rank (a reranker's head) is refused",
+         choices=("none", "mean", "cls", "last", "rank")),
+    Flag("--embd-normalize", (), None, "int", 2,
+         "a pooled embedding's normalisation: -1 none, 0 max absolute scaled to int16, 1 taxicab, 2 euclidean, "
+         ">2 p-norm (a request's embd_normalize overrides it)"),
     _refuse("--reranking", ("--rerank",), "LLAMA_ARG_RERANKING", "switch", why="no reranking"),
     _refuse("--grammar", (), why="no server-wide grammar (a request's grammar field is served)"),
     _refuse("--grammar-file", (), why="no server-wide grammar (a request's grammar field is served)"),

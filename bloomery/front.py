@@ -77,7 +77,8 @@ def make_app(s: Settings, tokenizer, template, client, info, **kw):
                alias=s.alias, tags=s.tags, endpoint_slots=s.endpoint_slots, metrics_requested=s.metrics,
                verbose_default=s.verbose, reasoning=s.reasoning, reasoning_format=s.reasoning_format,
                reasoning_budget=s.reasoning_budget, reasoning_budget_message=s.reasoning_budget_message,
-               spm_infill=s.spm_infill, n_batch=s.batch_size,
+               spm_infill=s.spm_infill, n_batch=s.batch_size, embeddings_on=s.embeddings,
+               embd_normalize=s.embd_normalize,
                sleep_idle_s=s.sleep_idle_seconds, slot_save_path=s.slot_save_path, gcp_mode=gcp.from_env(dict(os.environ)))
 
 

@@ -26,7 +26,6 @@ WHY = {
     "ui": "no web UI, tool runtime or MCP proxy is served",
     "http": "this HTTP option is not served (put a TLS proxy in front for TLS)",
     "chat": "this chat option is not served yet",
-    "embd": "no embedding model",
     "cli": "an option of llama.cpp's command-line tools, not of a server",
 }
 
@@ -130,7 +129,6 @@ ROWS: tuple[tuple[str, str, str, str, str | None], ...] = (
     ("kv", "--swa-full", "", "switch", "LLAMA_ARG_SWA_FULL"),
     ("kv", "-ctxcp --ctx-checkpoints --swa-checkpoints", "", "1", "LLAMA_ARG_CTX_CHECKPOINTS"),
     ("kv", "-cms --checkpoint-min-step", "", "1", "LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT"),
-    ("kv", "--cache-idle-slots", "--no-cache-idle-slots", "switch", "LLAMA_ARG_CACHE_IDLE_SLOTS"),
     ("kv", "-kvo --kv-offload", "-nkvo --no-kv-offload", "switch", "LLAMA_ARG_KV_OFFLOAD"),
     ("kv", "--repack", "-nr --no-repack", "switch", "LLAMA_ARG_REPACK"),
     ("kv", "--no-host", "", "switch", "LLAMA_ARG_NO_HOST"),
@@ -179,8 +177,6 @@ ROWS: tuple[tuple[str, str, str, str, str | None], ...] = (
     ("chat", "--skip-chat-parsing", "--no-skip-chat-parsing", "switch", "LLAMA_ARG_SKIP_CHAT_PARSING"),
     ("chat", "--prefill-assistant", "--no-prefill-assistant", "switch", "LLAMA_ARG_PREFILL_ASSISTANT"),
     ("chat", "-sps --slot-prompt-similarity", "", "1", None),
-    ("embd", "--pooling", "", "1", "LLAMA_ARG_POOLING"),
-    ("embd", "--embd-normalize", "", "1", None),
     ("cli", "-cl --cache-list", "", "switch", None),
     ("cli", "--completion-bash", "", "switch", None),
     ("cli", "--perf", "--no-perf", "switch", "LLAMA_ARG_PERF"),

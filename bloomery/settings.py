@@ -77,6 +77,11 @@ class Settings:
     spm_infill: bool = False           # --spm-infill: /infill's suffix/prefix/middle order
     batch_size: int = 2048             # -b: prompt-pass size under return_progress, /infill's budget
     cache_ram: int | None = None       # -cram MiB: the prompt cache's budget (0: off; None: the plan's default)
+    embeddings: bool = False           # --embeddings: /embedding(s) and /v1/embeddings are served (else 501)
+    pooling: str | None = None         # --pooling none|mean|cls|last (None: the file's pooling_type, else none)
+    embd_normalize: int = 2            # --embd-normalize: a pooled embedding's norm (-1 none, 0 int16 max, p > 0: p-norm)
+    cache_idle_slots: bool = True      # --no-cache-idle-slots: idle slots are not saved when a request starts
+    kv_unified: bool = False           # --kv-unified: idle slots saved by --cache-idle-slots are also emptied
     sleep_idle_seconds: int = -1       # --sleep-idle-seconds: free the weights after this idle time (-1: never)
     slot_save_path: str | None = None  # --slot-save-path: the folder of POST /slots/{id}'s save and restore files
     models_dir: str | None = None      # router mode (no model): a folder of models served on demand
@@ -460,6 +465,9 @@ def _check(s: Settings, keys: list[str]) -> None:
     if s.cache_ram is not None and s.cache_ram < 0:
         raise SettingsError(f"--cache-ram {s.cache_ram}: the prompt cache always has a budget here (llama-server's "
                             f"-1, no limit, is refused); give MiB >= 1, or 0 to turn it off")
+    if s.pooling == "rank":
+        raise SettingsError("--pooling rank: reranking needs a reranker's classification head; not served here "
+                            "(none, mean, cls and last are)")
     if s.batch_size < 1:
         raise SettingsError(f"--batch-size {s.batch_size}: must be >= 1")
     if s.n_predict < -1:

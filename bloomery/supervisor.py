@@ -196,7 +196,8 @@ class Supervisor:
         self.life.advance(Phase.LOAD)
         engine_args = {"model_file": fetched.path, "alias": s.alias, "facts": planned.facts, "warmup": s.warmup,
                        "placement": to_plain(planned.placement),
-                       "n_batch": s.batch_size, "threads": s.threads,
+                       "n_batch": s.batch_size, "threads": s.threads, "verbose": s.verbose,
+                       "cache_idle_slots": s.cache_idle_slots, "kv_unified": s.kv_unified, "pooling": s.pooling,
                        "req_addr": f"ipc://{rt}/req", "out_addr": f"ipc://{rt}/out"}
         engine = await runner.start("engine", engine_args)
         front = asyncio.create_task(asyncio.to_thread(build_front, fetched.path, s))

@@ -100,6 +100,42 @@ def test_the_cache_off_restores_nothing():
     assert out[0].n_cached == 0 and not [c for c in model.calls if c[0] in ("save", "restore")]
 
 
+def idle_run(clear: bool):
+    """The llama.cpp suite's sequence (unit/test_kv_keep_only_active.py): a on slot 0, b on slot 1, a again
+    on any slot, then a continued."""
+    model = SavingModel(2, 64)
+    engine = Engine(model, 2, 64, prompt_cache_bytes=4096, cache_idle_slots=True, clear_idle=clear)
+    a, b = [1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11]
+    outs = []
+    for rid, p, kw in (("a1", a, {"id_slot": 0}), ("b", b, {"id_slot": 1}), ("a2", a, {}), ("a3", a + [12, 13], {})):
+        n_calls = len(model.calls)
+        engine.add(greq(rid, p, **kw))
+        outs.append(drain(engine)[rid])
+        outs[-1].append([c for c in model.calls[n_calls:] if c[0] in ("save", "restore")])
+    return model, engine, outs
+
+
+def test_idle_slots_are_saved_when_a_request_starts_and_cleared_with_kv_unified():
+    model, engine, (a1, b, a2, a3) = idle_run(clear=True)
+    assert a1[-1] == []                                   # slot 1 idle but empty: nothing saved
+    assert b[-1] == [("save", 0, 8 + 5)]                  # slot 0 idle with a and its 5 fed ids: saved, emptied
+    # a again: slot 0 (empty, least recently used) restores a from the cache; idle slot 1 (b) saved, emptied
+    assert a2[-1] == [("save", 1, 3 + 5), ("restore", 0, 7)] and a2[0].n_cached == 7 and a2[0].slot == 0
+    assert [o.token for o in a2[:-1]] == [o.token for o in a1[:-1]]
+    assert a3[-1] == [] and a3[0].slot == 0 and a3[0].n_cached == 8   # slot 0 kept a: nothing saved or cleared
+    assert engine.prompt_cache.n_entries == 2
+
+
+def test_idle_slots_without_kv_unified_are_saved_and_kept():
+    model, engine, (a1, b, a2, a3) = idle_run(clear=False)
+    assert b[-1] == [("save", 0, 8 + 5)]
+    assert a2[-1] == [("save", 1, 3 + 5)] and a2[0].slot == 0 and a2[0].n_cached == 7   # the live slot holds a
+    off = Engine(SavingModel(2, 64), 2, 64, prompt_cache_bytes=4096, cache_idle_slots=False)
+    off.add(greq("a", [1, 2, 3], id_slot=0)); drain(off)
+    off.add(greq("b", [4, 5], id_slot=1)); drain(off)
+    assert off.prompt_cache.n_entries == 0
+
+
 def test_the_cpu_kv_cache_saves_and_restores_a_slots_positions():
     from bloomery.engine.cpu.kv_cache import KVCache, KVCacheError
     kv = KVCache(n_layer=3, n_slots=2, n_ctx_slot=32, n_head_kv=2, head_dim=8)

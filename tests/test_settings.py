@@ -96,7 +96,7 @@ def test_no_note_prints_a_key(tmp_path):
     (["-sm", "row"], "-sm row: splitting one layer's weights over cards is not served"),
     (["--lora", "a.gguf"], "--lora is refused"),
     (["--mmproj", "x"], "--mmproj is refused"),
-    (["--embeddings"], "--embeddings is refused"),
+    (["--pooling", "rank"], "--pooling rank: reranking needs a reranker"),
     (["--grammar", "root ::= x"], "--grammar is refused"),
     (["--slot-ctx", "1024", "-c", "4096"], "--slot-ctx beside --ctx-size"),
     (["-np", "auto", "-c", "4096"], "--parallel auto beside --ctx-size"),
@@ -118,7 +118,7 @@ def test_refusals_name_the_problem(argv, match):
     ({"LLAMA_ARG_CTX_SIZE": "lots"}, "LLAMA_ARG_CTX_SIZE: --ctx-size takes an integer"),
     ({"LLAMA_API_KEY": ""}, "empty API key"),
     ({"LLAMA_ARG_EMBEDDINGS": "maybe"}, "LLAMA_ARG_EMBEDDINGS='maybe'"),
-    ({"LLAMA_ARG_EMBEDDINGS": "1"}, "LLAMA_ARG_EMBEDDINGS is refused"),
+    ({"LLAMA_ARG_POOLING": "rank"}, "--pooling rank: reranking needs"),
 ])
 def test_env_refusals_name_the_variable(env, match):
     refused(M, env, match)
@@ -129,12 +129,18 @@ def test_noop_flags_are_read_and_recorded():
                    "--no-warmup", "-v", "--kv-unified", "--context-shift", "--cache-reuse", "256", "--no-jinja"], {})
     flags = [kv["flag"] for msg, kv in s.notes if msg == "flag read, no effect here"]
     assert s.threads == 4                          # -t: the offload tier's host threads
-    assert flags == ["-fa", "--no-mmap", "--no-webui", "-cb",
-                     "--kv-unified", "--context-shift", "--cache-reuse", "--no-jinja"]
+    assert flags == ["-fa", "--no-mmap", "--no-webui", "-cb", "--context-shift", "--cache-reuse", "--no-jinja"]
+    assert s.kv_unified and s.cache_idle_slots      # --kv-unified: idle slots saved are emptied too
     assert s.jinja and not s.warmup          # --no-warmup has an effect: it is honoured, not noted
     assert s.batch_size == 512               # -b too: return_progress's pass size, /infill's budget
     assert s.verbose                         # -v has one too: answers carry __verbose
     refused(M + ["-t", "x"], {}, "--threads takes an integer")
+    on = parse(M, {"LLAMA_ARG_EMBEDDINGS": "1", "LLAMA_ARG_POOLING": "mean"})
+    assert on.embeddings and on.pooling == "mean" and on.embd_normalize == 2
+    assert parse(M + ["--embd-normalize", "-1", "--pooling", "last"], {}).embd_normalize == -1
+    off = parse(M + ["--no-cache-idle-slots"], {})
+    assert not off.cache_idle_slots and not off.kv_unified
+    assert not parse(M, {"LLAMA_ARG_CACHE_IDLE_SLOTS": "0"}).cache_idle_slots
 
 
 def test_unknown_llama_variable_gets_a_line():

@@ -14,8 +14,8 @@ from typing import Awaitable, Callable
 
 from bloomery import workpool
 from bloomery.api import limits
-from bloomery.api import (anthropic, chat, completion, experts, gcp, infill, input_tokens, models, ollama, props,
-                          responses, slot_actions, slots, sleep, tokenize)
+from bloomery.api import (anthropic, chat, completion, embeddings, experts, gcp, infill, input_tokens, models,
+                          ollama, props, responses, slot_actions, slots, sleep, tokenize)
 from bloomery.api.metrics import Metrics
 from bloomery.api.generate import Generation
 from bloomery.api.params import GenParams
@@ -102,9 +102,9 @@ def not_served(message: str) -> Route:
     return refuse
 
 
-for _path in ("/embedding", "/embeddings", "/v1/embeddings"):
-    ROUTES["POST", _path] = not_served("This server does not support embeddings: it serves generative models only "
-                                       "(--embeddings is refused at start)")
+for _path in ("/embedding", "/embeddings"):
+    ROUTES["POST", _path] = embeddings.handle_embeddings
+ROUTES["POST", "/v1/embeddings"] = embeddings.handle_v1_embeddings
 for _path in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking"):
     ROUTES["POST", _path] = not_served("This server does not support reranking: it serves generative models only "
                                        "(--reranking is refused at start)")
@@ -140,7 +140,8 @@ class App:
                  metrics_requested: bool = False, verbose_default: bool = False,
                  endpoint_props: bool = False, reasoning: str = "auto", reasoning_format: str = "auto",
                  reasoning_budget: int = -1, reasoning_budget_message: str | None = None,
-                 spm_infill: bool = False, n_batch: int = 2048, sleep_idle_s: int = -1, slot_save_path: str | None = None, gcp_mode: "gcp.GcpMode | None" = None, log: Callable[[str], None] = _record):
+                 spm_infill: bool = False, n_batch: int = 2048,
+                 embeddings_on: bool = False, embd_normalize: int = 2, sleep_idle_s: int = -1, slot_save_path: str | None = None, gcp_mode: "gcp.GcpMode | None" = None, log: Callable[[str], None] = _record):
         self.tok = tokenizer
         self.template = template
         self.client = client
@@ -163,6 +164,8 @@ class App:
         self.reasoning_budget_message = reasoning_budget_message or ""
         self.spm_infill = spm_infill                  # --spm-infill: /infill puts the suffix before the prefix
         self.n_batch = n_batch                        # -b: /infill's prefix/suffix budget
+        self.embeddings = embeddings_on               # --embeddings: the embedding routes answer (else 501)
+        self.embd_normalize = embd_normalize          # --embd-normalize: a pooled embedding's default norm
         self.slot_save_path = slot_save_path          # --slot-save-path: POST /slots/{id}'s folder (None: 501)
         self.gcp_mode = gcp_mode                      # AIP_MODE=PREDICTION: Vertex AI's predict (and health) route
         self.residency = sleep.Residency(client, sleep_idle_s, log)   # --sleep-idle-seconds (-1: never)

@@ -40,6 +40,8 @@ class ApiContext(Protocol):
     media_marker: str
     spm_infill: bool              # /infill: the suffix before the prefix (--spm-infill)
     n_batch: int                  # -b: the prompt's pass size where progress is reported
+    embeddings: bool              # --embeddings: /embedding(s) and /v1/embeddings answer (else 501)
+    embd_normalize: int           # --embd-normalize: a pooled embedding's default normalisation
     residency: Any                # --sleep-idle-seconds' idle watch (api/sleep.py)
     recent: Recent                # generations for /slots (done ones as memos in a byte budget)
     slot_save_path: str | None    # --slot-save-path: POST /slots/{id}'s folder (None: those answer 501)

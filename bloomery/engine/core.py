@@ -19,9 +19,17 @@ The prompt cache (engine/prompt_cache.py, -cram): before an admitted prompt that
 extend what its slot holds overwrites it, the slot's state is saved there; a prompt sharing a
 longer prefix with a saved state than with its live slot has that prefix restored into the
 slot and runs only the rest (n_cached counts the restored ids).
+
+Idle slots (llama-server's --cache-idle-slots, on by default with the prompt cache): when a request
+starts in a slot, every other idle slot's state is saved there too (unless an entry already holds
+it), so a later prompt sharing its prefix finds it whichever slot it lands in; with `clear_idle`
+(--kv-unified) the idle slot is then emptied, as llama-server empties it to free room in its one
+shared buffer. Here each slot keeps its own KV region, so emptying frees nothing: the next prompt
+for that text restores it from the prompt cache instead of reusing the live slot.
 """
 from __future__ import annotations
 
+import base64
 import threading
 import time
 from dataclasses import dataclass
@@ -29,6 +37,7 @@ from typing import Callable
 
 import numpy as np
 
+from bloomery import records
 from bloomery.engine.limits import finish_reason
 from bloomery.engine.model_api import EngineModel
 from bloomery.engine.prompt_cache import PromptCache
@@ -36,6 +45,16 @@ from bloomery.engine.sampler import Sample, Sampler, SamplerError
 from bloomery.engine.scheduler import Scheduler, Slot
 from bloomery.engine.types import EngineRequest, TokenOut
 from bloomery.grammar import GrammarError, Matcher, Vocab
+
+
+# llama.cpp's pooling types over the final-norm rows [T, D] of one prompt -> [R, D] (rank is not served: it needs
+# a reranker's classification head)
+POOLINGS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "none": lambda rows: rows,
+    "mean": lambda rows: rows.mean(axis=0, dtype=np.float64, keepdims=True).astype(np.float32),
+    "cls": lambda rows: rows[:1],
+    "last": lambda rows: rows[-1:],
+}
 
 
 @dataclass
@@ -57,12 +76,17 @@ class Engine:
     top_misses = 0         # ... of which ran again with whole rows (no candidate settled a pick)
 
     def __init__(self, model: EngineModel, n_slots: int, n_ctx_slot: int, max_queue: int | None = None,
-                 n_batch: int = 2048, prompt_cache_bytes: int = 0):
+                 n_batch: int = 2048, prompt_cache_bytes: int = 0, cache_idle_slots: bool = False,
+                 clear_idle: bool = False, test_tags: bool = False):
         if not isinstance(model, EngineModel):
             raise TypeError(f"the engine runs an EngineModel (engine/model_api.py), not a {type(model).__name__}")
         self.model = model
         # saved slot states in host RAM, within this budget (0: off); only a model with save_kv / restore_kv
         self.prompt_cache = PromptCache(prompt_cache_bytes)
+        # --cache-idle-slots: save the idle slots when a request starts (clear_idle: and empty them)
+        self.cache_idle_slots, self.clear_idle = cache_idle_slots, clear_idle
+        # --verbose: the records also carry llama-server's test tags (its suite reads them from the log)
+        self.test_tags = test_tags
         # a prompt asking for progress runs in passes of n_batch ids (llama-server's -b), each reported at once
         # through `emit` when set (the engine process sends it on the socket), else with the step's outputs
         self.n_batch = n_batch
@@ -167,8 +191,13 @@ class Engine:
                 self._save_held(slot)
             except Exception as e:   # the slot's KV is as it was; this request alone fails
                 outs.append(self._fail(slot, e, len(slot.req.prompt_ids)))
+        if admitted and self.cache_idle_slots:
+            self._save_idle()
         admitted = [s for s in admitted if s.req is not None]
         for slot in admitted:
+            if slot.req.pooling:      # an embedding request: its whole prompt now, then the slot is free
+                outs.append(self._embed(slot))
+                continue
             failed = self._start(slot, outs)
             if failed is not None:
                 outs.append(failed)
@@ -219,6 +248,32 @@ class Engine:
         with self._lock:
             self.prompt_cache.save(held, state)
 
+    def _save_idle(self) -> None:
+        """--cache-idle-slots: a request started, so every idle slot holding ids goes to the prompt cache
+        (unless an entry holds them already); with clear_idle the slot is emptied after."""
+        calls = self._cache_calls()
+        if calls is None:
+            return
+        with self._lock:
+            idle = [(s, tuple(s.cached_ids)) for s in self.scheduler.slots if not s.is_processing and s.cached_ids]
+        for slot, held in idle:
+            with self._lock:
+                covered = self.prompt_cache.covers(held)
+            per_pos = self.model.kv_bytes_per_position
+            saved = False
+            if not covered and not (per_pos and not self.prompt_cache.fits(per_pos * len(held))):
+                state = calls[0](slot.id, len(held))
+                with self._lock:
+                    saved = self.prompt_cache.save(held, state)
+            if saved:
+                tag = {"tag": "__TEST_TAG_CACHE_IDLE_SLOT__"} if self.test_tags else {}
+                records.record("serve", "idle slot saved to the prompt cache", component="engine", slot=slot.id,
+                               n_ids=len(held), cleared=self.clear_idle, **tag)
+            if self.clear_idle:
+                with self._lock:
+                    if not slot.is_processing:
+                        self.scheduler.forget(slot)
+
     def _restore_saved(self, slot: Slot) -> None:
         """A saved state sharing a longer prefix with the prompt than the live slot: that prefix into
         the slot (at least one prompt id is left to run, for the logits)."""
@@ -243,6 +298,8 @@ class Engine:
             last = self._last.get(slot.id)
             if last is not None and last["req_id"] == req.req_id:
                 last["n_cached"], last["n_processed"] = n, len(req.prompt_ids) - n
+        records.record("serve", "updating prompt cache: a saved prefix restored into the slot", component="engine",
+                       slot=slot.id, n_ids=n, took_ms=round((time.perf_counter() - t0) * 1000.0, 2))
 
     def _start(self, slot: Slot, progress: list[TokenOut]) -> TokenOut | None:
         """An admitted request: a restore from the prompt cache, its sampler; None when it may run its
@@ -445,6 +502,33 @@ class Engine:
             from bloomery.tokenizer import Tokenizer
             self._grammar_vocab = Vocab.from_tokenizer(Tokenizer.from_gguf(gf.metadata), self.n_vocab)
         return Matcher(req.sampling.grammar, self._grammar_vocab, req.stop_ids)
+
+    def _embed(self, slot: Slot) -> TokenOut:
+        """An embedding request: the prompt run whole from position 0 (model.hidden_states), its final-norm rows
+        pooled as the request says (none: every row; mean; cls: the first; last), as float32 bytes in base64.
+        The slot then holds the prompt, as after a prompt pass."""
+        req = slot.req
+        t0 = time.perf_counter()
+        try:
+            if req.pooling not in POOLINGS:
+                raise ValueError(f"pooling {req.pooling!r} is not one of {', '.join(POOLINGS)}")
+            with self._lock:
+                self.scheduler.forget(slot)
+            rows = np.asarray(self.model.hidden_states(slot.id, req.prompt_ids), dtype=np.float32)   # [T, D]
+            pooled = POOLINGS[req.pooling](rows)
+        except Exception as e:
+            return self._fail(slot, e, len(req.prompt_ids))
+        ms = (time.perf_counter() - t0) * 1000.0
+        with self._lock:
+            self.scheduler.prefilled(slot)
+            last = self._last.get(slot.id)
+            if last is not None and last["req_id"] == req.req_id:
+                last["n_cached"], last["n_processed"] = 0, len(req.prompt_ids)
+            self._note_done(slot.id, req.req_id, 0)
+            self.scheduler.release(slot)
+        return TokenOut(req.req_id, None, "stop", n_prompt=len(req.prompt_ids), prompt_ms=ms, slot=slot.id,
+                        embedding=base64.b64encode(np.ascontiguousarray(pooled, "<f4").tobytes()).decode("ascii"),
+                        embd_rows=int(pooled.shape[0]))
 
     def _note_done(self, slot_id: int, req_id: str, n_decoded: int) -> None:
         """Keep the finished request's counts for /slots (the lock is held)."""

@@ -3,7 +3,7 @@
 Every model answers prefill and decode. What a model may lack is declared by an attribute, never
 found by probing for a method: `picks_on_device` (decode_greedy), `topk_max` (decode_topk; 0:
 none), `saves_kv` (save_kv / restore_kv / kv_bytes_per_position, the prompt cache's calls),
-`shares_passes` (prefill_slots), `rewinds`, `n_ubatch` and `gf`. models/base.CausalLM is the real model; a stand-in (a test's)
+`shares_passes` (prefill_slots), `embeds` (hidden_states, for embeddings), `rewinds`, `n_ubatch` and `gf`. models/base.CausalLM is the real model; a stand-in (a test's)
 subclasses EngineModel and declares what it has. Calling an ability the model declares it
 lacks raises NotImplementedError naming the attribute.
 
@@ -32,6 +32,7 @@ class EngineModel:
     kv_bytes_per_position: int = 0   # what a saved state costs per id (0: not known)
     n_ubatch: int = 0                # the most ids one prompt pass computes at once (0: no bound of its own)
     shares_passes: bool = False      # prefill_slots: several slots' prompt ids in one pass
+    embeds: bool = False             # hidden_states: every position's final-norm output (embeddings)
     gf: GGUFFile | None = None       # the model's file, whose vocabulary structured output runs against
 
     def prefill(self, slot: int, ids, pos0: int) -> np.ndarray:
@@ -54,6 +55,11 @@ class EngineModel:
     def prefill_slots(self, parts: Sequence[tuple[int, object, int]]) -> np.ndarray:
         """Several slots' prompt ids (slot, ids, pos0) in shared passes: each part's last logits [n, V]."""
         raise self._lacks("prefill_slots", "shares_passes", self.shares_passes)
+
+    def hidden_states(self, slot: int, ids) -> np.ndarray:
+        """Every position's hidden state after the final norm (what the output head reads), float32 [T, D]
+        on the host; fills the slot's state from position 0 (the prompt runs whole)."""
+        raise self._lacks("hidden_states", "embeds", self.embeds)
 
     def save_kv(self, slot: int, n: int) -> tuple:
         """The slot's state at positions 0 .. n-1 as host arrays (the prompt cache's entry)."""

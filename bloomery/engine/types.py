@@ -42,6 +42,8 @@ class EngineRequest:
     id_task: int = -1                         # the front's task number (what /slots reports as id_task)
     return_progress: bool = False             # report the prompt pass batch by batch (progress TokenOuts)
     id_slot: int = -1                         # run in this slot (waiting while it is busy); -1: any free slot
+    pooling: str = ""                         # an embedding request: none, mean, cls or last (the hidden states
+                                              # after the final norm, pooled so); "": a generation
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,8 @@ class TokenOut:
     slot: int = -1                            # the slot that ran the request; -1 when none did (queued, refused)
     n_processed: int = -1                     # >= 0 only on a prompt-progress output (token and finish None):
                                               # prompt ids in the slot so far, the cached ones included
+    embedding: str = ""                       # an embedding request's answer: base64 of float32 [embd_rows, n_embd]
+    embd_rows: int = 0                        # rows in `embedding` (1 pooled; one a prompt id under pooling none)
 
     @property
     def is_progress(self) -> bool:
@@ -92,3 +96,4 @@ class ModelInfo:
     n_embd: int = 0            # {arch}.embedding_length
     vocab_type: int = 0        # llama.cpp's enum: 0 none, 1 SPM, 2 BPE, 3 WPM, 4 UGM, 5 RWKV, 6 PLaMo-2
     ftype: str = ""            # llama_ftype_name of general.file_type ("Q4_K - Medium"), "(guessed) ..." without it
+    pooling: str = "none"      # embeddings (--embeddings): --pooling, else the file's {arch}.pooling_type, else none

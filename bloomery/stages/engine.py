@@ -69,7 +69,20 @@ def model_info(args: dict, facts: dict, placement: Placement, model) -> ModelInf
                      backend=placement.backend, model_path=args["model_file"],
                      n_params=int(facts.get("n_params", 0)), size_bytes=int(facts.get("size_bytes", 0)),
                      n_embd=int(facts.get("n_embd", 0)), vocab_type=int(facts.get("vocab_type", 0)),
-                     ftype=str(facts.get("ftype", "")))
+                     ftype=str(facts.get("ftype", "")), pooling=pooling_of(args, model))
+
+
+# llama.cpp's enum llama_pooling_type, as {arch}.pooling_type stores it
+POOLING_TYPES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
+
+
+def pooling_of(args: dict, model) -> str:
+    """--pooling as given, else the file's {arch}.pooling_type, else none (llama.cpp's rule)."""
+    if args.get("pooling"):
+        return str(args["pooling"])
+    gf = getattr(model, "gf", None)
+    value = gf.get(f"{model.arch}.pooling_type") if gf is not None else None
+    return POOLING_TYPES.get(int(value), "none") if isinstance(value, int) else "none"
 
 
 def anon_bytes() -> int | None:
@@ -184,6 +197,22 @@ def serve(engine, inbox: queue.Queue, push: zmq.Socket, ppid: int, load=None) ->
             last_slots = summary
 
 
+def idle_slots(args: dict, cache_bytes: int, saves_kv: bool) -> bool:
+    """--cache-idle-slots (on unless --no-cache-idle-slots): whether the engine saves idle slots to the prompt
+    cache when a request starts; off, with a record saying why, without a prompt cache to save them to."""
+    if not args.get("cache_idle_slots", True):
+        return False
+    if cache_bytes <= 0 or not saves_kv:
+        records.record("load", "--cache-idle-slots needs the prompt cache: off", component="engine", level="warning",
+                       why="--cache-ram 0 turned the prompt cache off" if cache_bytes <= 0
+                       else "this model's slot state is not saved to the prompt cache")
+        return False
+    tag = {"tag": "__TEST_TAG_CACHE_IDLE_SLOTS_ENABLED__"} if args.get("verbose") else {}
+    records.record("load", "idle slots are saved to the prompt cache when a request starts"
+                   + (" and then emptied (--kv-unified)" if args.get("kv_unified") else ""), component="engine", **tag)
+    return True
+
+
 def main(args: dict) -> int:
     placement = placement_of(args)
     threads = int(args.get("threads", -1))
@@ -250,8 +279,11 @@ def main(args: dict) -> int:
             records.record("load", "held after warmup", component="engine", held_bytes=anon1 - anon0,
                            counted_bytes=host.terms.decoded + host.terms.kv)
     host = placement.device("host")
+    cache_bytes = host.terms.prompt_cache if host is not None else 0
+    idle = idle_slots(args, cache_bytes, model.saves_kv and model.rewinds)
     engine = Engine(model, placement.n_slots, placement.n_ctx_slot, n_batch=args.get("n_batch", 2048),
-                    prompt_cache_bytes=host.terms.prompt_cache if host is not None else 0)
+                    prompt_cache_bytes=cache_bytes, cache_idle_slots=idle,
+                    clear_idle=idle and bool(args.get("kv_unified")), test_tags=bool(args.get("verbose")))
     info = model_info(args, facts, placement, model)
     del model                 # the engine holds the only reference: a sleep frees it
     load_s = round(time.monotonic() - t0, 3)

@@ -20,11 +20,11 @@ SERVED: tuple[str, ...] = (
     "unit/test_infill.py", "unit/test_compat_gcp.py", "unit/test_sleep.py", "unit/test_slot_save.py",
     # router mode, served since 2026-12-02 (bloomery/router); its models are the presets in the cache (presets.py)
     "unit/test_router.py",
+    # served since 2026-12-02 (--embeddings, --pooling): bert-bge-small's tests, run on the Qwen file
+    "unit/test_embedding.py",
 )
 
 REFUSED_FILES: dict[str, str] = {
-    "unit/test_embedding.py": "embeddings (--embedding) are not served on a generative seat: /embedding(s) and "
-                              "/v1/embeddings answer 501 not_supported_error (serving guide 10.3)",
     "unit/test_rerank.py": "reranking (--reranking) is not served: /rerank and its aliases answer 501",
     "unit/test_lora.py": "LoRA adapters (--lora, the request's lora field) are refused by name",
     "unit/test_speculative.py": "speculative decoding (--model-draft, --spec-*) is not in this build",
@@ -70,10 +70,6 @@ REFUSED_TESTS: dict[str, str] = {
        "reads text only; a client error is never a 500 here); llama-server answers 500 'image input is not "
        "supported' for a model without --mmproj" for t in (
            "test_anthropic_tool_result_with_image", "test_anthropic_vision_format_accepted")},
-    **{f"unit/test_kv_keep_only_active.py::{t}": "idle-slot clearing (--cache-idle-slots, "
-       "--no-cache-idle-slots) is not in this build (its prompt cache saves a slot when the next request "
-       "overwrites it); the tests read llama-server's own log tags"
-       for t in ("test_clear_and_restore", "test_disabled_with_flag")},
 }
 
 # Tests that pass on llama-server but run too long for CI's budget (the suite's share is ~15-25 min on

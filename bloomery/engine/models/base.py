@@ -42,6 +42,7 @@ class CausalLM(EngineModel):
     picks_on_device = True
     saves_kv = True
     shares_passes = True
+    embeds = True
 
     def __init__(self, gf: GGUFFile, ops: Ops, n_slots: int, n_ctx_slot: int,
                  progress: Callable[[int, int], None] | None = None,
@@ -158,6 +159,18 @@ class CausalLM(EngineModel):
             pos = np.arange(p0, p0 + chunk.size, dtype=np.int32)
             x = self._run(chunk, pos, [AttnSpan(slot, p0, 0, chunk.size)])
             outs.append(self.ops.to_host(self.head(x)))                 # [t, V]
+        return np.concatenate(outs, axis=0)
+
+    def hidden_states(self, slot: int, ids) -> np.ndarray:
+        """Every position's final-norm output [T, D] (float32, host), in passes of n_ubatch ids from position 0;
+        fills the slot's KV as a prompt pass does (llama.cpp's t_embd, what its pooling reads)."""
+        ids = self._check(slot, ids, 0)
+        outs = []
+        for c0 in range(0, ids.size, self.n_ubatch):
+            chunk = ids[c0:c0 + self.n_ubatch]                                # [t]
+            pos = np.arange(c0, c0 + chunk.size, dtype=np.int32)
+            x = self._run(chunk, pos, [AttnSpan(slot, c0, 0, chunk.size)])
+            outs.append(np.asarray(self.ops.to_host(self.final_norm(x)), dtype=np.float32))   # [t, D]
         return np.concatenate(outs, axis=0)
 
     def prefill(self, slot: int, ids, pos0: int) -> np.ndarray:

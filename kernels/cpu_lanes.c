@@ -17,6 +17,7 @@
 // Legend: N = weight rows, K = row length, B = K / 32 blocks, Bs = K / 256 super-blocks,
 // T = activation rows.
 #include <math.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 #include <pthread.h>
@@ -30,7 +31,14 @@
 #define LANES_AVX2 0
 #endif
 
-int lanes_isa(void) { return LANES_AVX2; }
+// AVX-512 with VNNI: the Q8_0 family two weight rows at a time (below); the same bits
+#if LANES_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define LANES_512 1
+#else
+#define LANES_512 0
+#endif
+
+int lanes_isa(void) { return LANES_512 ? 2 : LANES_AVX2; }
 
 typedef _Float16 f16;
 
@@ -292,8 +300,10 @@ typedef struct mm_args {                               // a quantized product's 
     const int8_t *a;
     const float *da;
     const int16_t *bsums;
+    const int32_t *aoff;                               // LANES_512 Q8_0 family: -offset * the 4-sums of a
     float *out;
     void (*row)(const struct mm_args *m, int64_t n, int64_t r0, int64_t r1);   // one weight row's outputs
+    void (*row2)(const struct mm_args *m, int64_t n, int64_t r0, int64_t r1);  // rows n, n + 1 (or NULL)
 } mm_args;
 
 // ---- Q8_0 family: out[r * ldo + n] for weight rows 0..N, activation rows 0..T ----------------
@@ -372,15 +382,116 @@ static void mm_chunk(const void *ctx, int64_t n0, int64_t n1, int worker) {
     (void)worker;
     for (int64_t r0 = 0; r0 < m->t; r0 += ACT_TILE) {
         const int64_t r1 = r0 + ACT_TILE < m->t ? r0 + ACT_TILE : m->t;
-        for (int64_t n = n0; n < n1; n++) m->row(m, n, r0, r1);
+        int64_t n = n0;
+        if (m->row2)
+            for (; n + 2 <= n1; n += 2) m->row2(m, n, r0, r1);
+        for (; n < n1; n++) m->row(m, n, r0, r1);
     }
 }
 
+#if LANES_512
+// Two weight rows at once: bits 0-255 of a vector hold row n's block b, bits 256-511 row n + 1's,
+// so each half is its own output's chain of fmas, in the order above. The quants are made
+// unsigned (Q8_0: w + 128, Q5_0: w + 16) for dpbusd, whose lane l sums the four products of
+// elements 4l..4l+3 exactly; the offset comes off through aoff, -offset * the same four-sums of
+// the activation, the lane's start value. Every lane is the same integer as the AVX2 path's.
+static inline __m512i q80_pair_u(const uint8_t *b0, const uint8_t *b1, int qtype) {
+    if (qtype == 0) {
+        const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
+                                             _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1);
+        return _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
+    }
+    uint32_t h0, h1;
+    memcpy(&h0, b0 + 2, 4);
+    memcpy(&h1, b1 + 2, 4);
+    const __m128i q0 = _mm_loadu_si128((const __m128i *)(b0 + 6)), q1 = _mm_loadu_si128((const __m128i *)(b1 + 6));
+    __m512i x = _mm512_castsi128_si512(q0);
+    x = _mm512_inserti32x4(x, _mm_srli_epi16(q0, 4), 1);
+    x = _mm512_inserti32x4(x, q1, 2);
+    x = _mm512_inserti32x4(x, _mm_srli_epi16(q1, 4), 3);
+    x = _mm512_and_si512(x, _mm512_set1_epi8(0xF));
+    return _mm512_mask_add_epi8(x, (__mmask64)((uint64_t)h0 | ((uint64_t)h1 << 32)), x, _mm512_set1_epi8(16));
+}
+
+static inline void store_pair(float *o0, float *o1, __m512 acc) {
+    float a[16];
+    _mm512_storeu_ps(a, acc);
+    *o0 = hsum8(a);
+    *o1 = hsum8(a + 8);
+}
+
+static void q80_row2(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
+    const int qtype = m->qtype;
+    const int64_t n_blocks = m->n_blocks, ldo = m->ldo, k = n_blocks * 32;
+    const int64_t bb = qtype == 0 ? Q8_0_BYTES : Q5_0_BYTES;
+    const uint8_t *w0 = m->w + n * m->row_bytes, *w1 = w0 + m->row_bytes;
+    const int8_t *a = m->a;
+    const int32_t *aoff = m->aoff;
+    const float *da = m->da;
+    float *out = m->out;
+    int64_t r = r0;
+    for (; r + 4 <= r1; r += 4) {
+        __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+        for (int64_t b = 0; b < n_blocks; b++) {
+            const uint8_t *x0 = w0 + b * bb, *x1 = w1 + b * bb;
+            const __m512i u = q80_pair_u(x0, x1, qtype);
+            const __m512 sw = _mm512_insertf32x8(_mm512_set1_ps(f16_at(x0)), _mm256_set1_ps(f16_at(x1)), 1);
+#define Q80_STEP(i, accv) {                                                                                         \
+                const int64_t ri = r + (i);                                                                        \
+                const __m512i av = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(a + ri * k + 32 * b)));  \
+                const __m512i o = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(aoff + (ri * n_blocks + b) * 8))); \
+                accv = _mm512_fmadd_ps(_mm512_mul_ps(sw, _mm512_set1_ps(da[ri * n_blocks + b])),                    \
+                                       _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(o, u, av)), accv); }
+            Q80_STEP(0, acc0) Q80_STEP(1, acc1) Q80_STEP(2, acc2) Q80_STEP(3, acc3)
+        }
+        store_pair(out + (r + 0) * ldo + n, out + (r + 0) * ldo + n + 1, acc0);
+        store_pair(out + (r + 1) * ldo + n, out + (r + 1) * ldo + n + 1, acc1);
+        store_pair(out + (r + 2) * ldo + n, out + (r + 2) * ldo + n + 1, acc2);
+        store_pair(out + (r + 3) * ldo + n, out + (r + 3) * ldo + n + 1, acc3);
+    }
+    for (; r < r1; r++) {
+        __m512 acc0 = _mm512_setzero_ps();
+        for (int64_t b = 0; b < n_blocks; b++) {
+            const uint8_t *x0 = w0 + b * bb, *x1 = w1 + b * bb;
+            const __m512i u = q80_pair_u(x0, x1, qtype);
+            const __m512 sw = _mm512_insertf32x8(_mm512_set1_ps(f16_at(x0)), _mm256_set1_ps(f16_at(x1)), 1);
+            Q80_STEP(0, acc0)
+        }
+#undef Q80_STEP
+        store_pair(out + r * ldo + n, out + r * ldo + n + 1, acc0);
+    }
+}
+
+// aoff [T, B, 8]: -offset * (a[4l] + .. + a[4l+3]) for lane l of each block
+static int32_t *q80_aoff(const int8_t *a, int64_t t, int64_t n_blocks, int qtype) {
+    int32_t *o = malloc((size_t)(t * n_blocks * 8) * sizeof(int32_t));
+    if (!o) return NULL;
+    const __m256i ones = _mm256_set1_epi8(1);
+    const int shift = qtype == 0 ? 7 : 4;                                      // 128 or 16
+    for (int64_t i = 0; i < t * n_blocks; i++) {
+        const __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, _mm256_loadu_si256((const __m256i *)(a + 32 * i)));
+        _mm256_storeu_si256((__m256i *)(o + 8 * i), _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(s, shift)));
+    }
+    return o;
+}
+#endif
+
 void q80_mm(const uint8_t *w, int qtype, int64_t n_rows, int64_t n_blocks, const int8_t *a, const float *da,
             int64_t t, float *out, int64_t ldo, int nth) {
-    const mm_args m = {.w = w, .row_bytes = n_blocks * (qtype == 0 ? Q8_0_BYTES : Q5_0_BYTES), .n_blocks = n_blocks,
-                       .t = t, .ldo = ldo, .qtype = qtype, .a = a, .da = da, .out = out, .row = q80_row};
+    mm_args m = {.w = w, .row_bytes = n_blocks * (qtype == 0 ? Q8_0_BYTES : Q5_0_BYTES), .n_blocks = n_blocks,
+                 .t = t, .ldo = ldo, .qtype = qtype, .a = a, .da = da, .out = out, .row = q80_row};
+#if LANES_512
+    // from 4 activation rows (prompts); a decode row reads the weight faster one row at a time
+    int32_t *aoff = t >= 4 ? q80_aoff(a, t, n_blocks, qtype) : NULL;
+    if (aoff) {
+        m.aoff = aoff;
+        m.row2 = q80_row2;
+    }
+    pool_run(mm_chunk, &m, n_rows, grain_for(n_rows, nth, 4) & ~(int64_t)1, nth);
+    free(aoff);
+#else
     pool_run(mm_chunk, &m, n_rows, grain_for(n_rows, nth, 4), nth);
+#endif
 }
 
 // ---- K-quants against Q8_K activations (256 per super-block, bsums per 16) ---------------

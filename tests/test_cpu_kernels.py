@@ -115,11 +115,15 @@ def test_compiled_attention_equals_numpy_paths(t, h, hkv, dh, pos0):
 @needs_c
 def test_compiled_isa_is_the_one_chosen():
     import os
-    portable = os.environ.get("BLOOMERY_CPU_KERNELS") == "portable"
+    choice = os.environ.get("BLOOMERY_CPU_KERNELS", "on")
     flags = cpu_kernels._cpu_flags().split()
-    want_avx2 = not portable and "avx2" in flags and "fma" in flags
-    assert cpu_kernels.lib().lanes_isa() == int(want_avx2)
-    assert ("portable C" in cpu_kernels.status()) == (not want_avx2)
+    want = 0
+    if choice != "portable" and "avx2" in flags and "fma" in flags:
+        want = 1
+        if choice != "avx2" and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= set(flags):
+            want = 2
+    assert cpu_kernels.lib().lanes_isa() == want
+    assert cpu_kernels.status().endswith(f"({cpu_kernels.ISA_NAMES[want]})")
 
 
 def test_kernels_off_by_choice(monkeypatch):
@@ -158,18 +162,20 @@ def test_compiled_swiglu_equals_numpy(shape, monkeypatch):
 
 @pytest.mark.slow                    # a second build of the kernels: 4-12 s on 2 cores
 @needs_c
-def test_portable_build_gives_the_same_bits(tmp_path):
-    """The plain C loops (what a machine without AVX2 builds) pass the same comparisons."""
+@pytest.mark.parametrize("isa", ["portable", "avx2"])
+def test_portable_build_gives_the_same_bits(tmp_path, isa):
+    """The plain C loops (what a machine without AVX2 builds), and the AVX2 loops on a machine
+    with AVX-512, pass the same comparisons."""
     import os
     import subprocess
     import sys
-    env = dict(os.environ, BLOOMERY_CPU_KERNELS="portable", BLOOMERY_CACHE=str(tmp_path))
+    env = dict(os.environ, BLOOMERY_CPU_KERNELS=isa, BLOOMERY_CACHE=str(tmp_path))
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
                           "-k", "compiled and not portable", "-x", "-rA"], env=env, capture_output=True, text=True,
                          timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     assert " passed" in res.stdout and "skipped" not in res.stdout.splitlines()[-1]
-    assert "PASSED tests/test_cpu_kernels.py::test_compiled_isa_is_the_one_chosen" in res.stdout   # it ran portable
+    assert "PASSED tests/test_cpu_kernels.py::test_compiled_isa_is_the_one_chosen" in res.stdout   # it ran that build
 
 
 @needs_c

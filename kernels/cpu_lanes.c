@@ -723,7 +723,14 @@ static inline float v_expf1(float x) {
             return n > 0 ? INFINITY : 0.0f;
         return j + n;                              // NaN
     }
-    return ldexpf(j, (int)n);
+    const int e = (int)n;
+    if (e >= -126 && e <= 127) {                   // 2^e is a normal float: one rounding, as ldexpf's
+        const uint32_t bits = (uint32_t)(e + 127) << 23;
+        float p2;
+        memcpy(&p2, &bits, 4);
+        return j * p2;
+    }
+    return ldexpf(j, e);
 }
 
 // _mm512_reduce_add_ps as gcc's macro: halves 8, 4, 2, 1
@@ -961,4 +968,39 @@ static void swiglu_chunk(const void *ctx, int64_t r0, int64_t r1, int worker) {
 void swiglu(const float *x, const float *g, float *out, int64_t n, int64_t n_rows, int nth) {
     const swiglu_args S = {.x = x, .g = g, .out = out, .n = n};
     pool_run(swiglu_chunk, &S, n_rows, 1, n_rows * n >= 16384 ? nth : 1);
+}
+
+// ---- ggml_compute_forward_rms_norm_f32 and the fused mul: squares in f32 summed in double in
+// order, mean = f32(sum / n), scale = 1 / sqrtf(mean + eps), out = (x * scale) * w. x, out [T, N]
+// (out may be x); w [N], or NULL for no mul.
+void rms_norm(const float *x, const float *w, float *out, int64_t t, int64_t n, float eps) {
+    for (int64_t r = 0; r < t; r++) {
+        const float *xr = x + r * n;
+        float *o = out + r * n;
+        double sum = 0.0;
+        for (int64_t i = 0; i < n; i++) sum += (double)(xr[i] * xr[i]);
+        const float mean = (float)(sum / (double)n);
+        const float scale = 1.0f / sqrtf(mean + eps);
+        if (w)
+            for (int64_t i = 0; i < n; i++) o[i] = (xr[i] * scale) * w[i];
+        else
+            for (int64_t i = 0; i < n; i++) o[i] = xr[i] * scale;
+    }
+}
+
+// ---- ggml rope, NEOX mode, in place: x [T, H, Dh], pairs (i, i + n_rot/2) of each head turned by
+// cos, sin [T, n_rot/2] (ggml's cache); rotate_pairs compiles to fma(x0, cos, -(x1*sin)) and
+// fma(x0, sin, x1*cos), the second product rounded to f32
+void rope_neox(float *x, int64_t t, int64_t h, int64_t dh, int64_t n_rot, const float *cs, const float *sn) {
+    const int64_t half = n_rot / 2;
+    for (int64_t r = 0; r < t; r++)
+        for (int64_t j = 0; j < h; j++) {
+            float *v = x + (r * h + j) * dh;
+            const float *c = cs + r * half, *s = sn + r * half;
+            for (int64_t i = 0; i < half; i++) {
+                const float x0 = v[i], x1 = v[i + half];
+                v[i] = fmaf(x0, c[i], -(x1 * s[i]));
+                v[i + half] = fmaf(x0, s[i], x1 * c[i]);
+            }
+        }
 }

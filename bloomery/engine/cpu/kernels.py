@@ -105,7 +105,10 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     lib.swiglu.argtypes = [p, p, p, i64, i64, c_int]
     lib.attn_f16.argtypes = [p, p, p, i64, i64, i64, i64, f, p, i64, c_int]
     lib.attn_f32.argtypes = [p, p, p, i64, i64, i64, i64, i64, f, p, i64, p, p, c_int]
-    for fn in (lib.quant_q8_0, lib.quant_q8_K, lib.q80_mm, lib.q6k_mm, lib.q4k_mm, lib.swiglu, lib.attn_f16, lib.attn_f32):
+    lib.rms_norm.argtypes = [p, p, p, i64, i64, f]
+    lib.rope_neox.argtypes = [p, i64, i64, i64, i64, p, p]
+    for fn in (lib.quant_q8_0, lib.quant_q8_K, lib.q80_mm, lib.q6k_mm, lib.q4k_mm, lib.swiglu, lib.attn_f16, lib.attn_f32,
+               lib.rms_norm, lib.rope_neox):
         fn.restype = None
     return lib, f"{so.name} ({ISA_NAMES[lib.lanes_isa()]})"
 

@@ -462,6 +462,37 @@ static void q80_row2(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
     }
 }
 
+// One weight row on 256-bit vectors, the same unsigned quants and aoff (fewer rows than 4, and
+// an odd last row)
+static inline __m256i q80_u256(const uint8_t *blk, int qtype) {
+    if (qtype == 0)
+        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)), _mm256_set1_epi8((char)0x80));
+    uint32_t qh;
+    memcpy(&qh, blk + 2, 4);
+    const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 6)), lo4 = _mm_set1_epi8(0xF);
+    const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), lo4), _mm_and_si128(qs, lo4));
+    return _mm256_mask_add_epi8(q, (__mmask32)qh, q, _mm256_set1_epi8(16));
+}
+
+static void q80_row1(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
+    const int qtype = m->qtype;
+    const int64_t n_blocks = m->n_blocks, k = n_blocks * 32, bb = qtype == 0 ? Q8_0_BYTES : Q5_0_BYTES;
+    const uint8_t *wr = m->w + n * m->row_bytes;
+    for (int64_t r = r0; r < r1; r++) {
+        const int8_t *ar = m->a + r * k;
+        const int32_t *o = m->aoff + r * n_blocks * 8;
+        const float *dar = m->da + r * n_blocks;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t b = 0; b < n_blocks; b++) {
+            const uint8_t *blk = wr + b * bb;
+            const __m256i lanes = _mm256_dpbusd_epi32(_mm256_loadu_si256((const __m256i *)(o + 8 * b)), q80_u256(blk, qtype),
+                                                      _mm256_loadu_si256((const __m256i *)(ar + 32 * b)));
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(blk) * dar[b]), _mm256_cvtepi32_ps(lanes), acc);
+        }
+        m->out[r * m->ldo + n] = hsum8_ps(acc);
+    }
+}
+
 // aoff [T, B, 8]: -offset * (a[4l] + .. + a[4l+3]) for lane l of each block
 static int32_t *q80_aoff(const int8_t *a, int64_t t, int64_t n_blocks, int qtype) {
     int32_t *o = malloc((size_t)(t * n_blocks * 8) * sizeof(int32_t));
@@ -481,11 +512,13 @@ void q80_mm(const uint8_t *w, int qtype, int64_t n_rows, int64_t n_blocks, const
     mm_args m = {.w = w, .row_bytes = n_blocks * (qtype == 0 ? Q8_0_BYTES : Q5_0_BYTES), .n_blocks = n_blocks,
                  .t = t, .ldo = ldo, .qtype = qtype, .a = a, .da = da, .out = out, .row = q80_row};
 #if LANES_512
-    // from 4 activation rows (prompts); a decode row reads the weight faster one row at a time
-    int32_t *aoff = t >= 4 ? q80_aoff(a, t, n_blocks, qtype) : NULL;
+    // two weight rows a vector from 4 activation rows (prompts); fewer (decode) read the weight
+    // faster one row at a time
+    int32_t *aoff = q80_aoff(a, t, n_blocks, qtype);
     if (aoff) {
         m.aoff = aoff;
-        m.row2 = q80_row2;
+        m.row = q80_row1;
+        m.row2 = t >= 4 ? q80_row2 : NULL;
     }
     pool_run(mm_chunk, &m, n_rows, grain_for(n_rows, nth, 4) & ~(int64_t)1, nth);
     free(aoff);

@@ -690,14 +690,25 @@ static void q4k_row(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
                 const int16_t *bs = bsums + r * n_super * 16 + 16 * b;
                 const float dd = da[r * n_super + b] * d, dm = da[r * n_super + b] * dmin;
                 int32_t si_all = 0, sm_all = 0;
+#if LANES_AVX2
+                int32_t sums[4];                       // the four 64s' integer sums, reduced together
+                {
+                    __m256i v[4];
+                    for (int c = 0; c < 4; c++) {
+                        const __m256i p0 = _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(q[2 * c], _mm256_loadu_si256((const __m256i *)(ab + 64 * c))), s16[2 * c]);
+                        const __m256i p1 = _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(q[2 * c + 1], _mm256_loadu_si256((const __m256i *)(ab + 64 * c + 32))),
+                            s16[2 * c + 1]);
+                        v[c] = _mm256_add_epi32(p0, p1);
+                    }
+                    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+                    _mm_storeu_si128((__m128i *)sums, _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+                }
+#endif
                 for (int c = 0; c < 4; c++) {
 #if LANES_AVX2
-                    const __m256i p0 = _mm256_madd_epi16(
-                        _mm256_maddubs_epi16(q[2 * c], _mm256_loadu_si256((const __m256i *)(ab + 64 * c))), s16[2 * c]);
-                    const __m256i p1 = _mm256_madd_epi16(
-                        _mm256_maddubs_epi16(q[2 * c + 1], _mm256_loadu_si256((const __m256i *)(ab + 64 * c + 32))),
-                        s16[2 * c + 1]);
-                    const int32_t sumi = hsum_epi32(_mm256_add_epi32(p0, p1));
+                    const int32_t sumi = sums[c];
 #else
                     int32_t sumi = 0;
                     for (int h = 0; h < 2; h++) {

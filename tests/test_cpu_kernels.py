@@ -211,3 +211,30 @@ def test_compiled_activation_quantizers_equal_numpy(t, k):
         q, d, bs = act.q8_K(cpu_kernels.lib(), t_gemm)
         wq, wd, wbs = quantize_q8_K(x, positive_wins=np.arange(t) < t_gemm)
         assert np.array_equal(q, wq.astype(np.int8)) and _bits_equal(d, wd) and np.array_equal(bs, wbs.astype(np.int16))
+
+
+@needs_c
+@pytest.mark.parametrize("n_rot,sections", [(64, None), (32, None), (64, (11, 11, 10, 0))])
+def test_compiled_rope_equals_numpy(n_rot, sections, monkeypatch):
+    from bloomery.engine.cpu.backend import NumpyOps
+    rng = np.random.default_rng(n_rot)
+    x = (rng.standard_normal((6, 7, 64)) * 30).astype(np.float32)
+    pos = np.array([0, 1, 5, 300, 4095, 70000], np.int32)
+    got = NumpyOps().rope_neox(x, pos, n_rot, 1e6, sections)
+    assert np.array_equal(got[..., n_rot:], x[..., n_rot:])            # past n_rot: left as it is
+    monkeypatch.setattr(cpu_kernels, "lib", lambda: None)              # the numpy form
+    assert _bits_equal(got, NumpyOps().rope_neox(x, pos, n_rot, 1e6, sections))
+
+
+@needs_c
+@pytest.mark.parametrize("shape", [(1, 896), (5, 7, 64), (3, 4864)])
+def test_compiled_rms_norm_sums_in_order(shape):
+    """ggml's sum of squares: f32 squares added in double, in order (np.add.accumulate's order)."""
+    from bloomery.engine.cpu.backend import NumpyOps
+    rng = np.random.default_rng(len(shape))
+    x = (rng.standard_normal(shape) * rng.uniform(1e-3, 1e3, shape[:-1] + (1,))).astype(np.float32)
+    w = rng.standard_normal(shape[-1]).astype(np.float32)
+    got = NumpyOps().rms_norm(x, w, 1e-6)
+    sq = np.add.accumulate((x * x).astype(np.float64), axis=-1)[..., -1:]
+    scale = np.float32(1) / np.sqrt((sq / shape[-1]).astype(np.float32) + np.float32(1e-6))
+    assert _bits_equal(got, (x * scale) * w)

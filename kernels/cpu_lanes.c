@@ -56,11 +56,15 @@ static inline float f16_at(const uint8_t *p) {       // a stored f16 scale, exac
 // thread and the workers take from one counter. The caller waits only for chunks taken and not
 // yet done, never for a worker that has not started: on a machine whose cores are shared, a
 // worker the scheduler has not run yet costs nothing, the caller does its share. Workers spin a
-// little after a job (the next one usually comes within microseconds), then sleep.
+// little after a job (500 pause rounds by default, tens of microseconds: the next product of a
+// layer often comes that soon), then sleep; a longer spin buys little on an idle machine and
+// costs the caller's own core on a busy one (bloomery/engine/cpu/kernels.py sets it).
 typedef void (*chunk_fn)(const void *ctx, int64_t i0, int64_t i1, int worker);
 
 #define POOL_MAX 64
-#define POOL_SPIN 20000                                // pause rounds a worker waits before it sleeps
+static atomic_int pool_spin = 500;                     // pause rounds a worker waits before it sleeps
+
+void lanes_set_spin(int rounds) { atomic_store(&pool_spin, rounds < 0 ? 0 : rounds); }
 
 typedef struct {
     chunk_fn fn;
@@ -95,7 +99,8 @@ static void *pool_worker(void *arg) {
     for (;;) {
         unsigned long long g;
         int spins = 0;
-        while ((g = atomic_load(&pool.gen)) == seen && ++spins < POOL_SPIN) {
+        const int spin_max = atomic_load(&pool_spin);
+        while ((g = atomic_load(&pool.gen)) == seen && ++spins < spin_max) {
 #if LANES_AVX2
             _mm_pause();
 #endif

@@ -238,3 +238,14 @@ def test_compiled_rms_norm_sums_in_order(shape):
     sq = np.add.accumulate((x * x).astype(np.float64), axis=-1)[..., -1:]
     scale = np.float32(1) / np.sqrt((sq / shape[-1]).astype(np.float32) + np.float32(1e-6))
     assert _bits_equal(got, (x * scale) * w)
+
+
+def test_spin_rounds_read_and_refused(monkeypatch):
+    monkeypatch.delenv("BLOOMERY_CPU_SPIN", raising=False)
+    assert cpu_kernels.spin_rounds() == 500
+    monkeypatch.setenv("BLOOMERY_CPU_SPIN", "0")
+    assert cpu_kernels.spin_rounds() == 0
+    for bad in ("-1", "fast"):
+        monkeypatch.setenv("BLOOMERY_CPU_SPIN", bad)
+        with pytest.raises(ValueError, match="BLOOMERY_CPU_SPIN"):
+            cpu_kernels.spin_rounds()

@@ -425,6 +425,14 @@ static inline void store_pair(float *o0, float *o1, __m512 acc) {
     *o1 = hsum8(a + 8);
 }
 
+// one activation row's step of q80_row2 (its locals: a, k, aoff, da, b, r, the pair's u and sw)
+#define Q80_STEP(i, accv) {                                                                                    \
+    const int64_t ri = r + (i);                                                                                 \
+    const __m512i av = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(a + ri * k + 32 * b)));        \
+    const __m512i o = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(aoff + (ri * n_blocks + b) * 8)));  \
+    accv = _mm512_fmadd_ps(_mm512_mul_ps(sw, _mm512_set1_ps(da[ri * n_blocks + b])),                            \
+                           _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(o, u, av)), accv); }
+
 static void q80_row2(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
     const int qtype = m->qtype;
     const int64_t n_blocks = m->n_blocks, ldo = m->ldo, k = n_blocks * 32;
@@ -435,18 +443,25 @@ static void q80_row2(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
     const float *da = m->da;
     float *out = m->out;
     int64_t r = r0;
+    for (; r + 8 <= r1; r += 8) {                      // eight activation rows share each decoded pair
+        __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+        __m512 acc4 = acc0, acc5 = acc0, acc6 = acc0, acc7 = acc0;
+        for (int64_t b = 0; b < n_blocks; b++) {
+            const uint8_t *x0 = w0 + b * bb, *x1 = w1 + b * bb;
+            const __m512i u = q80_pair_u(x0, x1, qtype);
+            const __m512 sw = _mm512_insertf32x8(_mm512_set1_ps(f16_at(x0)), _mm256_set1_ps(f16_at(x1)), 1);
+            Q80_STEP(0, acc0) Q80_STEP(1, acc1) Q80_STEP(2, acc2) Q80_STEP(3, acc3)
+            Q80_STEP(4, acc4) Q80_STEP(5, acc5) Q80_STEP(6, acc6) Q80_STEP(7, acc7)
+        }
+        const __m512 accs[8] = {acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7};
+        for (int i = 0; i < 8; i++) store_pair(out + (r + i) * ldo + n, out + (r + i) * ldo + n + 1, accs[i]);
+    }
     for (; r + 4 <= r1; r += 4) {
         __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
         for (int64_t b = 0; b < n_blocks; b++) {
             const uint8_t *x0 = w0 + b * bb, *x1 = w1 + b * bb;
             const __m512i u = q80_pair_u(x0, x1, qtype);
             const __m512 sw = _mm512_insertf32x8(_mm512_set1_ps(f16_at(x0)), _mm256_set1_ps(f16_at(x1)), 1);
-#define Q80_STEP(i, accv) {                                                                                         \
-                const int64_t ri = r + (i);                                                                        \
-                const __m512i av = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(a + ri * k + 32 * b)));  \
-                const __m512i o = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(aoff + (ri * n_blocks + b) * 8))); \
-                accv = _mm512_fmadd_ps(_mm512_mul_ps(sw, _mm512_set1_ps(da[ri * n_blocks + b])),                    \
-                                       _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(o, u, av)), accv); }
             Q80_STEP(0, acc0) Q80_STEP(1, acc1) Q80_STEP(2, acc2) Q80_STEP(3, acc3)
         }
         store_pair(out + (r + 0) * ldo + n, out + (r + 0) * ldo + n + 1, acc0);

@@ -17,6 +17,7 @@
 // Legend: N = weight rows, K = row length, B = K / 32 blocks, Bs = K / 256 super-blocks,
 // T = activation rows.
 #include <math.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 #include <pthread.h>
@@ -30,7 +31,14 @@
 #define LANES_AVX2 0
 #endif
 
-int lanes_isa(void) { return LANES_AVX2; }
+// AVX-512 with VNNI: the Q8_0 family two weight rows at a time (below); the same bits
+#if LANES_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define LANES_512 1
+#else
+#define LANES_512 0
+#endif
+
+int lanes_isa(void) { return LANES_512 ? 2 : LANES_AVX2; }
 
 typedef _Float16 f16;
 
@@ -48,11 +56,15 @@ static inline float f16_at(const uint8_t *p) {       // a stored f16 scale, exac
 // thread and the workers take from one counter. The caller waits only for chunks taken and not
 // yet done, never for a worker that has not started: on a machine whose cores are shared, a
 // worker the scheduler has not run yet costs nothing, the caller does its share. Workers spin a
-// little after a job (the next one usually comes within microseconds), then sleep.
+// little after a job (500 pause rounds by default, tens of microseconds: the next product of a
+// layer often comes that soon), then sleep; a longer spin buys little on an idle machine and
+// costs the caller's own core on a busy one (bloomery/engine/cpu/kernels.py sets it).
 typedef void (*chunk_fn)(const void *ctx, int64_t i0, int64_t i1, int worker);
 
 #define POOL_MAX 64
-#define POOL_SPIN 20000                                // pause rounds a worker waits before it sleeps
+static atomic_int pool_spin = 500;                     // pause rounds a worker waits before it sleeps
+
+void lanes_set_spin(int rounds) { atomic_store(&pool_spin, rounds < 0 ? 0 : rounds); }
 
 typedef struct {
     chunk_fn fn;
@@ -87,7 +99,8 @@ static void *pool_worker(void *arg) {
     for (;;) {
         unsigned long long g;
         int spins = 0;
-        while ((g = atomic_load(&pool.gen)) == seen && ++spins < POOL_SPIN) {
+        const int spin_max = atomic_load(&pool_spin);
+        while ((g = atomic_load(&pool.gen)) == seen && ++spins < spin_max) {
 #if LANES_AVX2
             _mm_pause();
 #endif
@@ -292,8 +305,10 @@ typedef struct mm_args {                               // a quantized product's 
     const int8_t *a;
     const float *da;
     const int16_t *bsums;
+    const int32_t *aoff;                               // LANES_512 Q8_0 family: -offset * the 4-sums of a
     float *out;
     void (*row)(const struct mm_args *m, int64_t n, int64_t r0, int64_t r1);   // one weight row's outputs
+    void (*row2)(const struct mm_args *m, int64_t n, int64_t r0, int64_t r1);  // rows n, n + 1 (or NULL)
 } mm_args;
 
 // ---- Q8_0 family: out[r * ldo + n] for weight rows 0..N, activation rows 0..T ----------------
@@ -372,15 +387,164 @@ static void mm_chunk(const void *ctx, int64_t n0, int64_t n1, int worker) {
     (void)worker;
     for (int64_t r0 = 0; r0 < m->t; r0 += ACT_TILE) {
         const int64_t r1 = r0 + ACT_TILE < m->t ? r0 + ACT_TILE : m->t;
-        for (int64_t n = n0; n < n1; n++) m->row(m, n, r0, r1);
+        int64_t n = n0;
+        if (m->row2)
+            for (; n + 2 <= n1; n += 2) m->row2(m, n, r0, r1);
+        for (; n < n1; n++) m->row(m, n, r0, r1);
     }
 }
 
+#if LANES_512
+// Two weight rows at once: bits 0-255 of a vector hold row n's block b, bits 256-511 row n + 1's,
+// so each half is its own output's chain of fmas, in the order above. The quants are made
+// unsigned (Q8_0: w + 128, Q5_0: w + 16) for dpbusd, whose lane l sums the four products of
+// elements 4l..4l+3 exactly; the offset comes off through aoff, -offset * the same four-sums of
+// the activation, the lane's start value. Every lane is the same integer as the AVX2 path's.
+static inline __m512i q80_pair_u(const uint8_t *b0, const uint8_t *b1, int qtype) {
+    if (qtype == 0) {
+        const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
+                                             _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1);
+        return _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
+    }
+    uint32_t h0, h1;
+    memcpy(&h0, b0 + 2, 4);
+    memcpy(&h1, b1 + 2, 4);
+    const __m128i q0 = _mm_loadu_si128((const __m128i *)(b0 + 6)), q1 = _mm_loadu_si128((const __m128i *)(b1 + 6));
+    __m512i x = _mm512_castsi128_si512(q0);
+    x = _mm512_inserti32x4(x, _mm_srli_epi16(q0, 4), 1);
+    x = _mm512_inserti32x4(x, q1, 2);
+    x = _mm512_inserti32x4(x, _mm_srli_epi16(q1, 4), 3);
+    x = _mm512_and_si512(x, _mm512_set1_epi8(0xF));
+    return _mm512_mask_add_epi8(x, (__mmask64)((uint64_t)h0 | ((uint64_t)h1 << 32)), x, _mm512_set1_epi8(16));
+}
+
+static inline void store_pair(float *o0, float *o1, __m512 acc) {
+    float a[16];
+    _mm512_storeu_ps(a, acc);
+    *o0 = hsum8(a);
+    *o1 = hsum8(a + 8);
+}
+
+// one activation row's step of q80_row2 (its locals: a, k, aoff, da, b, r, the pair's u and sw)
+#define Q80_STEP(i, accv) {                                                                                    \
+    const int64_t ri = r + (i);                                                                                 \
+    const __m512i av = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(a + ri * k + 32 * b)));        \
+    const __m512i o = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(aoff + (ri * n_blocks + b) * 8)));  \
+    accv = _mm512_fmadd_ps(_mm512_mul_ps(sw, _mm512_set1_ps(da[ri * n_blocks + b])),                            \
+                           _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(o, u, av)), accv); }
+
+static void q80_row2(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
+    const int qtype = m->qtype;
+    const int64_t n_blocks = m->n_blocks, ldo = m->ldo, k = n_blocks * 32;
+    const int64_t bb = qtype == 0 ? Q8_0_BYTES : Q5_0_BYTES;
+    const uint8_t *w0 = m->w + n * m->row_bytes, *w1 = w0 + m->row_bytes;
+    const int8_t *a = m->a;
+    const int32_t *aoff = m->aoff;
+    const float *da = m->da;
+    float *out = m->out;
+    int64_t r = r0;
+    for (; r + 8 <= r1; r += 8) {                      // eight activation rows share each decoded pair
+        __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+        __m512 acc4 = acc0, acc5 = acc0, acc6 = acc0, acc7 = acc0;
+        for (int64_t b = 0; b < n_blocks; b++) {
+            const uint8_t *x0 = w0 + b * bb, *x1 = w1 + b * bb;
+            const __m512i u = q80_pair_u(x0, x1, qtype);
+            const __m512 sw = _mm512_insertf32x8(_mm512_set1_ps(f16_at(x0)), _mm256_set1_ps(f16_at(x1)), 1);
+            Q80_STEP(0, acc0) Q80_STEP(1, acc1) Q80_STEP(2, acc2) Q80_STEP(3, acc3)
+            Q80_STEP(4, acc4) Q80_STEP(5, acc5) Q80_STEP(6, acc6) Q80_STEP(7, acc7)
+        }
+        const __m512 accs[8] = {acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7};
+        for (int i = 0; i < 8; i++) store_pair(out + (r + i) * ldo + n, out + (r + i) * ldo + n + 1, accs[i]);
+    }
+    for (; r + 4 <= r1; r += 4) {
+        __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+        for (int64_t b = 0; b < n_blocks; b++) {
+            const uint8_t *x0 = w0 + b * bb, *x1 = w1 + b * bb;
+            const __m512i u = q80_pair_u(x0, x1, qtype);
+            const __m512 sw = _mm512_insertf32x8(_mm512_set1_ps(f16_at(x0)), _mm256_set1_ps(f16_at(x1)), 1);
+            Q80_STEP(0, acc0) Q80_STEP(1, acc1) Q80_STEP(2, acc2) Q80_STEP(3, acc3)
+        }
+        store_pair(out + (r + 0) * ldo + n, out + (r + 0) * ldo + n + 1, acc0);
+        store_pair(out + (r + 1) * ldo + n, out + (r + 1) * ldo + n + 1, acc1);
+        store_pair(out + (r + 2) * ldo + n, out + (r + 2) * ldo + n + 1, acc2);
+        store_pair(out + (r + 3) * ldo + n, out + (r + 3) * ldo + n + 1, acc3);
+    }
+    for (; r < r1; r++) {
+        __m512 acc0 = _mm512_setzero_ps();
+        for (int64_t b = 0; b < n_blocks; b++) {
+            const uint8_t *x0 = w0 + b * bb, *x1 = w1 + b * bb;
+            const __m512i u = q80_pair_u(x0, x1, qtype);
+            const __m512 sw = _mm512_insertf32x8(_mm512_set1_ps(f16_at(x0)), _mm256_set1_ps(f16_at(x1)), 1);
+            Q80_STEP(0, acc0)
+        }
+#undef Q80_STEP
+        store_pair(out + r * ldo + n, out + r * ldo + n + 1, acc0);
+    }
+}
+
+// One weight row on 256-bit vectors, the same unsigned quants and aoff (fewer rows than 4, and
+// an odd last row)
+static inline __m256i q80_u256(const uint8_t *blk, int qtype) {
+    if (qtype == 0)
+        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)), _mm256_set1_epi8((char)0x80));
+    uint32_t qh;
+    memcpy(&qh, blk + 2, 4);
+    const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 6)), lo4 = _mm_set1_epi8(0xF);
+    const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), lo4), _mm_and_si128(qs, lo4));
+    return _mm256_mask_add_epi8(q, (__mmask32)qh, q, _mm256_set1_epi8(16));
+}
+
+static void q80_row1(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
+    const int qtype = m->qtype;
+    const int64_t n_blocks = m->n_blocks, k = n_blocks * 32, bb = qtype == 0 ? Q8_0_BYTES : Q5_0_BYTES;
+    const uint8_t *wr = m->w + n * m->row_bytes;
+    for (int64_t r = r0; r < r1; r++) {
+        const int8_t *ar = m->a + r * k;
+        const int32_t *o = m->aoff + r * n_blocks * 8;
+        const float *dar = m->da + r * n_blocks;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t b = 0; b < n_blocks; b++) {
+            const uint8_t *blk = wr + b * bb;
+            const __m256i lanes = _mm256_dpbusd_epi32(_mm256_loadu_si256((const __m256i *)(o + 8 * b)), q80_u256(blk, qtype),
+                                                      _mm256_loadu_si256((const __m256i *)(ar + 32 * b)));
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(blk) * dar[b]), _mm256_cvtepi32_ps(lanes), acc);
+        }
+        m->out[r * m->ldo + n] = hsum8_ps(acc);
+    }
+}
+
+// aoff [T, B, 8]: -offset * (a[4l] + .. + a[4l+3]) for lane l of each block
+static int32_t *q80_aoff(const int8_t *a, int64_t t, int64_t n_blocks, int qtype) {
+    int32_t *o = malloc((size_t)(t * n_blocks * 8) * sizeof(int32_t));
+    if (!o) return NULL;
+    const __m256i ones = _mm256_set1_epi8(1);
+    const int shift = qtype == 0 ? 7 : 4;                                      // 128 or 16
+    for (int64_t i = 0; i < t * n_blocks; i++) {
+        const __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, _mm256_loadu_si256((const __m256i *)(a + 32 * i)));
+        _mm256_storeu_si256((__m256i *)(o + 8 * i), _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(s, shift)));
+    }
+    return o;
+}
+#endif
+
 void q80_mm(const uint8_t *w, int qtype, int64_t n_rows, int64_t n_blocks, const int8_t *a, const float *da,
             int64_t t, float *out, int64_t ldo, int nth) {
-    const mm_args m = {.w = w, .row_bytes = n_blocks * (qtype == 0 ? Q8_0_BYTES : Q5_0_BYTES), .n_blocks = n_blocks,
-                       .t = t, .ldo = ldo, .qtype = qtype, .a = a, .da = da, .out = out, .row = q80_row};
+    mm_args m = {.w = w, .row_bytes = n_blocks * (qtype == 0 ? Q8_0_BYTES : Q5_0_BYTES), .n_blocks = n_blocks,
+                 .t = t, .ldo = ldo, .qtype = qtype, .a = a, .da = da, .out = out, .row = q80_row};
+#if LANES_512
+    // two weight rows a vector from 4 activation rows (prompts); fewer (decode) read the weight
+    // faster one row at a time
+    int32_t *aoff = q80_aoff(a, t, n_blocks, qtype);
+    if (aoff) {
+        m.aoff = aoff;
+        m.row = q80_row1;
+        m.row2 = t >= 4 ? q80_row2 : NULL;
+    }
+    pool_run(mm_chunk, &m, n_rows, grain_for(n_rows, nth, 4) & ~(int64_t)1, nth);
+    free(aoff);
+#else
     pool_run(mm_chunk, &m, n_rows, grain_for(n_rows, nth, 4), nth);
+#endif
 }
 
 // ---- K-quants against Q8_K activations (256 per super-block, bsums per 16) ---------------
@@ -546,14 +710,25 @@ static void q4k_row(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
                 const int16_t *bs = bsums + r * n_super * 16 + 16 * b;
                 const float dd = da[r * n_super + b] * d, dm = da[r * n_super + b] * dmin;
                 int32_t si_all = 0, sm_all = 0;
+#if LANES_AVX2
+                int32_t sums[4];                       // the four 64s' integer sums, reduced together
+                {
+                    __m256i v[4];
+                    for (int c = 0; c < 4; c++) {
+                        const __m256i p0 = _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(q[2 * c], _mm256_loadu_si256((const __m256i *)(ab + 64 * c))), s16[2 * c]);
+                        const __m256i p1 = _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(q[2 * c + 1], _mm256_loadu_si256((const __m256i *)(ab + 64 * c + 32))),
+                            s16[2 * c + 1]);
+                        v[c] = _mm256_add_epi32(p0, p1);
+                    }
+                    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+                    _mm_storeu_si128((__m128i *)sums, _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+                }
+#endif
                 for (int c = 0; c < 4; c++) {
 #if LANES_AVX2
-                    const __m256i p0 = _mm256_madd_epi16(
-                        _mm256_maddubs_epi16(q[2 * c], _mm256_loadu_si256((const __m256i *)(ab + 64 * c))), s16[2 * c]);
-                    const __m256i p1 = _mm256_madd_epi16(
-                        _mm256_maddubs_epi16(q[2 * c + 1], _mm256_loadu_si256((const __m256i *)(ab + 64 * c + 32))),
-                        s16[2 * c + 1]);
-                    const int32_t sumi = hsum_epi32(_mm256_add_epi32(p0, p1));
+                    const int32_t sumi = sums[c];
 #else
                     int32_t sumi = 0;
                     for (int h = 0; h < 2; h++) {
@@ -612,7 +787,14 @@ static inline float v_expf1(float x) {
             return n > 0 ? INFINITY : 0.0f;
         return j + n;                              // NaN
     }
-    return ldexpf(j, (int)n);
+    const int e = (int)n;
+    if (e >= -126 && e <= 127) {                   // 2^e is a normal float: one rounding, as ldexpf's
+        const uint32_t bits = (uint32_t)(e + 127) << 23;
+        float p2;
+        memcpy(&p2, &bits, 4);
+        return j * p2;
+    }
+    return ldexpf(j, e);
 }
 
 // _mm512_reduce_add_ps as gcc's macro: halves 8, 4, 2, 1
@@ -850,4 +1032,39 @@ static void swiglu_chunk(const void *ctx, int64_t r0, int64_t r1, int worker) {
 void swiglu(const float *x, const float *g, float *out, int64_t n, int64_t n_rows, int nth) {
     const swiglu_args S = {.x = x, .g = g, .out = out, .n = n};
     pool_run(swiglu_chunk, &S, n_rows, 1, n_rows * n >= 16384 ? nth : 1);
+}
+
+// ---- ggml_compute_forward_rms_norm_f32 and the fused mul: squares in f32 summed in double in
+// order, mean = f32(sum / n), scale = 1 / sqrtf(mean + eps), out = (x * scale) * w. x, out [T, N]
+// (out may be x); w [N], or NULL for no mul.
+void rms_norm(const float *x, const float *w, float *out, int64_t t, int64_t n, float eps) {
+    for (int64_t r = 0; r < t; r++) {
+        const float *xr = x + r * n;
+        float *o = out + r * n;
+        double sum = 0.0;
+        for (int64_t i = 0; i < n; i++) sum += (double)(xr[i] * xr[i]);
+        const float mean = (float)(sum / (double)n);
+        const float scale = 1.0f / sqrtf(mean + eps);
+        if (w)
+            for (int64_t i = 0; i < n; i++) o[i] = (xr[i] * scale) * w[i];
+        else
+            for (int64_t i = 0; i < n; i++) o[i] = xr[i] * scale;
+    }
+}
+
+// ---- ggml rope, NEOX mode, in place: x [T, H, Dh], pairs (i, i + n_rot/2) of each head turned by
+// cos, sin [T, n_rot/2] (ggml's cache); rotate_pairs compiles to fma(x0, cos, -(x1*sin)) and
+// fma(x0, sin, x1*cos), the second product rounded to f32
+void rope_neox(float *x, int64_t t, int64_t h, int64_t dh, int64_t n_rot, const float *cs, const float *sn) {
+    const int64_t half = n_rot / 2;
+    for (int64_t r = 0; r < t; r++)
+        for (int64_t j = 0; j < h; j++) {
+            float *v = x + (r * h + j) * dh;
+            const float *c = cs + r * half, *s = sn + r * half;
+            for (int64_t i = 0; i < half; i++) {
+                const float x0 = v[i], x1 = v[i + half];
+                v[i] = fmaf(x0, c[i], -(x1 * s[i]));
+                v[i + half] = fmaf(x0, s[i], x1 * c[i]);
+            }
+        }
 }

@@ -115,11 +115,15 @@ def test_compiled_attention_equals_numpy_paths(t, h, hkv, dh, pos0):
 @needs_c
 def test_compiled_isa_is_the_one_chosen():
     import os
-    portable = os.environ.get("BLOOMERY_CPU_KERNELS") == "portable"
+    choice = os.environ.get("BLOOMERY_CPU_KERNELS", "on")
     flags = cpu_kernels._cpu_flags().split()
-    want_avx2 = not portable and "avx2" in flags and "fma" in flags
-    assert cpu_kernels.lib().lanes_isa() == int(want_avx2)
-    assert ("portable C" in cpu_kernels.status()) == (not want_avx2)
+    want = 0
+    if choice != "portable" and "avx2" in flags and "fma" in flags:
+        want = 1
+        if choice != "avx2" and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= set(flags):
+            want = 2
+    assert cpu_kernels.lib().lanes_isa() == want
+    assert cpu_kernels.status().endswith(f"({cpu_kernels.ISA_NAMES[want]})")
 
 
 def test_kernels_off_by_choice(monkeypatch):
@@ -158,18 +162,20 @@ def test_compiled_swiglu_equals_numpy(shape, monkeypatch):
 
 @pytest.mark.slow                    # a second build of the kernels: 4-12 s on 2 cores
 @needs_c
-def test_portable_build_gives_the_same_bits(tmp_path):
-    """The plain C loops (what a machine without AVX2 builds) pass the same comparisons."""
+@pytest.mark.parametrize("isa", ["portable", "avx2"])
+def test_portable_build_gives_the_same_bits(tmp_path, isa):
+    """The plain C loops (what a machine without AVX2 builds), and the AVX2 loops on a machine
+    with AVX-512, pass the same comparisons."""
     import os
     import subprocess
     import sys
-    env = dict(os.environ, BLOOMERY_CPU_KERNELS="portable", BLOOMERY_CACHE=str(tmp_path))
+    env = dict(os.environ, BLOOMERY_CPU_KERNELS=isa, BLOOMERY_CACHE=str(tmp_path))
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
                           "-k", "compiled and not portable", "-x", "-rA"], env=env, capture_output=True, text=True,
                          timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     assert " passed" in res.stdout and "skipped" not in res.stdout.splitlines()[-1]
-    assert "PASSED tests/test_cpu_kernels.py::test_compiled_isa_is_the_one_chosen" in res.stdout   # it ran portable
+    assert "PASSED tests/test_cpu_kernels.py::test_compiled_isa_is_the_one_chosen" in res.stdout   # it ran that build
 
 
 @needs_c
@@ -205,3 +211,41 @@ def test_compiled_activation_quantizers_equal_numpy(t, k):
         q, d, bs = act.q8_K(cpu_kernels.lib(), t_gemm)
         wq, wd, wbs = quantize_q8_K(x, positive_wins=np.arange(t) < t_gemm)
         assert np.array_equal(q, wq.astype(np.int8)) and _bits_equal(d, wd) and np.array_equal(bs, wbs.astype(np.int16))
+
+
+@needs_c
+@pytest.mark.parametrize("n_rot,sections", [(64, None), (32, None), (64, (11, 11, 10, 0))])
+def test_compiled_rope_equals_numpy(n_rot, sections, monkeypatch):
+    from bloomery.engine.cpu.backend import NumpyOps
+    rng = np.random.default_rng(n_rot)
+    x = (rng.standard_normal((6, 7, 64)) * 30).astype(np.float32)
+    pos = np.array([0, 1, 5, 300, 4095, 70000], np.int32)
+    got = NumpyOps().rope_neox(x, pos, n_rot, 1e6, sections)
+    assert np.array_equal(got[..., n_rot:], x[..., n_rot:])            # past n_rot: left as it is
+    monkeypatch.setattr(cpu_kernels, "lib", lambda: None)              # the numpy form
+    assert _bits_equal(got, NumpyOps().rope_neox(x, pos, n_rot, 1e6, sections))
+
+
+@needs_c
+@pytest.mark.parametrize("shape", [(1, 896), (5, 7, 64), (3, 4864)])
+def test_compiled_rms_norm_sums_in_order(shape):
+    """ggml's sum of squares: f32 squares added in double, in order (np.add.accumulate's order)."""
+    from bloomery.engine.cpu.backend import NumpyOps
+    rng = np.random.default_rng(len(shape))
+    x = (rng.standard_normal(shape) * rng.uniform(1e-3, 1e3, shape[:-1] + (1,))).astype(np.float32)
+    w = rng.standard_normal(shape[-1]).astype(np.float32)
+    got = NumpyOps().rms_norm(x, w, 1e-6)
+    sq = np.add.accumulate((x * x).astype(np.float64), axis=-1)[..., -1:]
+    scale = np.float32(1) / np.sqrt((sq / shape[-1]).astype(np.float32) + np.float32(1e-6))
+    assert _bits_equal(got, (x * scale) * w)
+
+
+def test_spin_rounds_read_and_refused(monkeypatch):
+    monkeypatch.delenv("BLOOMERY_CPU_SPIN", raising=False)
+    assert cpu_kernels.spin_rounds() == 500
+    monkeypatch.setenv("BLOOMERY_CPU_SPIN", "0")
+    assert cpu_kernels.spin_rounds() == 0
+    for bad in ("-1", "fast"):
+        monkeypatch.setenv("BLOOMERY_CPU_SPIN", bad)
+        with pytest.raises(ValueError, match="BLOOMERY_CPU_SPIN"):
+            cpu_kernels.spin_rounds()

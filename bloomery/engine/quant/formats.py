@@ -131,8 +131,9 @@ class CAct:
     def __init__(self, x: np.ndarray):
         x = np.ascontiguousarray(x, dtype=np.float32)
         self.bad = ~np.isfinite(x).all(axis=1)                          # such a row's quantized blocks are NaN:
-        if self.bad.any():                                              # its whole output is NaN, as the numpy
-            x = np.where(self.bad[:, None], np.float32(0), x)           # kernels' (no NaN cast to int8)
+        self.any_bad = bool(self.bad.any())                             # its whole output is NaN, as the numpy
+        if self.any_bad:                                                # kernels' (no NaN cast to int8)
+            x = np.where(self.bad[:, None], np.float32(0), x)
         self.x = x
         self.t, self.k = x.shape
         self._q8_0 = None
@@ -156,19 +157,42 @@ class CAct:
         return self._q8_K[t_gemm]
 
 
-def dot_c(x, ggml_type: int, raw: np.ndarray, n_rows: int, n_cols: int, per_row: bool = False) -> np.ndarray:
+_FAMILY_OF_INT = {int(qt): family for qt, family in FAMILY.items()}   # the same, keyed by the plain int
+
+
+def c_raw(ggml_type: int, raw: np.ndarray, n_rows: int, n_cols: int) -> np.ndarray:
+    """raw checked to hold exactly the blocks of an [N, K] matrix of this type (a QuantError if
+    not), as one contiguous array: what dot_c takes with checked=True."""
+    check_raw(ggml_type, raw, n_rows, n_cols)
+    return np.ascontiguousarray(raw)
+
+
+def dot_c(x, ggml_type: int, raw: np.ndarray, n_rows: int, n_cols: int, per_row: bool = False,
+          checked: bool = False) -> np.ndarray:
     """x [T, K] float32 (or a CAct of it) @ w^T -> [T, N] in llama.cpp's order, through the compiled
     kernels, which read the stored blocks `raw` of the [N, K] weight in place (cpu_kernels.lib()
-    must not be None; c_takes(ggml_type, n_rows) must hold); per_row as dot_llama's."""
-    from bloomery.engine.cpu import kernels as cpu_kernels
-    lib = cpu_kernels.lib()
-    check_raw(ggml_type, raw, n_rows, n_cols)
-    raw = np.ascontiguousarray(raw)
+    must not be None; c_takes(ggml_type, n_rows) must hold); per_row as dot_llama's. checked: raw
+    came from c_raw for this type and shape (a weight checks its blocks once, not every call)."""
+    lib = _c_lib()
+    if not checked:
+        raw = c_raw(ggml_type, raw, n_rows, n_cols)
     act = x if isinstance(x, CAct) else CAct(x)
     if act.k != n_cols:
         raise ValueError(f"matmul: input has {act.k} columns, the weight's rows are {n_cols} long")
     out = np.empty((act.t, n_rows), np.float32)
     nth = c_threads(act.t * n_rows * act.k)
-    _family(ggml_type).c_mm(lib, act, ggml_type, raw, n_rows, per_row, out, nth)
-    out[act.bad] = np.nan
+    _FAMILY_OF_INT[int(ggml_type)].c_mm(lib, act, ggml_type, raw, n_rows, per_row, out, nth)
+    if act.any_bad:
+        out[act.bad] = np.nan
     return out
+
+
+_CPU_KERNELS = None
+
+
+def _c_lib():
+    global _CPU_KERNELS
+    if _CPU_KERNELS is None:                                            # imported late: the cpu package imports this one
+        from bloomery.engine.cpu import kernels
+        _CPU_KERNELS = kernels
+    return _CPU_KERNELS.lib()

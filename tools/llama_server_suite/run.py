@@ -37,11 +37,13 @@ import selection  # noqa: E402
 
 DEFAULT_MODEL = Path.home() / ".cache/bloomery/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 TEST_TIMEOUT_S = int(os.environ.get("BLOOMERY_SUITE_TEST_TIMEOUT_S", 120))   # raise it to run a CI_TOO_SLOW test
+POLL_S = 0.05          # how often the tests' harness asks a starting server's /health (utils.py: 0.01)
 PRELOAD = "        ServerPreset.load_all()"
 ADDED_CONFTEST = f'''
 
 # --- added by bloomery's tools/llama_server_suite/run.py ---
 import signal as _signal
+import time as _time
 
 
 class SuiteTestTimeout(Exception):
@@ -59,6 +61,25 @@ def _suite_test_timeout():
     _signal.alarm({TEST_TIMEOUT_S})
     yield
     _signal.alarm(0)
+
+
+class _HarnessClock:
+    """utils.py's `time` once the tests are collected: ServerProcess.start polls /health every 10 ms (its
+    only time.sleep), a new HTTP connection each, some 0.4-0.6 s of CPU over a start that the server under
+    test loses on a shared core; here it polls every {POLL_S} s. Everything else is the time module's."""
+
+    def __getattr__(self, name):
+        return getattr(_time, name)
+
+    @staticmethod
+    def sleep(seconds):
+        _time.sleep(max(seconds, {POLL_S}))
+
+
+def pytest_collection_finish(session):
+    import sys as _sys
+    if "utils" in _sys.modules:       # utils' own functions only: the test modules imported `time` already
+        _sys.modules["utils"].time = _HarnessClock()
 '''
 WGET_SHIM = '''"""bloomery's suite runner: models are substituted by the wrapper, so nothing is downloaded."""
 

@@ -240,12 +240,12 @@ def _compiled_attention(head_dim: int) -> bool:
     return head_dim <= 1024 and cpu_kernels.lib() is not None
 
 
-
 def _compiled_products() -> bool:
     """The numpy backend's quantized products run in the compiled kernels (cpu/backend._compiled)."""
     from bloomery.engine.cpu import kernels as cpu_kernels
     from bloomery.engine.quant import formats
     return formats.KERNEL_ORDER and cpu_kernels.lib() is not None
+
 
 def _row_chunks(n_rows: int, nc: int, macs: int, multiple: int = 1) -> tuple[int, int]:
     """quant/threads.row_chunks' split: (rows a chunk, chunks alive at once: one per worker thread)."""
@@ -304,7 +304,8 @@ def _numpy_product_temps(ggml_type: int, t: int, k: int, n_rows: int, per_row: b
         # their product (E each); from the second chunk on the previous chunk's mins product (E) and its
         # two accumulators [T, n] f32 are still bound. Where every row is a gemv row (T < 4, or per_row) the
         # sums per super-block come first (E/8 each, their f64 products E/4 each and the mins' f64 copy E/4):
-        # 7E/2 and the accumulators; the previous chunk's products (E/4) beside the next.
+        # 7E/2 and the accumulators; the previous chunk's products (E/4) beside the next. A gemm with T%4
+        # gemv rows after it stays under 5.5E: the gemv's arrays are those few rows'.
         s = k // 32
         n = min(n_rows, max(8, common.MAX_TMP_ELEMS // (s * t)))
         e, e2 = _chunk_bytes(s * t * F32, n, n_rows)

@@ -240,6 +240,107 @@ def _compiled_attention(head_dim: int) -> bool:
     return head_dim <= 1024 and cpu_kernels.lib() is not None
 
 
+def _compiled_products() -> bool:
+    """The numpy backend's quantized products run in the compiled kernels (cpu/backend._compiled)."""
+    from bloomery.engine.cpu import kernels as cpu_kernels
+    from bloomery.engine.quant import formats
+    return formats.KERNEL_ORDER and cpu_kernels.lib() is not None
+
+
+def _row_chunks(n_rows: int, nc: int, macs: int, multiple: int = 1) -> tuple[int, int]:
+    """quant/threads.row_chunks' split: (rows a chunk, chunks alive at once: one per worker thread)."""
+    from bloomery.engine.quant.threads import N_THREADS, PARALLEL_MIN_MACS
+    parallel = N_THREADS > 1 and macs >= PARALLEL_MIN_MACS
+    if parallel:
+        nc = min(nc, -(-n_rows // N_THREADS))
+    nc = min(n_rows, max(multiple, nc - nc % multiple))
+    return nc, (min(N_THREADS, -(-n_rows // nc)) if parallel else 1)
+
+
+def _chunk_bytes(per_row_bytes: int, n: int, n_rows: int) -> tuple[int, int]:
+    """A chunked product's first chunk of n rows in bytes, and the next one's (0 where there is none)."""
+    return per_row_bytes * n, per_row_bytes * min(n, max(0, n_rows - n))
+
+
+def _numpy_product_temps(ggml_type: int, t: int, k: int, n_rows: int, per_row: bool = False) -> int:
+    """Bytes the numpy fallback kernels (no compiled kernels) allocate inside one [T, K] @ [N, K]^T
+    weight product beyond its output [T, N], at their peak, from their chunking (quant/*.py); per_row
+    as dot_llama's (an expert's rows). X = T K 4, the activation's bytes in f32. Upper bounds: every
+    `a.astype(..) * b` counted as two arrays (numpy may reuse the first in place, not here, measured),
+    chunks on the worker threads counted at the size of the first."""
+    from gguf import GGMLQuantizationType as QT
+    from bloomery.engine.quant import common, formats, q8_0
+    qt, x = QT(ggml_type), t * k * F32
+    if qt == QT.F32:       # floats.dot_f32_llama: x in f64 (2X); per chunk of rows the accumulator [T, n, 16 or 64]
+        width = 16 if t >= 2 and n_rows % 4 == 0 else 64   # f32 (A), x*w and x*w + acc in f64 (2A each)
+        n = min(n_rows, max(1, common.MAX_TMP_ELEMS // (t * width)))
+        return 2 * x + 5 * t * n * width * F32
+    if qt == QT.F16:       # the input cut to f16 and widened back
+        return x // 2 + x
+    if qt not in formats.EXACT_TYPES:
+        return 0           # the float fallback: x @ the kept dense form
+    kernel_order = formats.KERNEL_ORDER
+    if kernel_order and qt == QT.Q6_K and t >= 8:
+        # k_quants._dot_q6_K_tiled: quantize_q8_K's peak, then its codes qa and their block-major copy (2X);
+        # per chunk of n rows (E = S T n 4, S = K/16 sub-blocks): the block sums isum [S, T, n] f32 (E),
+        # isum times the sub-block scales in f64 (2E) and its sum per super-block s1 [Bs, T, n] f64 (E/8);
+        # from the second chunk on the previous chunk's s1, r (E/16, f32) and f64 products (E/8) beside them
+        s = k // 16
+        n = min(n_rows, max(8, common.MAX_TMP_ELEMS // (s * t)))
+        e, e2 = _chunk_bytes(s * t * F32, n, n_rows)
+        return 2 * x + max(e * 25 // 8, e2 * 25 // 8 + e * 5 // 16)
+    if kernel_order and qt == QT.Q6_K:
+        # k_quants._dot_q6_K_lanes (T < 8): qa and its lane-ordered copy (2X); per chunk (E = S n T 4 bytes of
+        # the half sums [Bs, 2, 8, n, T] f32): half (E), corr [Bs, 8, n, T] f32 (E/2), lanes in f64 (E), then
+        # lanes cut to f32 (E/2) and widened again (E) beside the old lanes
+        s = k // 16
+        n = min(n_rows, max(8, common.MAX_TMP_ELEMS // (s * t)))
+        return 2 * x + 4 * s * n * t * F32
+    if kernel_order and qt == QT.Q4_K and n_rows % 8 == 0:
+        # k_quants._dot_q4_K_repacked: qa and qa_b (2X; the tie rule's mask, X/4, before them); per chunk
+        # (E = S T n 4, S = K/32): isum (E), sums per 64 and the mins' sums [Bs, 4, T, n] f32 (E/2 each),
+        # d_w d_a and dmin d_a [Bs, T, n] f64 (E/4 each), then per row group the products in f64: the
+        # gemm's rows (T - T%4, none per_row) [Bs, 4, T, n] f64 (E) for the sums, the mins' f64 copy and
+        # their product (E each); from the second chunk on the previous chunk's mins product (E) and its
+        # two accumulators [T, n] f32 are still bound. Where every row is a gemv row (T < 4, or per_row) the
+        # sums per super-block come first (E/8 each, their f64 products E/4 each and the mins' f64 copy E/4):
+        # 7E/2 and the accumulators; the previous chunk's products (E/4) beside the next. A gemm with T%4
+        # gemv rows after it stays under 5.5E: the gemv's arrays are those few rows'.
+        s = k // 32
+        n = min(n_rows, max(8, common.MAX_TMP_ELEMS // (s * t)))
+        e, e2 = _chunk_bytes(s * t * F32, n, n_rows)
+        accs = 2 * t * n * F32
+        if per_row or t < 4:
+            return 2 * x + max(e * 7 // 2, e2 * 7 // 2 + e // 4) + accs
+        return 2 * x + max(e * 11 // 2, e2 * 11 // 2 + e + accs)
+    if kernel_order and qt in (QT.Q8_0, QT.Q5_0) and not (
+            qt in q8_0.AXPY_TYPES and q8_0.USE_SAXPY and q8_0._saxpy_rows(n_rows)):
+        # q8_0._dot_q8_0_lanes: qa (X) and the block-diagonal lanes [B, 32, 8T] f32 (8X); per chunk of n rows
+        # (L = B n 8T 4, B = K/32), on each worker thread: the lane sums (L), d_w d_a [B, n, 1, T] f64 (L/4),
+        # the products in f64 (2L), the accumulator [n, 8, T] f32 (L/B) and hsum8's four [T, n] sums (L/2B)
+        b = k // 32
+        nc = max(1, min(n_rows, max(64, common.CHUNK_BYTES // (b * 8 * t * 8))))
+        n, threads = _row_chunks(n_rows, nc, t * n_rows * b * 32)
+        lanes = b * n * 8 * t * F32
+        return 9 * x + threads * (lanes * 13 // 4 + lanes * 3 // (2 * b))
+    if kernel_order and qt in q8_0.AXPY_TYPES:
+        # q8_0._dot_q8_0_axpy: qa (X) and the lanes [B, 32, 8T] (8X), for T > 1 copied in (T, lane) order
+        # beside the first (17X at once, before the chunks); per chunk of n rows on each worker thread: the lane sums
+        # [B, 8T, n] f32 (L), the accumulator (L/B) and hsum8's four [T, n] sums (L/2B)
+        b = k // 32
+        nc = n_rows if n_rows <= 1024 else max(256, q8_0.AXPY_CHUNK_BYTES // (b * 8 * t * 4))
+        n, threads = _row_chunks(n_rows, nc, t * n_rows * b * 32, q8_0._saxpy_rows(n_rows))
+        lanes = b * 8 * t * n * F32
+        return max(17 * x if t > 1 else 0, 9 * x + threads * (lanes + lanes * 3 // (2 * b)))
+    # common.exact_dot (dot_planes: every other exact type, and every type where BLOOMERY_KERNEL_ORDER=off):
+    # the codes (quantize's peak 2X) and their block-major copy; per chunk (E = S T n 4) the sums isum (E)
+    # and the family's combine: scales times sums in f64 (2E) and their partial sums beside them, bounded
+    # here by 2E more; the previous chunk's isum is freed only once the next is made (E). Not measured.
+    s = k // (32 if qt in q8_0.VEC_DOT_TYPE else 16 if qt == QT.Q6_K else 32)
+    n = min(n_rows, max(1, common.MAX_TMP_ELEMS // (s * t)))
+    e = s * t * n * F32
+    return 2 * x + 5 * e + (e if n < n_rows else 0)
+
 def _numpy_scratch(facts: ModelFacts, n_ctx_slot: int, n_slots: int) -> int:
     """The numpy backend's transient peak: the largest of the moments below, each the arrays alive at
     once (models/layers.py over cpu/backend.py, the compiled kernels on). T = rows of the largest
@@ -261,7 +362,7 @@ def _numpy_scratch(facts: ModelFacts, n_ctx_slot: int, n_slots: int) -> int:
           attention's tiled path instead: q grouped in f32 and f64, K and V widened to f32 [L, Hkv,
           Dh], and the scores [H, T, L] in f32 with each FMA step's f64 product and f32 result
           beside them (16 bytes a score); the numpy kernels' own chunk temporaries in the products
-          (tens of MB, bounded by their chunk sizes, not by the model) are not counted;
+          are in _numpy_fallback_moments;
         - a hybrid's gated attention: the output beside a copy of the gate [T, H Dh] each, and the
           gate's sigmoid (SIGMOID_BYTES per element);
         - a hybrid's linear-attention layer (in its place): the norm's output, the output gate z
@@ -278,6 +379,9 @@ def _numpy_scratch(facts: ModelFacts, n_ctx_slot: int, n_slots: int) -> int:
         beside them a shared expert's gate and up [T, Fs] and its gate logit [T] (qwen35moe);
       a decode step's head: logits [B, V] with their NaN mask for B = every slot, and for one row its
         copy, negation and argpartition's int64 order (top-k picks).
+    Without the compiled products (BLOOMERY_CPU_KERNELS=off, no C compiler, or BLOOMERY_KERNEL_ORDER=off)
+    each weight product's own temporaries in the numpy kernels as well (_numpy_fallback_moments): tens to
+    hundreds of MB, set by the kernels' chunk sizes and the worker threads more than by the model.
     """
     from bloomery.engine.quant.threads import N_THREADS          # the attention's score rows, one per thread
     t = min(N_UBATCH, n_slots * n_ctx_slot)
@@ -315,7 +419,62 @@ def _numpy_scratch(facts: ModelFacts, n_ctx_slot: int, n_slots: int) -> int:
     else:
         ffn = 3 * row + t * facts.n_ff * (3 * F32 + ACT_CODES)
     decode = n_slots * v * (F32 + 1) + v * 16
+    if not _compiled_products():
+        attention, ffn, decode = (max(a, b) for a, b in zip(
+            (attention, ffn, decode), _numpy_fallback_moments(facts, t, n_slots, row, qkv)))
     return int(max(held + attention, held + ffn, decode))
+
+
+def _numpy_fallback_moments(facts: ModelFacts, t: int, n_slots: int, row: int, qkv: int) -> tuple[int, int, int]:
+    """_numpy_scratch's product moments without the compiled kernels: (attention, FFN, decode head), each
+    the arrays alive beside the product (as _numpy_scratch's legend) plus the largest product's own
+    temporaries (_numpy_product_temps) over the weights that run there; T rows for every product of a
+    prompt pass (an expert's too: a router may send it every row), B = every slot for the head."""
+    by_name: dict[str, list] = {}
+    for name, ggml_type, shape in facts.tensors:
+        if len(shape) >= 2:
+            by_name.setdefault(name.split(".", 2)[-1] if name.startswith("blk.") else name, []).append((ggml_type, shape))
+
+    def temps(names, rows: int, per_row: bool = False) -> int:
+        return max((_numpy_product_temps(ty, rows, shape[0], shape[1], per_row)
+                    for n in names for ty, shape in by_name.get(n, ())), default=0)
+    d, h, dh = facts.n_embd, facts.n_head, facts.head_dim_k
+    channels, inner = facts.ssm_widths
+    attention = max(
+        # the input projections: the norm's output and their outputs (q, k, v; a linear-attention layer's q, k, v
+        # fused and z, its beta and alpha [T, H] left out: a few KB)
+        row + max(qkv, t * (channels + inner) * F32)
+        + temps(("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_qkv.weight", "attn_gate.weight",
+                 "ssm_alpha.weight", "ssm_beta.weight"), t),
+        # the output projection: its input, the product and the residual sum beside q, k, v
+        row + qkv + t * max(h * dh, inner) * F32 + 2 * row + temps(("attn_output.weight", "ssm_out.weight"), t))
+    if facts.n_expert:
+        a = facts.n_expert_used or 1
+        fe, fs, e = facts.n_ff // a, facts.n_ff_shexp, facts.n_expert
+        routed = (2 * row + t * e * F32 + t * a * (8 + F32) + t * a * d * F32 + 16 * t + row
+                  + t * (2 * fs + 1) * F32)                             # as _numpy_scratch's routed FFN
+        ffn = max(
+            # the router and a shared expert's gate and up: the norm's output and their outputs
+            2 * row + t * (e + 2 * fs + 1) * F32
+            + temps(("ffn_gate_inp.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight"), t),
+            # one expert's gate or up (the previous expert's SwiGLU still bound where rows take two or more)
+            routed + (3 if a > 1 else 2) * t * fe * F32 + temps(("ffn_gate_exps.weight", "ffn_up_exps.weight"), t, True),
+            # its down projection: the SwiGLU and the product
+            routed + t * fe * F32 + row + temps(("ffn_down_exps.weight",), t, True),
+            # the shared expert's down projection: the routed output beside its gate, up, SwiGLU and product
+            3 * row + 3 * t * fs * F32 + row + temps(("ffn_down_shexp.weight",), t))
+    else:
+        ffn = max(2 * row + 2 * t * facts.n_ff * F32 + temps(("ffn_gate.weight", "ffn_up.weight"), t),   # gate or up
+                  3 * row + 3 * t * facts.n_ff * F32 + temps(("ffn_down.weight",), t))                 # down
+    head = "output.weight" if "output.weight" in by_name else "token_embd.weight"
+    b, v = n_slots, facts.n_vocab
+    decode = b * v * F32 + temps((head,), b)                            # the whole head's product [B, V]
+    if any(ty == 8 for ty, _ in by_name.get(head, ())):                 # a Q8_0 head's picks: q8_0._estimate
+        from bloomery.engine.quant.threads import N_THREADS
+        blocks = d // 32                                                # est and bound [B, V] f64, and per chunk of
+        nc = min(8192, -(-v // N_THREADS))                              # 8192 rows on each thread the block sums
+        decode = max(decode, 16 * b * v + N_THREADS * blocks * nc * b * (F32 + 8))   # [B, n, T] f32, in f64
+    return attention, ffn, decode
 
 
 CASES = {"whole": "the model fits the card: every tensor there",

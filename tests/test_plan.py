@@ -41,6 +41,7 @@ def compiled_attention(monkeypatch):
     """The hand numbers are the compiled kernels' (a machine without a C compiler runs the numpy attention,
     whose scores the plan counts too: test_numpy_scratch_without_the_compiled_attention)."""
     monkeypatch.setattr(plan_mod, "_compiled_attention", lambda head_dim: True)
+    monkeypatch.setattr(plan_mod, "_compiled_products", lambda: True)
 
 
 def host_need(slot: int, n_slots: int = 1) -> int:     # the docstring's formula, any slot count
@@ -155,6 +156,20 @@ def test_numpy_scratch_without_the_compiled_attention(monkeypatch):
         2 * 512 * 896 * 4 + 512 * 896 * 4 + 512 * 18 * 64 * 4      # the block's input, embedded rows, norm, q k v
         + 512 * 16 * 64 * 4 + 512 * 14 * 64 * 16                     # rotated q and k; grouped q, f64 q, output
         + 8 * 2 * 64 * 4096 + 16 * 512 * 14 * 4096) == 491_257_856   # K and V in f32; the scores
+
+
+def test_numpy_fallback_product_temporaries():
+    """BLOOMERY_CPU_KERNELS=off (or no compiler): a product's own temporaries in the numpy kernels, from their
+    chunking (measured with tracemalloc on the synthetic files' weights: 67,114,856 and 93,378,208 bytes)."""
+    from gguf import GGMLQuantizationType as QT
+    # a Q6_K head [151936, 256] for two decode rows (the lanes): chunks of 2^22 / (16 * 2) rows, their half
+    # sums [1, 2, 8, n, 2] f32 four times over, and the codes and their lane-ordered copy
+    assert plan_mod._numpy_product_temps(QT.Q6_K, 2, 256, 151936) == 2 * 2 * 256 * 4 + 4 * 16 * 131072 * 2 * 4
+    # a repacked Q4_K [1024, 256] over a 512-row pass: one chunk, its sums [8, 512, 1024] f32 5.5 times over
+    assert plan_mod._numpy_product_temps(QT.Q4_K, 512, 256, 1024) == 2 * 512 * 256 * 4 + 11 * 8 * 512 * 1024 * 2
+    # an expert's rows run the gemv: 3.5 times, and its two accumulators [T, n] f32
+    assert plan_mod._numpy_product_temps(QT.Q4_K, 512, 256, 1024, per_row=True) == (
+        2 * 512 * 256 * 4 + 7 * 8 * 512 * 1024 * 2 + 2 * 512 * 1024 * 4)
 
 
 def test_numpy_forms_without_the_compiled_kernels_are_planes(monkeypatch):

@@ -18,9 +18,10 @@ expert (`lane`, a share of each layer's experts spread evenly over the ids):
   card's address space) over the bus, while the host computes the other lane; the card's expert
   kernels then read them there. The host's memory read and the bus's copy rate add up: the share
   that balances them is the bus's rate over the sum of both (residency.STREAM_SHARE). A direct
-  read of host RAM by the expert kernels themselves was measured slower (docs/verify.md). Prompt batches stream the used host experts' bytes to a card staging buffer
-and compute every expert on the card (stage_tables); the prompt's most-used ones then take card
-slots from the staging copy (adopt), so decode starts warm.
+  read of host RAM by the expert kernels themselves was measured slower (docs/verify.md).
+Prompt batches stream the used host experts' bytes to a card staging buffer and compute every
+expert on the card (stage_tables); the prompt's most-used ones then take card slots from the
+staging copy (adopt), so decode starts warm.
 
 Residency (bloomery/residency.py decides, this file carries out): each step's routing is counted
 per expert on the card; between steps, every RESIDENCY_EVERY steps, the hottest host experts swap
@@ -187,13 +188,6 @@ class ExpertLayer:
         """Whether a decode step copies streamed experts in (fixed for a given share, as above)."""
         return bool(self.lane.any()) and bool(self.stream_base)
 
-    def set_share(self, share: float) -> None:
-        """Re-split the host experts' lanes (between steps; the tables are uploaded here). A captured
-        step holds the kernels of the share it was captured with: recapture after this."""
-        self.lane = np.array(policy.stream_lane(self.n_expert, share if self.can_stream else 0.0), bool)
-        self._relane()
-        self._upload()
-
     # --- table writes (between steps only: nothing in flight reads them) ---
     def _upload(self) -> None:
         for st in self.stacks:
@@ -217,9 +211,6 @@ class ExpertLayer:
             st.mirror[host & ~streamed] = st.zero_ptr
             st.mirror[streamed] = self.dst_mirror[streamed] + np.uint64(off)
             off += st.expert_bytes
-
-    def streamed_count(self) -> int:
-        return int(((self.slot_of < 0) & self.lane).sum())
 
     def evict(self, e: int) -> int:
         s = int(self.slot_of[e])
@@ -279,14 +270,6 @@ class Offload:
         self.staging = None                                                   # card buffer for streamed prompts
         from bloomery.engine.cpu import host_moe
         self.host_fn = host_moe.fn_pointer()
-
-    def set_share(self, share: float) -> None:
-        """Re-split every layer's host experts between the host and the bus (between steps)."""
-        policy.stream_lane(1, share)                                          # a bad share is refused here
-        self.share = share
-        for ly in self.layers:
-            ly.set_share(share)
-        cupy.cuda.Device().synchronize()
 
     def zero_ptr(self, nbytes: int) -> int:
         """A block of zero bytes at least `nbytes` long: a host expert's table entry."""

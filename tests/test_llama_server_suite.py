@@ -153,6 +153,19 @@ def test_heavy_files_are_those_of_long_generations(monkeypatch):
     assert selection.heavy(["unit/c.py::z"]) == (selection.DEFAULT_TEST_S >= selection.HEAVY_TEST_S)
 
 
+def test_held_long_generations_run_one_at_a_time_after_the_light_ones(monkeypatch):
+    selection = _load("selection")
+    monkeypatch.setattr(selection, "TEST_S", {"unit/long.py": 30.0, "unit/timed.py": 30.0, "unit/light.py": 5.0})
+    monkeypatch.setattr(selection, "NEEDS_GO", frozenset({"unit/timed.py"}))
+    light, long_, timed = ["unit/light.py::a"], ["unit/long.py::b"], ["unit/timed.py::c"]
+    assert selection.may_start(light, [light, long_], 1, held=True)             # light runs never wait
+    assert not selection.may_start(long_, [light, long_], 0, held=True)         # a light one still waits
+    assert selection.may_start(long_, [long_, timed], 0, held=True)             # the light ones are handed out
+    assert not selection.may_start(long_, [long_], 1, held=True)                # one long run at a time
+    assert not selection.may_start(timed, [timed], 0, held=True)                # 60 s timeouts: the machine first
+    assert all(selection.may_start(c, [long_, timed], 1, held=False) for c in (long_, timed))
+
+
 @pytest.mark.slow
 def test_the_per_test_alarm_is_reported_as_itself_not_as_the_requests_read_timeout(tmp_path, monkeypatch):
     """A request of llama.cpp's tests (timeout 600 s) cut by the runner's alarm names the alarm; a

@@ -143,7 +143,7 @@ def test_numpy_scratch_counts_the_real_files_peak(real_model_path, kernels):
 # synthetic files whose peak is each of the moments the plan counts (plan._numpy_scratch), at Q4_K_M
 SCRATCH_SHAPES = {
     "dense FFN": ("qwen2", 1024, dict(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=1024)),
-    "attention over a long context": ("qwen3", 16384, dict(n_layer=2, n_embd=128, n_head=2, n_head_kv=2,
+    "attention over a long context": ("qwen3", 8192, dict(n_layer=2, n_embd=128, n_head=2, n_head_kv=2,
                                                              head_dim=64, n_ff=256)),
     "routed FFN": ("qwen3moe", 1024, dict(n_layer=2, n_embd=256, n_head=2, n_head_kv=1, head_dim=64,
                                           n_expert=4, n_expert_used=4, n_ff_exp=512)),

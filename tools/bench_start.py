@@ -4,9 +4,11 @@ kernel cache empty (a fresh CUPY_CACHE_DIR each run), once with the prebuilt ker
 (BLOOMERY_CUDA_KERNELS=auto) and once compiling every module with NVRTC (=nvrtc); then the
 first and the tenth request's time. The start's own records say where the time went: the
 "cuda kernels" line (which modules came prebuilt, which compiled, how long the load waited)
-and the "warmup" line (its parts).
+and the "warmup" line (its parts). With --llama-server, llama-server's start on the same file
+and the same -c/-np is timed the same way after bloomery's (mode "llama": `-ngl 99 -fa on`).
 
     python3 tools/bench_start.py --model FILE [--modes auto,nvrtc] [--work DIR] [--bloomery-args "-c 32768 -np 4"]
+        [--llama-server PATH]
 """
 from __future__ import annotations
 
@@ -39,8 +41,12 @@ def records(log: str) -> dict[str, str]:
 def one_start(a, mode: str, work: Path) -> dict:
     cache = Path(tempfile.mkdtemp(prefix=f"cupy-{mode}-", dir=work))      # empty: nothing compiled yet
     port = free_port()
-    argv = [sys.executable, "-m", "bloomery.supervisor", "-m", a.model, "--port", str(port),
-            "--backend", a.backend, *shlex.split(a.bloomery_args)]
+    if mode == "llama":      # the same file, context and slots; every layer on the card, as bench_serve starts it
+        argv = [a.llama_server, "-m", a.model, "--port", str(port), "-ngl", "99", "-fa", "on",
+                *shlex.split(a.bloomery_args)]
+    else:
+        argv = [sys.executable, "-m", "bloomery.supervisor", "-m", a.model, "--port", str(port),
+                "--backend", a.backend, *shlex.split(a.bloomery_args)]
     log = work / f"start-{mode}.log"
     t0 = time.perf_counter()
     with Server(argv, port, log, a.ready_timeout_s, env={"CUPY_CACHE_DIR": str(cache), "BLOOMERY_CUDA_KERNELS": mode}) as srv:
@@ -65,11 +71,16 @@ def main(argv=None) -> int:
     ap.add_argument("--bloomery-args", default="", help="more flags for bloomery-serve (one string)")
     ap.add_argument("--ready-timeout-s", type=float, default=600)
     ap.add_argument("--out", default=None, help="write the results here as JSON too")
+    ap.add_argument("--llama-server", default=None, metavar="PATH",
+                    help="also time llama-server's start (mode 'llama', after bloomery's modes)")
     a = ap.parse_args(argv)
     work = Path(a.work or tempfile.mkdtemp(prefix="bench-start-"))
     work.mkdir(parents=True, exist_ok=True)
     results = []
-    for mode in [m.strip() for m in a.modes.split(",") if m.strip()]:
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    if a.llama_server:
+        modes.append("llama")
+    for mode in modes:
         r = one_start(a, mode, work)
         results.append(r)
         print(f"{mode:9s} ready {r['ready_s']:7.2f} s  first request {r['first_request_s']:.3f} s  "

@@ -151,9 +151,10 @@ def run(server: str, tests: list[str], model: Path, log_path: Path | None, out: 
         hold_heavy: Path | None = None) -> dict[str, dict]:
     """One pytest per chunk of a file's tests (selection.chunks), `jobs` of them at once, each on its own
     port; the results are written to `out` after each chunk, so a long run keeps what it has, and a file's
-    time is the sum of its chunks' wall times. With hold_heavy, the chunks of selection.heavy files go last
-    and wait until that file exists (the run beside other tests: those long generations start once the
-    machine is theirs, so that no request of theirs meets the tests' 60 s HTTP timeout on a shared core)."""
+    time is the sum of its chunks' wall times. With hold_heavy, the chunks of selection.heavy files go last:
+    until that file exists (the run beside other tests) they run one at a time once the light ones are all
+    handed out, on the core the other tests leave idle, and those of selection.NEEDS_GO files wait for it (the
+    machine theirs, so that no request meets the tests' 60 s HTTP timeout on a shared core)."""
     tests_src = ref_source.tests_dir()
     result: dict[str, dict] = {}
     file_s: dict[str, float] = {}
@@ -195,19 +196,28 @@ def run(server: str, tests: list[str], model: Path, log_path: Path | None, out: 
                 if out is not None:
                     write(out, merged(prior, {**(meta or {}), "file_s": file_s, "tests": result}))
 
+        running_heavy = [0]
+
         def worker() -> None:
             while True:
                 with lock:
                     if not todo:
                         return
-                    i, group = todo[0]
-                    held = hold_heavy is not None and selection.heavy(group) and not hold_heavy.exists()
-                    if not held:
-                        todo.pop(0)
-                if held:
+                    held = hold_heavy is not None and not hold_heavy.exists()
+                    k = next((k for k, (_, g) in enumerate(todo)
+                              if selection.may_start(g, [w for _, w in todo], running_heavy[0], held)), None)
+                    if k is not None:
+                        i, group = todo.pop(k)
+                        heavy = selection.heavy(group)
+                        running_heavy[0] += heavy
+                if k is None:
                     time.sleep(1.0)
                     continue
-                one(i, group)
+                try:
+                    one(i, group)
+                finally:
+                    with lock:
+                        running_heavy[0] -= heavy
 
         workers = [threading.Thread(target=worker) for _ in range(max(1, jobs))]
         for w in workers:

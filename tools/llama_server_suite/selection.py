@@ -156,8 +156,26 @@ DEFAULT_TEST_S = 20.0
 HEAVY_TEST_S = 25.0
 
 
+# heavy files whose requests carry the tests' own 60 s HTTP timeout (TIMEOUT_HTTP_REQUEST): run.py --hold-heavy
+# starts them only once the machine is theirs, where the others may run beside the other tests, one at a time
+NEEDS_GO: frozenset[str] = frozenset({"unit/test_tool_call.py"})
+
+
 def heavy(chunk: list[str]) -> bool:
     return TEST_S.get(chunk[0].split("::", 1)[0], DEFAULT_TEST_S) >= HEAVY_TEST_S
+
+
+def needs_go(chunk: list[str]) -> bool:
+    return chunk[0].split("::", 1)[0] in NEEDS_GO
+
+
+def may_start(chunk: list[str], waiting: list[list[str]], running_heavy: int, held: bool) -> bool:
+    """run.py --hold-heavy's rule for a waiting chunk. Held (the other tests still run): a long-generating chunk
+    starts only once every light chunk is handed out, one at a time, and never one of NEEDS_GO; not held:
+    anything."""
+    if not held or not heavy(chunk):
+        return True
+    return running_heavy == 0 and not needs_go(chunk) and all(heavy(w) for w in waiting)
 CHUNK_TESTS = 8      # with --jobs above 1 a file's tests are cut into pytest runs of at most this many
 
 

@@ -138,7 +138,7 @@ def test_presets_join_the_cache_and_a_preset_hf_repo_is_the_cached_file(tmp_path
                                                              "test-model-stories260K", "tinygemma3-GGUF").replace(
                                                              "stories260K-F32", "tinygemma3-Q8_0")]
     assert found["local"].args([]) == ["--ctx-size", "4096", "--model", "/models/x.gguf"]
-    assert all(not e.hidden and e.refusal() is None for e in found.values())
+    assert all(not e.hidden and e.refusal() is None and e.unfit() is None for e in found.values())
 
 
 def test_an_hf_repo_not_cached_is_fetched_by_the_child_and_a_quant_or_file_chooses(tmp_path, cache):
@@ -161,8 +161,9 @@ def test_router_owned_keys_are_dropped_and_refused_flags_refuse_the_model(tmp_pa
     found = catalog(None, cache, ini)
     assert found["a"].args([]) == ["--model", "/x.gguf"] and found["a"].refusal() is None
     assert "'spec-draft-hf' (--spec-draft-hf) is refused: speculative decoding" in found["b"].refusal()
-    assert "names no model" in found["c"].refusal()
-    assert "both model (/x.gguf) and hf-repo (o/r)" in found["d"].refusal()
+    assert found["c"].refusal() is None and "names no model" in found["c"].unfit()
+    assert "both model (/x.gguf) and hf-repo (o/r)" in found["d"].unfit()
+    assert found["a"].unfit() is None and found["b"].unfit() is None
 
 
 def test_dedup_hides_the_cache_entries_a_preset_stands_for(tmp_path, cache):
@@ -286,6 +287,11 @@ def test_a_refused_preset_is_listed_and_refused_by_name_when_loaded(tmp_path, ca
     status, body = post(router, "/tokenize", {"model": "model-dedup", "content": "hi"})
     assert status == 501 and "model-dedup" in body["error"]["message"]
     assert post(router, "/models/load", {"model": STORIES}) == (200, {"success": True})   # hidden, still usable
+    loop.run_until_complete(router.close())
+    ini = write(tmp_path / "q.ini", "[bare]\nseed = 1\n")
+    router = Router(catalog(None, cache, ini), [], {}, models_max=0, autoload=True)
+    status, body = post(router, "/models/load", {"model": "bare"})
+    assert status == 500 and "'bare' cannot be loaded: its preset names no model" in body["error"]["message"]
     loop.run_until_complete(router.close())
 
 

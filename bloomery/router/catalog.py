@@ -73,11 +73,14 @@ class Entry:
         return [*base, *extra, *self.model_args()]
 
     def refusal(self) -> str | None:
-        """Why this model cannot start here, or None: a refused flag among its preset's options, or no model."""
-        why = self.problem or refusal({o.ident: o for o in self.options})
-        if why is None and not self.model_args():
-            why = "its preset names no model (give model = FILE or hf-repo = REPO in its section)"
-        return why
+        """A flag bloomery refuses among its preset's options (the model is refused by name), or None."""
+        return refusal({o.ident: o for o in self.options})
+
+    def unfit(self) -> str | None:
+        """Why its preset cannot start a model (it names none, or two), or None."""
+        if self.problem:
+            return self.problem
+        return None if self.model_args() else "its preset names no model (give model = FILE or hf-repo = REPO)"
 
     def option(self, key: str) -> str | None:
         return next((o.value for o in self.options if o.ident == key), None)

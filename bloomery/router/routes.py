@@ -100,11 +100,13 @@ class Router:
             self._refused(name)
 
     def _refused(self, name: str) -> None:
-        """A model whose preset asks what this build refuses (or names no model) is refused by name."""
-        why = self.entries[name].refusal()
-        if why:
-            self.pool.log("router", "model refused", level="error", model=name, why=why)
-            raise ApiError(501, f"model '{name}' cannot be loaded: {why}", "not_supported_error")
+        """A model whose preset asks what this build refuses is refused by name (501); one whose preset names
+        no model, or two, is the router's configuration at fault (500)."""
+        entry = self.entries[name]
+        for why, status, kind in ((entry.refusal(), 501, "not_supported_error"), (entry.unfit(), 500, "server_error")):
+            if why:
+                self.pool.log("router", "model refused", level="error", model=name, why=why)
+                raise ApiError(status, f"model '{name}' cannot be loaded: {why}", kind)
 
     async def reload(self) -> None:
         """Read the sources again and reconcile (pool.reload); a source that cannot be read answers 500 naming
@@ -125,7 +127,7 @@ class Router:
             raise ValueError(f"{len(names)} models to load on startup ({', '.join(names)}) exceed --models-max "
                              f"{self.table.models_max}")
         for name in names:
-            why = self.entries[name].refusal()
+            why = self.entries[name].refusal() or self.entries[name].unfit()
             if why:
                 raise ValueError(f"model {name!r} (load-on-startup) cannot be loaded: {why}")
         for name in names:

@@ -234,6 +234,9 @@ TABLE: tuple[Flag, ...] = (
     Flag("--models-dir", (), "LLAMA_ARG_MODELS_DIR", "path", None,
          "router mode (no -m/-hf): a folder of GGUF files (or a folder per model) served on demand; a request's "
          "\"model\" names one"),
+    Flag("--models-preset", (), "LLAMA_ARG_MODELS_PRESET", "path", None,
+         "router mode: an INI file of model presets (sections are models, keys are flags without dashes; "
+         "[*] for every model; GET /models?reload=1 reads it again)"),
     Flag("--models-max", (), "LLAMA_ARG_MODELS_MAX", "int", 4,
          "router mode: models loaded at once (each its own bloomery-serve); past it the least recently used "
          "idle one is unloaded (0: no limit)"),

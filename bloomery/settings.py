@@ -85,6 +85,7 @@ class Settings:
     sleep_idle_seconds: int = -1       # --sleep-idle-seconds: free the weights after this idle time (-1: never)
     slot_save_path: str | None = None  # --slot-save-path: the folder of POST /slots/{id}'s save and restore files
     models_dir: str | None = None      # router mode (no model): a folder of models served on demand
+    models_preset: str | None = None   # router mode: an INI file of model presets (bloomery/router/preset.py)
     models_max: int = 4                # router mode: models loaded at once (0: no limit)
     models_autoload: bool = True       # router mode: a request's model is loaded when it is not
     router: bool = False               # no -m/-hf: llama-server's router mode (bloomery/router)
@@ -151,6 +152,11 @@ def argv_without(argv: list[str], longs: set[str]) -> list[str]:
     """The command line without the flags named (by their long name, any spelling) and their values: what a
     router's children are given (bloomery/router)."""
     return [word for e in _from_argv(argv) if e.flag.long not in longs for word in e.tokens]
+
+
+def argv_flags(argv: list[str]) -> set[str]:
+    """The long names of the flags a command line gives (a router's preset options yield to them)."""
+    return {e.flag.long for e in _from_argv(argv)}
 
 
 def _config_pairs(pairs):
@@ -385,7 +391,8 @@ def _check_model_source(s: Settings) -> None:
             raise SettingsError(f"--models-max {s.models_max}: must be >= 0 (0: no limit)")
         s.router = True
         s.notes.append(("router mode: no model given; models are served on demand", {
-            "models_dir": s.models_dir or "none", "models_max": s.models_max, "autoload": s.models_autoload}))
+            "models_dir": s.models_dir or "none", "models_preset": s.models_preset or "none",
+            "models_max": s.models_max, "autoload": s.models_autoload}))
 
 
 def _check_backend(s: Settings) -> None:

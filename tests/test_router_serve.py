@@ -129,3 +129,40 @@ def test_router_without_autoload_loads_on_request_and_keeps_two(models_dir, empt
             status, body = call(server, "POST", "/completion", {"model": name, "prompt": "hi", "n_predict": 2}, key)
             assert status == 200 and body["model"] == name and body["tokens_predicted"] == 2
         assert statuses(server, key) == {"alpha": "loaded", "beta": "loaded"}
+
+
+def test_router_presets_start_their_children_with_their_options_and_reload(models_dir, empty_caches, tmp_path):
+    """--models-preset: a preset's options reach its child under the router's own flags; a reload unloads a
+    running preset that changed and lists the new file's models; a refused option refuses its model by name."""
+    ini = tmp_path / "presets.ini"
+    ini.write_text(f"[*]\nc = 512\n\n[first]\nmodel = {models_dir / 'alpha.gguf'}\nseed = 11\n"
+                   f"no-slots = 1\n\n[alpha]\nn-predict = 2\n")
+    with Served("--models-preset", str(ini), "--models-dir", str(models_dir), *CHILD_FLAGS,
+                env=empty_caches) as server:
+        status, listing = call(server, "GET", "/models")
+        sources = {m["id"]: m["source"] for m in listing["data"]}
+        assert sources == {"alpha": "preset", "beta": "models_dir", "first": "preset"}
+        status, body = call(server, "POST", "/completion", {"model": "first", "prompt": "hi", "n_predict": 2})
+        assert status == 200 and body["model"] == "first" and body["tokens_predicted"] == 2
+        first = next(m for m in call(server, "GET", "/models")[1]["data"] if m["id"] == "first")
+        args = first["status"]["args"]
+        assert args[args.index("-c") + 1] == "256"                # the router's command line wins over [*]
+        assert args[args.index("--seed") + 1] == "11" and "--no-slots" in args
+        assert call(server, "GET", "/slots?model=first")[0] == 501           # no-slots reached the child
+        status, body = call(server, "POST", "/completion", {"model": "alpha", "prompt": "hi"})
+        assert status == 200 and body["tokens_predicted"] == 2                # [alpha]'s n-predict
+
+        ini.write_text(f"[first]\nmodel = {models_dir / 'beta.gguf'}\n\n[third]\nmodel = {models_dir / 'alpha.gguf'}\n"
+                       "model-draft = /nowhere/draft.gguf\n")
+        status, listing = call(server, "GET", "/models?reload=1")
+        assert status == 200
+        now = {m["id"]: m["status"]["value"] for m in listing["data"]}
+        # first's model changed and alpha lost its section: both were unloaded; beta and third were never loaded
+        assert now == {"alpha": "unloaded", "beta": "unloaded", "first": "unloaded", "third": "unloaded"}
+        assert {m["id"]: m["source"] for m in listing["data"]}["alpha"] == "models_dir"
+        status, body = call(server, "POST", "/completion", {"model": "third", "prompt": "hi", "n_predict": 1})
+        assert status == 501 and "'model-draft' (--model-draft) is refused" in body["error"]["message"]
+        status, body = call(server, "POST", "/completion", {"model": "first", "prompt": "hi", "n_predict": 1})
+        assert status == 200 and body["model"] == "first"
+        first = next(m for m in call(server, "GET", "/models")[1]["data"] if m["id"] == "first")
+        assert str(models_dir / "beta.gguf") in first["status"]["args"]

@@ -135,5 +135,4 @@ def test_no_model_is_router_mode_and_children_get_the_rest_of_the_command_line()
         parse(["--plan"], env={})
     with pytest.raises(SettingsError, match="--models-max -1"):
         parse(["--models-max", "-1"], env={})
-    with pytest.raises(SettingsError, match="--models-preset is refused"):
-        parse(["--models-preset", "x.ini"], env={})
+    assert parse(["--models-preset", "x.ini"], env={}).models_preset == "x.ini"   # tests/test_router_preset.py

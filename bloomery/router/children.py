@@ -1,10 +1,11 @@
 """The child processes: one bloomery-serve per loaded model, on a free local port.
 
 A child is `python -m bloomery.supervisor` with the router's own flags (the router-only ones taken out:
-settings.argv_without), then the model, --host 127.0.0.1, --port and --alias with the model's name, as
-llama-server's router writes its children's command lines (server-models.cpp). It inherits the router's
-environment, so LLAMA_ARG_* reach it as they reach the router; its records go to the router's stderr.
-Ready is its /health answering 200; a child that exits first failed to load.
+settings.argv_without), its preset's options that those do not set, then the model, --host 127.0.0.1, --port
+and --alias with the model's name, as llama-server's router writes its children's command lines (server-
+models.cpp). It inherits the router's environment, so LLAMA_ARG_* reach it as they reach the router; its
+records go to the router's stderr. Ready is its /health answering 200; a child that exits first failed to
+load.
 """
 from __future__ import annotations
 
@@ -37,16 +38,17 @@ def free_port(host: str = proxy.CHILD_HOST) -> int:
         return s.getsockname()[1]
 
 
-def child_argv(base_args: list[str], model_args: list[str], name: str, port: int) -> list[str]:
-    return [sys.executable, "-m", "bloomery.supervisor", *base_args, *model_args,
+def child_argv(args: list[str], name: str, port: int) -> list[str]:
+    return [sys.executable, "-m", "bloomery.supervisor", *args,
             "--host", proxy.CHILD_HOST, "--port", str(port), "--alias", name]
 
 
 class Child:
-    def __init__(self, argv: list[str], port: int, env: dict[str, str]):
+    def __init__(self, argv: list[str], port: int, env: dict[str, str], stop_s: float = STOP_S):
         self.argv = argv
         self.port = port
         self.env = env
+        self.stop_s = stop_s        # a preset's stop-timeout, else llama-server's 10 s
         self.proc: asyncio.subprocess.Process | None = None
 
     async def start(self) -> None:
@@ -80,14 +82,14 @@ class Child:
     async def wait(self) -> int:
         return await self.proc.wait()
 
-    async def stop(self, stop_s: float = STOP_S) -> int:
+    async def stop(self) -> int:
         """SIGTERM (the child drains, as under systemd), then SIGKILL after stop_s."""
         if self.proc is None:
             return 0
         if self.proc.returncode is None:
             try:
                 self.proc.send_signal(signal.SIGTERM)
-                await asyncio.wait_for(self.proc.wait(), stop_s)
+                await asyncio.wait_for(self.proc.wait(), self.stop_s)
             except asyncio.TimeoutError:
                 self.kill()
             except ProcessLookupError:

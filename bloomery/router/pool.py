@@ -9,12 +9,13 @@ and a request that finds every loaded model busy at the cap waits until one is i
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Callable
 
 from bloomery.http.types import ApiError
 from bloomery.records import record
 from bloomery.router.catalog import Entry
-from bloomery.router.children import Child, child_argv, free_port
+from bloomery.router.children import STOP_S, Child, child_argv, free_port
 from bloomery.router.table import LOADED, LOADING, UNLOADED, ModelTable
 
 
@@ -29,6 +30,8 @@ class ModelPool:
         self.tasks: set[asyncio.Task] = set()
         self._changed = asyncio.Event()
         self.closing = False            # the router is stopping: nothing new is loaded, waiters are answered 503
+        self.reloading = False          # a reload is replacing the entries: nothing new is loaded until it is done
+        self._reload_lock = asyncio.Lock()
         self.log = log
 
     # -- the one place the table's changes are announced ------------------------------------------
@@ -47,13 +50,13 @@ class ModelPool:
         of its own: a client that leaves does not stop a load it started."""
         entry = self.entries[name]
         port = free_port()
-        argv = child_argv(self.base_args, entry.model_args(), name, port)
+        argv = child_argv(entry.args(self.base_args), name, port)
         self.table.loading(name, port, argv)
         if victim is not None:   # from now on no request is routed to it, so none can hold it up
             self.table.get(victim).stopping = True
         self.log("router", "loading model", model=name, port=port, **({"evicting": victim} if victim else {}))
         self.notify()
-        self.task(self._run_child(name, victim, Child(argv, port, self.env)))
+        self.task(self._run_child(name, victim, Child(argv, port, self.env, entry.stop_s(STOP_S))))
 
     async def _run_child(self, name: str, victim: str | None, child: Child) -> None:
         code: int | None = None
@@ -121,6 +124,11 @@ class ModelPool:
             st, changed = self.table.get(name), self._changed
             if self.closing:
                 raise ApiError(503, "Server is shutting down", "unavailable_error")
+            if self.reloading:
+                await changed.wait()
+                continue
+            if st is None:                  # gone from every source in a reload while this request waited
+                raise ApiError(400, f"model '{name}' not found")
             if st.status == LOADED and not st.stopping:
                 self.table.acquire(name)
                 return st.port
@@ -133,6 +141,44 @@ class ModelPool:
                     continue
             await changed.wait()
 
+    async def settled(self) -> None:
+        """Wait until no reload is under way (a load asked meanwhile is made against the new entries)."""
+        while self.reloading:
+            await self._changed.wait()
+
+    async def reload(self, entries: dict[str, Entry]) -> dict[str, list[str]]:
+        """Replace the entries with a fresh reading of the sources, as llama-server's reload: a running model
+        gone from them or changed is unloaded first; the others are added, updated or removed as they stand
+        (a failed one's exit status is cleared, so it can be loaded again). Returns what changed, by kind."""
+        async with self._reload_lock:
+            self.reloading = True
+            self.notify()
+            try:
+                old = self.entries
+                stale = [n for n, st in self.table.states.items()
+                         if st.running and (n not in entries or _differs(old[n], entries[n]))]
+                for name in stale:
+                    self.log("router", "reload: unloading model", model=name,
+                             why="removed" if name not in entries else "changed")
+                await asyncio.gather(*(self.unload(n) for n in stale))
+                removed = [n for n in old if n not in entries]
+                added = [n for n in entries if n not in old]
+                for name in removed:
+                    self.table.remove(name)
+                for name in added:
+                    self.table.add(name)
+                for name, st in self.table.states.items():
+                    if not st.running:
+                        st.exit_code = None
+                self.entries.clear()        # the one dict the Router reads too
+                self.entries.update(entries)
+            finally:
+                self.reloading = False
+                self.notify()
+        changes = {"added": added, "removed": removed, "unloaded": stale}
+        self.log("router", "models reloaded", n_models=len(entries), **{k: v for k, v in changes.items() if v})
+        return changes
+
     async def close(self) -> None:
         """Stop every child (they drain as under systemd), then end the tasks that watched them."""
         self.closing = True
@@ -143,3 +189,8 @@ class ModelPool:
             task.cancel()
         for child in self.children.values():
             child.kill()
+
+
+def _differs(a: Entry, b: Entry) -> bool:
+    """Whether a running model's child would start otherwise now (being hidden from the listing is not that)."""
+    return replace(a, hidden=False) != replace(b, hidden=False)

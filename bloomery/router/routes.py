@@ -1,14 +1,14 @@
 """The Router: llama-server's router routes, and every model route forwarded by its "model".
 
 What answers here (server-models.cpp, server_models_routes): GET /health; GET /props without ?model (the
-router's own props); GET /models and /v1/models (every model with its status); POST /models/load and
-/models/unload. Every other model route goes to the child serving the model the request names: POST routes
-by the body's "model", GET routes (/props, /metrics, /slots, /residency) by ?model=. With autoload (the
-default, --no-models-autoload turns it off, ?autoload=true|false per request) a model not loaded is loaded
-first; past --models-max the least recently used idle model is unloaded for it. A request that finds every
-loaded model busy waits until one is idle (a model serving a request is never unloaded under it); requests
-for one model coalesce on one load; a client that leaves while waiting gives up nothing. Errors are
-llama-server's words and codes.
+router's own props); GET /models and /v1/models (every model with its status; ?reload=1 reads the sources
+again first: --models-dir, the caches, --models-preset); POST /models/load and /models/unload. Every other
+model route goes to the child serving the model the request names: POST routes by the body's "model", GET
+routes (/props, /metrics, /slots, /residency) by ?model=. With autoload (the default, --no-models-autoload
+turns it off, ?autoload=true|false per request) a model not loaded is loaded first; past --models-max the
+least recently used idle model is unloaded for it. A request that finds every loaded model busy waits until
+one is idle (a model serving a request is never unloaded under it); requests for one model coalesce on one
+load; a client that leaves while waiting gives up nothing. Errors are llama-server's words and codes.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from bloomery.records import record
 from bloomery.router import proxy
 from bloomery.router.catalog import CACHE, Entry
 from bloomery.router.pool import ModelPool
+from bloomery.router.preset import LOAD_ON_STARTUP, to_ini, truthy
 from bloomery.router.table import LOADED
 
 FAKE_BUSY_S = 2.0
@@ -39,8 +40,10 @@ def _post_route(path: str) -> bool:
 
 class Router:
     def __init__(self, entries: dict[str, Entry], base_args: list[str], env: dict[str, str], *,
-                 models_max: int, autoload: bool, log: Callable[..., None] = record):
-        self.entries = entries
+                 models_max: int, autoload: bool, log: Callable[..., None] = record,
+                 reread: Callable[[], dict[str, Entry]] | None = None):
+        self.entries = entries          # the pool's dict: a reload replaces its contents
+        self.reread = reread            # the sources read again (GET /models?reload=1); None: nothing to re-read
         self.autoload = autoload
         # llama-server's debug variable (server-models.cpp; llama.cpp's server tests set it): a routed request
         # holds its model busy this long before it is forwarded, so tests can see a busy model
@@ -67,6 +70,8 @@ class Router:
             if path in ("/health", "/v1/health"):
                 return Response.json({"status": "ok"})
             if path in ("/models", "/v1/models"):
+                if req.query.get("reload"):         # any value, as llama-server's get_param("reload") != ""
+                    await self.reload()
                 return Response.json(self.listing())
             if path == "/props" and not req.query.get("model"):
                 return Response.json(self.props())
@@ -74,6 +79,7 @@ class Router:
                 return await self._forward(req, req.query.get("model", ""))
         elif method == "POST":
             if path == "/models/load":
+                await self.pool.settled()
                 return self.post_load(_body(req))
             if path == "/models/unload":
                 return self.post_unload(_body(req))
@@ -90,6 +96,43 @@ class Router:
             raise ApiError(400, f"model '{name}' not found")
         if not autoload and not st.running:
             raise ApiError(400, "model is not loaded")
+        if not st.running:
+            self._refused(name)
+
+    def _refused(self, name: str) -> None:
+        """A model whose preset asks what this build refuses is refused by name (501); one whose preset names
+        no model, or two, is the router's configuration at fault (500)."""
+        entry = self.entries[name]
+        for why, status, kind in ((entry.refusal(), 501, "not_supported_error"), (entry.unfit(), 500, "server_error")):
+            if why:
+                self.pool.log("router", "model refused", level="error", model=name, why=why)
+                raise ApiError(status, f"model '{name}' cannot be loaded: {why}", kind)
+
+    async def reload(self) -> None:
+        """Read the sources again and reconcile (pool.reload); a source that cannot be read answers 500 naming
+        it, and the models stay as they were."""
+        if self.reread is None:
+            return
+        try:
+            entries = self.reread()
+        except Exception as e:
+            raise ApiError(500, f"reloading the models failed: {e}", "server_error") from None
+        await self.pool.reload(entries)
+
+    def startup(self) -> list[str]:
+        """Load the models whose preset says load-on-startup (llama-server: at the first reading only); a
+        ValueError naming the problem when they are more than --models-max or one is refused."""
+        names = [n for n, e in self.entries.items() if truthy(e.option(LOAD_ON_STARTUP) or "false")]
+        if self.table.models_max and len(names) > self.table.models_max:
+            raise ValueError(f"{len(names)} models to load on startup ({', '.join(names)}) exceed --models-max "
+                             f"{self.table.models_max}")
+        for name in names:
+            why = self.entries[name].refusal() or self.entries[name].unfit()
+            if why:
+                raise ValueError(f"model {name!r} (load-on-startup) cannot be loaded: {why}")
+        for name in names:
+            self.pool.load_now(name)
+        return names
 
     async def _forward(self, req: Request, name: str) -> Response | StreamResponse:
         word = req.query.get("autoload", "")
@@ -128,6 +171,7 @@ class Router:
             raise ApiError(404, "model is not found", "not_found_error")
         if st.running:
             raise ApiError(400, "model is already running")
+        self._refused(name)
         if not self.pool.load_now(name):
             raise ApiError(500, "model limit reached, try again later", "server_error")
         return Response.json({"success": True})
@@ -145,8 +189,12 @@ class Router:
     def listing(self) -> dict:
         data = []
         for name, entry in self.entries.items():
+            if entry.hidden:            # a cache entry a preset with dedup-cache-models stands for
+                continue
             st = self.table.get(name)
             status: dict = {"value": st.status, "args": st.args}
+            if entry.options:
+                status["preset"] = to_ini(name, {o.ident: o for o in entry.options})
             if st.exit_code is not None:
                 status.update(exit_code=st.exit_code, failed=True)
             item = {"id": name, "aliases": [], "tags": [], "object": "model", "owned_by": "llamacpp",

@@ -17,8 +17,8 @@ from bloomery.router.catalog import CatalogError, catalog
 from bloomery.router.routes import Router
 from bloomery.settings import SettingsError, argv_without
 
-ROUTER_ONLY = {"--models-dir", "--models-max", "--models-autoload", "--host", "--port", "--alias", "--api-key",
-               "--log-file", "--offline"}
+ROUTER_ONLY = {"--models-dir", "--models-max", "--models-autoload", "--models-preset", "--host", "--port", "--alias",
+               "--api-key", "--log-file", "--offline"}
 SYSTEMD_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES")
 
 
@@ -32,15 +32,24 @@ def child_env(env: dict[str, str], api_keys: tuple[str, ...]) -> dict[str, str]:
 async def run_router(sup) -> int:
     """Serve until a signal; then stop every child (each drains its requests) and close the front."""
     s = sup.s
+
+    def reread() -> dict:
+        return catalog(s.models_dir, preset=s.models_preset)
+
     try:
-        entries = catalog(s.models_dir)
+        entries = reread()
     except CatalogError as e:
         raise SettingsError(str(e)) from None
     router = Router(entries, argv_without(s.argv, ROUTER_ONLY), child_env(dict(os.environ), s.api_keys),
-                    models_max=s.models_max, autoload=s.models_autoload)
+                    models_max=s.models_max, autoload=s.models_autoload, reread=reread)
     sup.gate.app = router
     for name, entry in entries.items():
-        record("start", "router model", model=name, source=entry.source, path=entry.path or entry.hf_repo)
+        record("start", "router model", model=name, source=entry.source, path=entry.path or entry.hf_repo,
+               **({"hidden": "deduplicated by a preset"} if entry.hidden else {}))
+    try:
+        router.startup()
+    except ValueError as e:
+        raise SettingsError(str(e)) from None
     sup.life.advance(Phase.READY, role="router", n_models=len(entries), models_max=s.models_max)
     try:
         await sup.stop.wait()

@@ -40,6 +40,15 @@ class ModelTable:
     def get(self, name: str) -> ModelState | None:
         return self.states.get(name)
 
+    def add(self, name: str) -> None:
+        self.states.setdefault(name, ModelState(name))
+
+    def remove(self, name: str) -> None:
+        """A model gone from every source (a reload); it must not be running."""
+        if self.states[name].running:
+            raise ValueError(f"model {name} is running; unload it before it is removed")
+        del self.states[name]
+
     def n_running(self) -> int:
         return sum(1 for st in self.states.values() if st.running)
 

@@ -56,8 +56,6 @@ REFUSED_TESTS: dict[str, str] = {
     "unit/test_security.py::test_local_media_file": "images (--media-path, a vision model) are not served",
     "unit/test_security.py::test_cors_origins_defaults_to_localhost_with_tools_enabled":
         "built-in server tools (--tools) are not served",
-    **{f"unit/test_router.py::{t}": "router presets (--models-preset, INI files) are refused by name"
-       for t in ("test_router_reload_models", "test_router_dedup_cache_models")},
     **{f"unit/test_router.py::{t}": "downloading and removing models through the router (POST /models, "
        "DELETE /models, GET /models/sse) answer 501 not_supported_error; fetch with -hf or use --models-dir"
        for t in ("test_router_download_model", "test_router_delete_model")},

@@ -101,6 +101,7 @@ def prepare(tests_src: Path, work: Path) -> Path:
     conftest = conftest.replace(PRELOAD, "        pass  # bloomery: the wrapper substitutes the models")
     (dst / "conftest.py").write_text(conftest + ADDED_CONFTEST)
     (dst / "wget.py").write_text(WGET_SHIM)
+    (dst / "tmp").mkdir(exist_ok=True)      # the tests' TMP_DIR (the router presets' INI files), which the preload made
     return dst
 
 

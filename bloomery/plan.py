@@ -31,6 +31,7 @@ from bloomery.engine.cpu import sizes as cpu_sizes
 from bloomery.engine.cuda import sizes as cuda_sizes
 from bloomery.engine.cuda.sizes import DECODE_ROWS as CUDA_DECODE_ROWS, SCORE_BYTES as CUDA_SCORE_BYTES, UBATCH as CUDA_UBATCH
 from bloomery import offload
+from bloomery.engine.limits import CTX_CHECKPOINTS
 from bloomery.placement import GIB, DeviceNeed, Placement, Terms, gib
 from bloomery.placement_flags import FIT_CTX, FIT_TARGET_MIB, PlacementAsk
 
@@ -81,6 +82,10 @@ class ModelFacts:
     n_rot: int = 0                  # rotated dims of a head (0: the key length, the file's default)
     n_ff_shexp: int = 0             # a shared expert's FFN width (qwen35moe; 0: none)
     ssm_widths: tuple[int, int] = (0, 0)   # a linear-attention layer's conv channels and value width (hybrid files)
+    message_starts: bool = False    # the vocabulary and the chat template carry <|im_start|> (checkpoints are kept)
+    # copies of a slot's recurrent state the engine keeps at message starts (--ctx-checkpoints, set by make_plan
+    # where the file has a recurrent state and message starts), each state_bytes, counted with the state
+    n_checkpoints: int = 0
 
 
 def _pad(n: int, to: int) -> int:
@@ -141,12 +146,15 @@ def model_facts(gguf_file) -> ModelFacts:
     tensors = tuple((name, int(t.ggml_type), tuple(int(s) for s in t.shape)) for name, t in gguf_file.tensors.items())
     sizes = tuple(int(t.n_bytes) for t in gguf_file.tensors.values())
     n_head_kv, state_bytes, ssm_widths = _recurrent_terms(meta, arch, n_layer, n_head_kv)
+    from bloomery.engine.scheduler import message_start_id
+    starts = bool(state_bytes) and message_start_id(meta) is not None
     return ModelFacts(arch, n_layer, _int_key(meta, f"{arch}.context_length"), n_embd, n_head,
                       n_head_kv, dk, dv, n_ff, n_vocab, dict(sorted(by_type.items())), n_weights, max_elems,
                       tensors, sizes, int(n_expert), state_bytes,
                       _int_or_0(meta, f"{arch}.expert_used_count") if n_expert else 0,
                       _int_or_0(meta, f"{arch}.rope.dimension_count"),
-                      _int_or_0(meta, f"{arch}.expert_shared_feed_forward_length") if n_expert else 0, ssm_widths)
+                      _int_or_0(meta, f"{arch}.expert_shared_feed_forward_length") if n_expert else 0, ssm_widths,
+                      starts)
 
 
 def _recurrent_terms(meta: dict, arch: str, n_layer: int,
@@ -171,6 +179,11 @@ def _recurrent_terms(meta: dict, arch: str, n_layer: int,
         raise PlanError(f"model keys {arch}.ssm.*: {dn.problem()}")
     kv = tuple(0 if il >= n_trunk or recurrent[il] else h for il, h in enumerate(n_head_kv))
     return kv, 4 * dn.state_floats * sum(recurrent), (dn.conv_channels, dn.d_inner)
+
+
+def checkpoint_bytes_for(facts: ModelFacts) -> int:
+    """One slot's checkpoints at their most: n_checkpoints copies of its recurrent state."""
+    return max(facts.n_checkpoints, 0) * facts.state_bytes
 
 
 def layout_of(facts: ModelFacts) -> offload.Layout:
@@ -529,6 +542,7 @@ class Plan:
     expert_bytes: tuple[int, ...] = ()   # per layer, one routed expert's stored bytes (MoE)
     prompt_cache_bytes: int = 0     # the prompt cache's budget on the host (beside host_bytes)
     prompt_cache_from: str = "default"   # "set" (-cram) or "default"
+    checkpoint_bytes: int = 0       # every slot's checkpoints of its recurrent state at their most (in kv_bytes)
 
     def explain(self) -> list[tuple[str, str, dict]]:
         """The plan in words, for people (--plan prints these): (level, sentence, fields) per line.
@@ -577,6 +591,9 @@ class Plan:
         lines.append(("info", f"context rule \"{self.ctx_rule}\": {why}",
                       {"rule": self.ctx_rule, "n_ctx_slot": self.n_ctx_slot, "n_ctx": self.n_ctx}))
         lines.append(self._cache_line())
+        if self.checkpoint_bytes:
+            lines.append(("info", f"checkpoints at message starts: up to {gib(self.checkpoint_bytes)} of host RAM for "
+                                  f"{slots}, counted in the KV term", {"checkpoint_bytes": self.checkpoint_bytes}))
         if self.parallel_from == "auto":
             lines.append(("info", f"--parallel auto: {slots}, the most (up to {MAX_AUTO_SLOTS}) whose plan holds one "
                                   f"request's context", {"slots": self.n_slots}))
@@ -612,7 +629,8 @@ class Plan:
 def _terms(facts: ModelFacts, backend: str, n_slots: int, n_ctx_slot: int) -> dict[str, int]:
     return {"weights": sum(facts.tensor_bytes.values()),
             "decoded": decoded_bytes_for(facts, backend),
-            "kv": (kv_bytes_for(facts, n_slots * n_ctx_slot, KV_BYTES_PER_ELEM[backend]) + n_slots * facts.state_bytes
+            "kv": (kv_bytes_for(facts, n_slots * n_ctx_slot, KV_BYTES_PER_ELEM[backend])
+                   + n_slots * (facts.state_bytes + checkpoint_bytes_for(facts))
                    + rope_bytes_for(facts, n_ctx_slot, backend)),
             "scratch": scratch_bytes_for(facts, n_ctx_slot, backend, n_slots)}
 
@@ -751,10 +769,16 @@ def _with_prompt_cache(devices: tuple[DeviceNeed, ...], cache_ram_mib: int | Non
 
 def make_plan(facts: ModelFacts, census: Census, backend: str = "numpy", ctx_size: int = 0,
               n_parallel: int | str = 1, slot_ctx: int = 0, ask: PlacementAsk = NO_ASK,
-              cache_ram_mib: int | None = None) -> Plan:
+              cache_ram_mib: int | None = None, n_ctx_checkpoints: int = CTX_CHECKPOINTS) -> Plan:
     """The plan for these settings; n_parallel is a count or "auto"; ask: the placement flags; cache_ram_mib:
-    -cram (None: the default budget, counted from what the rest of the plan leaves on the host)."""
+    -cram (None: the default budget, counted from what the rest of the plan leaves on the host);
+    n_ctx_checkpoints: --ctx-checkpoints, the copies of a recurrent state a slot keeps (a file with one and
+    with message starts)."""
     _check_settings(facts, census, backend, ctx_size, n_parallel, slot_ctx)
+    if isinstance(n_ctx_checkpoints, bool) or not isinstance(n_ctx_checkpoints, int):
+        raise PlanError(f"--ctx-checkpoints {n_ctx_checkpoints!r} must be an integer (0 or less: none)")
+    if facts.state_bytes and facts.message_starts:
+        facts = dataclasses.replace(facts, n_checkpoints=max(n_ctx_checkpoints, 0))
     prompt_cache_budget(cache_ram_mib, 0)     # a refused -cram before any arithmetic
     if backend == "numpy":
         on_card = [f"-ot {o.pattern}={o.buft}" for o in ask.overrides if o.buft != "CPU"]
@@ -788,4 +812,5 @@ def make_plan(facts: ModelFacts, census: Census, backend: str = "numpy", ctx_siz
                 placement=placement, ctx_size=ctx_size, slot_ctx=slot_ctx,
                 expert_bytes=layout_of(facts).expert_bytes if facts.n_expert else (),
                 prompt_cache_bytes=devices[0].terms.prompt_cache,
-                prompt_cache_from="default" if cache_ram_mib is None else "set")
+                prompt_cache_from="default" if cache_ram_mib is None else "set",
+                checkpoint_bytes=n * checkpoint_bytes_for(facts))

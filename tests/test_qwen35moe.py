@@ -437,4 +437,7 @@ def test_the_plan_stage_sends_the_seat_to_the_cpu_backend_by_name(synthetic_dir)
     plan, _ = make_stage_plan({"device": "cpu", "ctx_size": 256}, gf, card)
     facts = model_facts(gf)
     rope = 256 * (facts.n_rot or facts.head_dim_k) // 2 * 4 * 2          # RoPE's cos and sin for 256 positions
-    assert plan.backend == "numpy" and plan.kv_bytes == 256 * 2 * 2 * 32 * 2 + facts.state_bytes + rope
+    # the state, and the checkpoints at message starts a slot keeps of it (--ctx-checkpoints' default, 32)
+    assert plan.backend == "numpy" and plan.kv_bytes == 256 * 2 * 2 * 32 * 2 + 33 * facts.state_bytes + rope
+    plan, _ = make_stage_plan({"device": "cpu", "ctx_size": 256, "ctx_checkpoints": 0}, gf, card)
+    assert plan.kv_bytes == 256 * 2 * 2 * 32 * 2 + facts.state_bytes + rope

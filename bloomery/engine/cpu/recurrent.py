@@ -5,7 +5,8 @@ as ggml-cpu computes them: the causal conv window (ggml_ssm_conv) and the gated 
 A state holds what a slot's positions 0 .. n-1 left behind and cannot step back: a span that
 starts at position 0 starts from zeros, one that starts at the end of what the slot holds
 carries on, any other is refused by name (the scheduler keeps a recurrent slot only when the
-new prompt extends what it holds).
+new prompt extends what it holds, or from a checkpoint: a save_state copy taken at a message
+start and put back with restore_state).
 
 Legend: T = rows, C = conv channels, K = conv kernel width, H = value heads, Hk = key heads,
 S = head size (keys and values alike).
@@ -41,9 +42,42 @@ class RecurrentState:
     def nbytes(self) -> int:
         return self.conv.nbytes + self.delta.nbytes
 
+    def save_state(self, slot: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Host copies of what the slot holds after positions 0 .. n-1 (a checkpoint): the conv windows
+        [layer, K-1, C] and the delta-rule states [layer, H, S, S]. Refused unless every layer holds
+        exactly n positions (a state is the sum of its positions; it cannot be cut to fewer)."""
+        self._check_slot(slot)
+        for what, held in (("conv window", self.conv_pos), ("delta-rule state", self.delta_pos)):
+            bad = np.flatnonzero(held[:, slot] != n)
+            if bad.size:
+                il = int(bad[0])
+                raise RecurrentStateError(f"slot {slot}'s {what} of layer {il} holds {int(held[il, slot])} positions, "
+                                          f"not the {n} asked to save")
+        return self.conv[:, slot].copy(), self.delta[:, slot].copy()
+
+    def restore_state(self, slot: int, state: tuple[np.ndarray, np.ndarray], n: int) -> None:
+        """The slot's state from a save_state copy of n positions; the next span carries on at position n."""
+        self._check_slot(slot)
+        conv, delta = state
+        if conv.shape != self.conv.shape[:1] + self.conv.shape[2:] or delta.shape != self.delta.shape[:1] + self.delta.shape[2:]:
+            raise RecurrentStateError(f"a saved state of shapes {conv.shape} and {delta.shape} does not fit a state "
+                                      f"shaped {self.conv.shape} and {self.delta.shape}")
+        if n < 1:
+            raise RecurrentStateError(f"a saved state holds at least one position, not {n}")
+        self.conv[:, slot], self.delta[:, slot] = conv, delta
+        self.conv_pos[:, slot] = self.delta_pos[:, slot] = n
+
+    @property
+    def slot_nbytes(self) -> int:
+        """What save_state copies for one slot."""
+        return self.nbytes // self.n_slots
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.n_slots:
+            raise RecurrentStateError(f"slot {slot} is out of range: the state has {self.n_slots} slots")
+
     def _take(self, held: np.ndarray, state: np.ndarray, layer: int, sp: AttnSpan, what: str) -> None:
-        if not 0 <= sp.slot < self.n_slots:
-            raise RecurrentStateError(f"slot {sp.slot} is out of range: the state has {self.n_slots} slots")
+        self._check_slot(sp.slot)
         if sp.pos0 == 0:
             state[layer, sp.slot] = 0
         elif sp.pos0 != held[layer, sp.slot]:

@@ -264,6 +264,11 @@ def main(args: dict) -> int:
         from bloomery.engine.cpu import kernels as cpu_kernels
         records.record("load", "lever", component="engine", name="BLOOMERY_CPU_KERNELS",
                        value="off" if cpu_kernels.lib() is None else "on", means=cpu_kernels.status())
+        from bloomery.engine.cpu import recurrent
+        records.record("load", "lever", component="engine", name="BLOOMERY_DELTA_CHUNKED",
+                       value="on" if recurrent.CHUNKED else "off",
+                       means=f"the delta rule's chunked form on spans of {recurrent.CHUNKED_MIN_ROWS}+ rows"
+                       if recurrent.CHUNKED else "the delta rule step by step, as llama.cpp's CPU kernel")
         from bloomery.engine.quant import threads as cpu_threads
         records.record("load", "threads", component="engine", threads=cpu_threads.N_THREADS,
                        means="the CPU backend's kernel threads (-t)")

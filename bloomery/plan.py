@@ -81,7 +81,8 @@ class ModelFacts:
     n_expert_used: int = 0          # routed experts each row takes (0: dense)
     n_rot: int = 0                  # rotated dims of a head (0: the key length, the file's default)
     n_ff_shexp: int = 0             # a shared expert's FFN width (qwen35moe; 0: none)
-    ssm_widths: tuple[int, int] = (0, 0)   # a linear-attention layer's conv channels and value width (hybrid files)
+    # a linear-attention layer's conv channels, value width and value heads (hybrid files)
+    ssm_widths: tuple[int, int, int] = (0, 0, 0)
     message_starts: bool = False    # the vocabulary and the chat template carry <|im_start|> (checkpoints are kept)
     # copies of a slot's recurrent state the engine keeps at message starts (--ctx-checkpoints, set by make_plan
     # where the file has a recurrent state and message starts), each state_bytes, counted with the state
@@ -158,14 +159,14 @@ def model_facts(gguf_file) -> ModelFacts:
 
 
 def _recurrent_terms(meta: dict, arch: str, n_layer: int,
-                     n_head_kv: tuple[int, ...]) -> tuple[tuple[int, ...], int, tuple[int, int]]:
+                     n_head_kv: tuple[int, ...]) -> tuple[tuple[int, ...], int, tuple[int, int, int]]:
     """A hybrid file's (KV heads per layer, recurrent state bytes per slot, a linear-attention layer's conv
-    channels and value width): its linear-attention
+    channels, value width and value heads): its linear-attention
     layers and its MTP layers hold no KV (llama.cpp's hybrid memory keeps KV for the trunk's
     full-attention layers), each linear-attention layer a float32 conv window and delta-rule state
-    per slot. Other files: unchanged, 0, (0, 0)."""
+    per slot. Other files: unchanged, 0, (0, 0, 0)."""
     if f"{arch}.ssm.state_size" not in meta:
-        return n_head_kv, 0, (0, 0)
+        return n_head_kv, 0, (0, 0, 0)
     from bloomery.engine.models.base import ModelError
     from bloomery.engine.models.layers import DeltaNetParams, recurrent_layers
     try:
@@ -178,7 +179,7 @@ def _recurrent_terms(meta: dict, arch: str, n_layer: int,
     if dn.problem():
         raise PlanError(f"model keys {arch}.ssm.*: {dn.problem()}")
     kv = tuple(0 if il >= n_trunk or recurrent[il] else h for il, h in enumerate(n_head_kv))
-    return kv, 4 * dn.state_floats * sum(recurrent), (dn.conv_channels, dn.d_inner)
+    return kv, 4 * dn.state_floats * sum(recurrent), (dn.conv_channels, dn.d_inner, dn.dt_rank)
 
 
 def checkpoint_bytes_for(facts: ModelFacts) -> int:
@@ -354,6 +355,18 @@ def _numpy_product_temps(ggml_type: int, t: int, k: int, n_rows: int, per_row: b
     e = s * t * n * F32
     return 2 * x + 5 * e + (e if n < n_rows else 0)
 
+def _chunked_delta_rule(t: int, channels: int, inner: int, n_v: int) -> int:
+    """A linear-attention layer's peak in the chunked delta rule (cpu/recurrent.delta_rule_chunked) over a span
+    of t rows padded to P (whole chunks of DELTA_CHUNK = c rows): beside the layer's fused q, k, v, its conv
+    output, the gate z and the normed q and k (3 [t, channels] in all), the output [t, inner]; the chunked q,
+    k and v [P, inner] each; the decay mask, the system I + A and q k^T [P, H, c] each; and one chunk's solve,
+    which numpy runs in float64: its right-hand side in f32 and f64, the f64 solution and its f32 copy
+    (measured 10-12 [c, inner] in all), and the system in f64 [H, c, c]."""
+    c = cpu_sizes.DELTA_CHUNK
+    p = -(-t // c) * c
+    return (3 * t * channels + t * inner + 3 * p * inner + 3 * p * n_v * c + 11 * c * inner + 2 * n_v * c * c) * F32
+
+
 def _numpy_scratch(facts: ModelFacts, n_ctx_slot: int, n_slots: int) -> int:
     """The numpy backend's transient peak: the largest of the moments below, each the arrays alive at
     once (models/layers.py over cpu/backend.py, the compiled kernels on). T = rows of the largest
@@ -380,7 +393,8 @@ def _numpy_scratch(facts: ModelFacts, n_ctx_slot: int, n_slots: int) -> int:
           gate's sigmoid (SIGMOID_BYTES per element);
         - a hybrid's linear-attention layer (in its place): the norm's output, the output gate z
           [T, d_inner], the fused q, k, v [T, C] and, in the conv step, its output, the window, the
-          running sum and one tap's product [T, C] each;
+          running sum and one tap's product [T, C] each; or the chunked delta rule's solve
+          (_chunked_delta_rule);
       dense FFN (the down projection): the attention half's output, the norm's output, gate, up
         and their SwiGLU [T, F] each, the SwiGLU's codes and the product [T, D];
       routed FFN: the attention half's and norm's outputs, router logits [T, E], ids (int64) and
@@ -404,7 +418,7 @@ def _numpy_scratch(facts: ModelFacts, n_ctx_slot: int, n_slots: int) -> int:
     names = {name.split(".", 2)[-1] for name, _, _ in facts.tensors}
     biased = "attn_q.bias" in names if names else facts.arch == "qwen2"
     qk_norm = "attn_q_norm.weight" in names if names else facts.arch != "qwen2"
-    channels, inner = facts.ssm_widths                         # hybrid files: (0, 0) in others
+    channels, inner, n_v = facts.ssm_widths                    # hybrid files: (0, 0, 0) in others
     row = t * d * F32                                          # one [T, D] activation
     held = (2 if facts.n_layer > 1 else 1) * row
     qkv = t * ((2 if channels else 1) * h + 2 * hkv) * dh * F32   # a hybrid's Q projection holds each head's gate
@@ -421,7 +435,8 @@ def _numpy_scratch(facts: ModelFacts, n_ctx_slot: int, n_slots: int) -> int:
         attention = max(attention, row + qkv + t * (h + hkv) * dh * F32 + t * h * dh * (2 * F32 + 8)
                         + 8 * hkv * dh * n_ctx_slot + 16 * t * h * n_ctx_slot)
     if channels:                                               # a linear-attention layer's conv step
-        attention = max(attention, row + t * inner * F32 + 5 * t * channels * F32)
+        attention = max(attention, row + t * inner * F32 + 5 * t * channels * F32,
+                        _chunked_delta_rule(t, channels, inner, n_v))
     if facts.n_expert:
         a = facts.n_expert_used or 1
         fe = facts.n_ff // a
@@ -452,7 +467,7 @@ def _numpy_fallback_moments(facts: ModelFacts, t: int, n_slots: int, row: int, q
         return max((_numpy_product_temps(ty, rows, shape[0], shape[1], per_row)
                     for n in names for ty, shape in by_name.get(n, ())), default=0)
     d, h, dh = facts.n_embd, facts.n_head, facts.head_dim_k
-    channels, inner = facts.ssm_widths
+    channels, inner, _ = facts.ssm_widths
     attention = max(
         # the input projections: the norm's output and their outputs (q, k, v; a linear-attention layer's q, k, v
         # fused and z, its beta and alpha [T, H] left out: a few KB)

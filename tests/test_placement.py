@@ -149,6 +149,10 @@ SCRATCH_SHAPES = {
                                           n_expert=4, n_expert_used=4, n_ff_exp=512)),
     "hybrid's gate": ("qwen35moe", 1024, dict(n_layer=2, full_attn_interval=2, n_embd=256, n_head=4, n_head_kv=2,
                                              head_dim=64, n_expert=8, n_expert_used=2, n_ff_exp=256, n_ff_shexp=256)),
+    "hybrid's chunked delta rule": ("qwen35moe", 2048, dict(n_layer=2, full_attn_interval=2, n_embd=128, n_head=2,
+                                                           n_head_kv=1, head_dim=64, n_expert=4, n_expert_used=2,
+                                                           n_ff_exp=128, n_ff_shexp=128, ssm_d_state=64,
+                                                           ssm_n_group=4, ssm_dt_rank=16)),
 }
 
 

@@ -19,6 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
+from bloomery.engine.cpu.sizes import DELTA_CHUNK
 from bloomery.engine.cpu.ops_math import expf_libm, vec_dot_f32
 from bloomery.engine.quant.threads import OneBlasThread
 from bloomery.engine.ops import AttnSpan
@@ -137,7 +138,7 @@ def delta_rule(st: RecurrentState, layer: int, spans: Sequence[AttnSpan], q: np.
     return out
 
 
-CHUNK = 64   # rows of one chunk of the chunked form (llama.cpp's build_delta_net_chunking: 64 for a scalar decay)
+CHUNK = DELTA_CHUNK   # rows of one chunk of the chunked form (llama.cpp's build_delta_net_chunking, scalar decay)
 # A span of this many rows or more takes the chunked form (a prompt pass), shorter ones the step form (decode,
 # short passes). BLOOMERY_DELTA_CHUNKED=off keeps the step form everywhere: llama.cpp's CPU build runs its
 # fused step kernel (ggml_gated_delta_net) at every prompt size, so that is its float order exactly.
@@ -170,7 +171,7 @@ def delta_rule_chunked(st: RecurrentState, layer: int, spans: Sequence[AttnSpan]
     and beta zero, g zero), G = cumsum(g), gamma = exp(G), decay[t, j] = exp(G_t - G_j) for j <= t. The row
     updates d_t = beta_t (v_t - gamma_t S0^T k_t - sum_{j<t} decay[t, j] (k_t . k_j) d_j) are D = U - W S0
     with (I + A) U = beta v and (I + A) W = beta gamma k, A[t, j] = beta_t decay[t, j] (k_t . k_j) for j < t
-    (unit lower triangular: one solve for every chunk of the span together, as it needs no state). Then
+    (unit lower triangular; numpy solves it in float64, one chunk at a time). Then
     out = scale (gamma q S0 + (decay * q k^T) D) and S <- gamma_last S0 + (exp(G_last - G) k)^T D.
     Shapes as delta_rule; float32 products (BLAS), so it agrees with the step form to rounding, not bit
     for bit."""
@@ -191,32 +192,39 @@ def delta_rule_chunked(st: RecurrentState, layer: int, spans: Sequence[AttnSpan]
 
         def chunks(a: np.ndarray) -> np.ndarray:                          # [T, H, ...] -> [N, H, C, ...]
             a = np.concatenate([a, np.zeros((pad,) + a.shape[1:], np.float32)]) if pad else a
-            a = a.reshape((n, CHUNK) + a.shape[1:])
-            return np.ascontiguousarray(np.moveaxis(a, 1, 2))
+            return np.ascontiguousarray(np.moveaxis(a.reshape((n, CHUNK) + a.shape[1:]), 1, 2))
 
         rows = slice(sp.row0, sp.row1)
         qc, kc = chunks(q[rows][:, heads]), chunks(k[rows][:, heads])     # [N, H, C, S]
         vc = chunks(v[rows])                                              # [N, H, C, S]
         gc, bc = chunks(g[rows]), chunks(beta[rows])                      # [N, H, C]
         cum = np.cumsum(gc, axis=-1, dtype=np.float32)                    # [N, H, C] G
-        diff = cum[..., :, None] - cum[..., None, :]                      # [N, H, C, C] G_t - G_j
-        decay = np.exp(np.where(lower, diff, np.float32(-np.inf)))        # 0 above the diagonal
+        decay = cum[..., :, None] - cum[..., None, :]                     # [N, H, C, C] G_t - G_j
+        decay[..., ~lower] = -np.inf
+        np.exp(decay, out=decay)                                          # 0 above the diagonal
         gamma = np.exp(cum)                                               # [N, H, C]
-        kk = kc @ np.swapaxes(kc, -1, -2)                                 # [N, H, C, C] k_t . k_j
-        lhs = eye + np.where(strict, bc[..., :, None] * decay * kk, np.float32(0))
-        rhs = np.concatenate([bc[..., None] * vc, (bc * gamma)[..., None] * kc], axis=-1)   # [N, H, C, 2S]
-        uw = np.linalg.solve(lhs, rhs)                                    # [N, H, C, 2S]
-        u, w = uw[..., :size], uw[..., size:]                             # [N, H, C, S] each
-        qk = (qc @ np.swapaxes(kc, -1, -2)) * decay * scale               # [N, H, C, C]
-        qg = qc * (gamma * scale)[..., None]                              # [N, H, C, S]
-        kg = kc * np.exp(cum[..., -1:] - cum)[..., None]                  # [N, H, C, S]
+        lhs = kc @ np.swapaxes(kc, -1, -2)                                # [N, H, C, C] k_t . k_j
+        lhs *= decay
+        lhs *= bc[..., :, None]
+        lhs[..., ~strict] = 0
+        lhs += eye                                                        # I + A
+        qk = qc @ np.swapaxes(kc, -1, -2)                                 # [N, H, C, C]
+        qk *= decay
+        qk *= scale
+        del decay
+        qc *= (gamma * scale)[..., None]                                  # gamma q scale
+        vc *= bc[..., None]                                               # beta v
+        kb = (bc * gamma)[..., None]                                      # [N, H, C, 1] beta gamma
+        last = np.exp(cum[..., -1:] - cum)[..., None]                     # [N, H, C, 1] exp(G_last - G)
         g_last = np.exp(cum[..., -1])                                     # [N, H]
         s = np.ascontiguousarray(st.delta[layer, sp.slot].transpose(0, 2, 1))   # [H, S(k), S(v)] = S
-        o = np.empty_like(vc)                                             # [N, H, C, S]
         for c in range(n):
-            d = u[c] - w[c] @ s                                           # [H, C, S]
-            o[c] = qg[c] @ s + qk[c] @ d
-            s = g_last[c][:, None, None] * s + np.swapaxes(kg[c], -1, -2) @ d
-        out[rows] = np.moveaxis(o, 2, 1).reshape(n * CHUNK, n_v, size)[:t]
+            # U and W of this chunk (numpy solves in float64); one chunk at a time keeps the solve's copies small
+            uw = np.linalg.solve(lhs[c], np.concatenate([vc[c], kb[c] * kc[c]], axis=-1))   # [H, C, 2S]
+            d = uw[..., :size] - uw[..., size:] @ s                       # [H, C, S]
+            o = qc[c] @ s + qk[c] @ d                                     # [H, C, S]
+            r0 = c * CHUNK
+            out[sp.row0 + r0:sp.row0 + min(r0 + CHUNK, t)] = o.transpose(1, 0, 2)[:t - r0]
+            s = g_last[c][:, None, None] * s + np.swapaxes(last[c] * kc[c], -1, -2) @ d
         st.delta[layer, sp.slot] = s.transpose(0, 2, 1)
     return out

@@ -456,7 +456,8 @@ def completion(url: str, prompt: list[int], n: int, cache_prompt: bool = True) -
 def test_a_second_turn_reuses_the_slot_and_gives_the_cold_runs_ids(synthetic_dir):
     """Turn 2 extends turn 1 (its prompt, its answer, a new question): the slot's recurrent state
     carries on from what it holds (cache_n counts it) and the ids equal a cold run's; a prompt that
-    parts from what the slot holds is read whole, from a fresh state, with the cold run's ids too."""
+    parts from what the slot holds (these raw ids carry no message start) is read whole, from a fresh
+    state, with the cold run's ids too. Chat prompts keep checkpoints at message starts."""
     from serve_proc import Served
     path = make(synthetic_dir, "small", **SMALL)
     p1 = [9707, 11, 1879, 0, 13, 576, 3555, 374]
@@ -484,6 +485,18 @@ def test_a_second_turn_reuses_the_slot_and_gives_the_cold_runs_ids(synthetic_dir
                 answers.append(json.loads(r.read()))
         assert answers[0]["usage"]["completion_tokens"] == 8
         assert answers[0]["choices"][0]["message"] == answers[1]["choices"][0]["message"]
+        # the file's vocabulary and template carry <|im_start|>: the second asking restored the checkpoint at the
+        # assistant turn's start; another question after the same system prompt restores the one after it
+        t0, t1 = answers[0]["timings"], answers[1]["timings"]
+        assert t0["cache_n"] == 0 and 0 < t1["cache_n"] < t0["prompt_n"]
+        other = json.dumps({"messages": [{"role": "system", "content": "Be brief."},
+                                         {"role": "user", "content": "And what else, then?"}],
+                            "max_tokens": 8, "temperature": 0}).encode()
+        req = urllib.request.Request(s.url + "/v1/chat/completions", data=other,
+                                     headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            t2 = json.loads(r.read())["timings"]
+        assert 0 < t2["cache_n"] < t1["cache_n"] and t2["cache_n"] + t2["prompt_n"] > t1["cache_n"]
 
 
 def test_inconsistent_ssm_sizes_refuse_the_start_by_name(synthetic_dir, tmp_path):

@@ -217,3 +217,31 @@ def test_the_plan_counts_the_checkpoints_a_slot_keeps(small):
     # a file without message starts keeps none, and its plan counts none
     plain = dataclasses.replace(facts, message_starts=False)
     assert make_plan(plain, census, "numpy", 1024, 2).checkpoint_bytes == 0
+
+
+def test_a_prompt_cancelled_between_its_passes_leaves_the_slot_as_its_state_stands(small):
+    """Beside a busy slot a prompt runs a pass a round; its passes end at message starts. Cancelled after one,
+    the slot holds what its recurrent state holds (not only the prefix it was admitted with), so the same
+    prompt again carries on from there, with a cold run's ids."""
+    eng = engine(small, n_slots=2)
+    first = SYSTEM + message(872, *range(2000, 2010)) + ASSISTANT
+    eng.add(EngineRequest("p1", tuple(first), 4, sampling=GREEDY, id_slot=1))
+    while eng.has_work():
+        eng.step()
+    held = list(eng.scheduler.slots[1].cached_ids)
+    again = held + [E, NL] + message(872, *range(6000, 6010)) + ASSISTANT
+    eng.add(EngineRequest("busy", (5, 6, 7), 30, sampling=GREEDY, id_slot=0))
+    eng.step()
+    eng.add(EngineRequest("b", tuple(again), 4, sampling=GREEDY, id_slot=1))
+    eng.step()                                        # b's first pass: up to its next message start
+    cut = len(held) + 2
+    assert eng.scheduler.slots[1].cached_ids == again[:cut]
+    eng.cancel("b")
+    eng.cancel("busy")
+    eng.step()
+    ids, cached = run(eng, again, 4)
+    cold = run(engine(small), again, 4)[0]
+    # the slot read the first answer's ids one decode step at a time, the cold run in a prompt pass: the same
+    # ids, log-probabilities a rounding apart
+    assert cached == cut and [t for t, _ in ids] == [t for t, _ in cold]
+    np.testing.assert_allclose([p for _, p in ids], [p for _, p in cold], atol=1e-3)

@@ -227,7 +227,7 @@ def checkpoints_of(args: dict, model) -> tuple[int, int | None]:
                        token=MESSAGE_START, id=start_id, bytes_each=model.checkpoint_bytes)
     else:
         records.record("load", "no checkpoints: a prompt that parts from what a slot holds is read whole",
-                       component="engine", why="--ctx-checkpoints 0" if n <= 0 else
+                       component="engine", why=f"--ctx-checkpoints {n}" if n <= 0 else
                        f"the vocabulary or the chat template lacks {MESSAGE_START}")
     return max(n, 0), start_id
 

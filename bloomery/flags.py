@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from bloomery.engine.models.registry import ARCHS as SEATS   # --seat (or --model <seat> where no such file exists)
 from bloomery.llama_flags import ROWS, WHY
+from bloomery.engine.limits import CTX_CHECKPOINTS
 
 BACKENDS = ("cpu", "cuda", "auto")       # --backend; -dev none / -dev CUDA0 choose the same
 LOG_FORMATS = ("text", "json")
@@ -224,6 +225,10 @@ TABLE: tuple[Flag, ...] = (
     Flag("--cors-headers", (), "LLAMA_ARG_CORS_HEADERS", "str", "*", "comma-separated headers a CORS preflight allows"),
     Flag("--cors-credentials", (), "LLAMA_ARG_CORS_CREDENTIALS", "switch", True,
          'allow credentials for CORS (never with --cors-origins "*")', negs=("--no-cors-credentials",)),
+    Flag("--ctx-checkpoints", ("-ctxcp", "--swa-checkpoints"), "LLAMA_ARG_CTX_CHECKPOINTS", "int", CTX_CHECKPOINTS,
+         "the most checkpoints a slot keeps of a state that cannot rewind (the qwen35 family's recurrent "
+         "layers), taken at message starts (<|im_start|>) as a prompt is read, so a prompt sharing the prefix up "
+         "to one reads only the rest; the oldest goes first (0: none)"),
     Flag("--cache-ram", ("-cram",), "LLAMA_ARG_CACHE_RAM", "int", None,
          "the prompt cache's budget in MiB: saved slot states in host RAM, restored when a prompt shares a "
          "prefix with one (0: off; default: the lesser of 8 GiB and half the host RAM the plan leaves; "

@@ -31,6 +31,7 @@ from bloomery.engine.cpu import sizes as cpu_sizes
 from bloomery.engine.cuda import sizes as cuda_sizes
 from bloomery.engine.cuda.sizes import DECODE_ROWS as CUDA_DECODE_ROWS, SCORE_BYTES as CUDA_SCORE_BYTES, UBATCH as CUDA_UBATCH
 from bloomery import offload
+from bloomery.engine.limits import CTX_CHECKPOINTS
 from bloomery.placement import GIB, DeviceNeed, Placement, Terms, gib
 from bloomery.placement_flags import FIT_CTX, FIT_TARGET_MIB, PlacementAsk
 
@@ -80,7 +81,12 @@ class ModelFacts:
     n_expert_used: int = 0          # routed experts each row takes (0: dense)
     n_rot: int = 0                  # rotated dims of a head (0: the key length, the file's default)
     n_ff_shexp: int = 0             # a shared expert's FFN width (qwen35moe; 0: none)
-    ssm_widths: tuple[int, int] = (0, 0)   # a linear-attention layer's conv channels and value width (hybrid files)
+    # a linear-attention layer's conv channels, value width and value heads (hybrid files)
+    ssm_widths: tuple[int, int, int] = (0, 0, 0)
+    message_starts: bool = False    # the vocabulary and the chat template carry <|im_start|> (checkpoints are kept)
+    # copies of a slot's recurrent state the engine keeps at message starts (--ctx-checkpoints, set by make_plan
+    # where the file has a recurrent state and message starts), each state_bytes, counted with the state
+    n_checkpoints: int = 0
 
 
 def _pad(n: int, to: int) -> int:
@@ -141,23 +147,26 @@ def model_facts(gguf_file) -> ModelFacts:
     tensors = tuple((name, int(t.ggml_type), tuple(int(s) for s in t.shape)) for name, t in gguf_file.tensors.items())
     sizes = tuple(int(t.n_bytes) for t in gguf_file.tensors.values())
     n_head_kv, state_bytes, ssm_widths = _recurrent_terms(meta, arch, n_layer, n_head_kv)
+    from bloomery.engine.scheduler import message_start_id
+    starts = bool(state_bytes) and message_start_id(meta) is not None
     return ModelFacts(arch, n_layer, _int_key(meta, f"{arch}.context_length"), n_embd, n_head,
                       n_head_kv, dk, dv, n_ff, n_vocab, dict(sorted(by_type.items())), n_weights, max_elems,
                       tensors, sizes, int(n_expert), state_bytes,
                       _int_or_0(meta, f"{arch}.expert_used_count") if n_expert else 0,
                       _int_or_0(meta, f"{arch}.rope.dimension_count"),
-                      _int_or_0(meta, f"{arch}.expert_shared_feed_forward_length") if n_expert else 0, ssm_widths)
+                      _int_or_0(meta, f"{arch}.expert_shared_feed_forward_length") if n_expert else 0, ssm_widths,
+                      starts)
 
 
 def _recurrent_terms(meta: dict, arch: str, n_layer: int,
-                     n_head_kv: tuple[int, ...]) -> tuple[tuple[int, ...], int, tuple[int, int]]:
+                     n_head_kv: tuple[int, ...]) -> tuple[tuple[int, ...], int, tuple[int, int, int]]:
     """A hybrid file's (KV heads per layer, recurrent state bytes per slot, a linear-attention layer's conv
-    channels and value width): its linear-attention
+    channels, value width and value heads): its linear-attention
     layers and its MTP layers hold no KV (llama.cpp's hybrid memory keeps KV for the trunk's
     full-attention layers), each linear-attention layer a float32 conv window and delta-rule state
-    per slot. Other files: unchanged, 0, (0, 0)."""
+    per slot. Other files: unchanged, 0, (0, 0, 0)."""
     if f"{arch}.ssm.state_size" not in meta:
-        return n_head_kv, 0, (0, 0)
+        return n_head_kv, 0, (0, 0, 0)
     from bloomery.engine.models.base import ModelError
     from bloomery.engine.models.layers import DeltaNetParams, recurrent_layers
     try:
@@ -170,7 +179,12 @@ def _recurrent_terms(meta: dict, arch: str, n_layer: int,
     if dn.problem():
         raise PlanError(f"model keys {arch}.ssm.*: {dn.problem()}")
     kv = tuple(0 if il >= n_trunk or recurrent[il] else h for il, h in enumerate(n_head_kv))
-    return kv, 4 * dn.state_floats * sum(recurrent), (dn.conv_channels, dn.d_inner)
+    return kv, 4 * dn.state_floats * sum(recurrent), (dn.conv_channels, dn.d_inner, dn.dt_rank)
+
+
+def checkpoint_bytes_for(facts: ModelFacts) -> int:
+    """One slot's checkpoints at their most: n_checkpoints copies of its recurrent state."""
+    return max(facts.n_checkpoints, 0) * facts.state_bytes
 
 
 def layout_of(facts: ModelFacts) -> offload.Layout:
@@ -341,6 +355,18 @@ def _numpy_product_temps(ggml_type: int, t: int, k: int, n_rows: int, per_row: b
     e = s * t * n * F32
     return 2 * x + 5 * e + (e if n < n_rows else 0)
 
+def _chunked_delta_rule(t: int, channels: int, inner: int, n_v: int) -> int:
+    """A linear-attention layer's peak in the chunked delta rule (cpu/recurrent.delta_rule_chunked) over a span
+    of t rows padded to P (whole chunks of DELTA_CHUNK = c rows): beside the layer's fused q, k, v, its conv
+    output, the gate z and the normed q and k (3 [t, channels] in all), the output [t, inner]; the chunked q,
+    k and v [P, inner] each; the decay mask, the system I + A and q k^T [P, H, c] each; and one chunk's solve,
+    which numpy runs in float64: its right-hand side in f32 and f64, the f64 solution and its f32 copy
+    (measured 10-12 [c, inner] in all), and the system in f64 [H, c, c]."""
+    c = cpu_sizes.DELTA_CHUNK
+    p = -(-t // c) * c
+    return (3 * t * channels + t * inner + 3 * p * inner + 3 * p * n_v * c + 11 * c * inner + 2 * n_v * c * c) * F32
+
+
 def _numpy_scratch(facts: ModelFacts, n_ctx_slot: int, n_slots: int) -> int:
     """The numpy backend's transient peak: the largest of the moments below, each the arrays alive at
     once (models/layers.py over cpu/backend.py, the compiled kernels on). T = rows of the largest
@@ -367,7 +393,8 @@ def _numpy_scratch(facts: ModelFacts, n_ctx_slot: int, n_slots: int) -> int:
           gate's sigmoid (SIGMOID_BYTES per element);
         - a hybrid's linear-attention layer (in its place): the norm's output, the output gate z
           [T, d_inner], the fused q, k, v [T, C] and, in the conv step, its output, the window, the
-          running sum and one tap's product [T, C] each;
+          running sum and one tap's product [T, C] each; or the chunked delta rule's solve
+          (_chunked_delta_rule);
       dense FFN (the down projection): the attention half's output, the norm's output, gate, up
         and their SwiGLU [T, F] each, the SwiGLU's codes and the product [T, D];
       routed FFN: the attention half's and norm's outputs, router logits [T, E], ids (int64) and
@@ -391,7 +418,7 @@ def _numpy_scratch(facts: ModelFacts, n_ctx_slot: int, n_slots: int) -> int:
     names = {name.split(".", 2)[-1] for name, _, _ in facts.tensors}
     biased = "attn_q.bias" in names if names else facts.arch == "qwen2"
     qk_norm = "attn_q_norm.weight" in names if names else facts.arch != "qwen2"
-    channels, inner = facts.ssm_widths                         # hybrid files: (0, 0) in others
+    channels, inner, n_v = facts.ssm_widths                    # hybrid files: (0, 0, 0) in others
     row = t * d * F32                                          # one [T, D] activation
     held = (2 if facts.n_layer > 1 else 1) * row
     qkv = t * ((2 if channels else 1) * h + 2 * hkv) * dh * F32   # a hybrid's Q projection holds each head's gate
@@ -408,7 +435,8 @@ def _numpy_scratch(facts: ModelFacts, n_ctx_slot: int, n_slots: int) -> int:
         attention = max(attention, row + qkv + t * (h + hkv) * dh * F32 + t * h * dh * (2 * F32 + 8)
                         + 8 * hkv * dh * n_ctx_slot + 16 * t * h * n_ctx_slot)
     if channels:                                               # a linear-attention layer's conv step
-        attention = max(attention, row + t * inner * F32 + 5 * t * channels * F32)
+        attention = max(attention, row + t * inner * F32 + 5 * t * channels * F32,
+                        _chunked_delta_rule(t, channels, inner, n_v))
     if facts.n_expert:
         a = facts.n_expert_used or 1
         fe = facts.n_ff // a
@@ -439,7 +467,7 @@ def _numpy_fallback_moments(facts: ModelFacts, t: int, n_slots: int, row: int, q
         return max((_numpy_product_temps(ty, rows, shape[0], shape[1], per_row)
                     for n in names for ty, shape in by_name.get(n, ())), default=0)
     d, h, dh = facts.n_embd, facts.n_head, facts.head_dim_k
-    channels, inner = facts.ssm_widths
+    channels, inner, _ = facts.ssm_widths
     attention = max(
         # the input projections: the norm's output and their outputs (q, k, v; a linear-attention layer's q, k, v
         # fused and z, its beta and alpha [T, H] left out: a few KB)
@@ -529,6 +557,7 @@ class Plan:
     expert_bytes: tuple[int, ...] = ()   # per layer, one routed expert's stored bytes (MoE)
     prompt_cache_bytes: int = 0     # the prompt cache's budget on the host (beside host_bytes)
     prompt_cache_from: str = "default"   # "set" (-cram) or "default"
+    checkpoint_bytes: int = 0       # every slot's checkpoints of its recurrent state at their most (in kv_bytes)
 
     def explain(self) -> list[tuple[str, str, dict]]:
         """The plan in words, for people (--plan prints these): (level, sentence, fields) per line.
@@ -577,6 +606,9 @@ class Plan:
         lines.append(("info", f"context rule \"{self.ctx_rule}\": {why}",
                       {"rule": self.ctx_rule, "n_ctx_slot": self.n_ctx_slot, "n_ctx": self.n_ctx}))
         lines.append(self._cache_line())
+        if self.checkpoint_bytes:
+            lines.append(("info", f"checkpoints at message starts: up to {gib(self.checkpoint_bytes)} of host RAM for "
+                                  f"{slots}, counted in the KV term", {"checkpoint_bytes": self.checkpoint_bytes}))
         if self.parallel_from == "auto":
             lines.append(("info", f"--parallel auto: {slots}, the most (up to {MAX_AUTO_SLOTS}) whose plan holds one "
                                   f"request's context", {"slots": self.n_slots}))
@@ -612,7 +644,8 @@ class Plan:
 def _terms(facts: ModelFacts, backend: str, n_slots: int, n_ctx_slot: int) -> dict[str, int]:
     return {"weights": sum(facts.tensor_bytes.values()),
             "decoded": decoded_bytes_for(facts, backend),
-            "kv": (kv_bytes_for(facts, n_slots * n_ctx_slot, KV_BYTES_PER_ELEM[backend]) + n_slots * facts.state_bytes
+            "kv": (kv_bytes_for(facts, n_slots * n_ctx_slot, KV_BYTES_PER_ELEM[backend])
+                   + n_slots * (facts.state_bytes + checkpoint_bytes_for(facts))
                    + rope_bytes_for(facts, n_ctx_slot, backend)),
             "scratch": scratch_bytes_for(facts, n_ctx_slot, backend, n_slots)}
 
@@ -751,10 +784,16 @@ def _with_prompt_cache(devices: tuple[DeviceNeed, ...], cache_ram_mib: int | Non
 
 def make_plan(facts: ModelFacts, census: Census, backend: str = "numpy", ctx_size: int = 0,
               n_parallel: int | str = 1, slot_ctx: int = 0, ask: PlacementAsk = NO_ASK,
-              cache_ram_mib: int | None = None) -> Plan:
+              cache_ram_mib: int | None = None, n_ctx_checkpoints: int = CTX_CHECKPOINTS) -> Plan:
     """The plan for these settings; n_parallel is a count or "auto"; ask: the placement flags; cache_ram_mib:
-    -cram (None: the default budget, counted from what the rest of the plan leaves on the host)."""
+    -cram (None: the default budget, counted from what the rest of the plan leaves on the host);
+    n_ctx_checkpoints: --ctx-checkpoints, the copies of a recurrent state a slot keeps (a file with one and
+    with message starts)."""
     _check_settings(facts, census, backend, ctx_size, n_parallel, slot_ctx)
+    if isinstance(n_ctx_checkpoints, bool) or not isinstance(n_ctx_checkpoints, int):
+        raise PlanError(f"--ctx-checkpoints {n_ctx_checkpoints!r} must be an integer (0 or less: none)")
+    if facts.state_bytes and facts.message_starts:
+        facts = dataclasses.replace(facts, n_checkpoints=max(n_ctx_checkpoints, 0))
     prompt_cache_budget(cache_ram_mib, 0)     # a refused -cram before any arithmetic
     if backend == "numpy":
         on_card = [f"-ot {o.pattern}={o.buft}" for o in ask.overrides if o.buft != "CPU"]
@@ -788,4 +827,5 @@ def make_plan(facts: ModelFacts, census: Census, backend: str = "numpy", ctx_siz
                 placement=placement, ctx_size=ctx_size, slot_ctx=slot_ctx,
                 expert_bytes=layout_of(facts).expert_bytes if facts.n_expert else (),
                 prompt_cache_bytes=devices[0].terms.prompt_cache,
-                prompt_cache_from="default" if cache_ram_mib is None else "set")
+                prompt_cache_from="default" if cache_ram_mib is None else "set",
+                checkpoint_bytes=n * checkpoint_bytes_for(facts))

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 
 from bloomery import placement_flags
+from bloomery.engine.limits import CTX_CHECKPOINTS
 from bloomery.engine.types import SamplingParams
 from bloomery.flags import (ACTION_KEYS, BACKENDS, BY_ENV, BY_KEY, SAMPLING_FLAGS, SEATS, SPELLINGS,  # noqa: F401
                             TABLE, Flag, SettingsError, convert, help_text)
@@ -77,6 +78,7 @@ class Settings:
     spm_infill: bool = False           # --spm-infill: /infill's suffix/prefix/middle order
     batch_size: int = 2048             # -b: prompt-pass size under return_progress, /infill's budget
     cache_ram: int | None = None       # -cram MiB: the prompt cache's budget (0: off; None: the plan's default)
+    ctx_checkpoints: int = CTX_CHECKPOINTS   # -ctxcp: checkpoints a slot keeps of a state that cannot rewind (<= 0: none)
     embeddings: bool = False           # --embeddings: /embedding(s) and /v1/embeddings are served (else 501)
     pooling: str | None = None         # --pooling none|mean|cls|last (None: the file's pooling_type, else none)
     embd_normalize: int = 2            # --embd-normalize: a pooled embedding's norm (-1 none, 0 int16 max, p > 0: p-norm)

@@ -178,7 +178,8 @@ class Supervisor:
         self.life.advance(Phase.PLAN)
         plan_args = {"model_file": fetched.path, "seat": s.seat, "ctx_size": s.ctx_size, "slot_ctx": s.slot_ctx,
                      "parallel": s.parallel, "device": s.backend, "card": s.card, "backend_from": s.backend_from,
-                     "ngl": s.ngl, "placement_ask": to_plain(s.placement_ask), "cache_ram": s.cache_ram}
+                     "ngl": s.ngl, "placement_ask": to_plain(s.placement_ask), "cache_ram": s.cache_ram,
+                     "ctx_checkpoints": s.ctx_checkpoints}
         planned = await runner.next_outcome("plan", await runner.start("plan", plan_args))
         if planned is None:
             return await self._stopped()
@@ -198,6 +199,7 @@ class Supervisor:
                        "placement": to_plain(planned.placement),
                        "n_batch": s.batch_size, "threads": s.threads, "verbose": s.verbose,
                        "cache_idle_slots": s.cache_idle_slots, "kv_unified": s.kv_unified, "pooling": s.pooling,
+                       "ctx_checkpoints": s.ctx_checkpoints,
                        "req_addr": f"ipc://{rt}/req", "out_addr": f"ipc://{rt}/out"}
         engine = await runner.start("engine", engine_args)
         front = asyncio.create_task(asyncio.to_thread(build_front, fetched.path, s))

@@ -20,6 +20,11 @@ extend what its slot holds overwrites it, the slot's state is saved there; a pro
 longer prefix with a saved state than with its live slot has that prefix restored into the
 slot and runs only the rest (n_cached counts the restored ids).
 
+Checkpoints (a model that cannot rewind, with --ctx-checkpoints above 0 and a message-start id): a
+prompt's passes end at its message starts, and after each such pass the model's state that cannot
+rewind is copied into the slot's checkpoints; a later prompt sharing the prefix up to one of them has
+it put back and reads only the rest (n_cached counts the ids before it).
+
 Idle slots (llama-server's --cache-idle-slots, on by default with the prompt cache): when a request
 starts in a slot, every other idle slot's state is saved there too (unless an entry already holds
 it), so a later prompt sharing its prefix finds it whichever slot it lands in; with `clear_idle`
@@ -77,7 +82,8 @@ class Engine:
 
     def __init__(self, model: EngineModel, n_slots: int, n_ctx_slot: int, max_queue: int | None = None,
                  n_batch: int = 2048, prompt_cache_bytes: int = 0, cache_idle_slots: bool = False,
-                 clear_idle: bool = False, test_tags: bool = False):
+                 clear_idle: bool = False, test_tags: bool = False, n_ctx_checkpoints: int = 0,
+                 message_start_id: int | None = None):
         if not isinstance(model, EngineModel):
             raise TypeError(f"the engine runs an EngineModel (engine/model_api.py), not a {type(model).__name__}")
         self.model = model
@@ -93,8 +99,12 @@ class Engine:
         self.emit: Callable[[list[TokenOut]], None] | None = None
         self.n_vocab = int(model.n_vocab)
         self.n_ctx_slot = n_ctx_slot
-        # a model whose slot state cannot step back (recurrent layers) keeps a slot only for a prompt that extends it
-        self.scheduler = Scheduler(n_slots, n_ctx_slot, max_queue, rewinds=model.rewinds)
+        # a model whose slot state cannot step back (recurrent layers) keeps a slot only for a prompt that extends
+        # it, or from a checkpoint it saved at a message start (--ctx-checkpoints a slot; message_start_id: the
+        # vocabulary's <|im_start|> where the template carries it too)
+        self.scheduler = Scheduler(n_slots, n_ctx_slot, max_queue, rewinds=model.rewinds,
+                                   n_checkpoints=n_ctx_checkpoints if model.checkpoints else 0,
+                                   checkpoint_id=message_start_id)
         self._lock = threading.Lock()
         self._cancels: list[str] = []
         # per slot, its current or last request's counts (llama-server's /slots keeps task_prev too)
@@ -145,7 +155,7 @@ class Engine:
                 raise RuntimeError("the engine has work: it cannot sleep now")
             self.model = model
             for slot in self.scheduler.slots:
-                slot.cached_ids.clear()
+                self.scheduler.forget(slot)
             self.prompt_cache.clear()     # its host RAM is freed with the rest
 
     def prompt_cache_stats(self) -> dict[str, float]:
@@ -301,12 +311,25 @@ class Engine:
         records.record("serve", "updating prompt cache: a saved prefix restored into the slot", component="engine",
                        slot=slot.id, n_ids=n, took_ms=round((time.perf_counter() - t0) * 1000.0, 2))
 
+    def _restore_checkpoint(self, slot: Slot) -> None:
+        """A slot that cannot rewind, admitted at a checkpoint short of what it holds: that state back, so the
+        prompt reads on from the checkpoint's position (n_cached)."""
+        got, slot.restore = slot.restore, None
+        if got is None:
+            return
+        n, state = got
+        t0 = time.perf_counter()
+        self.model.restore_checkpoint(slot.id, state, n)
+        records.record("serve", "restored a checkpoint: the prompt reads on from its position", component="engine",
+                       slot=slot.id, n_ids=n, took_ms=round((time.perf_counter() - t0) * 1000.0, 2))
+
     def _start(self, slot: Slot, progress: list[TokenOut]) -> TokenOut | None:
         """An admitted request: a restore from the prompt cache, its sampler; None when it may run its
         prompt, else the output that failed it."""
         req = slot.req
         try:
             self._restore_saved(slot)
+            self._restore_checkpoint(slot)
         except Exception as e:   # the slot holds nothing trustworthy now (forgotten); this request fails
             return self._fail(slot, e, len(req.prompt_ids))
         try:
@@ -334,11 +357,14 @@ class Engine:
         else:
             step = self._chunk()
         while True:
-            ids = np.asarray(req.prompt_ids[st.n_done:st.n_done + step], dtype=np.int32)   # [T]
+            n = self.scheduler.cut(slot, st.n_done, step)                 # a pass ends at a message start
+            ids = np.asarray(req.prompt_ids[st.n_done:st.n_done + n], dtype=np.int32)   # [T]
             logits = self._prompt_pass([(slot, ids)])[0]                   # [V] of the pass's last id
             if isinstance(logits, Exception) or not whole or st.n_done + len(ids) >= n_prompt:
                 return self._passed(slot, len(ids), logits, progress)
-            self._passed(slot, len(ids), None, progress)
+            failed = self._passed(slot, len(ids), None, progress)
+            if failed is not None:
+                return failed
 
     def _prefill_round(self, slots: list[Slot], progress: list[TokenOut]) -> list[TokenOut]:
         """Several slots with prompt ids to read: one chunk of min(n_batch, n_ubatch) ids in all,
@@ -348,7 +374,7 @@ class Engine:
         shared = self.model.shares_passes
         for slot in slots:
             st = slot.state
-            n = min(len(slot.req.prompt_ids) - st.n_done, room)
+            n = self.scheduler.cut(slot, st.n_done, min(len(slot.req.prompt_ids) - st.n_done, room))
             parts.append((slot, np.asarray(slot.req.prompt_ids[st.n_done:st.n_done + n], dtype=np.int32)))
             room = room - n if shared else room
             if room <= 0:
@@ -386,6 +412,16 @@ class Engine:
         if isinstance(logits, Exception):
             return self._fail(slot, logits, n_prompt, slot.n_cached)
         st.n_done += n
+        with self._lock:
+            self.scheduler.progressed(slot, st.n_done)
+            save = self.scheduler.at_checkpoint(slot, st.n_done)
+        if save:
+            try:
+                state = self.model.save_checkpoint(slot.id, st.n_done)
+            except Exception as e:
+                return self._fail(slot, e, n_prompt, slot.n_cached)
+            with self._lock:
+                self.scheduler.checkpointed(slot, st.n_done, state)
         if req.return_progress:
             self._report(slot, progress)
         if st.n_done < n_prompt or logits is None:

@@ -4,6 +4,10 @@ stops asking for ids). They follow llama-server's process_token.
 """
 from __future__ import annotations
 
+# a slot's checkpoints of a state that cannot rewind: llama-server's --ctx-checkpoints default (common.h's
+# n_ctx_checkpoints), read by the flag table, the plan (their bytes) and the engine
+CTX_CHECKPOINTS = 32
+
 
 def prompt_fits(n_prompt: int, n_ctx_slot: int) -> bool:
     """A prompt fits a slot when at least one position is left for the first sampled id."""

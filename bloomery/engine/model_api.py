@@ -3,7 +3,8 @@
 Every model answers prefill and decode. What a model may lack is declared by an attribute, never
 found by probing for a method: `picks_on_device` (decode_greedy), `topk_max` (decode_topk; 0:
 none), `saves_kv` (save_kv / restore_kv / kv_bytes_per_position, the prompt cache's calls),
-`shares_passes` (prefill_slots), `embeds` (hidden_states, for embeddings), `rewinds`, `n_ubatch` and `gf`. models/base.CausalLM is the real model; a stand-in (a test's)
+`shares_passes` (prefill_slots), `embeds` (hidden_states, for embeddings), `rewinds`, `checkpoints`
+(save_checkpoint / restore_checkpoint, for a state that cannot rewind), `n_ubatch` and `gf`. models/base.CausalLM is the real model; a stand-in (a test's)
 subclasses EngineModel and declares what it has. Calling an ability the model declares it
 lacks raises NotImplementedError naming the attribute.
 
@@ -26,6 +27,10 @@ class EngineModel:
     # a slot's state can be cut back to any earlier position (a KV cache): prefix reuse keeps any
     # common prefix. False for a recurrent state, which keeps only a prompt that extends it.
     rewinds: bool = True
+    # save_checkpoint / restore_checkpoint: a copy of what cannot rewind (the recurrent state) at a position,
+    # put back later so the slot carries on from there (the KV beside it is cut back as usual)
+    checkpoints: bool = False
+    checkpoint_bytes: int = 0        # what one checkpoint holds (a slot's recurrent state)
     picks_on_device: bool = False    # decode_greedy: each slot's argmax picked where the logits are
     topk_max: int = 0                # decode_topk takes k in 1..topk_max; 0: whole rows of logits only
     saves_kv: bool = False           # save_kv / restore_kv copy a slot's state out and back (the prompt cache)
@@ -68,6 +73,15 @@ class EngineModel:
     def restore_kv(self, slot: int, state: tuple, n: int) -> None:
         """Positions 0 .. n-1 of the slot from a save_kv copy."""
         raise self._lacks("restore_kv", "saves_kv", self.saves_kv)
+
+    def save_checkpoint(self, slot: int, n: int) -> object:
+        """A copy of the slot's state that cannot rewind, as it stands after positions 0 .. n-1."""
+        raise self._lacks("save_checkpoint", "checkpoints", self.checkpoints)
+
+    def restore_checkpoint(self, slot: int, state: object, n: int) -> None:
+        """The slot as after positions 0 .. n-1 from a save_checkpoint copy (its KV at 0 .. n-1 is still the
+        same ids'); the next pass runs from position n."""
+        raise self._lacks("restore_checkpoint", "checkpoints", self.checkpoints)
 
     def _lacks(self, call: str, attr: str, value) -> NotImplementedError:
         return NotImplementedError(f"{type(self).__name__} has no {call}: it declares {attr} = {value!r}")

@@ -169,7 +169,8 @@ class Ops(Protocol):
                    g: Array, beta: Array) -> Array:
         """The gated delta rule over each slot's state: per value head, S <- S * exp(g);
         S <- S + k ((v - S^T k) * beta)^T; out = S^T q / sqrt(head size). Value head h reads key
-        head h % Hk. q, k [T, Hk, S], v [T, H, S], g and beta [T, H] -> [T, H, S]."""
+        head h % Hk. q, k [T, Hk, S], v [T, H, S], g and beta [T, H] -> [T, H, S]. A long span may run
+        in a chunked form (the same sums in another order: cpu/recurrent.delta_rule_chunked)."""
 
     # --- mixture of experts ---
     def moe_route(self, logits: Array, n_used: int, norm_weights: bool) -> tuple[Array, Array]:

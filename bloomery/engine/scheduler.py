@@ -9,8 +9,13 @@ recently used free slot (llama.cpp's `<=` makes the last of equals win).
 
 A model whose slot state cannot be cut back (`rewinds=False`: a recurrent state, as in
 linear-attention layers) keeps what a slot holds only when the new prompt extends it, longer
-by at least one id; any other prompt is read whole from position 0 (the model then starts the
-slot's state from zeros), and only such slots count as similar when a slot is picked.
+by at least one id, or from a checkpoint: a copy of that state at a message start of an earlier
+prompt (`checkpoint_id`, the vocabulary's <|im_start|>). With checkpoints on, a prompt's passes end
+at its message starts and the engine saves the state there (`checkpointed`, at most `n_checkpoints`
+a slot, the oldest dropped first, as llama-server's --ctx-checkpoints); a prompt that parts from what
+the slot holds keeps the nearest checkpoint at or before the common prefix (`Slot.restore`, for the
+engine to put back), and without one is read whole from position 0 (the model then starts the
+slot's state from zeros). Only the reusable part counts as similar when a slot is picked.
 """
 from __future__ import annotations
 
@@ -30,6 +35,22 @@ class SchedulerError(ValueError):
 
 class QueueFullError(SchedulerError):
     pass
+
+
+MESSAGE_START = "<|im_start|>"   # ChatML's message start (the Qwen families' templates)
+
+
+def message_start_id(metadata: dict) -> int | None:
+    """The id checkpoints are kept at: <|im_start|> where the file's vocabulary and its chat template both
+    carry it (the serving guide, section 6), else None."""
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    template = metadata.get("tokenizer.chat_template")
+    if not isinstance(tokens, list) or not isinstance(template, str) or MESSAGE_START not in template:
+        return None
+    try:
+        return tokens.index(MESSAGE_START)
+    except ValueError:
+        return None
 
 
 def common_prefix_len(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...]) -> int:
@@ -53,6 +74,9 @@ class Slot:
     state: object = None         # the engine's per-request state (its sampler, timings)
     held_ids: tuple[int, ...] = ()   # at admission: what the slot held when the prompt does not extend it
                                      # (the prompt cache saves it before the prompt overwrites it), else ()
+    # without rewinds: (n, state) copies of what cannot rewind after cached_ids[:n], oldest first
+    checkpoints: list[tuple[int, object]] = field(default_factory=list)
+    restore: tuple[int, object] | None = None   # at admission: the checkpoint the engine puts back first
 
     @property
     def n_past(self) -> int:
@@ -65,7 +89,8 @@ class Slot:
 
 
 class Scheduler:
-    def __init__(self, n_slots: int, n_ctx_slot: int, max_queue: int | None = None, rewinds: bool = True):
+    def __init__(self, n_slots: int, n_ctx_slot: int, max_queue: int | None = None, rewinds: bool = True,
+                 n_checkpoints: int = 0, checkpoint_id: int | None = None):
         if n_slots < 1:
             raise SchedulerError(f"n_slots must be >= 1 (got {n_slots})")
         if n_ctx_slot < 2:
@@ -76,6 +101,11 @@ class Scheduler:
             raise SchedulerError(f"max_queue must be >= 0 (got {self.max_queue})")
         self.slots = [Slot(i, n_ctx_slot) for i in range(n_slots)]
         self.rewinds = rewinds
+        if isinstance(n_checkpoints, bool) or not isinstance(n_checkpoints, int) or n_checkpoints < 0:
+            raise SchedulerError(f"n_checkpoints must be an integer >= 0 (got {n_checkpoints!r})")
+        # checkpoints at message starts: only for a slot that cannot rewind, with a message-start id
+        self.n_checkpoints = n_checkpoints if not rewinds and checkpoint_id is not None else 0
+        self.checkpoint_id = checkpoint_id
         self.waiting: collections.deque[EngineRequest] = collections.deque()
         self._known: set[str] = set()   # req_ids queued or in a slot
         self._n_released = 0
@@ -137,7 +167,12 @@ class Scheduler:
             # what the slot holds and this prompt overwrites: the prompt cache may save it first
             slot.held_ids = tuple(slot.cached_ids) if n_common < len(slot.cached_ids) and self.rewinds else ()
             n_cached = self._reusable(slot, req.prompt_ids) if req.cache_prompt else 0
+            live = n_cached == len(slot.cached_ids)
             del slot.cached_ids[n_cached:]
+            # a checkpoint past the kept prefix no longer matches the KV the prompt rewrites there
+            slot.checkpoints[:] = [c for c in slot.checkpoints if c[0] <= n_cached]
+            slot.restore = None if self.rewinds or live or n_cached == 0 else next(
+                c for c in slot.checkpoints if c[0] == n_cached)
             slot.req, slot.n_cached, slot.n_decoded, slot.next_id = req, n_cached, 0, None
             admitted.append(slot)
         return admitted
@@ -145,10 +180,12 @@ class Scheduler:
     def _reusable(self, slot: Slot, prompt_ids) -> int:
         """How many of the slot's cached ids the prompt keeps: the common prefix, short of the whole
         prompt (at least one id is evaluated, so there are logits to sample); without rewinds, all of
-        them when the prompt extends them, else none."""
+        them when the prompt extends them, else the nearest checkpoint's within that bound (0: none)."""
         n = common_prefix_len(slot.cached_ids, prompt_ids)
         if not self.rewinds:
-            return n if n == len(slot.cached_ids) and n < len(prompt_ids) else 0
+            if n == len(slot.cached_ids) and n < len(prompt_ids):
+                return n
+            return max((c for c, _ in slot.checkpoints if c <= n and c < len(prompt_ids)), default=0)
         return n - 1 if n == len(prompt_ids) else n
 
     def _pick_slot(self, prompt_ids: tuple[int, ...]) -> Slot | None:
@@ -174,6 +211,37 @@ class Scheduler:
         slot.cached_ids[:] = slot.req.prompt_ids[:n]
         slot.n_cached = n
 
+    def cut(self, slot: Slot, n_done: int, n: int) -> int:
+        """How many of the next n prompt ids (from n_done) one pass reads: with checkpoints on, the
+        pass ends at the next message start, so the state there can be saved; else n."""
+        if not self.n_checkpoints:
+            return n
+        ids = slot.req.prompt_ids
+        for i in range(n_done + 1, min(n_done + n, len(ids))):
+            if ids[i] == self.checkpoint_id:
+                return i - n_done
+        return n
+
+    def at_checkpoint(self, slot: Slot, n_done: int) -> bool:
+        """With checkpoints on, whether the slot's state after its prompt's first n_done ids is one to save:
+        the next id starts a message (the prompt's last id is never it: the live slot holds that)."""
+        ids = slot.req.prompt_ids
+        return bool(self.n_checkpoints) and 0 < n_done < len(ids) and ids[n_done] == self.checkpoint_id
+
+    def checkpointed(self, slot: Slot, n: int, state: object) -> None:
+        """The engine saved the slot's state after its prompt's first n ids (n_checkpoints at most a slot: the
+        oldest goes first; one at the same position is replaced)."""
+        cps = [c for c in slot.checkpoints if c[0] != n]
+        cps.append((n, state))
+        slot.checkpoints[:] = cps[-self.n_checkpoints:]
+
+    def progressed(self, slot: Slot, n_done: int) -> None:
+        """A prompt pass ran. Without rewinds the slot's state now stands after the prompt's first n_done ids,
+        so cached_ids says so (a cancel between passes leaves them, and its checkpoints, consistent); a KV
+        cache counts a prompt's ids only once it is read whole."""
+        if not self.rewinds:
+            slot.cached_ids[:] = slot.req.prompt_ids[:n_done]
+
     def prefilled(self, slot: Slot) -> None:
         """The model now holds the whole prompt in the slot."""
         slot.cached_ids[:] = slot.req.prompt_ids
@@ -198,6 +266,8 @@ class Scheduler:
     def forget(self, slot: Slot) -> None:
         """The slot's KV is not trustworthy (a model error): reuse nothing from it."""
         slot.cached_ids.clear()
+        slot.checkpoints.clear()
+        slot.restore = None
 
     # -- views ---------------------------------------------------------------
     def busy(self) -> list[Slot]:

@@ -213,6 +213,25 @@ def idle_slots(args: dict, cache_bytes: int, saves_kv: bool) -> bool:
     return True
 
 
+def checkpoints_of(args: dict, model) -> tuple[int, int | None]:
+    """--ctx-checkpoints for a model whose slot state cannot rewind: (checkpoints a slot, the message-start id
+    they are kept at), with a record saying which; (0, None) for any other model."""
+    if model.rewinds or not model.checkpoints:
+        return 0, None
+    from bloomery.engine.scheduler import MESSAGE_START, message_start_id
+    from bloomery.engine.limits import CTX_CHECKPOINTS
+    n = int(args.get("ctx_checkpoints", CTX_CHECKPOINTS))
+    start_id = message_start_id(model.gf.metadata) if model.gf is not None else None
+    if n > 0 and start_id is not None:
+        records.record("load", "checkpoints at message starts", component="engine", ctx_checkpoints=n,
+                       token=MESSAGE_START, id=start_id, bytes_each=model.checkpoint_bytes)
+    else:
+        records.record("load", "no checkpoints: a prompt that parts from what a slot holds is read whole",
+                       component="engine", why=f"--ctx-checkpoints {n}" if n <= 0 else
+                       f"the vocabulary or the chat template lacks {MESSAGE_START}")
+    return max(n, 0), start_id
+
+
 def main(args: dict) -> int:
     placement = placement_of(args)
     threads = int(args.get("threads", -1))
@@ -245,6 +264,11 @@ def main(args: dict) -> int:
         from bloomery.engine.cpu import kernels as cpu_kernels
         records.record("load", "lever", component="engine", name="BLOOMERY_CPU_KERNELS",
                        value="off" if cpu_kernels.lib() is None else "on", means=cpu_kernels.status())
+        from bloomery.engine.cpu import recurrent
+        records.record("load", "lever", component="engine", name="BLOOMERY_DELTA_CHUNKED",
+                       value="on" if recurrent.CHUNKED else "off",
+                       means=f"the delta rule's chunked form on spans of {recurrent.CHUNKED_MIN_ROWS}+ rows"
+                       if recurrent.CHUNKED else "the delta rule step by step, as llama.cpp's CPU kernel")
         from bloomery.engine.quant import threads as cpu_threads
         records.record("load", "threads", component="engine", threads=cpu_threads.N_THREADS,
                        means="the CPU backend's kernel threads (-t)")
@@ -281,9 +305,11 @@ def main(args: dict) -> int:
     host = placement.device("host")
     cache_bytes = host.terms.prompt_cache if host is not None else 0
     idle = idle_slots(args, cache_bytes, model.saves_kv and model.rewinds)
+    n_checkpoints, start_id = checkpoints_of(args, model)
     engine = Engine(model, placement.n_slots, placement.n_ctx_slot, n_batch=args.get("n_batch", 2048),
                     prompt_cache_bytes=cache_bytes, cache_idle_slots=idle,
-                    clear_idle=idle and bool(args.get("kv_unified")), test_tags=bool(args.get("verbose")))
+                    clear_idle=idle and bool(args.get("kv_unified")), test_tags=bool(args.get("verbose")),
+                    n_ctx_checkpoints=n_checkpoints, message_start_id=start_id)
     info = model_info(args, facts, placement, model)
     del model                 # the engine holds the only reference: a sleep frees it
     load_s = round(time.monotonic() - t0, 3)

@@ -58,6 +58,7 @@ def make(args: dict, gf, census):
     """(the Plan for these settings, why this backend); PlanError / StageRefusal name what does not fit.
     --parallel auto is bloomery.plan's own rule (make_plan takes n_parallel="auto")."""
     from bloomery.header_check import HeaderError, check_header
+    from bloomery.engine.limits import CTX_CHECKPOINTS
     from bloomery.plan import PlanError, make_plan, model_facts
 
     try:   # every hyperparameter's range and every tensor's presence, type and shape, before any allocation
@@ -78,7 +79,8 @@ def make(args: dict, gf, census):
         raise StageRefusal(f"-mg {ask.main_gpu}: this build runs every layer on the first card (CUDA0) only")
     try:
         plan = make_plan(facts, census, backend, args.get("ctx_size") or 0, n_parallel, args.get("slot_ctx") or 0,
-                         ask, cache_ram_mib=args.get("cache_ram"))
+                         ask, cache_ram_mib=args.get("cache_ram"),
+                         n_ctx_checkpoints=args.get("ctx_checkpoints", CTX_CHECKPOINTS))
     except PlanError as e:
         raise StageRefusal(str(e)) from None
     return plan, why

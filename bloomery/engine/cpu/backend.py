@@ -418,7 +418,7 @@ class NumpyOps:
         return recurrent.conv_step(state, layer, rows.spans, x, kernel.dense())
 
     def delta_rule(self, state: recurrent.RecurrentState, layer: int, rows: Rows, q, k, v, g, beta) -> np.ndarray:
-        return recurrent.delta_rule(state, layer, rows.spans, q, k, v, g, beta)
+        return recurrent.delta_rule_spans(state, layer, rows.spans, q, k, v, g, beta)
 
     def attention(self, cache: KVCache, layer: int, spans: Sequence[AttnSpan], q, k, v, scale: float) -> np.ndarray:
         """ggml_compute_forward_flash_attn_ext_f16 per span (each span is one sequence)."""

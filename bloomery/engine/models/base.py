@@ -297,3 +297,31 @@ class CausalLM(EngineModel):
             out = self.ops.to_host(self.head(x) if want_logits else self.head_argmax(x))   # [B, V] or [B]
         self.ops.after_step(decode=True)
         return out
+
+
+class RecurrentLM(CausalLM):
+    """A CausalLM with a recurrent state per slot (`self.state`, the backend's recurrent_state) beside the KV
+    of its attention layers. The state cannot step back, so the slot does not rewind; a checkpoint is a
+    copy of that state at a position, and restoring one (the attention layers' KV cut back to the same
+    position, as any prefix reuse does) lets a prompt sharing the prefix up to it read only the rest."""
+
+    rewinds = False
+    checkpoints = True
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        return self.state.slot_nbytes
+
+    def save_checkpoint(self, slot: int, n: int) -> tuple:
+        self._check_held(slot, n)
+        return self.state.save_state(slot, n)
+
+    def restore_checkpoint(self, slot: int, state: tuple, n: int) -> None:
+        self._check_held(slot, n)
+        self.state.restore_state(slot, state, n)
+
+    def _check_held(self, slot: int, n: int) -> None:
+        if not 0 <= slot < self.n_slots:
+            raise ModelError(f"slot {slot} is out of range: the model has {self.n_slots} slots (0..{self.n_slots - 1})")
+        if not 0 < n <= self.n_ctx_slot:
+            raise ModelError(f"a checkpoint of {n} positions does not fit the slot: n_ctx_slot = {self.n_ctx_slot}")

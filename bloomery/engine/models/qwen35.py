@@ -7,16 +7,15 @@ Legend: T = tokens, D = hidden.
 from __future__ import annotations
 
 from bloomery.engine.models import layers
-from bloomery.engine.models.base import CausalLM
+from bloomery.engine.models.base import RecurrentLM
 
 FFN = layers.DENSE_FFN | layers.POST_NORM                        # the FFN's norm is post_attention_norm
 LAYER = layers.GATED_ATTN | layers.QK_NORM | FFN
 RECURRENT_LAYER = layers.DELTA_NET | FFN
 
 
-class Qwen35(CausalLM):
+class Qwen35(RecurrentLM):
     arch = "qwen35"
-    rewinds = False
 
     def __init__(self, gf, ops, n_slots: int, n_ctx_slot: int, progress=None, host_experts=None):
         super().__init__(gf, ops, n_slots, n_ctx_slot, progress, host_experts)

@@ -10,16 +10,15 @@ Legend: T = tokens, D = hidden.
 from __future__ import annotations
 
 from bloomery.engine.models import layers
-from bloomery.engine.models.base import CausalLM
+from bloomery.engine.models.base import RecurrentLM
 
 FFN = layers.MOE_FFN | layers.POST_NORM | layers.SHARED_EXPERT   # the FFN's norm is post_attention_norm
 LAYER = layers.GATED_ATTN | layers.QK_NORM | FFN                 # a full-attention layer
 RECURRENT_LAYER = layers.DELTA_NET | FFN                         # a Gated DeltaNet layer
 
 
-class Qwen35Moe(CausalLM):
+class Qwen35Moe(RecurrentLM):
     arch = "qwen35moe"
-    rewinds = False                  # the DeltaNet state only moves forward
 
     def __init__(self, gf, ops, n_slots: int, n_ctx_slot: int, progress=None, host_experts=None):
         super().__init__(gf, ops, n_slots, n_ctx_slot, progress, host_experts)

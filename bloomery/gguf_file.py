@@ -9,10 +9,12 @@ tensors packed in file order at `general.alignment`).
 """
 from __future__ import annotations
 
+import array
 import mmap
 import os
 import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -95,13 +97,17 @@ class _Cursor:
         # surrogateescape keeps bytes that are not UTF-8 (llama.cpp does not check them)
         return raw.decode("utf-8", errors="surrogateescape")
 
-    def strings(self, n: int, key: str) -> list[str]:
-        """n strings (an array's elements), read as string() would, with the same refusals; one
-        loop with no per-element message, since vocabularies hold 150k+ of them."""
+    def strings(self, n: int, key: str) -> "StringArray":
+        """n strings (an array's elements), bounded as string() would be, with the same refusals; one
+        loop with no per-element message, since vocabularies hold 150k+ of them. The elements are
+        decoded when first read (StringArray): most readers of a header want only the count."""
         buf, pos, end = self.buf, self.pos, self.end
+        start = pos
         length = _U64.unpack_from
-        out = [""] * n
+        offsets = array.array("q")                   # each element's length field, from `start`
+        add = offsets.append
         for i in range(n):
+            add(pos - start)
             if end - pos < 8:
                 self.pos = pos
                 self.need(8, f"element {i} of {key!r} length")
@@ -110,15 +116,82 @@ class _Cursor:
             if ln > end - pos:
                 self.pos = pos
                 self.need(ln, f"element {i} of {key!r} ({ln} bytes)")
-            out[i] = str(buf[pos:pos + ln], "utf-8", "surrogateescape")
             pos += ln
         self.pos = pos
-        return out
+        return StringArray(bytes(buf[start:pos]), offsets)
 
     def array(self, n: int, code: str, size: int) -> list:
         arr = np.frombuffer(self.buf, dtype=code, count=n, offset=self.pos)
         self.pos += n * size
         return arr.tolist()
+
+
+class StringArray(Sequence):
+    """A GGUF string array, kept as its packed bytes (each element: u64 length, then its bytes, already
+    bounded by the reader) and decoded to a list of str on the first element read, then kept. The header's
+    readers that need only the count (the plan, the engine: a vocabulary's size) never pay for decoding
+    150,000 tokens and as many merges. Decoding keeps bytes that are not UTF-8 as surrogate escapes
+    (llama.cpp does not check them); all_utf8() says, without decoding, whether there are any."""
+
+    __slots__ = ("_raw", "_offsets", "_n", "_items")
+    __hash__ = None
+
+    def __init__(self, raw: bytes, offsets: array.array):
+        self._raw, self._offsets, self._n, self._items = raw, offsets, len(offsets), None
+
+    def _list(self) -> list[str]:
+        if self._items is None:
+            raw, pos = self._raw, 0
+            length = _U64.unpack_from
+            out = [""] * self._n
+            for i in range(self._n):
+                (ln,) = length(raw, pos)
+                pos += 8
+                out[i] = str(raw[pos:pos + ln], "utf-8", "surrogateescape")
+                pos += ln
+            self._items, self._raw, self._offsets = out, b"", array.array("q")
+        return self._items
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        return self._list()[i]
+
+    def __iter__(self):
+        return iter(self._list())
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (StringArray, list, tuple)):
+            return len(other) == self._n and list(other) == self._list()
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"StringArray({self._list()!r})"
+
+    def all_utf8(self) -> bool:
+        """Every element is valid UTF-8, checked on the packed bytes in one decode: the elements' bytes
+        joined decode strictly, and no non-empty element starts with a continuation byte (10xxxxxx), so
+        no character of the join straddles two elements."""
+        if self._items is not None:
+            try:
+                "".join(self._items).encode("utf-8")
+                return True
+            except UnicodeEncodeError:
+                return False
+        raw = np.frombuffer(self._raw, np.uint8)                      # [bytes]
+        starts = np.frombuffer(self._offsets, np.int64)               # [n] offset of each length field
+        lens = np.diff(starts, append=raw.size) - 8                   # [n]
+        keep = np.ones(raw.size, bool)
+        keep[(starts[:, None] + np.arange(8)).ravel()] = False       # drop the length fields
+        first = raw[(starts + 8)[lens > 0]]
+        if np.any((first & 0xC0) == 0x80):
+            return False
+        try:
+            raw[keep].tobytes().decode("utf-8")
+            return True
+        except UnicodeDecodeError:
+            return False
 
 
 def _read_value(cur: _Cursor, key: str, vtype: int):

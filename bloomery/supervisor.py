@@ -216,7 +216,6 @@ class Supervisor:
         self.gate.app = make_app(s, tokenizer, template, self.client, ready.info,
                                  log=lambda line: record(self.life.phase.value, line))   # the per-request records
         self.gate.app.residency.start()     # --sleep-idle-seconds: the idle watch
-        workpool.warm()
         self.life.advance(Phase.READY, name=ready.info.name, n_ctx=ready.info.n_ctx, slots=ready.info.n_slots)
         return await self._serve(engine)
 

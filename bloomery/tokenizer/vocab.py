@@ -7,6 +7,7 @@ they decide which spellings split as special tokens and which pieces render.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .errors import TokenizerError
@@ -86,7 +87,7 @@ def _get_list(meta: dict, key: str, required: bool) -> list | None:
         if required:
             raise TokenizerError(f"GGUF metadata lacks '{key}'; the tokenizer cannot be built")
         return None
-    if not isinstance(value, (list, tuple)):
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):   # a list, or the reader's StringArray
         raise TokenizerError(f"GGUF metadata '{key}' must be an array, got {type(value).__name__}")
     return list(value)
 

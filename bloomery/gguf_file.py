@@ -141,16 +141,36 @@ class StringArray(Sequence):
 
     def _list(self) -> list[str]:
         if self._items is None:
-            raw, pos = self._raw, 0
-            length = _U64.unpack_from
-            out = [""] * self._n
-            for i in range(self._n):
-                (ln,) = length(raw, pos)
-                pos += 8
-                out[i] = str(raw[pos:pos + ln], "utf-8", "surrogateescape")
-                pos += ln
-            self._items, self._raw, self._offsets = out, b"", array.array("q")
+            text = self._text()
+            self._items = text.split("\udcff") if self._valid(text) else self._decode_each()
+            self._raw, self._offsets = b"", array.array("q")
         return self._items
+
+    def _decode_each(self) -> list[str]:
+        raw, pos = self._raw, 0
+        length = _U64.unpack_from
+        out = [""] * self._n
+        for i in range(self._n):
+            (ln,) = length(raw, pos)
+            pos += 8
+            out[i] = str(raw[pos:pos + ln], "utf-8", "surrogateescape")
+            pos += ln
+        return out
+
+    def _text(self) -> str:
+        """The elements in one decode, each length field turned into one 0xFF byte, a byte UTF-8 never
+        holds: it decodes to the escape \\udcff, so the decoder starts each element afresh."""
+        raw = np.frombuffer(self._raw, np.uint8)                      # [bytes]
+        starts = np.frombuffer(self._offsets, np.int64)               # [n]
+        keep = np.ones(raw.size, bool)                                # [bytes]
+        keep[(starts[:, None] + np.arange(1, 8)).ravel()] = False    # a length field's first byte stays
+        joined = raw.copy()
+        joined[starts] = 0xFF
+        return joined[keep].tobytes()[1:].decode("utf-8", "surrogateescape")
+
+    def _valid(self, text: str) -> bool:
+        """Every element was UTF-8: no 0xFF but the n - 1 separators, and no other escape."""
+        return self._n > 0 and text.count("\udcff") == self._n - 1 and _encodes(text.replace("\udcff", ""))
 
     def __len__(self) -> int:
         return self._n
@@ -170,28 +190,18 @@ class StringArray(Sequence):
         return f"StringArray({self._list()!r})"
 
     def all_utf8(self) -> bool:
-        """Every element is valid UTF-8, checked on the packed bytes in one decode: the elements' bytes
-        joined decode strictly, and no non-empty element starts with a continuation byte (10xxxxxx), so
-        no character of the join straddles two elements."""
-        if self._items is not None:
-            try:
-                "".join(self._items).encode("utf-8")
-                return True
-            except UnicodeEncodeError:
-                return False
-        raw = np.frombuffer(self._raw, np.uint8)                      # [bytes]
-        starts = np.frombuffer(self._offsets, np.int64)               # [n] offset of each length field
-        lens = np.diff(starts, append=raw.size) - 8                   # [n]
-        keep = np.ones(raw.size, bool)
-        keep[(starts[:, None] + np.arange(8)).ravel()] = False       # drop the length fields
-        first = raw[(starts + 8)[lens > 0]]
-        if np.any((first & 0xC0) == 0x80):
-            return False
-        try:
-            raw[keep].tobytes().decode("utf-8")
-            return True
-        except UnicodeDecodeError:
-            return False
+        """Every element is valid UTF-8 (as str(raw, "utf-8") would accept it), without a str per element."""
+        if self._items is None:
+            return self._n == 0 or self._valid(self._text())
+        return _encodes("".join(self._items))
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:        # a surrogate escape: bytes that were not UTF-8
+        return False
 
 
 def _read_value(cur: _Cursor, key: str, vtype: int):

@@ -333,3 +333,20 @@ def test_a_packed_vocabulary_that_is_not_utf8_is_refused_by_element():
     with pytest.raises(HeaderError) as e:
         check_strings("m.gguf", {"tokenizer.ggml.tokens": arr}, {})
     assert "tokenizer.ggml.tokens'[1]" in str(e.value) and "0xc3" in str(e.value)
+
+
+@pytest.mark.parametrize("items", [
+    [b"a\xff", b"b"], [b"\xff"], [b"", b""], [b""], [b"x", b"\xed\xa0\x80", b"y"], [b"\xc3", b"\xa9"], [b"ok", b"\x80"],
+])
+def test_string_array_decodes_each_element_as_the_reader_always_did(items):
+    arr = string_array(items)
+    assert list(arr) == [x.decode("utf-8", "surrogateescape") for x in items]
+
+
+def test_a_real_vocabulary_decodes_in_one_pass_to_the_same_strings(tokenizer_source):
+    with open_gguf(str(tokenizer_source)) as gf:
+        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+            arr = gf.get(key)
+            assert arr.all_utf8() and arr._items is None
+            one_by_one = type(arr)(arr._raw, arr._offsets)._decode_each()
+            assert list(arr) == one_by_one and len(one_by_one) > 150_000

@@ -35,10 +35,10 @@ _CACHE_MAX_WORDS = 200_000
 
 def parse_merges(merges: list[str]) -> dict[tuple[str, str], int]:
     ranks: dict[tuple[str, str], int] = {}
+    first = ranks.setdefault           # a repeated pair keeps its first rank
     for rank, m in enumerate(merges):
-        cut = m.find(" ", 1)   # the first space after the first character
-        pair = (m[:cut], m[cut + 1:]) if cut >= 0 else ("", "")
-        ranks.setdefault(pair, rank)   # a repeated pair keeps its first rank
+        left, space, right = m[1:].partition(" ")   # cut at the first space after the first character
+        first((m[0] + left, right) if space else ("", ""), rank)
     return ranks
 
 

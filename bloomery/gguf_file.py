@@ -9,7 +9,6 @@ tensors packed in file order at `general.alignment`).
 """
 from __future__ import annotations
 
-import array
 import mmap
 import os
 import re
@@ -98,16 +97,30 @@ class _Cursor:
         return raw.decode("utf-8", errors="surrogateescape")
 
     def strings(self, n: int, key: str) -> "StringArray":
-        """n strings (an array's elements), bounded as string() would be, with the same refusals; one
-        loop with no per-element message, since vocabularies hold 150k+ of them. The elements are
-        decoded when first read (StringArray): most readers of a header want only the count."""
-        buf, pos, end = self.buf, self.pos, self.end
-        start = pos
+        """n strings (an array's elements), bounded as string() would be, with the same refusals. The
+        elements are decoded when first read (StringArray): most readers of a header want only the count.
+        Vocabularies hold 150k+ of them, so the walk over their length fields is one bare loop; a walk that
+        runs past the end is walked again with every check, which names the element."""
+        buf, start, end = self.buf, self.pos, self.end
         length = _U64.unpack_from
-        offsets = array.array("q")                   # each element's length field, from `start`
-        add = offsets.append
+        offsets = [0] * n                            # each element's length field
+        pos = start
+        try:
+            for i in range(n):
+                offsets[i] = pos
+                pos += 8 + length(buf, pos)[0]
+        except (struct.error, OverflowError):       # a length field past the buffer
+            pos = end + 1
+        if pos > end:
+            self._strings_checked(n, key)            # raises the refusal that names the element
+            raise self.fail(f"key {key!r}: its {n} strings run past the file end")
+        self.pos = pos
+        return StringArray(bytes(buf[start:pos]), np.array(offsets, np.int64) - start)
+
+    def _strings_checked(self, n: int, key: str) -> None:
+        buf, pos, end = self.buf, self.pos, self.end
+        length = _U64.unpack_from
         for i in range(n):
-            add(pos - start)
             if end - pos < 8:
                 self.pos = pos
                 self.need(8, f"element {i} of {key!r} length")
@@ -118,7 +131,6 @@ class _Cursor:
                 self.need(ln, f"element {i} of {key!r} ({ln} bytes)")
             pos += ln
         self.pos = pos
-        return StringArray(bytes(buf[start:pos]), offsets)
 
     def array(self, n: int, code: str, size: int) -> list:
         arr = np.frombuffer(self.buf, dtype=code, count=n, offset=self.pos)
@@ -136,14 +148,15 @@ class StringArray(Sequence):
     __slots__ = ("_raw", "_offsets", "_n", "_items")
     __hash__ = None
 
-    def __init__(self, raw: bytes, offsets: array.array):
+    def __init__(self, raw: bytes, offsets: np.ndarray):
+        # offsets: [n] int64, where each element's length field starts in raw
         self._raw, self._offsets, self._n, self._items = raw, offsets, len(offsets), None
 
     def _list(self) -> list[str]:
         if self._items is None:
             text = self._text()
             self._items = text.split("\udcff") if self._valid(text) else self._decode_each()
-            self._raw, self._offsets = b"", array.array("q")
+            self._raw, self._offsets = b"", self._offsets[:0]
         return self._items
 
     def _decode_each(self) -> list[str]:
@@ -161,7 +174,7 @@ class StringArray(Sequence):
         """The elements in one decode, each length field turned into one 0xFF byte, a byte UTF-8 never
         holds: it decodes to the escape \\udcff, so the decoder starts each element afresh."""
         raw = np.frombuffer(self._raw, np.uint8)                      # [bytes]
-        starts = np.frombuffer(self._offsets, np.int64)               # [n]
+        starts = self._offsets                                        # [n]
         keep = np.ones(raw.size, bool)                                # [bytes]
         keep[(starts[:, None] + np.arange(1, 8)).ravel()] = False    # a length field's first byte stays
         joined = raw.copy()

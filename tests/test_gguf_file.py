@@ -293,9 +293,8 @@ def test_split_keys_without_split_name(tmp_path):
 # --- string arrays: bounded at open, decoded on first read -----------------------
 
 def string_array(items: list[bytes]):
-    import array
     from bloomery.gguf_file import StringArray
-    offsets = array.array("q", [sum(8 + len(x) for x in items[:i]) for i in range(len(items))])
+    offsets = np.array([sum(8 + len(x) for x in items[:i]) for i in range(len(items))], np.int64)
     return StringArray(b"".join(s(x) for x in items), offsets)
 
 
@@ -350,3 +349,13 @@ def test_a_real_vocabulary_decodes_in_one_pass_to_the_same_strings(tokenizer_sou
             assert arr.all_utf8() and arr._items is None
             one_by_one = type(arr)(arr._raw, arr._offsets)._decode_each()
             assert list(arr) == one_by_one and len(one_by_one) > 150_000
+
+
+@pytest.mark.parametrize("tail,words", [
+    (struct.pack("<Q", 1000) + b"xy", ("element 2 of 'tok'", "(1000 bytes)")),
+    (struct.pack("<Q", 2**64 - 1), ("element 2 of 'tok'",)),
+    (b"\x01\x00", ("element 2 of 'tok' length",)),
+])
+def test_a_string_array_that_runs_past_the_end_names_its_element(tmp_path, tail, words):
+    arr = kv("tok", VT.ARRAY, struct.pack("<IQ", VT.STRING, 3) + s("aaaa") + s("bbbb") + tail)
+    refused(raw_file(tmp_path, [arr], []), "truncated", *words)

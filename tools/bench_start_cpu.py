@@ -10,6 +10,10 @@ loses at most one interval; the total of the whole tree is exact (getrusage(RUSA
 the run: the supervisor reaps its stages, this tool reaps the supervisor). Median of N runs.
 
     python3 tools/bench_start_cpu.py [--model FILE] [--runs 5] [--bloomery-args "-c 4096 -np 1"] [--out FILE]
+        [--against DIR]
+
+--against DIR: another checkout's tree (`git archive REV | tar -x -C DIR`), started from DIR so its
+`bloomery` is imported; its runs alternate with this tree's, so both see the same machine load.
 """
 from __future__ import annotations
 
@@ -110,7 +114,7 @@ def get(url: str, body: dict | None = None, timeout: float = 5):
         return r.status, r.read()
 
 
-def one_run(a, log: Path) -> dict:
+def one_run(a, log: Path, repo: Path = REPO) -> dict:
     port = free_port()
     argv = [sys.executable, "-m", "bloomery.supervisor", "-m", a.model, "--port", str(port),
             "--backend", "cpu", *shlex.split(a.bloomery_args)]
@@ -118,7 +122,7 @@ def one_run(a, log: Path) -> dict:
     before = children_cpu()
     t0 = time.perf_counter()
     with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=repo, start_new_session=True)
     sampler = Sampler(psutil.Process(proc.pid))
     sampler.start()
     ready_s = None
@@ -170,16 +174,30 @@ def main(argv=None) -> int:
     ap.add_argument("--ready-timeout-s", type=float, default=300)
     ap.add_argument("--log", default="/tmp/bench_start_cpu.log", help="the last run's server output")
     ap.add_argument("--out", default=None, help="write every run as JSON here too")
+    ap.add_argument("--against", default=None, metavar="DIR", help="another tree to compare, run alternately")
     a = ap.parse_args(argv)
-    runs = []
+    trees = [("this tree", REPO)] + ([("against", Path(a.against).resolve())] if a.against else [])
+    runs: dict[str, list[dict]] = {name: [] for name, _ in trees}
     for i in range(a.runs):
-        r = one_run(a, Path(a.log))
-        runs.append(r)
-        parts = "  ".join(f"{k} {v:.2f}" for k, v in sorted(r["per_process_cpu_s"].items()))
-        print(f"run {i + 1}: ready {r['ready_s']:.2f} s, request {r['request_s']:.2f} s, stop {r['stop_s']:.2f} s, "
-              f"exit {r['exit']}; cpu {r['total_cpu_s']:.2f} s (sampled {r['sampled_cpu_s']:.2f}): {parts}", flush=True)
+        for name, repo in trees:
+            r = one_run(a, Path(a.log), repo)
+            runs[name].append(r)
+            parts = "  ".join(f"{k} {v:.2f}" for k, v in sorted(r["per_process_cpu_s"].items()))
+            print(f"{name} run {i + 1}: ready {r['ready_s']:.2f} s, request {r['request_s']:.2f} s, "
+                  f"stop {r['stop_s']:.2f} s, exit {r['exit']}; cpu {r['total_cpu_s']:.2f} s "
+                  f"(sampled {r['sampled_cpu_s']:.2f}): {parts}", flush=True)
+    command = ' '.join(shlex.quote(x) for x in ['bloomery-serve', '-m', a.model, '--backend', 'cpu',
+                                                 *shlex.split(a.bloomery_args)])
+    for name, repo in trees:
+        report(f"{name} ({repo})", command, runs[name])
+    if a.out:
+        Path(a.out).write_text(json.dumps(runs, indent=1) + "\n")
+    return 0
+
+
+def report(title: str, command: str, runs: list[dict]) -> None:
     names = sorted({n for r in runs for n in r["per_process_cpu_s"]})
-    print(f"median of {len(runs)}: {' '.join(shlex.quote(x) for x in ['bloomery-serve', '-m', a.model, '--backend', 'cpu', *shlex.split(a.bloomery_args)])}")
+    print(f"{title}, median of {len(runs)}: {command}")
     print(f"  wall to ready     {median_of(runs, 'ready_s'):6.2f} s")
     print(f"  wall of request   {median_of(runs, 'request_s'):6.2f} s")
     print(f"  wall of stop      {median_of(runs, 'stop_s'):6.2f} s")
@@ -188,9 +206,6 @@ def main(argv=None) -> int:
     for n in names:
         print(f"  cpu, {n:18s} {statistics.median(r['per_process_cpu_s'].get(n, 0.0) for r in runs):6.2f} s"
               f"  (in {sum(n in r['per_process_cpu_s'] for r in runs)}/{len(runs)} runs)")
-    if a.out:
-        Path(a.out).write_text(json.dumps(runs, indent=1) + "\n")
-    return 0
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from bloomery.sdnotify import Notifier, pulse
 from bloomery.socket_activation import listening_socket
 from bloomery.settings import Settings, SettingsError
 from bloomery.stage_runner import StageFailed, StageRunner, runtime_dir  # noqa: F401  (runtime_dir: tests)
+from bloomery.stages.common import import_numpy_one_blas_thread
 
 EXIT_REFUSED = 1          # a stage refused the start (file, plan) or a flag was refused
 EXIT_ENGINE = 70          # the engine died (serving guide 8.3)
@@ -303,6 +304,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(subprocess.call([sys.executable, "-m", "bloomery.census"]))
     for message, kv in s.notes:
         record("start", message, **kv)
+    import_numpy_one_blas_thread()      # the front's numpy (the GGUF header, the API) multiplies no matrix
     sys.setswitchinterval(workpool.SWITCH_INTERVAL_S)
     code = uvloop.run(Supervisor(s).run())
     exit_now(code, log_file)

@@ -140,6 +140,8 @@ def _die_with_parent(parent_pid: int) -> None:
 def _load_worker_tokenizer(parent_pid: int, path: str) -> None:
     global _worker_tok
     _die_with_parent(parent_pid)
+    from bloomery.stages.common import import_numpy_one_blas_thread
+    import_numpy_one_blas_thread()
     from bloomery.gguf_file import open_gguf
     from bloomery.tokenizer import Tokenizer
     with open_gguf(path) as gf:

@@ -13,6 +13,7 @@ import mmap
 import os
 import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -95,12 +96,30 @@ class _Cursor:
         # surrogateescape keeps bytes that are not UTF-8 (llama.cpp does not check them)
         return raw.decode("utf-8", errors="surrogateescape")
 
-    def strings(self, n: int, key: str) -> list[str]:
-        """n strings (an array's elements), read as string() would, with the same refusals; one
-        loop with no per-element message, since vocabularies hold 150k+ of them."""
+    def strings(self, n: int, key: str) -> "StringArray":
+        """n strings (an array's elements), bounded as string() would be, with the same refusals. The
+        elements are decoded when first read (StringArray): most readers of a header want only the count.
+        Vocabularies hold 150k+ of them, so the walk over their length fields is one bare loop; a walk that
+        runs past the end is walked again with every check, which names the element."""
+        buf, start, end = self.buf, self.pos, self.end
+        length = _U64.unpack_from
+        offsets = [0] * n                            # each element's length field
+        pos = start
+        try:
+            for i in range(n):
+                offsets[i] = pos
+                pos += 8 + length(buf, pos)[0]
+        except (struct.error, OverflowError):       # a length field past the buffer
+            pos = end + 1
+        if pos > end:
+            self._strings_checked(n, key)            # raises the refusal that names the element
+            raise self.fail(f"key {key!r}: its {n} strings run past the file end")
+        self.pos = pos
+        return StringArray(bytes(buf[start:pos]), np.array(offsets, np.int64) - start)
+
+    def _strings_checked(self, n: int, key: str) -> None:
         buf, pos, end = self.buf, self.pos, self.end
         length = _U64.unpack_from
-        out = [""] * n
         for i in range(n):
             if end - pos < 8:
                 self.pos = pos
@@ -110,15 +129,104 @@ class _Cursor:
             if ln > end - pos:
                 self.pos = pos
                 self.need(ln, f"element {i} of {key!r} ({ln} bytes)")
-            out[i] = str(buf[pos:pos + ln], "utf-8", "surrogateescape")
             pos += ln
         self.pos = pos
-        return out
 
     def array(self, n: int, code: str, size: int) -> list:
         arr = np.frombuffer(self.buf, dtype=code, count=n, offset=self.pos)
         self.pos += n * size
         return arr.tolist()
+
+
+class StringArray(Sequence):
+    """A GGUF string array, kept as its packed bytes (each element: u64 length, then its bytes, already
+    bounded by the reader) and decoded to a list of str on the first element read, then kept. The header's
+    readers that need only the count (the plan, the engine: a vocabulary's size) never pay for decoding
+    150,000 tokens and as many merges. Decoding keeps bytes that are not UTF-8 as surrogate escapes
+    (llama.cpp does not check them); all_utf8() says, without decoding, whether there are any."""
+
+    __slots__ = ("_raw", "_offsets", "_n", "_items")
+    __hash__ = None
+
+    def __init__(self, raw: bytes, offsets: np.ndarray):
+        # offsets: [n] int64, where each element's length field starts in raw
+        self._raw, self._offsets, self._n, self._items = raw, offsets, len(offsets), None
+
+    def _list(self) -> list[str]:
+        if self._items is None:
+            text = self._text()
+            self._items = text.split("\udcff") if self._valid(text) else self._decode_each()
+            self._raw, self._offsets = b"", self._offsets[:0]
+        return self._items
+
+    def _decode_each(self) -> list[str]:
+        raw, pos = self._raw, 0
+        length = _U64.unpack_from
+        out = [""] * self._n
+        for i in range(self._n):
+            (ln,) = length(raw, pos)
+            pos += 8
+            out[i] = str(raw[pos:pos + ln], "utf-8", "surrogateescape")
+            pos += ln
+        return out
+
+    def _text(self) -> str:
+        """The elements in one decode, each length field turned into one 0xFF byte, a byte UTF-8 never
+        holds: it decodes to the escape \\udcff, so the decoder starts each element afresh."""
+        raw = np.frombuffer(self._raw, np.uint8)                      # [bytes]
+        starts = self._offsets                                        # [n]
+        keep = np.ones(raw.size, bool)                                # [bytes]
+        keep[(starts[:, None] + np.arange(1, 8)).ravel()] = False    # a length field's first byte stays
+        joined = raw.copy()
+        joined[starts] = 0xFF
+        return joined[keep].tobytes()[1:].decode("utf-8", "surrogateescape")
+
+    def _valid(self, text: str) -> bool:
+        """Every element was UTF-8: no 0xFF but the n - 1 separators, and no other escape."""
+        return self._n > 0 and text.count("\udcff") == self._n - 1 and _encodes(text.replace("\udcff", ""))
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        return self._list()[i]
+
+    def __iter__(self):
+        return iter(self._list())
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (StringArray, list, tuple)):
+            return len(other) == self._n and list(other) == self._list()
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"StringArray({self._list()!r})"
+
+    def find(self, text: str) -> int | None:
+        """The index of the first element equal to text, or None; packed, without decoding the others."""
+        if self._items is not None:
+            return self._items.index(text) if text in self._items else None
+        want = text.encode("utf-8", "surrogateescape")
+        pattern, raw, pos = _U64.pack(len(want)) + want, self._raw, -1
+        while (pos := raw.find(pattern, pos + 1)) >= 0:
+            i = int(np.searchsorted(self._offsets, pos))
+            if i < self._n and int(self._offsets[i]) == pos:      # an element's start, not bytes inside one
+                return i
+        return None
+
+    def all_utf8(self) -> bool:
+        """Every element is valid UTF-8 (as str(raw, "utf-8") would accept it), without a str per element."""
+        if self._items is None:
+            return self._n == 0 or self._valid(self._text())
+        return _encodes("".join(self._items))
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:        # a surrogate escape: bytes that were not UTF-8
+        return False
 
 
 def _read_value(cur: _Cursor, key: str, vtype: int):

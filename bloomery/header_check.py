@@ -22,6 +22,7 @@ from typing import Mapping
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from bloomery.engine.models.registry import ARCHS
+from bloomery.gguf_file import StringArray
 
 MAX_LAYERS = 512                 # llama.cpp's LLAMA_MAX_LAYERS
 MAX_EMBD = 1 << 17
@@ -62,7 +63,8 @@ def check_strings(path: str, metadata: Mapping[str, object], tensors: Mapping[st
         _utf8(path, "metadata key", key, key)
         if isinstance(value, str):
             _utf8(path, f"metadata {key!r}", value, key)
-        elif isinstance(value, list) and value and isinstance(value[0], str) and not _all_utf8(value):
+        elif (not value.all_utf8()) if isinstance(value, StringArray) else \
+                (isinstance(value, list) and value and isinstance(value[0], str) and not _all_utf8(value)):
             for i, item in enumerate(value):
                 if isinstance(item, str):
                     _utf8(path, f"metadata {key!r}[{i}]", item, key)
@@ -142,7 +144,7 @@ def hyperparameters(path: str, arch: str, md: Mapping[str, object], tensors: Map
         if key.startswith(p) and isinstance(value, float) and not math.isfinite(value):
             raise HeaderError(f"{path}: metadata {key!r} = {value} must be finite")
     tokens = md.get("tokenizer.ggml.tokens")
-    n_vocab = len(tokens) if isinstance(tokens, list) else _int(path, md, p + "vocab_size", 1, MAX_VOCAB)
+    n_vocab = len(tokens) if isinstance(tokens, (list, StringArray)) else _int(path, md, p + "vocab_size", 1, MAX_VOCAB)
     if not 1 <= n_vocab <= MAX_VOCAB:
         raise HeaderError(f"{path}: the vocabulary has {n_vocab} tokens, outside 1..{MAX_VOCAB}")
     hp = dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, dk=dk, dv=dv, n_vocab=n_vocab)

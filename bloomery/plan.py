@@ -32,6 +32,7 @@ from bloomery.engine.cuda import sizes as cuda_sizes
 from bloomery.engine.cuda.sizes import DECODE_ROWS as CUDA_DECODE_ROWS, SCORE_BYTES as CUDA_SCORE_BYTES, UBATCH as CUDA_UBATCH
 from bloomery import offload
 from bloomery.engine.limits import CTX_CHECKPOINTS
+from bloomery.gguf_file import StringArray
 from bloomery.placement import GIB, DeviceNeed, Placement, Terms, gib
 from bloomery.placement_flags import FIT_CTX, FIT_TARGET_MIB, PlacementAsk
 
@@ -134,7 +135,7 @@ def model_facts(gguf_file) -> ModelFacts:
     else:
         n_ff = _int_key(meta, f"{arch}.feed_forward_length")
     tokens = meta.get("tokenizer.ggml.tokens")
-    n_vocab = len(tokens) if isinstance(tokens, list) else _int_key(meta, f"{arch}.vocab_size")
+    n_vocab = len(tokens) if isinstance(tokens, (list, StringArray)) else _int_key(meta, f"{arch}.vocab_size")
     by_type: dict[str, int] = {}
     n_weights = max_elems = 0
     for t in gguf_file.tensors.values():

@@ -41,6 +41,7 @@ from bloomery.sdnotify import Notifier, pulse
 from bloomery.socket_activation import listening_socket
 from bloomery.settings import Settings, SettingsError
 from bloomery.stage_runner import StageFailed, StageRunner, runtime_dir  # noqa: F401  (runtime_dir: tests)
+from bloomery.stages.common import import_numpy_one_blas_thread
 
 EXIT_REFUSED = 1          # a stage refused the start (file, plan) or a flag was refused
 EXIT_ENGINE = 70          # the engine died (serving guide 8.3)
@@ -218,7 +219,6 @@ class Supervisor:
         self.gate.app = make_app(s, tokenizer, template, self.client, ready.info,
                                  log=lambda line: record(self.life.phase.value, line))   # the per-request records
         self.gate.app.residency.start()     # --sleep-idle-seconds: the idle watch
-        workpool.warm()
         self.life.advance(Phase.READY, name=ready.info.name, n_ctx=ready.info.n_ctx, slots=ready.info.n_slots)
         return await self._serve(engine)
 
@@ -306,6 +306,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(subprocess.call([sys.executable, "-m", "bloomery.census"]))
     for message, kv in s.notes:
         record("start", message, **kv)
+    import_numpy_one_blas_thread()      # the front's numpy (the GGUF header, the API) multiplies no matrix
     sys.setswitchinterval(workpool.SWITCH_INTERVAL_S)
     code = uvloop.run(Supervisor(s).run())
     exit_now(code, log_file)

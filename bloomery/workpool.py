@@ -31,6 +31,7 @@ PROCESS_BYTES = 256 << 10       # a body this large is parsed in the parser proc
 _pool: ThreadPoolExecutor | None = None
 _parser: ProcessPoolExecutor | None = None
 _helpers: list[ProcessPoolExecutor] = []     # every helper process pool started (the parser, the tokenizer)
+_parser_lock = threading.Lock()
 
 
 def pool() -> ThreadPoolExecutor:
@@ -48,9 +49,10 @@ async def run(fn: Callable[..., T], *args) -> T:
 def parser() -> ProcessPoolExecutor:
     """One parser process, spawned (the supervisor holds threads and a ZeroMQ context: no fork)."""
     global _parser
-    if _parser is None:
-        _parser = _helper(_die_with_parent, (os.getpid(),))
-    return _parser
+    with _parser_lock:
+        if _parser is None:
+            _parser = _helper(_die_with_parent, (os.getpid(),))
+        return _parser
 
 
 def _helper(initializer, initargs) -> ProcessPoolExecutor:
@@ -74,14 +76,13 @@ def shutdown() -> None:
     _parser = None
 
 
-def warm() -> None:
-    """Start the parser process now, so the first large body does not wait for it."""
-    parser().submit(int)
-
-
 async def in_parser(fn: Callable[..., T], *args) -> T:
-    """fn(*args) in the parser process (fn and its answer must pickle)."""
-    return await asyncio.get_running_loop().run_in_executor(parser(), fn, *args)
+    """fn(*args) in the parser process (fn and its answer must pickle). The process starts with the first
+    large body, not with the server: it is a Python start that imports the supervisor's modules (about
+    0.25 s of CPU), spent on every start while most servers never see a body this large. The submit runs
+    in a worker thread, since the first one spawns the process (the event loop does not wait for that)."""
+    fut = await asyncio.to_thread(lambda: parser().submit(fn, *args))
+    return await asyncio.wrap_future(fut)
 
 
 CHUNK_ITEMS = 1024      # a list longer than this is encoded a slice at a time (the GIL changes hands between)
@@ -139,6 +140,8 @@ def _die_with_parent(parent_pid: int) -> None:
 def _load_worker_tokenizer(parent_pid: int, path: str) -> None:
     global _worker_tok
     _die_with_parent(parent_pid)
+    from bloomery.stages.common import import_numpy_one_blas_thread
+    import_numpy_one_blas_thread()
     from bloomery.gguf_file import open_gguf
     from bloomery.tokenizer import Tokenizer
     with open_gguf(path) as gf:

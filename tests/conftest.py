@@ -24,6 +24,17 @@ def load_tool(name: str):
     return mod
 
 
+# --- start cost (tools/bench_start_cpu.py) ---
+def pytest_configure(config):
+    """bloomery's modules compiled to __pycache__ once, before any server starts. With PYTHONDONTWRITEBYTECODE
+    set (as on this machine, and in the units) no process writes them, so every process of every server's
+    start (about 200 a full run: supervisor, stages, tokenizer process) compiled each module it imports from
+    source again: about 0.2 s of CPU a start. A process still reads a .pyc that is there; compileall writes
+    whatever the flag, and skips the ones that are current."""
+    import compileall
+    compileall.compile_dir(str(REPO / "bloomery"), quiet=2, workers=1)
+
+
 # fixtures that read the real model file: a test using one is real_model, marked or not (the marker's
 # meaning), so the fast tier (-m "not slow and not real_model") leaves it out; one that needs llama.cpp's
 # source tree (a 180 MB unpack on first use) is slow. (make_synthetic still borrows the real file's

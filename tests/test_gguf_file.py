@@ -288,3 +288,90 @@ def test_split_keys_without_split_name(tmp_path):
     lone = tmp_path / "renamed.gguf"
     paths[0].rename(lone)
     refused(lone, "split.count=2", "does not follow")
+
+
+# --- string arrays: bounded at open, decoded on first read -----------------------
+
+def string_array(items: list[bytes]):
+    from bloomery.gguf_file import StringArray
+    offsets = np.array([sum(8 + len(x) for x in items[:i]) for i in range(len(items))], np.int64)
+    return StringArray(b"".join(s(x) for x in items), offsets)
+
+
+def test_string_array_reads_as_the_list_it_packs(tmp_path):
+    gf = open_gguf(str(good_file(tmp_path)))
+    tokens = gf.get("tokenizer.ggml.tokens")
+    assert len(tokens) == 3 and tokens._items is None            # the count without decoding
+    assert tokens == ["a", "bc", "Ġd"] and list(tokens) == ["a", "bc", "Ġd"] and tokens[1:] == ["bc", "Ġd"]
+    assert tokens[-1] == "Ġd" and tokens._items is not None
+    assert tokens != ["a", "bc"] and tokens != "abc"
+    gf.close()
+    assert tokens[0] == "a"                                       # its own bytes: the file may be closed
+
+
+@pytest.mark.parametrize("items,ok", [
+    ([b"a", b"", "é中".encode(), "🙂".encode()], True),
+    ([], True),
+    ([b"a", b"b\xfe"], False),
+    ([b"\xc3", b"\xa9"], False),                  # each half of one character: the join alone would pass
+    ([b"\xc3", b"", b"\xa9x"], False),
+    ([b"x\xed\xa0\x80"], False),                  # an encoded surrogate
+    ([b"\xc0\xaf"], False),                       # an overlong form
+])
+def test_string_array_all_utf8_matches_a_per_item_check(items, ok):
+    arr = string_array(items)
+    assert arr.all_utf8() is ok
+    per_item = all(x.encode("utf-8", "surrogateescape").decode("utf-8", "strict") is not None
+                   if not any(0xdc80 <= ord(c) <= 0xdcff for c in x) else False for x in arr)
+    assert per_item is ok and arr.all_utf8() is ok                # decoded now: the same answer
+
+
+def test_a_packed_vocabulary_that_is_not_utf8_is_refused_by_element():
+    from bloomery.header_check import HeaderError, check_strings
+    arr = string_array([b"a", b"\xc3", b"\xa9"] + [b"x"] * 600)
+    with pytest.raises(HeaderError) as e:
+        check_strings("m.gguf", {"tokenizer.ggml.tokens": arr}, {})
+    assert "tokenizer.ggml.tokens'[1]" in str(e.value) and "0xc3" in str(e.value)
+
+
+@pytest.mark.parametrize("items", [
+    [b"a\xff", b"b"], [b"\xff"], [b"", b""], [b""], [b"x", b"\xed\xa0\x80", b"y"], [b"\xc3", b"\xa9"], [b"ok", b"\x80"],
+])
+def test_string_array_decodes_each_element_as_the_reader_always_did(items):
+    arr = string_array(items)
+    assert list(arr) == [x.decode("utf-8", "surrogateescape") for x in items]
+
+
+def test_a_real_vocabulary_decodes_in_one_pass_to_the_same_strings(tokenizer_source):
+    with open_gguf(str(tokenizer_source)) as gf:
+        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+            arr = gf.get(key)
+            assert arr.all_utf8() and arr._items is None
+            one_by_one = type(arr)(arr._raw, arr._offsets)._decode_each()
+            assert list(arr) == one_by_one and len(one_by_one) > 150_000
+
+
+@pytest.mark.parametrize("tail,words", [
+    (struct.pack("<Q", 1000) + b"xy", ("element 2 of 'tok'", "(1000 bytes)")),
+    (struct.pack("<Q", 2**64 - 1), ("element 2 of 'tok'",)),
+    (b"\x01\x00", ("element 2 of 'tok' length",)),
+])
+def test_a_string_array_that_runs_past_the_end_names_its_element(tmp_path, tail, words):
+    arr = kv("tok", VT.ARRAY, struct.pack("<IQ", VT.STRING, 3) + s("aaaa") + s("bbbb") + tail)
+    refused(raw_file(tmp_path, [arr], []), "truncated", *words)
+
+
+def test_string_array_find_matches_whole_elements_only():
+    import struct
+
+    import numpy as np
+
+    from bloomery.gguf_file import StringArray
+    items = ["a<|im_start|>", "<|im_start|>x", "<|im_start|>", "b", "<|im_start|>"]
+    raw, offsets = b"", []
+    for t in items:
+        offsets.append(len(raw))
+        raw += struct.pack("<Q", len(t.encode())) + t.encode()
+    arr = StringArray(raw, np.array(offsets, np.int64))
+    assert arr.find("<|im_start|>") == 2 and arr.find("b") == 3 and arr.find("zz") is None
+    assert arr.find("<|im_start|>") == list(arr).index("<|im_start|>") == arr.find("<|im_start|>")   # decoded too

@@ -94,3 +94,15 @@ def test_the_tokenizer_process_starts_with_the_first_long_text(tokenizer_source)
     assert split.encode(text) == tok.encode(text)
     assert len(workpool._helpers) == before + 1
     workpool.shutdown()
+
+
+def test_the_parser_process_starts_with_the_first_large_body():
+    """No parser process at the server's start (workpool.in_parser starts it, off the event loop); its answer
+    is the one parse_checked gives here."""
+    import asyncio
+    workpool.shutdown()
+    assert workpool._parser is None
+    body = json.dumps({"prompt": "x" * workpool.PROCESS_BYTES, "n_predict": 1}).encode()
+    assert asyncio.run(workpool.in_parser(limits.parse_checked, body)) == limits.parse_checked(body)
+    assert workpool._parser is not None
+    workpool.shutdown()

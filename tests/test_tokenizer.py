@@ -322,3 +322,19 @@ def test_llama_cpp_vocab_fixtures(name, llama_cpp_src):
     for text, want in zip(texts, wants, strict=True):
         want_ids = [int(x) for x in want.split()]
         assert tok.encode(text, add_special=False, parse_special=False) == want_ids, text
+
+
+def test_merge_ranks_keyed_by_the_stored_merge_answer_as_pairs_did():
+    """parse_merges keys by "LEFT RIGHT"; the encoder's symbols (the byte alphabet) hold no space, so a
+    pair's key finds the merge that cuts to it at the first space after its first character, first rank kept."""
+    from bloomery.tokenizer.bpe import BYTE_TO_CHAR, parse_merges
+    assert " " not in BYTE_TO_CHAR
+    merges = ["", " ", "a", "a b", " a b", "ab  c", "a b c", "Ġ t", "é 中", "a b", "x y"]
+    by_pair: dict = {}
+    for rank, m in enumerate(merges):
+        cut = m.find(" ", 1)
+        by_pair.setdefault((m[:cut], m[cut + 1:]) if cut >= 0 else ("", ""), rank)
+    ranks = parse_merges(merges)
+    for left in ("a", "ab", "Ġ", "é", "x", "b"):
+        for right in ("b", "c", "t", "中", "y", "b c"[:1]):
+            assert ranks.get(left + " " + right) == by_pair.get((left, right)), (left, right)

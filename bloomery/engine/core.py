@@ -49,7 +49,7 @@ from bloomery.engine.prompt_cache import PromptCache
 from bloomery.engine.sampler import Sample, Sampler, SamplerError
 from bloomery.engine.scheduler import Scheduler, Slot
 from bloomery.engine.types import EngineRequest, TokenOut
-from bloomery.grammar import GrammarError, Matcher, Vocab
+from bloomery.grammar import GrammarError
 
 
 # llama.cpp's pooling types over the final-norm rows [T, D] of one prompt -> [R, D] (rank is not served: it needs
@@ -535,8 +535,10 @@ class Engine:
             gf = self.model.gf
             if gf is None:
                 raise GrammarError("this model carries no vocabulary to run structured output against")
+            from bloomery.grammar import Vocab
             from bloomery.tokenizer import Tokenizer
             self._grammar_vocab = Vocab.from_tokenizer(Tokenizer.from_gguf(gf.metadata), self.n_vocab)
+        from bloomery.grammar import Matcher       # llguidance: with the first grammar, not at the start
         return Matcher(req.sampling.grammar, self._grammar_vocab, req.stop_ids)
 
     def _embed(self, slot: Slot) -> TokenOut:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from bloomery.engine.types import SamplingParams, TokenProb
-from bloomery.grammar.matcher import GrammarError
+from bloomery.grammar import GrammarError
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF
 FLOAT32_LOWEST = float(np.finfo(np.float32).min)   # llama-server's logprob of a 0 probability

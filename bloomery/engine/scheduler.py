@@ -45,8 +45,11 @@ def message_start_id(metadata: dict) -> int | None:
     carry it (the serving guide, section 6), else None."""
     tokens = metadata.get("tokenizer.ggml.tokens")
     template = metadata.get("tokenizer.chat_template")
-    if not isinstance(tokens, list) or not isinstance(template, str) or MESSAGE_START not in template:
+    if not isinstance(template, str) or MESSAGE_START not in template:
         return None
+    if not isinstance(tokens, list):          # gguf_file.StringArray, the header's packed form: its find()
+        find = getattr(tokens, "find", None)  # looks without decoding the vocabulary
+        return find(MESSAGE_START) if callable(find) and not isinstance(tokens, (str, bytes)) else None
     try:
         return tokens.index(MESSAGE_START)
     except ValueError:

@@ -23,26 +23,12 @@ import llguidance as llg
 from llguidance import gbnf_to_lark as _g2l
 from llguidance.gbnf_to_lark import GbnfToLarkError
 
+from bloomery.grammar.errors import GrammarSyntaxError, SchemaError
+
 JSON_OPTIONS = {"whitespace_pattern": r"(?: |\n{1,2}[ \t]{0,20})?", "json_allow_general_unicode_escapes": True}
 MAX_GRAMMAR_CHARS = 1 << 20
 # the maps whose keys are names, not keywords (a property called "not" is no keyword)
 _NAME_MAPS = frozenset({"properties", "$defs", "definitions", "patternProperties", "dependentSchemas"})
-
-
-class SchemaError(ValueError):
-    """A schema (or grammar) the engine cannot serve; keyword and path say where."""
-
-    def __init__(self, message: str, keyword: str = "", path: str = ""):
-        super().__init__(message)
-        self.keyword, self.path = keyword, path
-
-
-class GrammarSyntaxError(ValueError):
-    """An invalid GBNF grammar: line and column (1-based) of the fault."""
-
-    def __init__(self, message: str, line: int, column: int):
-        super().__init__(f"invalid GBNF grammar at line {line}, column {column}: {message}")
-        self.line, self.column = line, column
 
 
 # -- schemas -----------------------------------------------------------------------------

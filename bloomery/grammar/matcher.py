@@ -13,19 +13,18 @@ from __future__ import annotations
 
 import concurrent.futures
 
-import llguidance as llg
 import numpy as np
+
+from bloomery.grammar.errors import GrammarError
 
 NEG_INF = np.float32(-np.inf)
 _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-mask")
 
 
-class GrammarError(ValueError):
-    """A grammar the engine cannot run, an id it did not allow, or a state no id can continue."""
-
-
 class Matcher:
     def __init__(self, grammar: str, vocab, stop_ids=()):
+        import llguidance as llg     # with the first grammar: no server pays for its import at start
+
         self.vocab = vocab
         self.m = llg.LLMatcher(vocab.lltok, grammar, log_level=0)
         if self.m.is_error():

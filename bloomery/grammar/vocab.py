@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import llguidance as llg
 
 SPECIAL = b"\xff"
 
@@ -49,6 +48,7 @@ class Vocab:
         self.token_bytes = pieces
         self.eog_ids = frozenset(int(i) for i in eog_ids)
         eos = sorted(self.eog_ids)
+        import llguidance as llg     # with the first grammar: no server pays for its import at start
         self.lltok = llg.LLTokenizer(llg.TokenizerWrapper(_Wrapper(pieces, eos[0] if eos else 0, encode)),
                                      n_vocab=self.n_vocab, eos_token=eos or None)
 

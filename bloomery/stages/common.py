@@ -19,6 +19,7 @@ from bloomery import records
 from bloomery.messages import stage as sm
 
 PR_SET_PDEATHSIG = 1
+BLAS_THREADS_VAR = "OPENBLAS_NUM_THREADS"
 
 
 class StageRefusal(Exception):
@@ -32,6 +33,21 @@ def die_with_parent() -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
         pass                               # not Linux: the engine loop also polls getppid()
+
+
+def import_numpy_one_blas_thread() -> None:
+    """numpy imported with its OpenBLAS on one thread, in a process that multiplies no matrix worth more
+    (the supervisor, the plan stage, the tokenizer process): as it loads, OpenBLAS starts a thread per core,
+    about 0.1 s of CPU of every such process's start. The variable is set for the import only, so the
+    processes this one starts later (the engine, whose kernels use those threads: engine/quant/threads.py;
+    a router's servers) see the environment as it was. A value the user set is kept."""
+    if "numpy" in sys.modules or BLAS_THREADS_VAR in os.environ:
+        return
+    os.environ[BLAS_THREADS_VAR] = "1"
+    try:
+        import numpy  # noqa: F401
+    finally:
+        del os.environ[BLAS_THREADS_VAR]
 
 
 def parent_alive(ppid: int) -> bool:

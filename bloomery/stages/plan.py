@@ -13,7 +13,7 @@ from bloomery import records
 from bloomery.messages import codec, stage as sm
 from bloomery.placement_flags import PlacementAsk
 from bloomery.engine.models.registry import ARCHS as SEATS
-from bloomery.stages.common import StageRefusal, run_stage
+from bloomery.stages.common import StageRefusal, import_numpy_one_blas_thread, run_stage
 from bloomery.stages.meta import model_meta
 
 
@@ -87,6 +87,7 @@ def make(args: dict, gf, census):
 
 
 def main(args: dict) -> int:
+    import_numpy_one_blas_thread()
     from bloomery.census import take_census
     from bloomery.gguf_file import GGUFError, open_gguf
 

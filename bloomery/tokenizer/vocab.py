@@ -7,7 +7,9 @@ they decide which spellings split as special tokens and which pieces render.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 
 from .errors import TokenizerError
 from .pretok import PRE_TYPES, PreType, pre_type_for
@@ -86,7 +88,7 @@ def _get_list(meta: dict, key: str, required: bool) -> list | None:
         if required:
             raise TokenizerError(f"GGUF metadata lacks '{key}'; the tokenizer cannot be built")
         return None
-    if not isinstance(value, (list, tuple)):
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):   # a list, or the reader's StringArray
         raise TokenizerError(f"GGUF metadata '{key}' must be an array, got {type(value).__name__}")
     return list(value)
 
@@ -113,13 +115,15 @@ def load_vocab(meta: dict) -> Vocab:
     if model not in ("gpt2", "llama"):
         raise TokenizerError(f"tokenizer.ggml.model = {model!r} is not supported "
                              f"(supported: 'gpt2' byte-level BPE, 'llama' SPM)")
-    texts = [str(t) for t in _get_list(meta, _K + "tokens", True)]
+    # 150,000-entry tables: built with C-level calls (map, zip) where the rule allows, a few ms each
+    texts = list(map(str, _get_list(meta, _K + "tokens", True)))
     n_vocab = len(texts)
     if n_vocab == 0:
         raise TokenizerError("tokenizer.ggml.tokens is empty")
-    for i, t in enumerate(texts):
-        if t == "":
-            texts[i] = f"[EMPTY_{i}]"   # llama.cpp renames empty tokens the same way
+    if "" in texts:
+        for i, t in enumerate(texts):
+            if t == "":
+                texts[i] = f"[EMPTY_{i}]"   # llama.cpp renames empty tokens the same way
     types = _get_list(meta, _K + "token_type", False)
     if types is not None and len(types) < n_vocab:
         raise TokenizerError(f"tokenizer.ggml.token_type has {len(types)} entries, "
@@ -129,8 +133,8 @@ def load_vocab(meta: dict) -> Vocab:
         raise TokenizerError(f"tokenizer.ggml.scores has {len(scores)} entries, "
                              f"fewer than the {n_vocab} tokens")
     attrs = [ATTR_NORMAL] * n_vocab if types is None else \
-        [_TYPE_TO_ATTR.get(int(t), ATTR_UNDEFINED) for t in types[:n_vocab]]
-    text_to_id = {t: i for i, t in enumerate(texts)}   # a duplicate spelling keeps the last id
+        list(map(_TYPE_TO_ATTR.get, map(int, types[:n_vocab]), repeat(ATTR_UNDEFINED)))
+    text_to_id = dict(zip(texts, range(n_vocab)))   # a duplicate spelling keeps the last id
 
     pre_name = meta.get(_K + "pre")
     if model == "gpt2":

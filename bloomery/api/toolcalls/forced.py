@@ -22,7 +22,8 @@ from __future__ import annotations
 import json
 
 from bloomery.api.toolcalls.request import Tool, ToolRequest
-from bloomery.grammar import SchemaError, lark_grammar, lark_literal, schema_rule
+from bloomery import grammar as grammars       # its compilers (and llguidance) load with the first call
+from bloomery.grammar import SchemaError
 
 
 OPENER = "<tool_call>"
@@ -30,16 +31,17 @@ OPENER = "<tool_call>"
 
 def _hermes_call(i: int, tool: Tool, loose: bool = False) -> list[str]:
     """Rule call_i: one call of the tool, after its opener (loose: any JSON object as its arguments)."""
-    args = schema_rule({"type": "object"} if loose else tool.parameters, f"tools[{tool.name}].parameters")
+    args = grammars.schema_rule({"type": "object"} if loose else tool.parameters, f"tools[{tool.name}].parameters")
     head = '\n{"name": ' + json.dumps(tool.name, ensure_ascii=False) + ', "arguments": '
-    return [f"call_{i}: {lark_literal(head)} args_{i} {lark_literal(chr(125) + chr(10) + '</tool_call>')}",
+    tail = grammars.lark_literal(chr(125) + chr(10) + '</tool_call>')
+    return [f"call_{i}: {grammars.lark_literal(head)} args_{i} {tail}",
             f"args_{i}: {args}"]
 
 
 def _coder_call(i: int, tool: Tool, loose: bool = False) -> list[str]:
     params = tool.parameters
     where = f"tools[{tool.name}].parameters"
-    schema_rule(params, where)                 # the whole schema, checked once
+    grammars.schema_rule(params, where)        # the whole schema, checked once
     if not isinstance(params, dict) or params.get("type", "object") != "object" or \
             {"anyOf", "oneOf", "allOf", "$ref"} & set(params):
         raise SchemaError(f"{where}: parameters that are not a plain object schema cannot be forced in the "
@@ -50,17 +52,18 @@ def _coder_call(i: int, tool: Tool, loose: bool = False) -> list[str]:
     names = [k for k in props if k in required] + [k for k in props if k not in required]
     for j, name in enumerate(names):
         sub = props[name]
-        head = lark_literal(f"<parameter={name}>\n")
+        head = grammars.lark_literal(f"<parameter={name}>\n")
         if isinstance(sub, dict) and sub.get("type") == "string" and not ({"enum", "const"} & set(sub)):
             rules.append(f"p_{i}_{j}: {head} v_{i}_{j} \"\\n\"")
             rules.append(f"v_{i}_{j}[lazy]: /(?s:.*)\\n<\\/parameter>/")
         else:
             defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
-            rules.append(f"p_{i}_{j}: {head} {schema_rule({**sub, **defs}, f'{where}/properties/{name}')} "
-                         f"{lark_literal(chr(10) + '</parameter>' + chr(10))}")
+            rules.append(f"p_{i}_{j}: {head} {grammars.schema_rule({**sub, **defs}, f'{where}/properties/{name}')} "
+                         f"{grammars.lark_literal(chr(10) + '</parameter>' + chr(10))}")
         parts.append(f"p_{i}_{j}" + ("" if name in required else "?"))
-    opener = lark_literal(f"\n<function={tool.name}>\n")
-    rules.insert(0, f"call_{i}: {opener} {' '.join(parts)} {lark_literal('</function>' + chr(10) + '</tool_call>')}")
+    opener = grammars.lark_literal(f"\n<function={tool.name}>\n")
+    closer = grammars.lark_literal('</function>' + chr(10) + '</tool_call>')
+    rules.insert(0, f"call_{i}: {opener} {' '.join(parts)} {closer}")
     return rules
 
 
@@ -77,9 +80,9 @@ def forced_call_grammar(framing: str | None, treq: ToolRequest) -> str:
     if framing is None:
         raise SchemaError("this model's chat template writes no tool-call markup this server knows, so "
                           "tool_choice cannot force a call", "tool_choice")
-    op = lark_literal(OPENER)
+    op = grammars.lark_literal(OPENER)
     start = f'start: {op} call ("\\n" {op} call)*' if treq.parallel else f"start: {op} call"
-    return lark_grammar("\n".join([start] + _call_rules(framing, treq.forced_tools())) + "\n", "tools")
+    return grammars.lark_grammar("\n".join([start] + _call_rules(framing, treq.forced_tools())) + "\n", "tools")
 
 
 def auto_call_grammar(framing: str | None, treq: ToolRequest) -> str | None:
@@ -88,11 +91,11 @@ def auto_call_grammar(framing: str | None, treq: ToolRequest) -> str | None:
     (the reply is then read as before, unconstrained)."""
     if framing is None or not any(t.strict for t in treq.tools):
         return None
-    more = f' ("\\n" {lark_literal(OPENER)} call)*' if treq.parallel else ""
+    more = f' ("\\n" {grammars.lark_literal(OPENER)} call)*' if treq.parallel else ""
     rules = ["start: FREE | before call" + more,
              f"FREE: /(?s:.*)/ & ~/(?s:.*){OPENER}(?s:.*)/",
              f"before[lazy]: /(?s:.*){OPENER}/"]
     try:
-        return lark_grammar("\n".join(rules + _call_rules(framing, treq.tools, True)) + "\n", "tools")
+        return grammars.lark_grammar("\n".join(rules + _call_rules(framing, treq.tools, True)) + "\n", "tools")
     except SchemaError:
         return None

@@ -16,7 +16,8 @@ from bloomery.api.params import GenParams, field_error
 from bloomery.api.reasoning import ReasoningSettings
 from bloomery.api.toolcalls.forced import auto_call_grammar, forced_call_grammar
 from bloomery.api.toolcalls.request import ToolRequest
-from bloomery.grammar import SchemaError, after_prefix, json_object_grammar, schema_grammar
+from bloomery import grammar as grammars       # its compilers (and llguidance) load with the first call
+from bloomery.grammar import SchemaError
 
 
 def response_format_grammar(rf: object) -> str | None:
@@ -30,12 +31,12 @@ def response_format_grammar(rf: object) -> str | None:
         return None
     if kind == "json_object":
         schema = rf.get("schema")      # llama-server also takes a schema here
-        return json_object_grammar() if schema is None else schema_grammar(schema)
+        return grammars.json_object_grammar() if schema is None else grammars.schema_grammar(schema)
     if kind == "json_schema":
         js = rf.get("json_schema")
         if not isinstance(js, dict) or "schema" not in js:
             raise field_error("response_format", "json_schema needs {\"json_schema\": {\"schema\": {...}}}")
-        return schema_grammar(js["schema"])
+        return grammars.schema_grammar(js["schema"])
     raise field_error("response_format", f"type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
 
 
@@ -70,7 +71,7 @@ def apply_structured(p: GenParams, body: dict, treq: ToolRequest, framing: str |
     if p.ignore_eos:
         raise field_error("ignore_eos", "ignore_eos beside structured output is not served (the grammar ends it)")
     if think_open:
-        grammar = after_prefix(grammar, "</think>\n\n")
+        grammar = grammars.after_prefix(grammar, "</think>\n\n")
     sampling = replace(p.sampling, grammar=grammar)
     if not temperature_set:
         sampling = replace(sampling, temperature=0.0)

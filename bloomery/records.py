@@ -1,10 +1,8 @@
 """Records: one line each on stderr, `TIME LEVEL [phase] component: message k=v ...` or one JSON object.
 
-Every module writes through record(), which stamps the time (UTC, ISO 8601, as
-structlog's TimeStamper(fmt="iso", utc=True) writes it, which this module used
-until its import, about 0.1 s of every process's start, was the largest part of a
-stage's) and the level; the record then goes through a redaction step (no API key
-is ever printed) to one of two sinks:
+Every module writes through record(). structlog's own processors stamp the time
+(UTC, ISO 8601) and the level; the event then goes through a redaction step (no
+API key is ever printed) to one of two sinks:
 - the supervisor (and any tool): the line goes to stderr;
 - a stage process (configure(push_addr=...)): the record goes to the
   supervisor's PULL socket as a typed Record message, and the supervisor
@@ -14,10 +12,11 @@ The supervisor's --log-format text|json (--log-jsonl), --no-log-prefix and
 """
 from __future__ import annotations
 
-import datetime
 import json
 import sys
 import threading
+
+import structlog
 
 from bloomery.messages import stage as sm
 
@@ -26,7 +25,7 @@ _secrets: set[str] = set()
 _state: dict = {"component": "bloomery-serve", "push": None, "stream": None, "lost": 0,
                 "format": "text", "prefix": True, "timestamps": True}
 _RESERVED = ("time", "level", "phase", "component", "message")
-_UTC = datetime.timezone.utc
+_stamp = structlog.processors.TimeStamper(fmt="iso", utc=True, key="time")
 _lock = threading.Lock()
 
 
@@ -48,8 +47,7 @@ def _value(v: object) -> str:
 
 
 def now() -> str:
-    """The time of a record: UTC, ISO 8601, microseconds, `Z` (2026-01-02T03:04:05.000006Z)."""
-    return datetime.datetime.now(tz=_UTC).isoformat().replace("+00:00", "Z")
+    return _stamp(None, "", {})["time"]
 
 
 def format_record(rec: sm.Record) -> str:
@@ -67,6 +65,22 @@ def format_record(rec: sm.Record) -> str:
 
 def _scalar(v: object) -> sm.Scalar:
     return v if v is None or isinstance(v, (str, int, float, bool)) else str(v)
+
+
+def _to_record(_logger, method: str, event: dict) -> sm.Record:
+    level = str(event.pop("level", method))          # structlog's add_log_level
+    time = str(event.pop("time", ""))                 # structlog's TimeStamper
+    phase = event.pop("phase", "-")
+    component = event.pop("component", None) or _state["component"]
+    message = str(event.pop("event", ""))
+    fields = {k: ("***" if k.lower() in _SECRET_FIELDS else _scalar(v)) for k, v in event.items()}
+    return sm.Record(str(phase), str(component), message, fields, level, time)
+
+
+def _sink(_logger, level: str, event: dict) -> str:
+    rec = _to_record(_logger, level, event)
+    emit(rec)
+    raise structlog.DropEvent
 
 
 def emit(rec: sm.Record) -> None:
@@ -106,6 +120,8 @@ def configure(component: str = "bloomery-serve", push_addr: str | None = None, c
         sock.setsockopt(zmq.LINGER, 2000)      # records queued at exit still reach the supervisor
         sock.connect(push_addr)
         _state["push"] = sock
+    structlog.configure(processors=[structlog.processors.add_log_level, _stamp, _sink],
+                        cache_logger_on_first_use=False)
 
 
 def configure_format(log_format: str = "text", prefix: bool = True, timestamps: bool = True,
@@ -127,9 +143,9 @@ def send(msg) -> None:
 
 
 def record(phase: str, message: str, component: str | None = None, level: str = "info", **kv) -> None:
-    """One record: `[phase] component: message k=v ...`; a level other than info, warning or error is info.
-    A field named like a record's own part gets a `field_` prefix; a secret field's value prints as ***."""
-    fields = {(f"field_{k}" if k in _RESERVED else k): ("***" if k.lower() in _SECRET_FIELDS else _scalar(v))
-              for k, v in kv.items()}
-    emit(sm.Record(str(phase), str(component or _state["component"]), str(message), fields,
-                   level if level in ("info", "warning", "error") else "info", now()))
+    """One record: `[phase] component: message k=v ...`."""
+    if not structlog.is_configured():
+        configure(_state["component"], stream=_state["stream"])
+    kv = {(f"field_{k}" if k in _RESERVED else k): v for k, v in kv.items()}    # structlog sets time itself
+    getattr(structlog.get_logger(), level if level in ("info", "warning", "error") else "info")(
+        message, phase=phase, component=component, **kv)

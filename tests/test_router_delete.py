@@ -119,6 +119,7 @@ def test_what_is_no_cache_model_is_refused_by_name(tmp_path, cache, monkeypatch,
         "code": 500, "message": "model name=nope/none:Q8_0 is not found", "type": "server_error"}})
     assert delete(router, None) == (400, {"error": {
         "code": 400, "message": "model must be a non-empty string", "type": "invalid_request_error"}})
+    assert post(router, "/models", {"model": DOWNLOADED})[0] == 501          # downloads stay refused by name
     assert files(tmp_path) == before
     assert {"local", "mine", INFILL} <= {m["id"] for m in get(router, "/models")[1]["data"]}
     loop.run_until_complete(router.close())

@@ -54,7 +54,7 @@ def test_a_cached_model_leaves_the_cache_and_the_list_and_nothing_else_does(tmp_
     monkeypatch.setattr(pool_module, "Child", StandInChild)
     hub = Path(cache["LLAMA_CACHE"])
     model = tmp_path / "model.gguf"         # the file each of the suite's blobs links to
-    # a split model whose two shards and projector sit beside a Q8_0 twin sharing the first shard's blob
+    # a split Q4_K_M (two shards) beside its projector, a Q8_0, a copy linking to shard 1 and a repo linking to 2
     folder = hub_repo(hub, "owner/Split-GGUF")
     blobs = {n: folder / "blobs" / n for n in ("s1", "s2", "proj", "q8")}
     for b in blobs.values():
@@ -67,6 +67,8 @@ def test_a_cached_model_leaves_the_cache_and_the_list_and_nothing_else_does(tmp_
         link(snap / name, os.path.relpath(blobs[blob], (snap / name).parent))
     (folder / "refs").mkdir()
     (folder / "refs" / "main").write_text(COMMIT)
+    other = hub_repo(hub, "owner/Other-GGUF") / "snapshots" / COMMIT / "Other-Q2_K.gguf"   # another repo's link
+    link(other, os.path.relpath(blobs["s2"], other.parent))
     before = files(hub)
     env = {**cache}
     router = Router(catalog(None, env), [], env, models_max=0, autoload=True)
@@ -75,8 +77,9 @@ def test_a_cached_model_leaves_the_cache_and_the_list_and_nothing_else_does(tmp_
     assert delete(router, "owner/Split-GGUF:Q4_K_M") == (200, {"success": True})
     rel = os.path.relpath(folder, hub)
     gone = {f"{rel}/snapshots/{COMMIT}/Split-Q4_K_M-00001-of-00002.gguf",
-            f"{rel}/snapshots/{COMMIT}/Split-Q4_K_M-00002-of-00002.gguf", f"{rel}/blobs/s2"}
-    assert files(hub) == before - gone      # s1 stays: another snapshot entry links to it; the projector stays
+            f"{rel}/snapshots/{COMMIT}/Split-Q4_K_M-00002-of-00002.gguf"}
+    assert files(hub) == before - gone      # s1 and s2 stay (another snapshot, another repo link to them), and the
+    assert other.read_bytes() == b"GGUF"    # projector; the unshared blob's case: the suite's entry below
     listed = {m["id"] for m in get(router, "/models")[1]["data"]}
     assert "owner/Split-GGUF:Q4_K_M" not in listed and {"owner/Split-GGUF:Q8_0", GEMMA, STORIES} <= listed
     assert "owner/Split-GGUF:Q4_K_M" not in catalog(None, env)          # a reload does not bring it back

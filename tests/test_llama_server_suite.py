@@ -84,6 +84,7 @@ def test_wrapper_adds_no_warmup_only_when_run_asks(monkeypatch):
     wrapper, selection = _load("wrapper"), _load("selection")
     assert selection.NO_GENERATION <= set(selection.SERVED)
     seen = []
+    monkeypatch.delenv("LLAMA_CACHE", raising=False)
     monkeypatch.setattr(wrapper.os, "execv", lambda path, argv: seen.append(argv))
     for target, flag in (("bloomery", "1"), ("bloomery", "0"), ("/bin/llama-server", "1")):
         monkeypatch.setenv("BLOOMERY_SUITE_TARGET", target)
@@ -92,6 +93,30 @@ def test_wrapper_adds_no_warmup_only_when_run_asks(monkeypatch):
         monkeypatch.setattr(wrapper.sys, "argv", ["wrapper.py", "--port", "1", "-hf", "x"])
         wrapper.main()
     assert [a[-1] == "--no-warmup" for a in seen] == [True, False, False]
+
+
+def test_wrapper_puts_back_the_router_tests_cache(monkeypatch, tmp_path):
+    """test_router_download_model removes MODEL_DOWNLOAD_ID and cannot fetch it again here; the next server start
+    finds it cached again (test_router_delete_model expects it), with what else the cache holds left alone."""
+    wrapper, presets = _load("wrapper"), _load("presets")
+    model, cache = tmp_path / "m.gguf", tmp_path / "cache"
+    model.write_bytes(b"GGUF")
+    names = presets.write_cache(cache, model)
+    assert "ggml-org/test-model-router-download:F16" in names and len(names) == len(presets.ROUTER_PRESETS)
+    link = cache / "models--ggml-org--test-model-router-download/snapshots" / presets.COMMIT / \
+        "test-model-router-download-F16.gguf"
+    blob = Path(os.path.normpath(link.parent / os.readlink(link)))
+    link.unlink()
+    blob.unlink()
+    other = cache / "models--ggml-org--tinygemma3-GGUF/snapshots" / presets.COMMIT / "tinygemma3-Q8_0.gguf"
+    before = os.readlink(other)
+    monkeypatch.setattr(wrapper.os, "execv", lambda path, argv: None)
+    for key, value in (("BLOOMERY_SUITE_TARGET", "/bin/llama-server"), ("BLOOMERY_SUITE_MODEL", str(model)),
+                       ("LLAMA_CACHE", str(cache))):
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(wrapper.sys, "argv", ["wrapper.py", "--port", "1"])
+    wrapper.main()
+    assert link.read_bytes() == b"GGUF" and os.readlink(other) == before
 
 
 def test_gap_counts_only_tests_that_pass_on_llama_server():
@@ -192,13 +217,14 @@ def test_the_per_test_alarm_is_reported_as_itself_not_as_the_requests_read_timeo
 
 def test_router_presets_are_listed_by_the_router_under_the_tests_names(tmp_path):
     """presets.py stands in for the tests' preload: a router started on that cache (LLAMA_CACHE) lists each
-    preset under the name test_router.py routes to, served from the real file."""
+    preset under the name test_router.py routes to (and MODEL_DOWNLOAD_ID, which it downloads), served from the
+    real file."""
     from bloomery.router.catalog import catalog
     model = tmp_path / "real.gguf"
     model.write_bytes(b"GGUF")
     names = _load("presets").write_cache(tmp_path / "cache", model)
     assert names == ["ggml-org/tinygemma3-GGUF:Q8_0", "ggml-org/test-model-stories260K:F32",
-                     "ggml-org/test-model-stories260K-infill:F32"]
+                     "ggml-org/test-model-stories260K-infill:F32", "ggml-org/test-model-router-download:F16"]
     found = catalog(None, {"LLAMA_CACHE": str(tmp_path / "cache"), "BLOOMERY_CACHE": str(tmp_path / "none")})
     assert sorted(found) == sorted(names)
     assert all(Path(e.path).resolve() == model.resolve() for e in found.values())

@@ -115,6 +115,7 @@ def cache(tmp_path) -> dict[str, str]:
 
 STORIES, INFILL, GEMMA = ("ggml-org/test-model-stories260K:F32", "ggml-org/test-model-stories260K-infill:F32",
                           "ggml-org/tinygemma3-GGUF:Q8_0")
+DOWNLOADED = "ggml-org/test-model-router-download:F16"     # test_router.py's MODEL_DOWNLOAD_ID, as it leaves it
 
 
 def write(path: Path, text: str) -> str:
@@ -126,7 +127,7 @@ def test_presets_join_the_cache_and_a_preset_hf_repo_is_the_cached_file(tmp_path
     ini = write(tmp_path / "p.ini", "[*]\nc = 4096\n[mine]\nhf-repo = ggml-org/test-model-stories260K\nseed = 7\n"
                                     f"[{GEMMA}]\ntemp = 0.1\n[local]\nmodel = /models/x.gguf\n")
     found = catalog(None, cache, ini)
-    assert sorted(found) == sorted([STORIES, INFILL, GEMMA, "mine", "local"])
+    assert sorted(found) == sorted([STORIES, INFILL, GEMMA, DOWNLOADED, "mine", "local"])
     mine = found["mine"]
     assert mine.source == PRESET and mine.path == found[STORIES].path      # the cached file, no download
     assert mine.args(["-c", "512"]) == ["-c", "512", "--seed", "7", "--model", found[STORIES].path]  # CLI wins
@@ -281,7 +282,7 @@ def test_a_refused_preset_is_listed_and_refused_by_name_when_loaded(tmp_path, ca
                                     "spec-draft-hf = ggml-org/test-model-stories260K-infill\ndedup-cache-models = 1\n")
     router = Router(catalog(None, cache, ini), [], {}, models_max=0, autoload=True)
     ids = {m["id"] for m in get(router, "/models")[1]["data"]}
-    assert ids == {"model-dedup", GEMMA}                    # the two entries it stands for are hidden
+    assert ids == {"model-dedup", GEMMA, DOWNLOADED}        # the two entries it stands for are hidden
     status, body = post(router, "/models/load", {"model": "model-dedup"})
     assert status == 501 and "'spec-draft-hf' (--spec-draft-hf) is refused" in body["error"]["message"]
     status, body = post(router, "/tokenize", {"model": "model-dedup", "content": "hi"})

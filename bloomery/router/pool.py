@@ -179,6 +179,27 @@ class ModelPool:
         self.log("router", "models reloaded", n_models=len(entries), **{k: v for k, v in changes.items() if v})
         return changes
 
+    async def remove(self, name: str, action: Callable[[], list[str]]) -> list[str] | None:
+        """Take a model out for good (DELETE /models): no request is routed to it from here (waiters pause as in
+        a reload), its child is stopped and waited for, then `action` runs (its files removed) and the model
+        leaves the table; returns what `action` returned, None when the model was already gone (a reload or
+        another removal took it). A request that waited for it then finds it gone."""
+        async with self._reload_lock:
+            if self.table.get(name) is None:
+                return None
+            self.reloading = True
+            self.notify()
+            try:
+                await self.unload(name)
+                failed = action()
+                self.table.remove(name)
+                self.entries.pop(name, None)
+            finally:
+                self.reloading = False
+                self.notify()
+        self.log("router", "model removed from the cache", model=name, **({"failed": failed} if failed else {}))
+        return failed
+
     async def close(self) -> None:
         """Stop every child (they drain as under systemd), then end the tasks that watched them."""
         self.closing = True

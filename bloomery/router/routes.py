@@ -2,7 +2,8 @@
 
 What answers here (server-models.cpp, server_models_routes): GET /health; GET /props without ?model (the
 router's own props); GET /models and /v1/models (every model with its status; ?reload=1 reads the sources
-again first: --models-dir, the caches, --models-preset); POST /models/load and /models/unload. Every other
+again first: --models-dir, the caches, --models-preset); POST /models/load and /models/unload; DELETE /models?model=
+(a cache model's files removed, remove.py; a loaded one is unloaded first). Every other
 model route goes to the child serving the model the request names: POST routes by the body's "model", GET
 routes (/props, /metrics, /slots, /residency) by ?model=. With autoload (the default, --no-models-autoload
 turns it off, ?autoload=true|false per request) a model not loaded is loaded first; past --models-max the
@@ -20,7 +21,7 @@ from bloomery.api.app import PATTERN_ROUTES, ROUTES
 from bloomery.api.shapes import BUILD_INFO
 from bloomery.http.types import ApiError, Request, Response, StreamResponse
 from bloomery.records import record
-from bloomery.router import proxy
+from bloomery.router import proxy, remove
 from bloomery.router.catalog import CACHE, Entry
 from bloomery.router.pool import ModelPool
 from bloomery.router.preset import LOAD_ON_STARTUP, to_ini, truthy
@@ -30,7 +31,6 @@ FAKE_BUSY_S = 2.0
 GET_BY_QUERY = ("/props", "/metrics", "/slots", "/residency")   # GET routes a child answers, named by ?model=
 NOT_SERVED = {("POST", "/models"): "downloading a model through the router (POST /models) is not served; "
                                    "fetch it with bloomery-serve -hf REPO or put the file in --models-dir",
-              ("DELETE", "/models"): "removing a cached model through the router (DELETE /models) is not served",
               ("GET", "/models/sse"): "the router's model event stream (GET /models/sse) is not served"}
 
 
@@ -86,6 +86,8 @@ class Router:
             if _post_route(path):
                 model = _body(req).get("model", "")
                 return await self._forward(req, model if isinstance(model, str) else "")
+        elif method == "DELETE" and path == "/models":
+            return await self.delete_model(req.query.get("model", ""))
         raise ApiError(404, f"File Not Found: {req.method} {req.path}", "not_found_error")
 
     def _check(self, name: str, autoload: bool) -> None:
@@ -184,6 +186,32 @@ class Router:
         if not st.running:
             raise ApiError(400, "model is not running")
         self.pool.task(self.pool.unload(name))
+        return Response.json({"success": True})
+
+    async def delete_model(self, name: str) -> Response:
+        """DELETE /models?model=NAME, as llama-server's: a cache model only; a loaded one is unloaded first, then
+        its files leave the caches (remove.py) and it leaves the list. Errors are llama-server's words and codes
+        (its runtime errors are 500s)."""
+        if not name:
+            raise ApiError(400, "model must be a non-empty string")
+        await self.pool.settled()
+        entry = self.entries.get(name)
+        if entry is None:
+            raise ApiError(500, f"model name={name} is not found", "server_error")
+        if entry.source != CACHE:
+            raise ApiError(500, f"model name={name} is not removable (not from cache: its source is "
+                                f"{entry.source})", "server_error")
+        try:
+            files = remove.plan(name, self.pool.env)
+        except remove.RemoveRefused as e:
+            self.pool.log("router", "model removal refused", level="error", model=name, why=str(e))
+            raise ApiError(500, f"model name={name} is not removable: {e}", "server_error") from None
+        failed = await self.pool.remove(name, lambda: remove.apply(files))
+        if failed is None:
+            raise ApiError(500, f"model name={name} is not found", "server_error")
+        if failed:
+            raise ApiError(500, f"model name={name}: these files could not be removed: {'; '.join(failed)}",
+                           "server_error")
         return Response.json({"success": True})
 
     def listing(self) -> dict:

@@ -56,9 +56,8 @@ REFUSED_TESTS: dict[str, str] = {
     "unit/test_security.py::test_local_media_file": "images (--media-path, a vision model) are not served",
     "unit/test_security.py::test_cors_origins_defaults_to_localhost_with_tools_enabled":
         "built-in server tools (--tools) are not served",
-    **{f"unit/test_router.py::{t}": "downloading and removing models through the router (POST /models, "
-       "DELETE /models, GET /models/sse) answer 501 not_supported_error; fetch with -hf or use --models-dir"
-       for t in ("test_router_download_model", "test_router_delete_model")},
+    "unit/test_router.py::test_router_download_model": "downloading models through the router (POST /models, "
+        "GET /models/sse) answers 501 not_supported_error; fetch with -hf or use --models-dir",
     "unit/test_router.py::test_router_remote_preset": "an -hf repo of router presets (INI) is not served; and "
         "wrapper.py swaps the test's -hf repo for the real file, so the server it starts is no router",
     "unit/test_compat_oai_responses.py::test_responses_stream_with_llama_telemetry": "a reply cut by "

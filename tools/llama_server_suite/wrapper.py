@@ -10,11 +10,16 @@ then execs the server under test in place (same pid, so the tests' terminate() r
     BLOOMERY_SUITE_MODEL   the GGUF file every model argument becomes
     BLOOMERY_SUITE_NO_WARMUP  "1": bloomery-serve starts with --no-warmup (set by run.py for the files
                            whose tests never generate: the ~9 s warm-up would be spent for nothing)
+    LLAMA_CACHE            the run's cache (run.py): the router tests' models are put back there first
+                           (presets.write_cache), whatever a test before removed
 """
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
+
+import presets      # this folder's (the script's own folder is first on sys.path)
 
 # the download preset's flags (each takes a value); they and their values are dropped
 PRESET_FLAGS = {"-hf", "-hfr", "--hf-repo", "-hff", "--hf-file", "-mu", "--model-url"}
@@ -43,6 +48,11 @@ def main() -> None:
     if not target or not model:
         sys.exit("llama_server_suite wrapper: set BLOOMERY_SUITE_TARGET and BLOOMERY_SUITE_MODEL")
     args = rewrite(sys.argv[1:], model)
+    if os.environ.get("LLAMA_CACHE"):
+        # the router tests' cache as the preload and test_router_download_model leave it upstream: that test
+        # removes MODEL_DOWNLOAD_ID first and cannot download it again here (no network, POST /models not
+        # served), while test_router_delete_model, next, expects it cached (presets.py)
+        presets.write_cache(Path(os.environ["LLAMA_CACHE"]), Path(model))
     if target == "bloomery":
         if os.environ.get("BLOOMERY_SUITE_NO_WARMUP") == "1":
             args.append("--no-warmup")      # run.py: a file whose tests never generate (selection.NO_GENERATION)

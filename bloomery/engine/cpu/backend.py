@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import weakref
 from typing import Sequence
 
 import numpy as np
@@ -159,6 +160,86 @@ def imrope_text_pairs(half: int, sections) -> np.ndarray:
             | ((sector % 3 == 2) & (sector < 3 * s2)))
 
 
+class _DecodePlan:
+    """The ctypes arguments of decode_layer for each layer of one model, made once: the weights'
+    stored blocks, norms and biases; per call only the position, the RoPE row and the slot's KV."""
+
+    TYPES = frozenset({int(QT.Q8_0), int(QT.Q5_0), int(QT.Q4_K), int(QT.Q6_K)})
+    NAMES = ("wq", "wk", "wv", "wo", "ffn_gate", "ffn_up", "ffn_down")
+
+    def __init__(self, m, layers: list):
+        hp = m.hp
+        self.hp, self.cache, self.layers = hp, m.cache, layers
+        self.step = cpu_kernels.DStep(n_embd=hp.n_embd, n_head=hp.n_head, n_head_kv=hp.n_head_kv,
+                                      head_dim=hp.head_dim, n_rot=hp.n_rot, n_ff=hp.n_ff, pos=0,
+                                      eps=float(np.float32(hp.rms_eps)), scale=float(np.float32(m.kq_scale)),
+                                      nth=threads.N_THREADS)
+        kv = self.cache.k
+        self.kv_row = kv.strides[2]                                     # bytes a position
+        self.kv_slot = kv.strides[1]
+        self.kv_layer = kv.strides[0]
+
+    @classmethod
+    def make(cls, m):
+        """The plan, or None where some layer is not a plain dense one decode_layer takes."""
+        hp = getattr(m, "hp", None)
+        cache = getattr(m, "cache", None)
+        if hp is None or not isinstance(cache, KVCache) or not formats.KERNEL_ORDER:
+            return None
+        if hp.head_dim > 1024 or hp.n_rot % 2 or hp.n_rot > hp.head_dim or hp.n_ff < 1:
+            return None
+        if cache.k.shape[3:] != (hp.n_head_kv, hp.head_dim) or not cache.k.flags.c_contiguous:
+            return None
+        d, nq, nkv, f = hp.n_embd, hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim, hp.n_ff
+        shapes = {"wq": (d, nq), "wk": (d, nkv), "wv": (d, nkv), "wo": (nq, d), "ffn_gate": (d, f),
+                  "ffn_up": (d, f), "ffn_down": (f, d)}
+        layers, keep = [], []
+        for ly in m.layers:
+            if set(ly) - set(cls.NAMES) - {"attn_norm", "ffn_norm", "bq", "bk", "bv"}:
+                return None                                             # q/k norms, experts, ...
+            ws = [ly.get(n) for n in cls.NAMES]
+            if any(not isinstance(w, NumpyWeight) or w.ggml_type not in cls.TYPES or not _compiled(w)
+                   or w.shape[:2] != shapes[n] or len(w.shape) != 2 for n, w in zip(cls.NAMES, ws)):
+                return None
+            vecs = []
+            for name, size in (("attn_norm", d), ("ffn_norm", d), ("bq", nq), ("bk", nkv), ("bv", nkv)):
+                w = ly.get(name)
+                if w is None and name.startswith("b"):
+                    vecs.append(None)
+                    continue
+                if not isinstance(w, NumpyWeight) or w.ggml_type != int(QT.F32) or w.shape != (size,):
+                    return None
+                vecs.append(np.ascontiguousarray(_vec(w)))
+            raws = []
+            for w in ws:
+                if w._c_raw is None:
+                    w._c_raw = formats.c_raw(w.ggml_type, w.data, w.n_rows, w.n_cols)
+                raws.append(w._c_raw)
+            keep.append((vecs, raws))
+            desc = cpu_kernels.DLayer()
+            desc.attn_norm, desc.ffn_norm = vecs[0].ctypes.data, vecs[1].ctypes.data
+            for i, b in enumerate(vecs[2:]):
+                desc.bias[i] = b.ctypes.data if b is not None else None
+            for i, (w, raw) in enumerate(zip(ws, raws)):
+                desc.w[i], desc.wtype[i] = raw.ctypes.data, w.ggml_type
+            layers.append(desc)
+        plan = cls(m, layers)
+        plan.keep = keep                                                # the arrays the pointers point into
+        return plan
+
+    def run(self, lib, il: int, kv_layer: int, slot: int, pos: int, x: np.ndarray) -> np.ndarray:
+        hp, desc, step = self.hp, self.layers[il], self.step
+        cos, sin = rope_table(np.array([pos], np.int32), hp.n_rot, hp.freq_base)   # [1, n_rot/2]
+        base = kv_layer * self.kv_layer + slot * self.kv_slot
+        desc.kc = self.cache.k.ctypes.data + base
+        desc.vc = self.cache.v.ctypes.data + base
+        step.pos, step.cos, step.sin = pos, cos.ctypes.data, sin.ctypes.data
+        out = np.array(x, dtype=np.float32, order="C")                 # [1, D], turned in place
+        if lib.decode_layer(ctypes.byref(desc), ctypes.byref(step), out.ctypes.data) != 0:
+            raise MemoryError("decode_layer could not allocate its scratch")
+        return out
+
+
 class NumpyOps:
     name = "numpy"
     caps = Caps(n_ubatch=UBATCH, decode_rows=0, fused_head=True, decode_graphs=False, prompt_scratch=False,
@@ -166,6 +247,7 @@ class NumpyOps:
 
     def __init__(self, cache_planes: bool = True):
         self.cache_planes = cache_planes
+        self._decode_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> _DecodePlan | None
 
     # --- weights ---
     def weight(self, ggml_type: int, shape: Sequence[int], data) -> NumpyWeight:
@@ -393,6 +475,30 @@ class NumpyOps:
         out[..., :half] = x0 * c - (x1 * s).astype(np.float32)
         out[..., half:n_rot] = x0 * s + (x1 * c).astype(np.float32)
         return out
+
+    # --- one decode row through a whole dense layer ---
+    def decode_block(self, m, il: int, x, rows: Rows):
+        """layers.attention then layers.swiglu_ffn for one row, in one compiled call (the same
+        kernels in the same order: the same bits), or None where that call does not take this
+        step (several rows, a weight type or shape it lacks, the numpy kernels) and the ops run
+        one by one."""
+        lib = cpu_kernels.lib()
+        if lib is None or len(rows.spans) != 1:
+            return None
+        x = _f32(x)
+        if x.ndim != 2 or x.shape[0] != 1:
+            return None
+        plan = self._decode_plans.get(m, False)
+        if plan is False:
+            plan = _DecodePlan.make(m)
+            self._decode_plans[m] = plan
+        if plan is None:
+            return None
+        sp = rows.spans[0]
+        cache = m.cache
+        if not (0 <= sp.slot < cache.n_slots and 0 <= sp.pos0 < cache.n_ctx_slot):
+            return None                                                 # the op-by-op path names the problem
+        return plan.run(lib, il, m.kv_of[il], sp.slot, sp.pos0, x)
 
     # --- attention ---
     def kv_cache(self, n_layer: int, n_slots: int, n_ctx_slot: int, n_head_kv: int, head_dim: int) -> KVCache:

@@ -122,6 +122,17 @@ def swiglu_ffn(m, il: int, x):
     return ops.matmul(ops.swiglu(g, u), ly["ffn_down"], x)                              # [T, D]
 
 
+def dense_block(m, il: int, x, rows):
+    """attention then swiglu_ffn over the residual x: [T, D]. A backend with `decode_block` may
+    run one decode row of the whole layer in one step (the same ops, the same order)."""
+    fused = getattr(m.ops, "decode_block", None)
+    if fused is not None:
+        y = fused(m, il, x, rows)
+        if y is not None:
+            return y
+    return swiglu_ffn(m, il, attention(m, il, x, rows))
+
+
 def moe_ffn(m, il: int, x, norm_weights: bool):
     """A routed FFN half (llm_graph_context::build_moe_ffn): the router's softmax over all experts,
     top A, optionally renormalised to sum 1, each expert a SwiGLU FFN, outputs weighted and

@@ -1075,7 +1075,7 @@ void rope_neox(float *x, int64_t t, int64_t h, int64_t dh, int64_t n_rot, const 
 // of q and k; k, v rounded to F16 into the cache at `pos`; attention over positions 0..pos (the
 // one-chunk F16 path); the O product + the residual; RMSNorm; gate and up of one quantized input;
 // swiglu; down + the residual. Only the Python between the kernels is gone (a decode layer was
-// about 15 ctypes calls). Weight types: 8 Q8_0, 6 Q5_0, 12 Q4_K (rows in eights), 14 Q6_K.
+// about 15 ctypes calls; now every layer of a token is one). Weight types: 8 Q8_0, 6 Q5_0, 12 Q4_K (rows in eights), 14 Q6_K.
 enum { DL_Q, DL_K, DL_V, DL_O, DL_GATE, DL_UP, DL_DOWN, DL_N };
 
 typedef struct {
@@ -1083,11 +1083,12 @@ typedef struct {
     const float *bias[3];                              // Q, K, V biases, or NULL
     const uint8_t *w[DL_N];
     int64_t wtype[DL_N];
-    f16 *kc, *vc;                                      // this layer's slot at position 0: [n_ctx, Hkv, Dh]
+    f16 *kc, *vc;                                      // this layer's slot 0 at position 0: [n_ctx, Hkv, Dh]
 } dlayer_t;
 
 typedef struct {
     int64_t n_embd, n_head, n_head_kv, head_dim, n_rot, n_ff, pos;
+    int64_t kv_slot;                                   // the slot's offset from kc, vc: slot * n_ctx * Hkv * Dh
     float eps, scale;
     const float *cos, *sin;                            // [n_rot/2] at pos
     int nth;
@@ -1144,19 +1145,10 @@ static void dprod(dact_t *a, const uint8_t *w, int64_t type, int64_t n_rows, flo
     }
 }
 
-// x [n_embd] in place. Returns 0, or -1 where the scratch could not be allocated (x untouched).
-int decode_layer(const dlayer_t *L, const dstep_t *S, float *x) {
+// one layer over x [n_embd] in place; buf, q8, bs: scratch of decode_layers' sizes
+static void decode_layer(const dlayer_t *L, const dstep_t *S, float *x, float *buf, int8_t *q8, int16_t *bs) {
     const int64_t D = S->n_embd, H = S->n_head, Hkv = S->n_head_kv, Dh = S->head_dim, F = S->n_ff;
-    const int64_t nq = H * Dh, nkv = Hkv * Dh, kmax = (F > D ? F : D) > nq ? (F > D ? F : D) : nq;
-    float *buf = malloc(sizeof(float) * (size_t)(D + nq + 2 * nkv + nq + D + 3 * F + kmax / 32 + kmax / 256));
-    int8_t *q8 = malloc((size_t)kmax);
-    int16_t *bs = malloc(sizeof(int16_t) * (size_t)(kmax / 16 + 1));
-    if (!buf || !q8 || !bs) {
-        free(buf);
-        free(q8);
-        free(bs);
-        return -1;
-    }
+    const int64_t nq = H * Dh, nkv = Hkv * Dh;
     float *h = buf, *q = h + D, *k = q + nq, *v = k + nkv, *att = v + nkv, *y = att + nq;
     float *g = y + D, *u = g + F, *s = u + F, *dq = s + F;
     const int nth = S->nth;
@@ -1175,12 +1167,13 @@ int decode_layer(const dlayer_t *L, const dstep_t *S, float *x) {
             for (int64_t j = 0; j < nqkv[i]; j++) qkv[i][j] = qkv[i][j] + L->bias[i][j];
     rope_neox(q, 1, H, Dh, S->n_rot, S->cos, S->sin);
     rope_neox(k, 1, Hkv, Dh, S->n_rot, S->cos, S->sin);
-    f16 *kc = L->kc + S->pos * nkv, *vc = L->vc + S->pos * nkv;
+    f16 *k0 = L->kc + S->kv_slot, *v0 = L->vc + S->kv_slot;   // the slot's position 0
+    f16 *kc = k0 + S->pos * nkv, *vc = v0 + S->pos * nkv;
     for (int64_t j = 0; j < nkv; j++) {
         kc[j] = (f16)k[j];
         vc[j] = (f16)v[j];
     }
-    attn_f16(q, L->kc, L->vc, H, Hkv, Dh, S->pos, S->scale, att, H, H > 1 ? nth : 1);
+    attn_f16(q, k0, v0, H, Hkv, Dh, S->pos, S->scale, att, H, H > 1 ? nth : 1);
     dact_init(&a, att, nq, q8, dq, bs);
     dprod(&a, L->w[DL_O], L->wtype[DL_O], D, y, nth);
     for (int64_t j = 0; j < D; j++) x[j] = y[j] + x[j];
@@ -1194,9 +1187,24 @@ int decode_layer(const dlayer_t *L, const dstep_t *S, float *x) {
     dact_init(&a, s, F, q8, dq, bs);
     dprod(&a, L->w[DL_DOWN], L->wtype[DL_DOWN], D, y, nth);
     for (int64_t j = 0; j < D; j++) x[j] = y[j] + x[j];
+}
 
+// layers 0..n_layer of L over x [n_embd] in place, one after another. Returns 0, or -1 where
+// the scratch could not be allocated (x untouched).
+int decode_layers(const dlayer_t *L, int64_t n_layer, const dstep_t *S, float *x) {
+    const int64_t D = S->n_embd, nq = S->n_head * S->head_dim, nkv = S->n_head_kv * S->head_dim, F = S->n_ff;
+    int64_t kmax = F > D ? F : D;
+    kmax = kmax > nq ? kmax : nq;
+    float *buf = malloc(sizeof(float) * (size_t)(D + nq + 2 * nkv + nq + D + 3 * F + kmax / 32 + kmax / 256 + 1));
+    int8_t *q8 = malloc((size_t)kmax);
+    int16_t *bs = malloc(sizeof(int16_t) * (size_t)(kmax / 16 + 1));
+    int rc = -1;
+    if (buf && q8 && bs) {
+        for (int64_t il = 0; il < n_layer; il++) decode_layer(L + il, S, x, buf, q8, bs);
+        rc = 0;
+    }
     free(buf);
     free(q8);
     free(bs);
-    return 0;
+    return rc;
 }

@@ -1,4 +1,4 @@
-"""The numpy backend's one-call decode layer (kernels/cpu_lanes.c decode_layer, NumpyOps.decode_block)
+"""The numpy backend's one-call decode layer (kernels/cpu_lanes.c decode_layers, NumpyOps.decode_layers)
 gives the op-by-op path's bits: logits and the KV it writes, over several steps and two slots, on a
 synthetic qwen2 file in the q4_k_m mix with Q/K/V biases: rows of 256 (Q4_K and Q6_K products) and of
 96 (llama-quantize's fallback: Q5_0 and Q8_0)."""
@@ -29,14 +29,14 @@ def _run(path, fused: bool, poison: bool = False):
     m = load_model(str(path), whole("numpy", n_slots=2, n_ctx_slot=64))
     calls = []
     if fused:
-        inner = m.ops.decode_block
+        inner = m.ops.decode_layers
         def counted(*a):
             y = inner(*a)
             calls.append(y is not None)
             return y
-        m.ops.decode_block = counted
+        m.ops.decode_layers = counted
     else:
-        m.ops.decode_block = lambda *a: None
+        m.ops.decode_layers = lambda *a: None
     rng = np.random.default_rng(3)
     for slot, n in ((0, 9), (1, 5)):
         m.prefill(slot, rng.integers(0, 1000, n).astype(np.int32), 0)
@@ -57,7 +57,7 @@ def _run(path, fused: bool, poison: bool = False):
 def test_decode_layer_bit_equal(qwen2_blocks):
     a_logits, a_k, a_v, n_fused = _run(qwen2_blocks, fused=True)
     b_logits, b_k, b_v, _ = _run(qwen2_blocks, fused=False)
-    assert n_fused == 2 * 6 * 2                                       # every layer of every decode step
+    assert n_fused == 6 * 2                                           # every decode step
     assert np.array_equal(a_logits.view(np.uint32), b_logits.view(np.uint32))
     assert np.array_equal(a_k.view(np.uint16), b_k.view(np.uint16))
     assert np.array_equal(a_v.view(np.uint16), b_v.view(np.uint16))

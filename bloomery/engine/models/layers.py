@@ -122,15 +122,17 @@ def swiglu_ffn(m, il: int, x):
     return ops.matmul(ops.swiglu(g, u), ly["ffn_down"], x)                              # [T, D]
 
 
-def dense_block(m, il: int, x, rows):
-    """attention then swiglu_ffn over the residual x: [T, D]. A backend with `decode_block` may
-    run one decode row of the whole layer in one step (the same ops, the same order)."""
-    fused = getattr(m.ops, "decode_block", None)
-    if fused is not None:
-        y = fused(m, il, x, rows)
-        if y is not None:
-            return y
-    return swiglu_ffn(m, il, attention(m, il, x, rows))
+def dense_layers(m, x, rows):
+    """Every layer as attention then swiglu_ffn over the residual x: [T, D]. A backend with
+    `decode_layers` may run a decode row through all of them in one step (the same ops in the same
+    order); else (None) one block after another."""
+    fused = getattr(m.ops, "decode_layers", None)
+    y = fused(m, x, rows) if fused is not None else None
+    if y is not None:
+        return y
+    for il in range(m.n_layer):
+        x = swiglu_ffn(m, il, attention(m, il, x, rows))
+    return x
 
 
 def moe_ffn(m, il: int, x, norm_weights: bool):

@@ -21,7 +21,10 @@ class Qwen2(CausalLM):
         self.load_decoder(layers.Hparams.from_gguf(gf, self.arch), LAYER, OPTIONAL)
 
     def block(self, il: int, x, rows):
-        return layers.dense_block(self, il, x, rows)                                  # [T, D]
+        return layers.swiglu_ffn(self, il, layers.attention(self, il, x, rows))     # [T, D]
+
+    def layers_forward(self, x, rows):
+        return layers.dense_layers(self, x, rows)                                    # [T, D]
 
 
 MODEL = Qwen2

@@ -490,7 +490,8 @@ class NumpyOps:
         if plan is None:
             return None
         sp = rows.spans[0]
-        if not (0 <= sp.slot < m.cache.n_slots and 0 <= sp.pos0 < m.cache.n_ctx_slot):
+        if not (0 <= sp.slot < m.cache.n_slots and 0 <= sp.pos0 < m.cache.n_ctx_slot
+                and sp.row1 - sp.row0 == 1 and int(np.asarray(rows.positions).reshape(-1)[0]) == sp.pos0):
             return None                                                 # the op-by-op path names the problem
         return plan.run(lib, sp.slot, sp.pos0, x)
 

@@ -123,15 +123,15 @@ def swiglu_ffn(m, il: int, x):
 
 
 def dense_layers(m, x, rows):
-    """Every layer as attention then swiglu_ffn over the residual x: [T, D]. A backend with
-    `decode_layers` may run a decode row through all of them in one step (the same ops in the same
-    order); else (None) one block after another."""
+    """Every layer of a model whose blocks are attention then swiglu_ffn, over the residual x:
+    [T, D]. A backend with `decode_layers` may run a decode row through all of them in one step
+    (the same ops in the same order); else (None) m.block one after another."""
     fused = getattr(m.ops, "decode_layers", None)
     y = fused(m, x, rows) if fused is not None else None
     if y is not None:
         return y
     for il in range(m.n_layer):
-        x = swiglu_ffn(m, il, attention(m, il, x, rows))
+        x = m.block(il, x, rows)
     return x
 
 

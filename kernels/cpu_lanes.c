@@ -1068,3 +1068,143 @@ void rope_neox(float *x, int64_t t, int64_t h, int64_t dh, int64_t n_rot, const 
             }
         }
 }
+
+// ---- one decode token through a dense attention + SwiGLU layer, in one call ------------------
+// The same kernels, in the same order, as the numpy backend's ops for one row (layers.attention
+// then layers.swiglu_ffn): RMSNorm; Q, K, V products of one quantized input (+ biases); NEOX RoPE
+// of q and k; k, v rounded to F16 into the cache at `pos`; attention over positions 0..pos (the
+// one-chunk F16 path); the O product + the residual; RMSNorm; gate and up of one quantized input;
+// swiglu; down + the residual. Only the Python between the kernels is gone (a decode layer was
+// about 15 ctypes calls; now every layer of a token is one). Weight types: 8 Q8_0, 6 Q5_0, 12 Q4_K (rows in eights), 14 Q6_K.
+enum { DL_Q, DL_K, DL_V, DL_O, DL_GATE, DL_UP, DL_DOWN, DL_N };
+
+typedef struct {
+    const float *attn_norm, *ffn_norm;
+    const float *bias[3];                              // Q, K, V biases, or NULL
+    const uint8_t *w[DL_N];
+    int64_t wtype[DL_N];
+    f16 *kc, *vc;                                      // this layer's slot 0 at position 0: [n_ctx, Hkv, Dh]
+} dlayer_t;
+
+typedef struct {
+    int64_t n_embd, n_head, n_head_kv, head_dim, n_rot, n_ff, pos;
+    int64_t kv_slot;                                   // the slot's offset from kc, vc: slot * n_ctx * Hkv * Dh
+    float eps, scale;
+    const float *cos, *sin;                            // [n_rot/2] at pos
+    int nth;
+} dstep_t;
+
+typedef struct {                                       // one input quantized for its products
+    const float *x;
+    int64_t k;
+    int bad, have_q80, have_q8k;
+    int8_t *q;
+    float *d;
+    int16_t *bsums;
+} dact_t;
+
+static int dact_init(dact_t *a, const float *x, int64_t k, int8_t *q, float *d, int16_t *bsums) {
+    a->x = x;
+    a->k = k;
+    a->bad = 0;
+    a->have_q80 = a->have_q8k = 0;
+    a->q = q;
+    a->d = d;
+    a->bsums = bsums;
+    for (int64_t i = 0; i < k; i++)
+        if (!isfinite(x[i])) a->bad = 1;               // formats.CAct: the whole output is NaN
+    return a->bad;
+}
+
+// out [n_rows] = x @ w^T, as formats.dot_c for one row; threads as formats.c_threads
+static void dprod(dact_t *a, const uint8_t *w, int64_t type, int64_t n_rows, float *out, int nth) {
+    const int64_t k = a->k;
+    if (a->bad) {
+        for (int64_t i = 0; i < n_rows; i++) out[i] = NAN;
+        return;
+    }
+    const int n_threads = n_rows * k >= (1 << 16) ? nth : 1;
+    if (type == 8 || type == 6) {
+        if (!a->have_q80) {
+            quant_q8_0(a->x, 1, k, a->q, a->d);
+            a->have_q80 = 1;
+            a->have_q8k = 0;
+        }
+        q80_mm(w, type == 8 ? 0 : 1, n_rows, k / 32, a->q, a->d, 1, out, n_rows, n_threads);
+    } else {
+        if (!a->have_q8k) {
+            const uint8_t wins = 0;                    // one row: the gemv's tie rule (t_gemm 0)
+            quant_q8_K(a->x, 1, k, &wins, a->q, a->d, a->bsums);
+            a->have_q8k = 1;
+            a->have_q80 = 0;
+        }
+        if (type == 14)
+            q6k_mm(w, n_rows, k / 256, a->q, a->d, a->bsums, 1, 0, out, n_rows, n_threads);
+        else
+            q4k_mm(w, n_rows, k / 256, a->q, a->d, a->bsums, 1, 0, out, n_rows, n_threads);
+    }
+}
+
+// one layer over x [n_embd] in place; buf, q8, bs: scratch of decode_layers' sizes
+static void decode_layer(const dlayer_t *L, const dstep_t *S, float *x, float *buf, int8_t *q8, int16_t *bs) {
+    const int64_t D = S->n_embd, H = S->n_head, Hkv = S->n_head_kv, Dh = S->head_dim, F = S->n_ff;
+    const int64_t nq = H * Dh, nkv = Hkv * Dh;
+    float *h = buf, *q = h + D, *k = q + nq, *v = k + nkv, *att = v + nkv, *y = att + nq;
+    float *g = y + D, *u = g + F, *s = u + F, *dq = s + F;
+    const int nth = S->nth;
+    dact_t a;
+
+    // attention half
+    rms_norm(x, L->attn_norm, h, 1, D, S->eps);
+    dact_init(&a, h, D, q8, dq, bs);
+    dprod(&a, L->w[DL_Q], L->wtype[DL_Q], nq, q, nth);
+    dprod(&a, L->w[DL_K], L->wtype[DL_K], nkv, k, nth);
+    dprod(&a, L->w[DL_V], L->wtype[DL_V], nkv, v, nth);
+    float *qkv[3] = {q, k, v};
+    const int64_t nqkv[3] = {nq, nkv, nkv};
+    for (int i = 0; i < 3; i++)
+        if (L->bias[i])
+            for (int64_t j = 0; j < nqkv[i]; j++) qkv[i][j] = qkv[i][j] + L->bias[i][j];
+    rope_neox(q, 1, H, Dh, S->n_rot, S->cos, S->sin);
+    rope_neox(k, 1, Hkv, Dh, S->n_rot, S->cos, S->sin);
+    f16 *k0 = L->kc + S->kv_slot, *v0 = L->vc + S->kv_slot;   // the slot's position 0
+    f16 *kc = k0 + S->pos * nkv, *vc = v0 + S->pos * nkv;
+    for (int64_t j = 0; j < nkv; j++) {
+        kc[j] = (f16)k[j];
+        vc[j] = (f16)v[j];
+    }
+    attn_f16(q, k0, v0, H, Hkv, Dh, S->pos, S->scale, att, H, H > 1 ? nth : 1);
+    dact_init(&a, att, nq, q8, dq, bs);
+    dprod(&a, L->w[DL_O], L->wtype[DL_O], D, y, nth);
+    for (int64_t j = 0; j < D; j++) x[j] = y[j] + x[j];
+
+    // FFN half
+    rms_norm(x, L->ffn_norm, h, 1, D, S->eps);
+    dact_init(&a, h, D, q8, dq, bs);
+    dprod(&a, L->w[DL_GATE], L->wtype[DL_GATE], F, g, nth);
+    dprod(&a, L->w[DL_UP], L->wtype[DL_UP], F, u, nth);
+    swiglu(g, u, s, F, 1, nth);
+    dact_init(&a, s, F, q8, dq, bs);
+    dprod(&a, L->w[DL_DOWN], L->wtype[DL_DOWN], D, y, nth);
+    for (int64_t j = 0; j < D; j++) x[j] = y[j] + x[j];
+}
+
+// layers 0..n_layer of L over x [n_embd] in place, one after another. Returns 0, or -1 where
+// the scratch could not be allocated (x untouched).
+int decode_layers(const dlayer_t *L, int64_t n_layer, const dstep_t *S, float *x) {
+    const int64_t D = S->n_embd, nq = S->n_head * S->head_dim, nkv = S->n_head_kv * S->head_dim, F = S->n_ff;
+    int64_t kmax = F > D ? F : D;
+    kmax = kmax > nq ? kmax : nq;
+    float *buf = malloc(sizeof(float) * (size_t)(D + nq + 2 * nkv + nq + D + 3 * F + kmax / 32 + kmax / 256 + 1));
+    int8_t *q8 = malloc((size_t)kmax);
+    int16_t *bs = malloc(sizeof(int16_t) * (size_t)(kmax / 16 + 1));
+    int rc = -1;
+    if (buf && q8 && bs) {
+        for (int64_t il = 0; il < n_layer; il++) decode_layer(L + il, S, x, buf, q8, bs);
+        rc = 0;
+    }
+    free(buf);
+    free(q8);
+    free(bs);
+    return rc;
+}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import weakref
 from typing import Sequence
 
 import numpy as np
@@ -159,6 +160,81 @@ def imrope_text_pairs(half: int, sections) -> np.ndarray:
             | ((sector % 3 == 2) & (sector < 3 * s2)))
 
 
+class _DecodePlan:
+    """decode_layers' arguments for one model, made once: each layer's stored blocks, norms,
+    biases and KV (slot 0); per call only the position, the RoPE row and the slot."""
+
+    TYPES = frozenset({int(QT.Q8_0), int(QT.Q5_0), int(QT.Q4_K), int(QT.Q6_K)})
+    NAMES = ("wq", "wk", "wv", "wo", "ffn_gate", "ffn_up", "ffn_down")
+
+    def __init__(self, m, descs, keep: list):
+        hp = m.hp
+        self.hp, self.cache, self.descs, self.keep = hp, m.cache, descs, keep   # keep: what the pointers point into
+        self.n_layer = len(descs)
+        self.step = cpu_kernels.DStep(n_embd=hp.n_embd, n_head=hp.n_head, n_head_kv=hp.n_head_kv,
+                                      head_dim=hp.head_dim, n_rot=hp.n_rot, n_ff=hp.n_ff, pos=0, kv_slot=0,
+                                      eps=float(np.float32(hp.rms_eps)), scale=float(np.float32(m.kq_scale)),
+                                      nth=threads.N_THREADS)
+        self.slot_elems = m.cache.k.strides[1] // m.cache.k.itemsize
+
+    @classmethod
+    def make(cls, m):
+        """The plan, or None where some layer is not a plain dense one decode_layers takes."""
+        hp, cache = getattr(m, "hp", None), getattr(m, "cache", None)
+        if hp is None or not isinstance(cache, KVCache) or not formats.KERNEL_ORDER:
+            return None
+        if hp.head_dim > 1024 or hp.n_rot % 2 or hp.n_rot > hp.head_dim or hp.n_ff < 1:
+            return None
+        if (cache.k.shape[0] != hp.n_layer or cache.k.shape[3:] != (hp.n_head_kv, hp.head_dim)
+                or not (cache.k.flags.c_contiguous and cache.v.flags.c_contiguous)):
+            return None
+        d, nq, nkv, f = hp.n_embd, hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim, hp.n_ff
+        shapes = {"wq": (d, nq), "wk": (d, nkv), "wv": (d, nkv), "wo": (nq, d), "ffn_gate": (d, f),
+                  "ffn_up": (d, f), "ffn_down": (f, d)}
+        descs, keep = (cpu_kernels.DLayer * hp.n_layer)(), []
+        for il, ly in enumerate(m.layers):
+            if set(ly) - set(cls.NAMES) - {"attn_norm", "ffn_norm", "bq", "bk", "bv"}:
+                return None                                             # q/k norms, experts, ...
+            ws = [ly.get(n) for n in cls.NAMES]
+            if any(not isinstance(w, NumpyWeight) or w.ggml_type not in cls.TYPES or not _compiled(w)
+                   or w.shape != shapes[n] for n, w in zip(cls.NAMES, ws)):
+                return None
+            vecs = []
+            for name, size in (("attn_norm", d), ("ffn_norm", d), ("bq", nq), ("bk", nkv), ("bv", nkv)):
+                w = ly.get(name)
+                if w is None and name.startswith("b"):
+                    vecs.append(None)
+                    continue
+                if not isinstance(w, NumpyWeight) or w.ggml_type != int(QT.F32) or w.shape != (size,):
+                    return None
+                vecs.append(np.ascontiguousarray(_vec(w)))
+            raws = []
+            for w in ws:
+                if w._c_raw is None:
+                    w._c_raw = formats.c_raw(w.ggml_type, w.data, w.n_rows, w.n_cols)
+                raws.append(w._c_raw)
+            keep.append((vecs, raws))
+            desc = descs[il]
+            desc.attn_norm, desc.ffn_norm = vecs[0].ctypes.data, vecs[1].ctypes.data
+            for i, b in enumerate(vecs[2:]):
+                desc.bias[i] = b.ctypes.data if b is not None else None
+            for i, (w, raw) in enumerate(zip(ws, raws)):
+                desc.w[i], desc.wtype[i] = raw.ctypes.data, w.ggml_type
+            kv = m.kv_of[il]
+            desc.kc = cache.k[kv, 0].ctypes.data
+            desc.vc = cache.v[kv, 0].ctypes.data
+        return cls(m, descs, keep)
+
+    def run(self, lib, slot: int, pos: int, x: np.ndarray) -> np.ndarray:
+        hp, step = self.hp, self.step
+        cos, sin = rope_table(np.array([pos], np.int32), hp.n_rot, hp.freq_base)   # [1, n_rot/2]
+        step.pos, step.kv_slot, step.cos, step.sin = pos, slot * self.slot_elems, cos.ctypes.data, sin.ctypes.data
+        out = np.array(x, dtype=np.float32, order="C")                 # [1, D], through the layers in place
+        if lib.decode_layers(ctypes.addressof(self.descs), self.n_layer, ctypes.byref(step), out.ctypes.data) != 0:
+            raise MemoryError("decode_layers could not allocate its scratch")
+        return out
+
+
 class NumpyOps:
     name = "numpy"
     caps = Caps(n_ubatch=UBATCH, decode_rows=0, fused_head=True, decode_graphs=False, prompt_scratch=False,
@@ -166,6 +242,7 @@ class NumpyOps:
 
     def __init__(self, cache_planes: bool = True):
         self.cache_planes = cache_planes
+        self._decode_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> _DecodePlan | None
 
     # --- weights ---
     def weight(self, ggml_type: int, shape: Sequence[int], data) -> NumpyWeight:
@@ -393,6 +470,30 @@ class NumpyOps:
         out[..., :half] = x0 * c - (x1 * s).astype(np.float32)
         out[..., half:n_rot] = x0 * s + (x1 * c).astype(np.float32)
         return out
+
+    # --- one decode row through every dense layer ---
+    def decode_layers(self, m, x, rows: Rows):
+        """layers.attention then layers.swiglu_ffn over every layer for one row, in one compiled
+        call (the same kernels in the same order: the same bits), or None where that call does not
+        take this step (several rows, a layer or weight it lacks, the numpy kernels) and the ops
+        run one by one."""
+        lib = cpu_kernels.lib()
+        if lib is None or len(rows.spans) != 1:
+            return None
+        x = _f32(x)
+        if x.ndim != 2 or x.shape[0] != 1:
+            return None
+        plan = self._decode_plans.get(m, False)
+        if plan is False:
+            plan = _DecodePlan.make(m)
+            self._decode_plans[m] = plan
+        if plan is None:
+            return None
+        sp = rows.spans[0]
+        if not (0 <= sp.slot < m.cache.n_slots and 0 <= sp.pos0 < m.cache.n_ctx_slot
+                and sp.row1 - sp.row0 == 1 and int(np.asarray(rows.positions).reshape(-1)[0]) == sp.pos0):
+            return None                                                 # the op-by-op path names the problem
+        return plan.run(lib, sp.slot, sp.pos0, x)
 
     # --- attention ---
     def kv_cache(self, n_layer: int, n_slots: int, n_ctx_slot: int, n_head_kv: int, head_dim: int) -> KVCache:

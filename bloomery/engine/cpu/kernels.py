@@ -108,11 +108,31 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     lib.rms_norm.argtypes = [p, p, p, i64, i64, f]
     lib.lanes_set_spin.argtypes = [c_int]
     lib.rope_neox.argtypes = [p, i64, i64, i64, i64, p, p]
+    lib.decode_layers.argtypes = [p, i64, ctypes.POINTER(DStep), p]
+    lib.decode_layers.restype = c_int
     for fn in (lib.quant_q8_0, lib.quant_q8_K, lib.q80_mm, lib.q6k_mm, lib.q4k_mm, lib.swiglu, lib.attn_f16, lib.attn_f32,
                lib.rms_norm, lib.rope_neox, lib.lanes_set_spin):
         fn.restype = None
     lib.lanes_set_spin(spin_rounds())
     return lib, f"{so.name} ({ISA_NAMES[lib.lanes_isa()]})"
+
+
+DL_N = 7                                # decode_layers' products: Q, K, V, O, gate, up, down
+
+
+class DLayer(ctypes.Structure):
+    """kernels/cpu_lanes.c dlayer_t: one dense layer's weights and its KV (slot 0) for decode_layers."""
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p), ("bias", ctypes.c_void_p * 3),
+                ("w", ctypes.c_void_p * DL_N), ("wtype", ctypes.c_int64 * DL_N),
+                ("kc", ctypes.c_void_p), ("vc", ctypes.c_void_p)]
+
+
+class DStep(ctypes.Structure):
+    """kernels/cpu_lanes.c dstep_t: the shape and position of one decode token."""
+    _fields_ = [("n_embd", ctypes.c_int64), ("n_head", ctypes.c_int64), ("n_head_kv", ctypes.c_int64),
+                ("head_dim", ctypes.c_int64), ("n_rot", ctypes.c_int64), ("n_ff", ctypes.c_int64),
+                ("pos", ctypes.c_int64), ("kv_slot", ctypes.c_int64), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("nth", ctypes.c_int)]
 
 
 def spin_rounds() -> int:

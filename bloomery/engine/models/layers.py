@@ -122,6 +122,19 @@ def swiglu_ffn(m, il: int, x):
     return ops.matmul(ops.swiglu(g, u), ly["ffn_down"], x)                              # [T, D]
 
 
+def dense_layers(m, x, rows):
+    """Every layer of a model whose blocks are attention then swiglu_ffn, over the residual x:
+    [T, D]. A backend with `decode_layers` may run a decode row through all of them in one step
+    (the same ops in the same order); else (None) m.block one after another."""
+    fused = getattr(m.ops, "decode_layers", None)
+    y = fused(m, x, rows) if fused is not None else None
+    if y is not None:
+        return y
+    for il in range(m.n_layer):
+        x = m.block(il, x, rows)
+    return x
+
+
 def moe_ffn(m, il: int, x, norm_weights: bool):
     """A routed FFN half (llm_graph_context::build_moe_ffn): the router's softmax over all experts,
     top A, optionally renormalised to sum 1, each expert a SwiGLU FFN, outputs weighted and

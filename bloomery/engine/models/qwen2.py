@@ -23,5 +23,8 @@ class Qwen2(CausalLM):
     def block(self, il: int, x, rows):
         return layers.swiglu_ffn(self, il, layers.attention(self, il, x, rows))     # [T, D]
 
+    def layers_forward(self, x, rows):
+        return layers.dense_layers(self, x, rows)                                    # [T, D]
+
 
 MODEL = Qwen2

@@ -1,0 +1,73 @@
+"""The numpy backend's one-call decode layer (kernels/cpu_lanes.c decode_layers, NumpyOps.decode_layers)
+gives the op-by-op path's bits: logits and the KV it writes, over several steps and two slots, on a
+synthetic qwen2 file in the q4_k_m mix with Q/K/V biases: rows of 256 (Q4_K and Q6_K products) and of
+96 (llama-quantize's fallback: Q5_0 and Q8_0)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bloomery.engine.cpu import kernels as cpu_kernels
+
+pytestmark = pytest.mark.skipif(cpu_kernels.lib() is None, reason="the C kernels did not build here")
+
+
+@pytest.fixture(scope="module", params=[256, 96], ids=["k_quants", "q8_0_family"])
+def qwen2_blocks(request, synthetic_dir, tokenizer_source):
+    from conftest import load_tool
+    d = request.param
+    path = synthetic_dir / f"decode-layer-qwen2-{d}.gguf"
+    if not path.exists():
+        load_tool("make_synthetic").write_synthetic(path, "qwen2", tokenizer_from=str(tokenizer_source), n_layer=2,
+                                                    n_embd=d, n_head=4, n_head_kv=2, n_ff=2 * d, mode="blocks")
+    return path
+
+
+def _run(path, fused: bool, poison: bool = False):
+    from bloomery.engine.loader import load_model
+    from bloomery.placement import whole
+    m = load_model(str(path), whole("numpy", n_slots=2, n_ctx_slot=64))
+    calls = []
+    if fused:
+        inner = m.ops.decode_layers
+        def counted(*a):
+            y = inner(*a)
+            calls.append(y is not None)
+            return y
+        m.ops.decode_layers = counted
+    else:
+        m.ops.decode_layers = lambda *a: None
+    rng = np.random.default_rng(3)
+    for slot, n in ((0, 9), (1, 5)):
+        m.prefill(slot, rng.integers(0, 1000, n).astype(np.int32), 0)
+    out, tok = [], [11, 12]
+    for i in range(6):
+        for slot, pos0 in ((0, 9), (1, 5)):
+            if poison and i == 3 and slot == 0:                     # an inf embedding: NaN from layer 0's products
+                embed = m.embed
+                m.embed = lambda ids: np.full_like(embed(ids), np.inf)
+            elif poison:
+                m.__dict__.pop("embed", None)
+            lg = m.decode([slot], [tok[slot]], [pos0 + i])[0]
+            out.append(lg.copy())
+            tok[slot] = int(np.nanargmax(lg)) if np.isfinite(lg).any() else 0
+    return np.stack(out), m.cache.k.copy(), m.cache.v.copy(), sum(calls)
+
+
+def test_decode_layer_bit_equal(qwen2_blocks):
+    a_logits, a_k, a_v, n_fused = _run(qwen2_blocks, fused=True)
+    b_logits, b_k, b_v, _ = _run(qwen2_blocks, fused=False)
+    assert n_fused == 6 * 2                                           # every decode step
+    assert np.array_equal(a_logits.view(np.uint32), b_logits.view(np.uint32))
+    assert np.array_equal(a_k.view(np.uint16), b_k.view(np.uint16))
+    assert np.array_equal(a_v.view(np.uint16), b_v.view(np.uint16))
+
+
+def test_decode_layer_non_finite_input_as_op_by_op(qwen2_blocks):
+    """A layer's input with an inf: the products' outputs are NaN, as formats.CAct gives them, and
+    the NaN K and V written at that position reach slot 0's later steps, not slot 1's."""
+    a = _run(qwen2_blocks, fused=True, poison=True)[0]
+    b = _run(qwen2_blocks, fused=False, poison=True)[0]
+    assert np.isnan(a[6]).all() and np.isnan(a[-2]).all() and not np.isnan(a[-1]).any()
+    assert np.array_equal(np.isnan(a), np.isnan(b))
+    assert np.array_equal(a[~np.isnan(a)].view(np.uint32), b[~np.isnan(b)].view(np.uint32))

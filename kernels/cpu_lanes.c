@@ -658,10 +658,63 @@ static void q6k_row(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
     }
 }
 
+#if LANES_512
+// The tiled order needs only each super-block's integer total, so any integer order will do: a
+// weight super-block is unpacked once for four activation rows (the loop above unpacks it for
+// each), 64 elements a 512-bit vector, maddubs then dpwssd with the four 16-element scales, and
+// the bsums term folded in with one more dpwssd (-32 * the scales against the 16 bsums).
+static inline int32_t q6k_total(const __m512i q[4], const __m512i s[4], __m512i corr_s, const int8_t *ab,
+                                const int16_t *bs) {
+    __m512i acc = _mm512_dpwssd_epi32(_mm512_setzero_si512(), corr_s,
+                                      _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)bs)));
+    for (int j = 0; j < 4; j++)
+        acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(q[j], _mm512_loadu_si512((const void *)(ab + 64 * j))), s[j]);
+    return _mm512_reduce_add_epi32(acc);
+}
+
+static void q6k_row_tiled(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
+    const int64_t n_super = m->n_blocks, ldo = m->ldo, k = n_super * 256;
+    const uint8_t *wr = m->w + n * m->row_bytes;
+    const int8_t *a = m->a;
+    const float *da = m->da;
+    const int16_t *bsums = m->bsums;
+    float *out = m->out;
+    for (int64_t rb = r0; rb < r1; rb += 4) {
+        const int64_t nr = r1 - rb < 4 ? r1 - rb : 4;
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int64_t b = 0; b < n_super; b++) {
+            const uint8_t *blk = wr + b * Q6_K_BYTES;
+            const int8_t *sb = (const int8_t *)(blk + 192);
+            const float dw = f16_at(blk + 208);
+            __m256i q8[8];
+            q6k_vecs(blk, q8);
+            __m512i q[4], s[4];
+            for (int j = 0; j < 4; j++) {
+                q[j] = _mm512_inserti64x4(_mm512_castsi256_si512(q8[2 * j]), q8[2 * j + 1], 1);
+                s[j] = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_set_m128i(_mm_set1_epi16(sb[4 * j + 1]), _mm_set1_epi16(sb[4 * j]))),
+                    _mm256_set_m128i(_mm_set1_epi16(sb[4 * j + 3]), _mm_set1_epi16(sb[4 * j + 2])), 1);
+            }
+            const __m512i corr_s = _mm512_zextsi256_si512(
+                _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sb)), _mm256_set1_epi16(-32)));
+            for (int i = 0; i < nr; i++) {
+                const int64_t r = rb + i;
+                const int32_t total = q6k_total(q, s, corr_s, a + r * k + 256 * b, bsums + r * n_super * 16 + 16 * b);
+                acc[i] = fmaf((float)total * dw, da[r * n_super + b], acc[i]);
+            }
+        }
+        for (int i = 0; i < nr; i++) out[(rb + i) * ldo + n] = acc[i];
+    }
+}
+#endif
+
 void q6k_mm(const uint8_t *w, int64_t n_rows, int64_t n_super, const int8_t *a, const float *da,
             const int16_t *bsums, int64_t t, int tiled, float *out, int64_t ldo, int nth) {
-    const mm_args m = {.w = w, .row_bytes = n_super * Q6_K_BYTES, .n_blocks = n_super, .t = t, .ldo = ldo,
-                       .tiled = tiled, .a = a, .da = da, .bsums = bsums, .out = out, .row = q6k_row};
+    mm_args m = {.w = w, .row_bytes = n_super * Q6_K_BYTES, .n_blocks = n_super, .t = t, .ldo = ldo,
+                 .tiled = tiled, .a = a, .da = da, .bsums = bsums, .out = out, .row = q6k_row};
+#if LANES_512
+    if (tiled) m.row = q6k_row_tiled;
+#endif
     pool_run(mm_chunk, &m, n_rows, grain_for(n_rows, nth, 4), nth);
 }
 

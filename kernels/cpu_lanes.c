@@ -749,6 +749,9 @@ static void q4k_row(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
                 q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(qs, 4), lo4);
             }
             for (int s = 0; s < 8; s++) s16[s] = _mm256_set1_epi16((int16_t)sc[s]);
+            int16_t mn2[16];                           // each min twice: madd with the bsums gives min * (bs + bs)
+            for (int s = 0; s < 8; s++) mn2[2 * s] = mn2[2 * s + 1] = (int16_t)mn[s];
+            const __m256i mn16 = _mm256_loadu_si256((const __m256i *)mn2);
 #else
             uint8_t q[256];
             for (int c = 0; c < 4; c++)
@@ -764,19 +767,27 @@ static void q4k_row(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
                 const float dd = da[r * n_super + b] * d, dm = da[r * n_super + b] * dmin;
                 int32_t si_all = 0, sm_all = 0;
 #if LANES_AVX2
-                int32_t sums[4];                       // the four 64s' integer sums, reduced together
+                int32_t sums[4], summs[4];             // the four 64s' integer sums, reduced together
                 {
                     __m256i v[4];
                     for (int c = 0; c < 4; c++) {
-                        const __m256i p0 = _mm256_madd_epi16(
-                            _mm256_maddubs_epi16(q[2 * c], _mm256_loadu_si256((const __m256i *)(ab + 64 * c))), s16[2 * c]);
-                        const __m256i p1 = _mm256_madd_epi16(
-                            _mm256_maddubs_epi16(q[2 * c + 1], _mm256_loadu_si256((const __m256i *)(ab + 64 * c + 32))),
-                            s16[2 * c + 1]);
-                        v[c] = _mm256_add_epi32(p0, p1);
+                        const __m256i a0 = _mm256_loadu_si256((const __m256i *)(ab + 64 * c));
+                        const __m256i a1 = _mm256_loadu_si256((const __m256i *)(ab + 64 * c + 32));
+#if LANES_512
+                        v[c] = _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(_mm256_setzero_si256(), _mm256_maddubs_epi16(q[2 * c], a0),
+                                                                       s16[2 * c]),
+                                                   _mm256_maddubs_epi16(q[2 * c + 1], a1), s16[2 * c + 1]);
+#else
+                        v[c] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(q[2 * c], a0), s16[2 * c]),
+                                                _mm256_madd_epi16(_mm256_maddubs_epi16(q[2 * c + 1], a1), s16[2 * c + 1]));
+#endif
                     }
                     const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
                     _mm_storeu_si128((__m128i *)sums, _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+                    // the mins' sums: lane s = mn[s] * (bs[2s] + bs[2s+1]); 64 c is lanes 2c, 2c + 1
+                    const __m256i mv = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)bs), mn16);
+                    const __m256i mh = _mm256_permute4x64_epi64(_mm256_hadd_epi32(mv, mv), 0x08);
+                    _mm_storeu_si128((__m128i *)summs, _mm256_castsi256_si128(mh));
                 }
 #endif
                 for (int c = 0; c < 4; c++) {
@@ -790,8 +801,12 @@ static void q4k_row(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
                         sumi += sum * sc[2 * c + h];
                     }
 #endif
+#if LANES_AVX2
+                    const int32_t summ = summs[c];
+#else
                     const int32_t summ = mn[2 * c] * ((int32_t)bs[4 * c] + bs[4 * c + 1])
                                        + mn[2 * c + 1] * ((int32_t)bs[4 * c + 2] + bs[4 * c + 3]);
+#endif
                     if (r < t_gemm) {
                         acc[i] = fmaf((float)sumi, dd, acc[i]);
                         acc_min[i] = fmaf((float)summ, dm, acc_min[i]);

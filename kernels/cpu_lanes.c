@@ -306,6 +306,7 @@ typedef struct mm_args {                               // a quantized product's 
     const float *da;
     const int16_t *bsums;
     const int32_t *aoff;                               // LANES_512 Q8_0 family: -offset * the 4-sums of a
+    const uint8_t *au;                                 // LANES_512 Q8_0 family, prompts: a + 128 (unsigned)
     float *out;
     void (*row)(const struct mm_args *m, int64_t n, int64_t r0, int64_t r1);   // one weight row's outputs
     void (*row2)(const struct mm_args *m, int64_t n, int64_t r0, int64_t r1);  // rows n, n + 1 (or NULL)
@@ -482,6 +483,52 @@ static void q80_row2(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
     }
 }
 
+// Prompts: the activation made unsigned instead (a + 128, once a call) and the weight kept
+// signed, so the offset, -128 * the four-sums of the weight, is a weight block's (one dpbusd a
+// pair, shared by every activation row) and no activation offsets are read; each lane is again
+// the same integer.
+static inline __m512i q80_pair_s(const uint8_t *b0, const uint8_t *b1, int qtype) {
+    if (qtype == 0)
+        return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
+                                  _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1);
+    return _mm512_sub_epi8(q80_pair_u(b0, b1, qtype), _mm512_set1_epi8(16));
+}
+
+#define Q80U_STEP(i, accv) {                                                                                   \
+    const int64_t ri = r + (i);                                                                                 \
+    const __m512i av = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(au + ri * k + 32 * b)));       \
+    accv = _mm512_fmadd_ps(_mm512_mul_ps(sw, _mm512_set1_ps(da[ri * n_blocks + b])),                            \
+                           _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(wo, av, ws)), accv); }
+
+static void q80_row2u(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
+    const int qtype = m->qtype;
+    const int64_t n_blocks = m->n_blocks, ldo = m->ldo, k = n_blocks * 32;
+    const int64_t bb = qtype == 0 ? Q8_0_BYTES : Q5_0_BYTES;
+    const uint8_t *w0 = m->w + n * m->row_bytes, *w1 = w0 + m->row_bytes;
+    const uint8_t *au = m->au;
+    const float *da = m->da;
+    float *out = m->out;
+    const __m512i ones = _mm512_set1_epi8(1);
+    int64_t r = r0;
+    for (; r + 8 <= r1; r += 8) {
+        __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+        __m512 acc4 = acc0, acc5 = acc0, acc6 = acc0, acc7 = acc0;
+        for (int64_t b = 0; b < n_blocks; b++) {
+            const uint8_t *x0 = w0 + b * bb, *x1 = w1 + b * bb;
+            const __m512i ws = q80_pair_s(x0, x1, qtype);
+            const __m512i wo = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                                _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, ws), 7));
+            const __m512 sw = _mm512_insertf32x8(_mm512_set1_ps(f16_at(x0)), _mm256_set1_ps(f16_at(x1)), 1);
+            Q80U_STEP(0, acc0) Q80U_STEP(1, acc1) Q80U_STEP(2, acc2) Q80U_STEP(3, acc3)
+            Q80U_STEP(4, acc4) Q80U_STEP(5, acc5) Q80U_STEP(6, acc6) Q80U_STEP(7, acc7)
+        }
+        const __m512 accs[8] = {acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7};
+        for (int i = 0; i < 8; i++) store_pair(out + (r + i) * ldo + n, out + (r + i) * ldo + n + 1, accs[i]);
+    }
+#undef Q80U_STEP
+    if (r < r1) q80_row2(m, n, r, r1);
+}
+
 // One weight row on 256-bit vectors, the same unsigned quants and aoff (fewer rows than 4, and
 // an odd last row)
 static inline __m256i q80_u256(const uint8_t *blk, int qtype) {
@@ -540,7 +587,17 @@ void q80_mm(const uint8_t *w, int qtype, int64_t n_rows, int64_t n_blocks, const
         m.row = q80_row1;
         m.row2 = t >= 4 ? q80_row2 : NULL;
     }
+    uint8_t *au = aoff && t >= 8 ? malloc((size_t)(t * n_blocks * 32)) : NULL;
+    if (au) {
+        const __m512i flip = _mm512_set1_epi8((char)0x80);
+        for (int64_t i = 0; i < t * n_blocks / 2; i++)
+            _mm512_storeu_si512((void *)(au + 64 * i), _mm512_xor_si512(_mm512_loadu_si512((const void *)(a + 64 * i)), flip));
+        for (int64_t i = t * n_blocks / 2 * 64; i < t * n_blocks * 32; i++) au[i] = (uint8_t)(a[i] ^ 0x80);
+        m.au = au;
+        m.row2 = q80_row2u;
+    }
     pool_run(mm_chunk, &m, n_rows, grain_for(n_rows, nth, 4) & ~(int64_t)1, nth);
+    free(au);
     free(aoff);
 #else
     pool_run(mm_chunk, &m, n_rows, grain_for(n_rows, nth, 4), nth);

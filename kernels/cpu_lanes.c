@@ -510,6 +510,26 @@ static void q80_row2u(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
     float *out = m->out;
     const __m512i ones = _mm512_set1_epi8(1);
     int64_t r = r0;
+    for (; r + 16 <= r1; r += 16) {                    // sixteen activation rows share each decoded pair
+        __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+        __m512 acc4 = acc0, acc5 = acc0, acc6 = acc0, acc7 = acc0;
+        __m512 acc8 = acc0, acc9 = acc0, acc10 = acc0, acc11 = acc0;
+        __m512 acc12 = acc0, acc13 = acc0, acc14 = acc0, acc15 = acc0;
+        for (int64_t b = 0; b < n_blocks; b++) {
+            const uint8_t *x0 = w0 + b * bb, *x1 = w1 + b * bb;
+            const __m512i ws = q80_pair_s(x0, x1, qtype);
+            const __m512i wo = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                                _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, ws), 7));
+            const __m512 sw = _mm512_insertf32x8(_mm512_set1_ps(f16_at(x0)), _mm256_set1_ps(f16_at(x1)), 1);
+            Q80U_STEP(0, acc0) Q80U_STEP(1, acc1) Q80U_STEP(2, acc2) Q80U_STEP(3, acc3)
+            Q80U_STEP(4, acc4) Q80U_STEP(5, acc5) Q80U_STEP(6, acc6) Q80U_STEP(7, acc7)
+            Q80U_STEP(8, acc8) Q80U_STEP(9, acc9) Q80U_STEP(10, acc10) Q80U_STEP(11, acc11)
+            Q80U_STEP(12, acc12) Q80U_STEP(13, acc13) Q80U_STEP(14, acc14) Q80U_STEP(15, acc15)
+        }
+        const __m512 accs[16] = {acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+                                 acc8, acc9, acc10, acc11, acc12, acc13, acc14, acc15};
+        for (int i = 0; i < 16; i++) store_pair(out + (r + i) * ldo + n, out + (r + i) * ldo + n + 1, accs[i]);
+    }
     for (; r + 8 <= r1; r += 8) {
         __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
         __m512 acc4 = acc0, acc5 = acc0, acc6 = acc0, acc7 = acc0;

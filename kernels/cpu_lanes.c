@@ -737,7 +737,7 @@ static void q6k_row(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
 
 #if LANES_512
 // The tiled order needs only each super-block's integer total, so any integer order will do: a
-// weight super-block is unpacked once for four activation rows (the loop above unpacks it for
+// weight super-block is unpacked once for eight activation rows (the loop above unpacks it for
 // each), 64 elements a 512-bit vector, maddubs then dpwssd with the four 16-element scales, and
 // the bsums term folded in with one more dpwssd (-32 * the scales against the 16 bsums).
 static inline int32_t q6k_total(const __m512i q[4], const __m512i s[4], __m512i corr_s, const int8_t *ab,
@@ -756,9 +756,9 @@ static void q6k_row_tiled(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
     const float *da = m->da;
     const int16_t *bsums = m->bsums;
     float *out = m->out;
-    for (int64_t rb = r0; rb < r1; rb += 4) {
-        const int64_t nr = r1 - rb < 4 ? r1 - rb : 4;
-        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t rb = r0; rb < r1; rb += 8) {
+        const int64_t nr = r1 - rb < 8 ? r1 - rb : 8;
+        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
         for (int64_t b = 0; b < n_super; b++) {
             const uint8_t *blk = wr + b * Q6_K_BYTES;
             const int8_t *sb = (const int8_t *)(blk + 192);

@@ -912,51 +912,62 @@ static void q4k_row_gemm(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
     const uint8_t *wr = m->w + n * m->row_bytes;
     const __m256i lo4 = _mm256_set1_epi8(0xF);
     int64_t rb = r0;
-    for (; rb + 4 <= r1 && rb + 4 <= m->t_gemm; rb += 4) {
-        __m128 acc = _mm_setzero_ps(), accm = _mm_setzero_ps();
-        const int8_t *a0 = m->a + rb * k;
-        const float *d0 = m->da + rb * n_super;
-        const int16_t *bs0 = m->bsums + rb * n_super * 16;
-        for (int64_t b = 0; b < n_super; b++) {
-            const uint8_t *blk = wr + b * Q4_K_BYTES;
-            const float d = f16_at(blk), dmin = f16_at(blk + 2);
-            int32_t sc[8], mn[8];
-            q4k_scales(blk + 4, sc, mn);
-            const __m128 da4 = _mm_setr_ps(d0[b], d0[n_super + b], d0[2 * n_super + b], d0[3 * n_super + b]);
-            const __m128 dd4 = _mm_mul_ps(da4, _mm_set1_ps(d)), dm4 = _mm_mul_ps(da4, _mm_set1_ps(dmin));
-            const __m256i m32 = _mm256_setr_epi32(mn[0], mn[1], mn[2], mn[3], mn[4], mn[5], mn[6], mn[7]);
-            const __m256i mn16 = _mm256_or_si256(m32, _mm256_slli_epi32(m32, 16));   // each min in both words
-            __m256i mv[4];
-            for (int i = 0; i < 4; i++)
-                mv[i] = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(bs0 + i * n_super * 16 + 16 * b)), mn16);
-            const __m256 x = _mm256_castsi256_ps(_mm256_hadd_epi32(mv[0], mv[1]));   // [r0 c0, r0 c1, r1 c0, r1 c1 | c2, c3]
-            const __m256 y = _mm256_castsi256_ps(_mm256_hadd_epi32(mv[2], mv[3]));
-            const __m256i ev = _mm256_castps_si256(_mm256_shuffle_ps(x, y, 0x88));  // c0 | c2, rows 0..3
-            const __m256i od = _mm256_castps_si256(_mm256_shuffle_ps(x, y, 0xDD));  // c1 | c3
-            const __m128i mc[4] = {_mm256_castsi256_si128(ev), _mm256_castsi256_si128(od),
-                                   _mm256_extracti128_si256(ev, 1), _mm256_extracti128_si256(od, 1)};
-            for (int c = 0; c < 4; c++) {
-                const __m256i qs = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
-                const __m256i ql = _mm256_and_si256(qs, lo4), qh = _mm256_and_si256(_mm256_srli_epi16(qs, 4), lo4);
-                const __m256i s0 = _mm256_set1_epi16((int16_t)sc[2 * c]), s1 = _mm256_set1_epi16((int16_t)sc[2 * c + 1]);
-                __m256i v[4];
-                for (int i = 0; i < 4; i++) {
-                    const int8_t *ab = a0 + i * k + 256 * b + 64 * c;
-                    v[i] = _mm256_dpwssd_epi32(
-                        _mm256_dpwssd_epi32(_mm256_setzero_si256(),
-                                            _mm256_maddubs_epi16(ql, _mm256_loadu_si256((const __m256i *)ab)), s0),
-                        _mm256_maddubs_epi16(qh, _mm256_loadu_si256((const __m256i *)(ab + 32))), s1);
+    for (int g = 2; g >= 1; g--)                       // two groups of four rows share the unpacked block, then one
+        for (; rb + 4 * g <= r1 && rb + 4 * g <= m->t_gemm; rb += 4 * g) {
+            __m128 acc[2] = {_mm_setzero_ps(), _mm_setzero_ps()}, accm[2] = {_mm_setzero_ps(), _mm_setzero_ps()};
+            for (int64_t b = 0; b < n_super; b++) {
+                const uint8_t *blk = wr + b * Q4_K_BYTES;
+                const float d = f16_at(blk), dmin = f16_at(blk + 2);
+                int32_t sc[8], mn[8];
+                q4k_scales(blk + 4, sc, mn);
+                const __m256i m32 = _mm256_setr_epi32(mn[0], mn[1], mn[2], mn[3], mn[4], mn[5], mn[6], mn[7]);
+                const __m256i mn16 = _mm256_or_si256(m32, _mm256_slli_epi32(m32, 16));   // each min in both words
+                __m128 dd4[2], dm4[2];
+                __m128i mc[2][4];
+                for (int gi = 0; gi < g; gi++) {
+                    const float *d0 = m->da + (rb + 4 * gi) * n_super;
+                    const int16_t *bs0 = m->bsums + (rb + 4 * gi) * n_super * 16;
+                    const __m128 da4 = _mm_setr_ps(d0[b], d0[n_super + b], d0[2 * n_super + b], d0[3 * n_super + b]);
+                    dd4[gi] = _mm_mul_ps(da4, _mm_set1_ps(d));
+                    dm4[gi] = _mm_mul_ps(da4, _mm_set1_ps(dmin));
+                    __m256i mv[4];
+                    for (int i = 0; i < 4; i++)
+                        mv[i] = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(bs0 + i * n_super * 16 + 16 * b)), mn16);
+                    const __m256 x = _mm256_castsi256_ps(_mm256_hadd_epi32(mv[0], mv[1]));   // [r0 c0, r0 c1, r1 c0, r1 c1 | c2, c3]
+                    const __m256 y = _mm256_castsi256_ps(_mm256_hadd_epi32(mv[2], mv[3]));
+                    const __m256i ev = _mm256_castps_si256(_mm256_shuffle_ps(x, y, 0x88));  // c0 | c2, rows 0..3
+                    const __m256i od = _mm256_castps_si256(_mm256_shuffle_ps(x, y, 0xDD));  // c1 | c3
+                    mc[gi][0] = _mm256_castsi256_si128(ev);
+                    mc[gi][1] = _mm256_castsi256_si128(od);
+                    mc[gi][2] = _mm256_extracti128_si256(ev, 1);
+                    mc[gi][3] = _mm256_extracti128_si256(od, 1);
                 }
-                const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-                const __m128i sums = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-                acc = _mm_fmadd_ps(_mm_cvtepi32_ps(sums), dd4, acc);
-                accm = _mm_fmadd_ps(_mm_cvtepi32_ps(mc[c]), dm4, accm);
+                for (int c = 0; c < 4; c++) {
+                    const __m256i qs = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
+                    const __m256i ql = _mm256_and_si256(qs, lo4), qh = _mm256_and_si256(_mm256_srli_epi16(qs, 4), lo4);
+                    const __m256i s0 = _mm256_set1_epi16((int16_t)sc[2 * c]), s1 = _mm256_set1_epi16((int16_t)sc[2 * c + 1]);
+                    for (int gi = 0; gi < g; gi++) {
+                        __m256i v[4];
+                        for (int i = 0; i < 4; i++) {
+                            const int8_t *ab = m->a + (rb + 4 * gi + i) * k + 256 * b + 64 * c;
+                            v[i] = _mm256_dpwssd_epi32(
+                                _mm256_dpwssd_epi32(_mm256_setzero_si256(),
+                                                    _mm256_maddubs_epi16(ql, _mm256_loadu_si256((const __m256i *)ab)), s0),
+                                _mm256_maddubs_epi16(qh, _mm256_loadu_si256((const __m256i *)(ab + 32))), s1);
+                        }
+                        const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+                        const __m128i sums = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+                        acc[gi] = _mm_fmadd_ps(_mm_cvtepi32_ps(sums), dd4[gi], acc[gi]);
+                        accm[gi] = _mm_fmadd_ps(_mm_cvtepi32_ps(mc[gi][c]), dm4[gi], accm[gi]);
+                    }
+                }
+            }
+            for (int gi = 0; gi < g; gi++) {
+                float o[4];
+                _mm_storeu_ps(o, _mm_sub_ps(acc[gi], accm[gi]));
+                for (int i = 0; i < 4; i++) m->out[(rb + 4 * gi + i) * ldo + n] = o[i];
             }
         }
-        float o[4];
-        _mm_storeu_ps(o, _mm_sub_ps(acc, accm));
-        for (int i = 0; i < 4; i++) m->out[(rb + i) * ldo + n] = o[i];
-    }
     if (rb < r1) q4k_row(m, n, rb, r1);
 }
 #endif

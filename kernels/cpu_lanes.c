@@ -580,9 +580,23 @@ static void q80_row1(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
     }
 }
 
+// A calling thread's scratch buffer `slot`, kept between calls and grown as needed: a prompt's
+// few-MB buffers, taken fresh from malloc each product, came as new pages the kernel zeroed
+// (clear_page was 3 % of a prompt's CPU). NULL where the memory is not there.
+static void *scratch(int slot, size_t bytes) {
+    static _Thread_local void *buf[2];
+    static _Thread_local size_t cap[2];
+    if (bytes > cap[slot]) {
+        free(buf[slot]);
+        buf[slot] = malloc(bytes);
+        cap[slot] = buf[slot] ? bytes : 0;
+    }
+    return buf[slot];
+}
+
 // aoff [T, B, 8]: -offset * (a[4l] + .. + a[4l+3]) for lane l of each block
 static int32_t *q80_aoff(const int8_t *a, int64_t t, int64_t n_blocks, int qtype) {
-    int32_t *o = malloc((size_t)(t * n_blocks * 8) * sizeof(int32_t));
+    int32_t *o = scratch(0, (size_t)(t * n_blocks * 8) * sizeof(int32_t));
     if (!o) return NULL;
     const __m256i ones = _mm256_set1_epi8(1);
     const int shift = qtype == 0 ? 7 : 4;                                      // 128 or 16
@@ -607,7 +621,7 @@ void q80_mm(const uint8_t *w, int qtype, int64_t n_rows, int64_t n_blocks, const
         m.row = q80_row1;
         m.row2 = t >= 4 ? q80_row2 : NULL;
     }
-    uint8_t *au = aoff && t >= 8 ? malloc((size_t)(t * n_blocks * 32)) : NULL;
+    uint8_t *au = aoff && t >= 8 ? scratch(1, (size_t)(t * n_blocks * 32)) : NULL;
     if (au) {
         const __m512i flip = _mm512_set1_epi8((char)0x80);
         for (int64_t i = 0; i < t * n_blocks / 2; i++)
@@ -617,8 +631,6 @@ void q80_mm(const uint8_t *w, int qtype, int64_t n_rows, int64_t n_blocks, const
         m.row2 = q80_row2u;
     }
     pool_run(mm_chunk, &m, n_rows, grain_for(n_rows, nth, 4) & ~(int64_t)1, nth);
-    free(au);
-    free(aoff);
 #else
     pool_run(mm_chunk, &m, n_rows, grain_for(n_rows, nth, 4), nth);
 #endif

@@ -306,6 +306,7 @@ typedef struct mm_args {                               // a quantized product's 
     const float *da;
     const int16_t *bsums;
     const int32_t *aoff;                               // LANES_512 Q8_0 family: -offset * the 4-sums of a
+    const uint8_t *au;                                 // LANES_512 Q8_0 family, prompts: a + 128 (unsigned)
     float *out;
     void (*row)(const struct mm_args *m, int64_t n, int64_t r0, int64_t r1);   // one weight row's outputs
     void (*row2)(const struct mm_args *m, int64_t n, int64_t r0, int64_t r1);  // rows n, n + 1 (or NULL)
@@ -482,6 +483,72 @@ static void q80_row2(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
     }
 }
 
+// Prompts: the activation made unsigned instead (a + 128, once a call) and the weight kept
+// signed, so the offset, -128 * the four-sums of the weight, is a weight block's (one dpbusd a
+// pair, shared by every activation row) and no activation offsets are read; each lane is again
+// the same integer.
+static inline __m512i q80_pair_s(const uint8_t *b0, const uint8_t *b1, int qtype) {
+    if (qtype == 0)
+        return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
+                                  _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1);
+    return _mm512_sub_epi8(q80_pair_u(b0, b1, qtype), _mm512_set1_epi8(16));
+}
+
+#define Q80U_STEP(i, accv) {                                                                                   \
+    const int64_t ri = r + (i);                                                                                 \
+    const __m512i av = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(au + ri * k + 32 * b)));       \
+    accv = _mm512_fmadd_ps(_mm512_mul_ps(sw, _mm512_set1_ps(da[ri * n_blocks + b])),                            \
+                           _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(wo, av, ws)), accv); }
+
+static void q80_row2u(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
+    const int qtype = m->qtype;
+    const int64_t n_blocks = m->n_blocks, ldo = m->ldo, k = n_blocks * 32;
+    const int64_t bb = qtype == 0 ? Q8_0_BYTES : Q5_0_BYTES;
+    const uint8_t *w0 = m->w + n * m->row_bytes, *w1 = w0 + m->row_bytes;
+    const uint8_t *au = m->au;
+    const float *da = m->da;
+    float *out = m->out;
+    const __m512i ones = _mm512_set1_epi8(1);
+    int64_t r = r0;
+    for (; r + 16 <= r1; r += 16) {                    // sixteen activation rows share each decoded pair
+        __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+        __m512 acc4 = acc0, acc5 = acc0, acc6 = acc0, acc7 = acc0;
+        __m512 acc8 = acc0, acc9 = acc0, acc10 = acc0, acc11 = acc0;
+        __m512 acc12 = acc0, acc13 = acc0, acc14 = acc0, acc15 = acc0;
+        for (int64_t b = 0; b < n_blocks; b++) {
+            const uint8_t *x0 = w0 + b * bb, *x1 = w1 + b * bb;
+            const __m512i ws = q80_pair_s(x0, x1, qtype);
+            const __m512i wo = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                                _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, ws), 7));
+            const __m512 sw = _mm512_insertf32x8(_mm512_set1_ps(f16_at(x0)), _mm256_set1_ps(f16_at(x1)), 1);
+            Q80U_STEP(0, acc0) Q80U_STEP(1, acc1) Q80U_STEP(2, acc2) Q80U_STEP(3, acc3)
+            Q80U_STEP(4, acc4) Q80U_STEP(5, acc5) Q80U_STEP(6, acc6) Q80U_STEP(7, acc7)
+            Q80U_STEP(8, acc8) Q80U_STEP(9, acc9) Q80U_STEP(10, acc10) Q80U_STEP(11, acc11)
+            Q80U_STEP(12, acc12) Q80U_STEP(13, acc13) Q80U_STEP(14, acc14) Q80U_STEP(15, acc15)
+        }
+        const __m512 accs[16] = {acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+                                 acc8, acc9, acc10, acc11, acc12, acc13, acc14, acc15};
+        for (int i = 0; i < 16; i++) store_pair(out + (r + i) * ldo + n, out + (r + i) * ldo + n + 1, accs[i]);
+    }
+    for (; r + 8 <= r1; r += 8) {
+        __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+        __m512 acc4 = acc0, acc5 = acc0, acc6 = acc0, acc7 = acc0;
+        for (int64_t b = 0; b < n_blocks; b++) {
+            const uint8_t *x0 = w0 + b * bb, *x1 = w1 + b * bb;
+            const __m512i ws = q80_pair_s(x0, x1, qtype);
+            const __m512i wo = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                                _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, ws), 7));
+            const __m512 sw = _mm512_insertf32x8(_mm512_set1_ps(f16_at(x0)), _mm256_set1_ps(f16_at(x1)), 1);
+            Q80U_STEP(0, acc0) Q80U_STEP(1, acc1) Q80U_STEP(2, acc2) Q80U_STEP(3, acc3)
+            Q80U_STEP(4, acc4) Q80U_STEP(5, acc5) Q80U_STEP(6, acc6) Q80U_STEP(7, acc7)
+        }
+        const __m512 accs[8] = {acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7};
+        for (int i = 0; i < 8; i++) store_pair(out + (r + i) * ldo + n, out + (r + i) * ldo + n + 1, accs[i]);
+    }
+#undef Q80U_STEP
+    if (r < r1) q80_row2(m, n, r, r1);
+}
+
 // One weight row on 256-bit vectors, the same unsigned quants and aoff (fewer rows than 4, and
 // an odd last row)
 static inline __m256i q80_u256(const uint8_t *blk, int qtype) {
@@ -513,9 +580,23 @@ static void q80_row1(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
     }
 }
 
+// A calling thread's scratch buffer `slot`, kept between calls and grown as needed: a prompt's
+// few-MB buffers, taken fresh from malloc each product, came as new pages the kernel zeroed
+// (clear_page was 3 % of a prompt's CPU). NULL where the memory is not there.
+static void *scratch(int slot, size_t bytes) {
+    static _Thread_local void *buf[2];
+    static _Thread_local size_t cap[2];
+    if (bytes > cap[slot]) {
+        free(buf[slot]);
+        buf[slot] = malloc(bytes);
+        cap[slot] = buf[slot] ? bytes : 0;
+    }
+    return buf[slot];
+}
+
 // aoff [T, B, 8]: -offset * (a[4l] + .. + a[4l+3]) for lane l of each block
 static int32_t *q80_aoff(const int8_t *a, int64_t t, int64_t n_blocks, int qtype) {
-    int32_t *o = malloc((size_t)(t * n_blocks * 8) * sizeof(int32_t));
+    int32_t *o = scratch(0, (size_t)(t * n_blocks * 8) * sizeof(int32_t));
     if (!o) return NULL;
     const __m256i ones = _mm256_set1_epi8(1);
     const int shift = qtype == 0 ? 7 : 4;                                      // 128 or 16
@@ -540,8 +621,16 @@ void q80_mm(const uint8_t *w, int qtype, int64_t n_rows, int64_t n_blocks, const
         m.row = q80_row1;
         m.row2 = t >= 4 ? q80_row2 : NULL;
     }
+    uint8_t *au = aoff && t >= 8 ? scratch(1, (size_t)(t * n_blocks * 32)) : NULL;
+    if (au) {
+        const __m512i flip = _mm512_set1_epi8((char)0x80);
+        for (int64_t i = 0; i < t * n_blocks / 2; i++)
+            _mm512_storeu_si512((void *)(au + 64 * i), _mm512_xor_si512(_mm512_loadu_si512((const void *)(a + 64 * i)), flip));
+        for (int64_t i = t * n_blocks / 2 * 64; i < t * n_blocks * 32; i++) au[i] = (uint8_t)(a[i] ^ 0x80);
+        m.au = au;
+        m.row2 = q80_row2u;
+    }
     pool_run(mm_chunk, &m, n_rows, grain_for(n_rows, nth, 4) & ~(int64_t)1, nth);
-    free(aoff);
 #else
     pool_run(mm_chunk, &m, n_rows, grain_for(n_rows, nth, 4), nth);
 #endif
@@ -658,10 +747,63 @@ static void q6k_row(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
     }
 }
 
+#if LANES_512
+// The tiled order needs only each super-block's integer total, so any integer order will do: a
+// weight super-block is unpacked once for eight activation rows (the loop above unpacks it for
+// each), 64 elements a 512-bit vector, maddubs then dpwssd with the four 16-element scales, and
+// the bsums term folded in with one more dpwssd (-32 * the scales against the 16 bsums).
+static inline int32_t q6k_total(const __m512i q[4], const __m512i s[4], __m512i corr_s, const int8_t *ab,
+                                const int16_t *bs) {
+    __m512i acc = _mm512_dpwssd_epi32(_mm512_setzero_si512(), corr_s,
+                                      _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)bs)));
+    for (int j = 0; j < 4; j++)
+        acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(q[j], _mm512_loadu_si512((const void *)(ab + 64 * j))), s[j]);
+    return _mm512_reduce_add_epi32(acc);
+}
+
+static void q6k_row_tiled(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
+    const int64_t n_super = m->n_blocks, ldo = m->ldo, k = n_super * 256;
+    const uint8_t *wr = m->w + n * m->row_bytes;
+    const int8_t *a = m->a;
+    const float *da = m->da;
+    const int16_t *bsums = m->bsums;
+    float *out = m->out;
+    for (int64_t rb = r0; rb < r1; rb += 8) {
+        const int64_t nr = r1 - rb < 8 ? r1 - rb : 8;
+        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        for (int64_t b = 0; b < n_super; b++) {
+            const uint8_t *blk = wr + b * Q6_K_BYTES;
+            const int8_t *sb = (const int8_t *)(blk + 192);
+            const float dw = f16_at(blk + 208);
+            __m256i q8[8];
+            q6k_vecs(blk, q8);
+            __m512i q[4], s[4];
+            for (int j = 0; j < 4; j++) {
+                q[j] = _mm512_inserti64x4(_mm512_castsi256_si512(q8[2 * j]), q8[2 * j + 1], 1);
+                s[j] = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_set_m128i(_mm_set1_epi16(sb[4 * j + 1]), _mm_set1_epi16(sb[4 * j]))),
+                    _mm256_set_m128i(_mm_set1_epi16(sb[4 * j + 3]), _mm_set1_epi16(sb[4 * j + 2])), 1);
+            }
+            const __m512i corr_s = _mm512_zextsi256_si512(
+                _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sb)), _mm256_set1_epi16(-32)));
+            for (int i = 0; i < nr; i++) {
+                const int64_t r = rb + i;
+                const int32_t total = q6k_total(q, s, corr_s, a + r * k + 256 * b, bsums + r * n_super * 16 + 16 * b);
+                acc[i] = fmaf((float)total * dw, da[r * n_super + b], acc[i]);
+            }
+        }
+        for (int i = 0; i < nr; i++) out[(rb + i) * ldo + n] = acc[i];
+    }
+}
+#endif
+
 void q6k_mm(const uint8_t *w, int64_t n_rows, int64_t n_super, const int8_t *a, const float *da,
             const int16_t *bsums, int64_t t, int tiled, float *out, int64_t ldo, int nth) {
-    const mm_args m = {.w = w, .row_bytes = n_super * Q6_K_BYTES, .n_blocks = n_super, .t = t, .ldo = ldo,
-                       .tiled = tiled, .a = a, .da = da, .bsums = bsums, .out = out, .row = q6k_row};
+    mm_args m = {.w = w, .row_bytes = n_super * Q6_K_BYTES, .n_blocks = n_super, .t = t, .ldo = ldo,
+                 .tiled = tiled, .a = a, .da = da, .bsums = bsums, .out = out, .row = q6k_row};
+#if LANES_512
+    if (tiled) m.row = q6k_row_tiled;
+#endif
     pool_run(mm_chunk, &m, n_rows, grain_for(n_rows, nth, 4), nth);
 }
 
@@ -696,6 +838,9 @@ static void q4k_row(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
                 q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(qs, 4), lo4);
             }
             for (int s = 0; s < 8; s++) s16[s] = _mm256_set1_epi16((int16_t)sc[s]);
+            int16_t mn2[16];                           // each min twice: madd with the bsums gives min * (bs + bs)
+            for (int s = 0; s < 8; s++) mn2[2 * s] = mn2[2 * s + 1] = (int16_t)mn[s];
+            const __m256i mn16 = _mm256_loadu_si256((const __m256i *)mn2);
 #else
             uint8_t q[256];
             for (int c = 0; c < 4; c++)
@@ -711,19 +856,27 @@ static void q4k_row(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
                 const float dd = da[r * n_super + b] * d, dm = da[r * n_super + b] * dmin;
                 int32_t si_all = 0, sm_all = 0;
 #if LANES_AVX2
-                int32_t sums[4];                       // the four 64s' integer sums, reduced together
+                int32_t sums[4], summs[4];             // the four 64s' integer sums, reduced together
                 {
                     __m256i v[4];
                     for (int c = 0; c < 4; c++) {
-                        const __m256i p0 = _mm256_madd_epi16(
-                            _mm256_maddubs_epi16(q[2 * c], _mm256_loadu_si256((const __m256i *)(ab + 64 * c))), s16[2 * c]);
-                        const __m256i p1 = _mm256_madd_epi16(
-                            _mm256_maddubs_epi16(q[2 * c + 1], _mm256_loadu_si256((const __m256i *)(ab + 64 * c + 32))),
-                            s16[2 * c + 1]);
-                        v[c] = _mm256_add_epi32(p0, p1);
+                        const __m256i a0 = _mm256_loadu_si256((const __m256i *)(ab + 64 * c));
+                        const __m256i a1 = _mm256_loadu_si256((const __m256i *)(ab + 64 * c + 32));
+#if LANES_512
+                        v[c] = _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(_mm256_setzero_si256(), _mm256_maddubs_epi16(q[2 * c], a0),
+                                                                       s16[2 * c]),
+                                                   _mm256_maddubs_epi16(q[2 * c + 1], a1), s16[2 * c + 1]);
+#else
+                        v[c] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(q[2 * c], a0), s16[2 * c]),
+                                                _mm256_madd_epi16(_mm256_maddubs_epi16(q[2 * c + 1], a1), s16[2 * c + 1]));
+#endif
                     }
                     const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
                     _mm_storeu_si128((__m128i *)sums, _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+                    // the mins' sums: lane s = mn[s] * (bs[2s] + bs[2s+1]); 64 c is lanes 2c, 2c + 1
+                    const __m256i mv = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)bs), mn16);
+                    const __m256i mh = _mm256_permute4x64_epi64(_mm256_hadd_epi32(mv, mv), 0x08);
+                    _mm_storeu_si128((__m128i *)summs, _mm256_castsi256_si128(mh));
                 }
 #endif
                 for (int c = 0; c < 4; c++) {
@@ -737,8 +890,12 @@ static void q4k_row(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
                         sumi += sum * sc[2 * c + h];
                     }
 #endif
+#if LANES_AVX2
+                    const int32_t summ = summs[c];
+#else
                     const int32_t summ = mn[2 * c] * ((int32_t)bs[4 * c] + bs[4 * c + 1])
                                        + mn[2 * c + 1] * ((int32_t)bs[4 * c + 2] + bs[4 * c + 3]);
+#endif
                     if (r < t_gemm) {
                         acc[i] = fmaf((float)sumi, dd, acc[i]);
                         acc_min[i] = fmaf((float)summ, dm, acc_min[i]);
@@ -757,10 +914,83 @@ static void q4k_row(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
     }
 }
 
+#if LANES_512
+// Gemm rows four at a time with the float steps in one vector of the four rows: per 64 elements
+// c, the four rows' integer sums come out of one hadd tree in row order, so acc = fma(f32(sumi),
+// d_a * d_w, acc) is the same per-row chain as above, one lane a row; the mins' sums likewise
+// (madd of each row's bsums with the mins, then even / odd pairs). Other rows: q4k_row.
+static void q4k_row_gemm(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
+    const int64_t n_super = m->n_blocks, ldo = m->ldo, k = n_super * 256;
+    const uint8_t *wr = m->w + n * m->row_bytes;
+    const __m256i lo4 = _mm256_set1_epi8(0xF);
+    int64_t rb = r0;
+    for (int g = 2; g >= 1; g--)                       // two groups of four rows share the unpacked block, then one
+        for (; rb + 4 * g <= r1 && rb + 4 * g <= m->t_gemm; rb += 4 * g) {
+            __m128 acc[2] = {_mm_setzero_ps(), _mm_setzero_ps()}, accm[2] = {_mm_setzero_ps(), _mm_setzero_ps()};
+            for (int64_t b = 0; b < n_super; b++) {
+                const uint8_t *blk = wr + b * Q4_K_BYTES;
+                const float d = f16_at(blk), dmin = f16_at(blk + 2);
+                int32_t sc[8], mn[8];
+                q4k_scales(blk + 4, sc, mn);
+                const __m256i m32 = _mm256_setr_epi32(mn[0], mn[1], mn[2], mn[3], mn[4], mn[5], mn[6], mn[7]);
+                const __m256i mn16 = _mm256_or_si256(m32, _mm256_slli_epi32(m32, 16));   // each min in both words
+                __m128 dd4[2], dm4[2];
+                __m128i mc[2][4];
+                for (int gi = 0; gi < g; gi++) {
+                    const float *d0 = m->da + (rb + 4 * gi) * n_super;
+                    const int16_t *bs0 = m->bsums + (rb + 4 * gi) * n_super * 16;
+                    const __m128 da4 = _mm_setr_ps(d0[b], d0[n_super + b], d0[2 * n_super + b], d0[3 * n_super + b]);
+                    dd4[gi] = _mm_mul_ps(da4, _mm_set1_ps(d));
+                    dm4[gi] = _mm_mul_ps(da4, _mm_set1_ps(dmin));
+                    __m256i mv[4];
+                    for (int i = 0; i < 4; i++)
+                        mv[i] = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(bs0 + i * n_super * 16 + 16 * b)), mn16);
+                    const __m256 x = _mm256_castsi256_ps(_mm256_hadd_epi32(mv[0], mv[1]));   // [r0 c0, r0 c1, r1 c0, r1 c1 | c2, c3]
+                    const __m256 y = _mm256_castsi256_ps(_mm256_hadd_epi32(mv[2], mv[3]));
+                    const __m256i ev = _mm256_castps_si256(_mm256_shuffle_ps(x, y, 0x88));  // c0 | c2, rows 0..3
+                    const __m256i od = _mm256_castps_si256(_mm256_shuffle_ps(x, y, 0xDD));  // c1 | c3
+                    mc[gi][0] = _mm256_castsi256_si128(ev);
+                    mc[gi][1] = _mm256_castsi256_si128(od);
+                    mc[gi][2] = _mm256_extracti128_si256(ev, 1);
+                    mc[gi][3] = _mm256_extracti128_si256(od, 1);
+                }
+                for (int c = 0; c < 4; c++) {
+                    const __m256i qs = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
+                    const __m256i ql = _mm256_and_si256(qs, lo4), qh = _mm256_and_si256(_mm256_srli_epi16(qs, 4), lo4);
+                    const __m256i s0 = _mm256_set1_epi16((int16_t)sc[2 * c]), s1 = _mm256_set1_epi16((int16_t)sc[2 * c + 1]);
+                    for (int gi = 0; gi < g; gi++) {
+                        __m256i v[4];
+                        for (int i = 0; i < 4; i++) {
+                            const int8_t *ab = m->a + (rb + 4 * gi + i) * k + 256 * b + 64 * c;
+                            v[i] = _mm256_dpwssd_epi32(
+                                _mm256_dpwssd_epi32(_mm256_setzero_si256(),
+                                                    _mm256_maddubs_epi16(ql, _mm256_loadu_si256((const __m256i *)ab)), s0),
+                                _mm256_maddubs_epi16(qh, _mm256_loadu_si256((const __m256i *)(ab + 32))), s1);
+                        }
+                        const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+                        const __m128i sums = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+                        acc[gi] = _mm_fmadd_ps(_mm_cvtepi32_ps(sums), dd4[gi], acc[gi]);
+                        accm[gi] = _mm_fmadd_ps(_mm_cvtepi32_ps(mc[gi][c]), dm4[gi], accm[gi]);
+                    }
+                }
+            }
+            for (int gi = 0; gi < g; gi++) {
+                float o[4];
+                _mm_storeu_ps(o, _mm_sub_ps(acc[gi], accm[gi]));
+                for (int i = 0; i < 4; i++) m->out[(rb + 4 * gi + i) * ldo + n] = o[i];
+            }
+        }
+    if (rb < r1) q4k_row(m, n, rb, r1);
+}
+#endif
+
 void q4k_mm(const uint8_t *w, int64_t n_rows, int64_t n_super, const int8_t *a, const float *da,
             const int16_t *bsums, int64_t t, int64_t t_gemm, float *out, int64_t ldo, int nth) {
-    const mm_args m = {.w = w, .row_bytes = n_super * Q4_K_BYTES, .n_blocks = n_super, .t = t, .t_gemm = t_gemm,
-                       .ldo = ldo, .a = a, .da = da, .bsums = bsums, .out = out, .row = q4k_row};
+    mm_args m = {.w = w, .row_bytes = n_super * Q4_K_BYTES, .n_blocks = n_super, .t = t, .t_gemm = t_gemm,
+                 .ldo = ldo, .a = a, .da = da, .bsums = bsums, .out = out, .row = q4k_row};
+#if LANES_512
+    if (t_gemm >= 4) m.row = q4k_row_gemm;
+#endif
     pool_run(mm_chunk, &m, n_rows, grain_for(n_rows, nth, 4), nth);
 }
 

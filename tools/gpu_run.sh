@@ -2,8 +2,14 @@
 # On a GPU machine with no network (the device): install the carried wheels, then run the
 # steps named, in order, each under its own time limit, results under $OUT (or ./gpu-out).
 #
-#   tools/gpu_run.sh [tests] [bench] [variants] [profile] [llama] [grammar] [offload] [serve] [start]
+#   tools/gpu_run.sh [llama-build] [tests] [bench] [variants] [profile] [llama] [grammar] [offload] [serve] [start]
 #
+#   llama-build  start building llama-server (CUDA, sm_90) from the carried trimmed sdist $dev/llama-src.tar.xz
+#             into /tmp/llama, in its own process session (setsid): the device ends a call's other processes,
+#             but this one goes on while the machine stays warm (30 s between calls), so the next calls find
+#             it (about 10 minutes on 16 cores at nice 15). Once /tmp/llama/done exists, offload, serve and
+#             start use it as $LLAMA_SERVER. Wait for it with a bound: a build that fails or is still running
+#             must not hold a call.
 #   tests     the GPU tests (tests/test_cuda_*.py, or the pytest arguments in $TESTS), tests.log
 #   bench     tools/bench_cuda.py on the Qwen3-30B-A3B-shaped file (written once into
 #             $BENCH_WORK, in the background while the tests run), bench.json
@@ -28,6 +34,9 @@
 # Carried beside the tree in $BLOOMERY_DEVICE_DIR (default .device, git-ignored):
 #   whl/*.whl            pyzmq, structlog, gguf, llguidance (the device image lacks them)
 #   tokenizer.gguf       tools/make_synthetic.py --tokenizer-only -o .device/tokenizer.gguf
+#   llama-src.tar.xz     llama.cpp b11434's sdist tree (`llama.cpp/`), trimmed to fit: without models, docs,
+#                        media, benches, tools/ui/src and tests, tools/server/tests, gguf-py, conversion and the
+#                        other ggml backends (about 5.5 MB); for llama-build
 #   (any of these may be carried as NAME.xz: it is unpacked first)
 #   llama/llama-bench    llama.cpp's CUDA llama-bench (tools/ref/build-llama.sh --cuda-static),
 #                        linked against libcublas.so.13, which the device has in its CUDA wheels
@@ -47,6 +56,18 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   "$dev"/whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 BLOOMERY_TOKENIZER_GGUF=$PWD/$dev/tokenizer.gguf
 nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm,clocks.max.sm --format=csv,noheader
+
+built=/tmp/llama/llama.cpp/build/bin/llama-server
+if has llama-build && [ ! -f /tmp/llama/started ] && [ -f "$dev/llama-src.tar.xz" ]; then
+  mkdir -p /tmp/llama && touch /tmp/llama/started
+  setsid nohup bash -c "cd /tmp/llama && tar xJf '$PWD/$dev/llama-src.tar.xz' && cd llama.cpp && \
+    cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+      -DCMAKE_BUILD_TYPE=Release -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+      > /tmp/llama/cmake.log 2>&1 && nice -n 15 cmake --build build --target llama-server -j\$(nproc) \
+      > /tmp/llama/build.log 2>&1; echo rc \$? > /tmp/llama/done" > /dev/null 2>&1 < /dev/null &
+  echo "llama-build: started in its own session (/tmp/llama/build.log)"
+fi
+[ -z "${LLAMA_SERVER:-}" ] && [ -f /tmp/llama/done ] && [ -x "$built" ] && export LLAMA_SERVER=$built
 
 big=$work/qwen3moe-30b-a3b-shape-q4_k_m-L48.gguf
 if { has bench || has grammar || has serve || has start; } && [ ! -s "$big" ]; then        # the same file bench_cuda.py would write, started early

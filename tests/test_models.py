@@ -232,3 +232,54 @@ def test_layer0_ops_match_llama_cpp_bit_for_bit(synth, monkeypatch):
     exact("swiglu", ops.swiglu(g["gate"], g["up"]))
     exact("ffn_out", ops.matmul(g["swiglu"], ly["ffn_down"]))
     exact("l_out", ops.add(g["ffn_out"], g["ffn_inp"]))
+
+
+class _PiecesRunner:
+    """Stands in for a backend's captured decode steps of at most max_batch rows: each call runs
+    the model's uncaptured step on its rows and records its width."""
+
+    def __init__(self, model, max_batch: int):
+        self.model, self.max_batch, self.widths = model, max_batch, []
+
+    def _x(self, slots, ids, positions):
+        from bloomery.engine.ops import AttnSpan
+        assert len(slots) <= self.max_batch, "a batch wider than the widest captured graph reached it"
+        self.widths.append(len(slots))
+        spans = [AttnSpan(int(s), int(p), b, b + 1) for b, (s, p) in enumerate(zip(slots, positions))]
+        return self.model._run(np.asarray(ids, np.int32), np.asarray(positions, np.int32), spans)
+
+    def run(self, slots, ids, positions, want_logits):
+        x = self._x(slots, ids, positions)
+        return self.model.head(x) if want_logits else self.model.head_argmax(x)
+
+    def run_topk(self, slots, ids, positions, k):
+        return tuple(self.model.head_topk(self._x(slots, ids, positions), k))
+
+
+def test_a_decode_batch_wider_than_the_captured_graphs_replays_them_in_pieces(synth):
+    """With captured steps of at most 3 rows, a 7-slot decode runs as 3 + 3 + 1 replays (never the
+    prompt path) and gives the same logits, ids and top-k as the uncaptured 7-row step."""
+    import dataclasses
+    n = 7
+    plain = _load(synth["qwen3moe"], n_slots=n, n_ctx_slot=64)
+    graphed = _load(synth["qwen3moe"], n_slots=n, n_ctx_slot=64)
+    runner = _PiecesRunner(graphed, 3)
+    graphed.ops.caps = dataclasses.replace(graphed.ops.caps, decode_graphs=True)
+    graphed.ops.decode_runner = lambda model: runner
+    slots = list(range(n))
+    prompt = [11, 42, 7, 300]
+    for m in (plain, graphed):
+        for s in slots:
+            m.prefill_slots([(s, np.array(prompt + [s + 1], np.int32), 0)])
+    ids, pos = np.arange(5, 5 + n, dtype=np.int32), np.full(n, len(prompt) + 1, np.int32)
+    want = plain.decode(slots, ids, pos)
+    got = graphed.decode(slots, ids, pos)
+    assert runner.widths == [3, 3, 1]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)    # rows in other batch widths: sums in another order
+    runner.widths.clear()
+    assert list(graphed.decode_greedy(slots, ids + 1, pos + 1)) == list(plain.decode_greedy(slots, ids + 1, pos + 1))
+    assert runner.widths == [3, 3, 1]
+    k = min(4, plain.topk_max)
+    got_k, want_k = graphed.decode_topk(slots, ids + 2, pos + 2, k), plain.decode_topk(slots, ids + 2, pos + 2, k)
+    np.testing.assert_array_equal(got_k[0], want_k[0])
+    np.testing.assert_allclose(got_k[1], want_k[1], rtol=1e-5, atol=1e-5)

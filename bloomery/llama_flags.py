@@ -126,7 +126,6 @@ ROWS: tuple[tuple[str, str, str, str, str | None], ...] = (
     ("kv", "--kv-unified-per-slot", "", "1", "LLAMA_ARG_KV_UNIFIED_PER_SLOT"),
     ("kv", "--keep", "", "1", None),
     ("kv", "--swa-full", "", "switch", "LLAMA_ARG_SWA_FULL"),
-    ("kv", "-cms --checkpoint-min-step", "", "1", "LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT"),
     ("kv", "-kvo --kv-offload", "-nkvo --no-kv-offload", "switch", "LLAMA_ARG_KV_OFFLOAD"),
     ("kv", "--repack", "-nr --no-repack", "switch", "LLAMA_ARG_REPACK"),
     ("kv", "--no-host", "", "switch", "LLAMA_ARG_NO_HOST"),

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 
 from bloomery import placement_flags
-from bloomery.engine.limits import CTX_CHECKPOINTS
+from bloomery.engine.limits import CHECKPOINT_MIN_STEP, CTX_CHECKPOINTS
 from bloomery.engine.types import SamplingParams
 from bloomery.flags import (ACTION_KEYS, BACKENDS, BY_ENV, BY_KEY, SAMPLING_FLAGS, SEATS, SPELLINGS,  # noqa: F401
                             TABLE, Flag, SettingsError, convert, help_text)
@@ -79,6 +79,7 @@ class Settings:
     batch_size: int = 2048             # -b: prompt-pass size under return_progress, /infill's budget
     cache_ram: int | None = None       # -cram MiB: the prompt cache's budget (0: off; None: the plan's default)
     ctx_checkpoints: int = CTX_CHECKPOINTS   # -ctxcp: checkpoints a slot keeps of a state that cannot rewind (<= 0: none)
+    checkpoint_min_step: int = CHECKPOINT_MIN_STEP   # -cms: the least spacing in ids between a slot's checkpoints
     embeddings: bool = False           # --embeddings: /embedding(s) and /v1/embeddings are served (else 501)
     pooling: str | None = None         # --pooling none|mean|cls|last (None: the file's pooling_type, else none)
     embd_normalize: int = 2            # --embd-normalize: a pooled embedding's norm (-1 none, 0 int16 max, p > 0: p-norm)
@@ -465,6 +466,8 @@ def _check(s: Settings, keys: list[str]) -> None:
         raise SettingsError(f"--drain-timeout {s.drain_timeout}: must be in 0..3600 seconds")
     if not 0 <= s.port <= 65535:
         raise SettingsError(f"--port {s.port}: must be in 0 .. 65535 (0 takes a free port)")
+    if s.checkpoint_min_step < 0:    # llama-server's words (arg.cpp)
+        raise SettingsError(f"--checkpoint-min-step {s.checkpoint_min_step}: checkpoint-min-step must be non-negative")
     if s.reasoning_budget < -1:
         raise SettingsError(f"--reasoning-budget {s.reasoning_budget}: must be >= -1 (-1: unrestricted)")
     if s.sleep_idle_seconds == 0 or s.sleep_idle_seconds < -1:

@@ -200,7 +200,7 @@ class Supervisor:
                        "placement": to_plain(planned.placement),
                        "n_batch": s.batch_size, "threads": s.threads, "verbose": s.verbose,
                        "cache_idle_slots": s.cache_idle_slots, "kv_unified": s.kv_unified, "pooling": s.pooling,
-                       "ctx_checkpoints": s.ctx_checkpoints,
+                       "ctx_checkpoints": s.ctx_checkpoints, "checkpoint_min_step": s.checkpoint_min_step,
                        "req_addr": f"ipc://{rt}/req", "out_addr": f"ipc://{rt}/out"}
         engine = await runner.start("engine", engine_args)
         front = asyncio.create_task(asyncio.to_thread(build_front, fetched.path, s))

@@ -71,9 +71,12 @@ def test_passes_end_at_message_starts_and_each_leaves_a_checkpoint():
     sch.add(_req("cut", prompt))
     (slot,) = sch.schedule()                         # the same prompt: the last checkpoint, its ids re-read
     assert slot.n_cached == starts[-1] and slot.restore == (starts[-1], f"state@{starts[-1]}")
-    assert [sch.cut(slot, 0, 1000), sch.cut(slot, starts[0], 1000), sch.cut(slot, starts[1], 1000)] == \
-        [starts[0], starts[1] - starts[0], 1000]
-    assert sch.cut(slot, 0, 5) == 5                  # a pass never longer than asked
+    assert sch.cut(slot, starts[1], 1000) == 1000     # no message start after the last
+    assert sch.cut(slot, starts[1], 5) == 5           # a pass never longer than asked
+    fresh = Scheduler(1, 256, rewinds=False, n_checkpoints=8, checkpoint_id=S)
+    fresh.add(_req("fresh", prompt))
+    (slot,) = fresh.schedule()
+    assert [fresh.cut(slot, 0, 1000), fresh.cut(slot, 0, 5)] == [starts[0], 5]
 
 
 def test_a_second_question_keeps_the_checkpoint_after_the_shared_system_prompt():
@@ -116,6 +119,72 @@ def test_an_extending_prompt_carries_on_live_and_the_oldest_checkpoint_goes_firs
         Scheduler(1, 64, rewinds=False, n_checkpoints=-1, checkpoint_id=S)
 
 
+def _spaced(starts: list[int], min_step: int) -> list[int]:
+    """llama-server's placement, written out for a prompt read from 0: the first message start, each one more
+    than min_step past the last kept, and the last."""
+    kept = []
+    for p in starts:
+        if not kept or p == starts[-1] or p > kept[-1] + min_step:
+            kept.append(p)
+    return kept
+
+
+@pytest.mark.parametrize("min_step", [0, 9, 10, 25, 1000])
+def test_checkpoints_keep_min_step_apart_but_the_prompts_last_message_start(min_step):
+    """--checkpoint-min-step: a message start within min_step ids of the slot's latest checkpoint is passed over
+    (its pass does not end there), unless it is the prompt's last; the first is always kept."""
+    sch = Scheduler(1, 512, rewinds=False, n_checkpoints=32, checkpoint_id=S, checkpoint_min_step=min_step)
+    prompt = SYSTEM + sum((message(872, *range(50, 50 + i % 4)) for i in range(12)), []) + ASSISTANT
+    starts = [i for i, t in enumerate(prompt) if t == S and i > 0]
+    slot = _ran(sch, prompt)
+    got = [n for n, _ in slot.checkpoints]
+    assert got == _spaced(starts, min_step)
+    assert all(b - a > min_step for a, b in zip(got, got[1:-1]))        # none closer, the last aside
+    assert got[0] == starts[0] and got[-1] == starts[-1]
+    if min_step == 0:
+        assert got == starts                                             # every message start
+    if min_step >= 1000:
+        assert got == [starts[0], starts[-1]]
+    # the passes end only where a checkpoint is taken
+    fresh = Scheduler(1, 512, rewinds=False, n_checkpoints=32, checkpoint_id=S, checkpoint_min_step=min_step)
+    fresh.add(_req("p", prompt))
+    (slot,) = fresh.schedule()
+    ends, n_done = [], 0
+    while n_done < len(prompt):
+        n_done += fresh.cut(slot, n_done, len(prompt) - n_done)
+        ends.append(n_done)
+        if fresh.at_checkpoint(slot, n_done):
+            fresh.checkpointed(slot, n_done, None)
+    assert ends == got + [len(prompt)]
+
+
+def test_a_full_slot_drops_an_earlier_requests_checkpoints_too_close_together_first():
+    """llama-server's create_checkpoint: when a new checkpoint fills the slot, those of earlier requests within
+    min_step of the one before them go first, then the oldest."""
+    sch = Scheduler(1, 512, rewinds=False, n_checkpoints=4, checkpoint_id=S, checkpoint_min_step=8)
+    turn = SYSTEM + message(872, 1) + ASSISTANT
+    slot = _ran(sch, turn)
+    assert [n for n, _ in slot.checkpoints] == [35, 41]          # the first and the prompt's last: 6 apart
+    turn = turn + [300, E, NL] + message(872, *range(20)) + ASSISTANT          # extends: carries on live
+    slot = _ran(sch, turn)
+    starts = [i for i, t in enumerate(turn) if t == S and i > 0]
+    assert starts == [35, 41, 47, 72] and [n for n, _ in slot.checkpoints] == [35, 41, 72]   # 47: 6 past 41
+    turn = turn + [301, E, NL] + message(872, *range(20)) + ASSISTANT
+    slot = _ran(sch, turn)
+    # 78 is 6 past 72: passed over; 103 (the last) fills the slot: 41, within 8 of 35 and an earlier request's, goes
+    assert [n for n, _ in slot.checkpoints] == [35, 72, 103]
+    turn = turn + [302, E, NL] + message(872, 1) + ASSISTANT
+    slot = _ran(sch, turn)
+    # 109 (6 past 103) passed over, 115 the last
+    assert [n for n, _ in slot.checkpoints] == [35, 72, 103, 115]
+    turn = turn + [303, E, NL] + message(872, *range(20)) + ASSISTANT
+    slot = _ran(sch, turn)
+    # 146 fills the slot past its 4, none of the earlier ones within 8 of the one before: the oldest goes
+    assert [n for n, _ in slot.checkpoints] == [72, 103, 115, 146]
+    with pytest.raises(SchedulerError, match="checkpoint_min_step must be an integer >= 0"):
+        Scheduler(1, 64, rewinds=False, n_checkpoints=3, checkpoint_id=S, checkpoint_min_step=-1)
+
+
 def test_the_message_start_comes_from_the_vocabulary_and_the_template():
     md = {"tokenizer.ggml.tokens": ["a", "<|im_start|>", "b"], "tokenizer.chat_template": "{{'<|im_start|>'}}"}
     assert message_start_id(md) == 1
@@ -133,10 +202,11 @@ def small(tmp_path_factory):
     return path
 
 
-def engine(path, n_checkpoints: int = CTX_CHECKPOINTS, n_slots: int = 1) -> Engine:
+def engine(path, n_checkpoints: int = CTX_CHECKPOINTS, n_slots: int = 1, **kw) -> Engine:
     gf = open_gguf(str(path))
     model = model_class(gf.arch())(gf, NumpyOps(), n_slots, 512)
-    return Engine(model, n_slots, 512, n_ctx_checkpoints=n_checkpoints, message_start_id=message_start_id(gf.metadata))
+    return Engine(model, n_slots, 512, n_ctx_checkpoints=n_checkpoints, message_start_id=message_start_id(gf.metadata),
+                  **kw)
 
 
 def run(eng: Engine, prompt, n: int = 8, cache_prompt: bool = True) -> tuple[list[tuple[int, float]], int]:
@@ -245,3 +315,60 @@ def test_a_prompt_cancelled_between_its_passes_leaves_the_slot_as_its_state_stan
     # ids, log-probabilities a rounding apart
     assert cached == cut and [t for t, _ in ids] == [t for t, _ in cold]
     np.testing.assert_allclose([p for _, p in ids], [p for _, p in cold], atol=1e-3)
+
+
+# --- the prompt cache of a model that cannot rewind -------------------------------------------------
+
+def test_the_prompt_cache_saves_the_recurrent_state_and_checkpoints_and_restores_at_one(small):
+    """Prompts A (system prompt + question 1), B (unrelated) and A' (the system prompt + question 2) on one slot:
+    B overwrites the slot, so A' finds the system prompt only in the prompt cache, which keeps A's KV with the
+    recurrent state at its end and at its checkpoints; A' restores the checkpoint after the system prompt and
+    gives a cold run's ids. A continuation of A then restores A's end state."""
+    eng = engine(small, prompt_cache_bytes=64 << 20)
+    model = eng.model
+    a = SYSTEM + message(872, *range(2000, 2012)) + ASSISTANT
+    b = message(8948, *range(5000, 5020)) + ASSISTANT
+    a2 = SYSTEM + message(872, *range(4000, 4015)) + ASSISTANT
+    answer, cached = run(eng, a)
+    assert cached == 0 and eng.prompt_cache.n_entries == 0
+    assert run(eng, b)[1] == 0
+    (entry,) = eng.prompt_cache.entries()
+    held = len(a) + len(answer) - 1                       # the last answer id was never fed
+    assert entry.ids == tuple(a + [t for t, _ in answer[:-1]]) and len(entry.ids) == held
+    assert [n for n, _ in entry.marks] == [len(SYSTEM), len(a) - len(ASSISTANT), held]
+    assert entry.n_bytes == held * model.kv_bytes_per_position + 3 * model.checkpoint_bytes == eng.prompt_cache.n_bytes
+    ids, cached = run(eng, a2)
+    assert cached == len(SYSTEM) and eng.prompt_cache.n_restored == 1
+    assert ids == run(engine(small), a2)[0]
+    assert eng.prompt_cache_stats()["restore_seconds"] > 0
+    # A continued (its answer and a next question): restored at A's end, after a2 and then b's save
+    more = list(entry.ids) + [E, NL] + message(872, 7000, 7001) + ASSISTANT
+    ids, cached = run(eng, more)
+    cold = run(engine(small), more)[0]
+    # the answer's ids went through decode steps in the warm slot, a prompt pass in the cold run: the same ids,
+    # log-probabilities a rounding apart
+    assert cached == held and [t for t, _ in ids] == [t for t, _ in cold]
+    np.testing.assert_allclose([p for _, p in ids], [p for _, p in cold], atol=1e-3)
+
+
+def test_the_recurrent_prompt_cache_keeps_its_budget_oldest_first_and_0_is_off(small):
+    model = engine(small).model
+    per_pos, per_state = model.kv_bytes_per_position, model.checkpoint_bytes
+    # a 25-id first message, a question, the assistant's turn: checkpoints at 25 and 31, the end state at 35
+    prompts = [message(8948, *range(1000 * k, 1000 * k + 20)) + message(872, 7) + ASSISTANT for k in (1, 2, 3)]
+    b = [S, 8948, NL, 9, 9, 9]
+    n_held = len(prompts[0]) + 2 - 1
+    one = n_held * per_pos + 3 * per_state                    # one entry's bytes: room for two, not three
+    budget = 2 * one + one // 2
+    eng = engine(small, prompt_cache_bytes=budget)
+    for p in prompts + [b]:
+        run(eng, p, 2)
+    assert [e.ids[3] for e in eng.prompt_cache.entries()] == [2000, 3000] and eng.prompt_cache.n_evicted == 1
+    assert eng.prompt_cache.n_bytes == 2 * one <= budget
+    second = prompts[1][:25] + message(872, 8) + ASSISTANT   # the second's first message, another question
+    assert run(eng, second, 2)[1] == 25
+    assert run(eng, prompts[0][:25] + message(872, 8) + ASSISTANT, 2)[1] == 0   # the oldest went
+    off = engine(small, prompt_cache_bytes=0)
+    for p in (prompts[1], b):
+        run(off, p, 2)
+    assert run(off, second, 2)[1] == 0 and off.prompt_cache.n_entries == 0

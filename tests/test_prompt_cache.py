@@ -58,6 +58,46 @@ def test_budget_zero_is_off_and_a_negative_budget_is_refused():
         PromptCache(-1)
 
 
+def rec(tag: int) -> tuple[np.ndarray]:
+    """A recurrent state of 40 bytes, told apart by its tag."""
+    return (np.full(10, tag, np.float32),)
+
+
+def test_a_state_that_cannot_rewind_restores_only_at_its_marks():
+    """An entry with marks (a recurrent state at its end and at checkpoints) restores the latest mark within the
+    shared prefix, short of the whole prompt; its bytes count the marks."""
+    cache = PromptCache(budget_bytes=10_000)
+    ids = list(range(100, 110))
+    assert cache.save(ids, state(10), marks=[(10, rec(10)), (4, rec(4))])
+    (entry,) = cache.entries()
+    assert entry.n_bytes == 160 + 2 * 40 == cache.n_bytes and [n for n, _ in entry.marks] == [4, 10]
+    assert entry.mark(4)[0][0] == 4 and entry.mark(10)[0][0] == 10
+    assert cache.best(ids + [7, 8], more_than=0)[1] == 10      # extends the entry: its end
+    assert cache.best(ids, more_than=0)[1] == 4                # the same ids: not the end (one id must run)
+    assert cache.best(ids[:7] + [1, 2], more_than=0)[1] == 4    # parts at 7: the mark before
+    assert cache.best(ids[:7] + [1, 2], more_than=4) is None   # the live slot keeps as much
+    assert cache.best(ids[:3] + [1, 2], more_than=0) is None   # parts before any mark
+    # a KV cache alone (no marks) restores any shared prefix
+    kv = PromptCache(budget_bytes=10_000)
+    kv.save(ids, state(10))
+    assert kv.best(ids[:7] + [1, 2], more_than=0)[1] == 7
+    with pytest.raises(ValueError, match="one at its end"):
+        cache.save([1, 2, 3], state(3), marks=[(2, rec(2))])
+
+
+def test_marks_decide_what_an_entry_covers_and_replaces():
+    cache = PromptCache(budget_bytes=10_000)
+    ids = list(range(100, 110))
+    cache.save(ids[:4], state(4), marks=[(4, rec(4))])
+    cache.save(ids[:6], state(6), marks=[(6, rec(6))])
+    cache.save(ids, state(10), marks=[(4, rec(4)), (10, rec(10))])
+    # the third holds all the first restores (its ids and a mark at 4), not the second (no mark at 6)
+    assert [e.ids for e in cache.entries()] == [tuple(ids[:6]), tuple(ids)]
+    assert cache.covers(ids[:4], [4]) and cache.covers(ids, [4, 10]) and not cache.covers(ids[:8], [8])
+    assert cache.covers(ids[:6], [6]) and not cache.covers(ids[:6], [4, 6])   # no one entry has marks at 4 and 6
+    assert not cache.covers(ids[:5], [5])
+
+
 class SavingModel(StandInModel):
     """The stand-in with save_kv / restore_kv: its "KV" is the ids, saved as an int32 array."""
 

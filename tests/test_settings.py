@@ -272,6 +272,23 @@ def test_sleep_idle_seconds_as_llama_server():
         refused(M + ["--sleep-idle-seconds", bad], match="cannot be 0 or less than -1")
 
 
+def test_checkpoint_min_step_as_llama_server():
+    """-cms/--checkpoint-min-step, LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT: arg.cpp's default (8192), 0 for no minimum,
+    a negative value refused in its words; sent to the engine stage."""
+    from bloomery.engine.limits import CHECKPOINT_MIN_STEP
+    assert parse(M, {}).checkpoint_min_step == CHECKPOINT_MIN_STEP == 8192
+    assert parse(M + ["-cms", "256"], {}).checkpoint_min_step == 256
+    assert parse(M + ["--checkpoint-min-step", "0"], {}).checkpoint_min_step == 0
+    assert parse(M + ["--checkpoint-min-step=64"], {}).checkpoint_min_step == 64
+    s = parse(M, {"LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT": "1024"})
+    assert s.checkpoint_min_step == 1024 and s.sources["checkpoint_min_step"] == "LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT"
+    assert parse(M + ["-cms", "5"], {"LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT": "1024"}).checkpoint_min_step == 5
+    for argv, env in ((M + ["-cms", "-1"], {}), (M + ["--checkpoint-min-step", "-300"], {}),
+                      (M, {"LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT": "-2"})):
+        refused(argv, env, match=r"^--checkpoint-min-step -\d+: checkpoint-min-step must be non-negative$")
+    refused(M + ["-cms", "many"], match="--checkpoint-min-step takes an integer")
+
+
 def test_cache_ram_as_llama_server_but_always_with_a_budget():
     assert parse(M, {}).cache_ram is None                              # the plan's default
     assert parse(M + ["-cram", "512"], {}).cache_ram == 512

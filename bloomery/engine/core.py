@@ -18,7 +18,9 @@ Every TokenOut names the slot that ran its request (-1 for one that never had on
 The prompt cache (engine/prompt_cache.py, -cram): before an admitted prompt that does not
 extend what its slot holds overwrites it, the slot's state is saved there; a prompt sharing a
 longer prefix with a saved state than with its live slot has that prefix restored into the
-slot and runs only the rest (n_cached counts the restored ids).
+slot and runs only the rest (n_cached counts the restored ids). For a model that cannot rewind
+the saved state is the KV of its attention layers with the recurrent state at the slot's end and
+at its checkpoints; a restore goes to the latest of those positions within the shared prefix.
 
 Checkpoints (a model that cannot rewind, with --ctx-checkpoints above 0 and a message-start id): a
 prompt's passes end at its message starts, and after each such pass the model's state that cannot
@@ -83,11 +85,12 @@ class Engine:
     def __init__(self, model: EngineModel, n_slots: int, n_ctx_slot: int, max_queue: int | None = None,
                  n_batch: int = 2048, prompt_cache_bytes: int = 0, cache_idle_slots: bool = False,
                  clear_idle: bool = False, test_tags: bool = False, n_ctx_checkpoints: int = 0,
-                 message_start_id: int | None = None):
+                 message_start_id: int | None = None, checkpoint_min_step: int = 0):
         if not isinstance(model, EngineModel):
             raise TypeError(f"the engine runs an EngineModel (engine/model_api.py), not a {type(model).__name__}")
         self.model = model
-        # saved slot states in host RAM, within this budget (0: off); only a model with save_kv / restore_kv
+        # saved slot states in host RAM, within this budget (0: off); only a model with save_kv / restore_kv (and,
+        # when it cannot rewind, save_checkpoint / restore_checkpoint)
         self.prompt_cache = PromptCache(prompt_cache_bytes)
         # --cache-idle-slots: save the idle slots when a request starts (clear_idle: and empty them)
         self.cache_idle_slots, self.clear_idle = cache_idle_slots, clear_idle
@@ -101,10 +104,10 @@ class Engine:
         self.n_ctx_slot = n_ctx_slot
         # a model whose slot state cannot step back (recurrent layers) keeps a slot only for a prompt that extends
         # it, or from a checkpoint it saved at a message start (--ctx-checkpoints a slot; message_start_id: the
-        # vocabulary's <|im_start|> where the template carries it too)
+        # vocabulary's <|im_start|> where the template carries it too; checkpoint_min_step: --checkpoint-min-step)
         self.scheduler = Scheduler(n_slots, n_ctx_slot, max_queue, rewinds=model.rewinds,
                                    n_checkpoints=n_ctx_checkpoints if model.checkpoints else 0,
-                                   checkpoint_id=message_start_id)
+                                   checkpoint_id=message_start_id, checkpoint_min_step=checkpoint_min_step)
         self._lock = threading.Lock()
         self._cancels: list[str] = []
         # per slot, its current or last request's counts (llama-server's /slots keeps task_prev too)
@@ -236,46 +239,45 @@ class Engine:
         else:
             progress.append(out)
 
-    def _cache_calls(self):
-        """The model's (save_kv, restore_kv) when the prompt cache is on and the model saves its state, else
-        None (also for a model whose recurrent state cannot step back: its saved KV alone could not restore it)."""
-        ok = self.prompt_cache.enabled and self.model.saves_kv and self.scheduler.rewinds
-        return (self.model.save_kv, self.model.restore_kv) if ok else None
+    def _caching(self) -> bool:
+        """The prompt cache is on and the model saves its state: its KV (save_kv / restore_kv) and, when it cannot
+        rewind, what cannot (save_checkpoint / restore_checkpoint) at the positions it may restore to."""
+        return self.prompt_cache.enabled and self.model.saves_state
+
+    def _save_slot(self, slot: Slot, held: tuple[int, ...], checkpoints=()) -> bool:
+        """The slot's state of these ids into the prompt cache (False: covered already, or past the budget). A
+        model that cannot rewind adds its recurrent state at the end, and the slot's checkpoints, as marks."""
+        m = self.model
+        points = () if m.rewinds else (len(held), *(n for n, _ in checkpoints if n < len(held)))
+        with self._lock:
+            if self.prompt_cache.covers(held, points):
+                return False
+        cost = m.kv_bytes_per_position * len(held) + m.checkpoint_bytes * len(points)
+        if m.kv_bytes_per_position and not self.prompt_cache.fits(cost):
+            return False             # it alone passes the budget: not copied at all
+        state = m.save_kv(slot.id, len(held))
+        marks = () if m.rewinds else (*((n, st) for n, st in checkpoints if n < len(held)),
+                                      (len(held), m.save_checkpoint(slot.id, len(held))))
+        with self._lock:
+            return self.prompt_cache.save(held, state, marks)
 
     def _save_held(self, slot: Slot) -> None:
         """Keep what the slot held in the prompt cache before its new prompt overwrites it."""
         held, slot.held_ids = slot.held_ids, ()
-        calls = self._cache_calls()
-        if not held or calls is None:
-            return
-        with self._lock:
-            if self.prompt_cache.covers(held):
-                return
-        per_pos = self.model.kv_bytes_per_position
-        if per_pos and not self.prompt_cache.fits(per_pos * len(held)):
-            return                   # it alone passes the budget: not copied at all
-        state = calls[0](slot.id, len(held))
-        with self._lock:
-            self.prompt_cache.save(held, state)
+        checkpoints, slot.held_checkpoints = slot.held_checkpoints, ()
+        if held and self._caching():
+            self._save_slot(slot, held, checkpoints)
 
     def _save_idle(self) -> None:
         """--cache-idle-slots: a request started, so every idle slot holding ids goes to the prompt cache
         (unless an entry holds them already); with clear_idle the slot is emptied after."""
-        calls = self._cache_calls()
-        if calls is None:
+        if not self._caching():
             return
         with self._lock:
-            idle = [(s, tuple(s.cached_ids)) for s in self.scheduler.slots if not s.is_processing and s.cached_ids]
-        for slot, held in idle:
-            with self._lock:
-                covered = self.prompt_cache.covers(held)
-            per_pos = self.model.kv_bytes_per_position
-            saved = False
-            if not covered and not (per_pos and not self.prompt_cache.fits(per_pos * len(held))):
-                state = calls[0](slot.id, len(held))
-                with self._lock:
-                    saved = self.prompt_cache.save(held, state)
-            if saved:
+            idle = [(s, tuple(s.cached_ids), tuple(s.checkpoints)) for s in self.scheduler.slots
+                    if not s.is_processing and s.cached_ids]
+        for slot, held, checkpoints in idle:
+            if self._save_slot(slot, held, checkpoints):
                 tag = {"tag": "__TEST_TAG_CACHE_IDLE_SLOT__"} if self.test_tags else {}
                 records.record("serve", "idle slot saved to the prompt cache", component="engine", slot=slot.id,
                                n_ids=len(held), cleared=self.clear_idle, **tag)
@@ -285,26 +287,28 @@ class Engine:
                         self.scheduler.forget(slot)
 
     def _restore_saved(self, slot: Slot) -> None:
-        """A saved state sharing a longer prefix with the prompt than the live slot: that prefix into
-        the slot (at least one prompt id is left to run, for the logits)."""
+        """A saved state restoring a longer prefix of the prompt than the live slot keeps: that prefix into
+        the slot (at least one prompt id is left to run, for the logits); a model that cannot rewind also gets
+        its recurrent state at that position and the saved checkpoints up to it."""
         req = slot.req
-        calls = self._cache_calls()
-        if calls is None or not req.cache_prompt:
+        if not self._caching() or not req.cache_prompt:
             return
         with self._lock:
             got = self.prompt_cache.best(req.prompt_ids, slot.n_cached)
-        if got is None or min(got[1], len(req.prompt_ids) - 1) <= slot.n_cached:
+        if got is None:
             return
-        entry, n = got[0], min(got[1], len(req.prompt_ids) - 1)
+        entry, n = got
         t0 = time.perf_counter()
         with self._lock:
             self.scheduler.forget(slot)          # the copy overwrites the live prefix: nothing counts till it is done
             slot.n_cached = 0
-        calls[1](slot.id, entry.state, n)
+        self.model.restore_kv(slot.id, entry.state, n)
+        if entry.marks:
+            self.model.restore_checkpoint(slot.id, entry.mark(n), n)
         with self._lock:
             self.prompt_cache.restore_s += time.perf_counter() - t0
             self.prompt_cache.n_restored += 1
-            self.scheduler.restored(slot, n)
+            self.scheduler.restored(slot, n, entry.marks)
             last = self._last.get(slot.id)
             if last is not None and last["req_id"] == req.req_id:
                 last["n_cached"], last["n_processed"] = n, len(req.prompt_ids) - n

@@ -7,6 +7,9 @@ from __future__ import annotations
 # a slot's checkpoints of a state that cannot rewind: llama-server's --ctx-checkpoints default (common.h's
 # n_ctx_checkpoints), read by the flag table, the plan (their bytes) and the engine
 CTX_CHECKPOINTS = 32
+# the least spacing in ids between a slot's checkpoints: llama-server's --checkpoint-min-step default (common.h's
+# checkpoint_min_step), read by the flag table and the engine (scheduler.py places the checkpoints)
+CHECKPOINT_MIN_STEP = 8192
 
 
 def prompt_fits(n_prompt: int, n_ctx_slot: int) -> bool:

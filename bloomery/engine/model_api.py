@@ -40,6 +40,12 @@ class EngineModel:
     embeds: bool = False             # hidden_states: every position's final-norm output (embeddings)
     gf: GGUFFile | None = None       # the model's file, whose vocabulary structured output runs against
 
+    @property
+    def saves_state(self) -> bool:
+        """The prompt cache can keep a slot's whole state: its KV (save_kv) and, where the model cannot rewind, what
+        cannot at the positions a restore picks up from (save_checkpoint)."""
+        return self.saves_kv and (self.rewinds or self.checkpoints)
+
     def prefill(self, slot: int, ids, pos0: int) -> np.ndarray:
         """The last position's logits [V]; fills the slot's state at pos0 .. pos0+T-1."""
         raise NotImplementedError(f"{type(self).__name__} has no prefill")

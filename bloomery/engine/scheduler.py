@@ -11,11 +11,15 @@ A model whose slot state cannot be cut back (`rewinds=False`: a recurrent state,
 linear-attention layers) keeps what a slot holds only when the new prompt extends it, longer
 by at least one id, or from a checkpoint: a copy of that state at a message start of an earlier
 prompt (`checkpoint_id`, the vocabulary's <|im_start|>). With checkpoints on, a prompt's passes end
-at its message starts and the engine saves the state there (`checkpointed`, at most `n_checkpoints`
-a slot, the oldest dropped first, as llama-server's --ctx-checkpoints); a prompt that parts from what
-the slot holds keeps the nearest checkpoint at or before the common prefix (`Slot.restore`, for the
-engine to put back), and without one is read whole from position 0 (the model then starts the
-slot's state from zeros). Only the reusable part counts as similar when a slot is picked.
+at the message starts it checkpoints and the engine saves the state there (`checkpointed`, at most
+`n_checkpoints` a slot, the oldest dropped first, as llama-server's --ctx-checkpoints). Which message
+starts are checkpointed is decided here alone (`_checkpoints_at`, llama-server's rule with
+--checkpoint-min-step): the first of a slot, the prompt's last, and any other more than `min_step` ids
+past the slot's latest. A prompt that parts from what the slot holds keeps the nearest checkpoint at or
+before the common prefix (`Slot.restore`, for the engine to put back), and without one is read whole
+from position 0 (the model then starts the slot's state from zeros). Only the reusable part counts as
+similar when a slot is picked. Where a saved recurrent state may be picked up again (a live slot's end,
+a checkpoint, a prompt cache entry's marks) is `reuse_point`'s rule, here once.
 """
 from __future__ import annotations
 
@@ -56,6 +60,13 @@ def message_start_id(metadata: dict) -> int | None:
         return None
 
 
+def reuse_point(n_common: int, n_prompt: int, points) -> int:
+    """Where a prompt can pick up a state that cannot rewind: the largest of the positions a state was saved
+    at (`points`) that is within the prefix the prompt shares with what was saved (n_common) and short of
+    the whole prompt (at least one id runs, for the logits); 0 when there is none."""
+    return max((p for p in points if 0 < p <= n_common and p < n_prompt), default=0)
+
+
 def common_prefix_len(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -80,6 +91,9 @@ class Slot:
     # without rewinds: (n, state) copies of what cannot rewind after cached_ids[:n], oldest first
     checkpoints: list[tuple[int, object]] = field(default_factory=list)
     restore: tuple[int, object] | None = None   # at admission: the checkpoint the engine puts back first
+    held_checkpoints: tuple[tuple[int, object], ...] = ()   # at admission, with held_ids: the checkpoints then
+    own_checkpoints: set[int] = field(default_factory=set)  # positions checkpointed for the current request
+    last_start: int = -1         # the current prompt's last message start (-1: none)
 
     @property
     def n_past(self) -> int:
@@ -93,7 +107,7 @@ class Slot:
 
 class Scheduler:
     def __init__(self, n_slots: int, n_ctx_slot: int, max_queue: int | None = None, rewinds: bool = True,
-                 n_checkpoints: int = 0, checkpoint_id: int | None = None):
+                 n_checkpoints: int = 0, checkpoint_id: int | None = None, checkpoint_min_step: int = 0):
         if n_slots < 1:
             raise SchedulerError(f"n_slots must be >= 1 (got {n_slots})")
         if n_ctx_slot < 2:
@@ -109,6 +123,10 @@ class Scheduler:
         # checkpoints at message starts: only for a slot that cannot rewind, with a message-start id
         self.n_checkpoints = n_checkpoints if not rewinds and checkpoint_id is not None else 0
         self.checkpoint_id = checkpoint_id
+        if isinstance(checkpoint_min_step, bool) or not isinstance(checkpoint_min_step, int) or checkpoint_min_step < 0:
+            raise SchedulerError(f"checkpoint_min_step must be an integer >= 0 (got {checkpoint_min_step!r})")
+        # --checkpoint-min-step: a message start within this many ids of the slot's latest checkpoint is passed over
+        self.min_step = checkpoint_min_step
         self.waiting: collections.deque[EngineRequest] = collections.deque()
         self._known: set[str] = set()   # req_ids queued or in a slot
         self._n_released = 0
@@ -167,16 +185,22 @@ class Scheduler:
                     break
             self.waiting.remove(req)
             n_common = common_prefix_len(slot.cached_ids, req.prompt_ids)
-            # what the slot holds and this prompt overwrites: the prompt cache may save it first
-            slot.held_ids = tuple(slot.cached_ids) if n_common < len(slot.cached_ids) and self.rewinds else ()
             n_cached = self._reusable(slot, req.prompt_ids) if req.cache_prompt else 0
             live = n_cached == len(slot.cached_ids)
+            # what the slot holds and this prompt overwrites (a KV cache: past the common prefix; a state that
+            # cannot rewind: unless the prompt carries on from its end), with the slot's checkpoints then: the
+            # prompt cache may save them first
+            lost = n_common < len(slot.cached_ids) if self.rewinds else not live
+            slot.held_ids = tuple(slot.cached_ids) if lost else ()
+            slot.held_checkpoints = tuple(slot.checkpoints) if lost and not self.rewinds else ()
             del slot.cached_ids[n_cached:]
             # a checkpoint past the kept prefix no longer matches the KV the prompt rewrites there
             slot.checkpoints[:] = [c for c in slot.checkpoints if c[0] <= n_cached]
             slot.restore = None if self.rewinds or live or n_cached == 0 else next(
                 c for c in slot.checkpoints if c[0] == n_cached)
             slot.req, slot.n_cached, slot.n_decoded, slot.next_id = req, n_cached, 0, None
+            slot.own_checkpoints = set()
+            slot.last_start = self._last_start(req.prompt_ids)
             admitted.append(slot)
         return admitted
 
@@ -186,9 +210,7 @@ class Scheduler:
         them when the prompt extends them, else the nearest checkpoint's within that bound (0: none)."""
         n = common_prefix_len(slot.cached_ids, prompt_ids)
         if not self.rewinds:
-            if n == len(slot.cached_ids) and n < len(prompt_ids):
-                return n
-            return max((c for c, _ in slot.checkpoints if c <= n and c < len(prompt_ids)), default=0)
+            return reuse_point(n, len(prompt_ids), [len(slot.cached_ids), *(c for c, _ in slot.checkpoints)])
         return n - 1 if n == len(prompt_ids) else n
 
     def _pick_slot(self, prompt_ids: tuple[int, ...]) -> Slot | None:
@@ -209,34 +231,61 @@ class Scheduler:
                 lru = slot
         return lru
 
-    def restored(self, slot: Slot, n: int) -> None:
-        """The prompt cache put the prompt's first n ids into the slot's KV: the prompt runs from n."""
+    def restored(self, slot: Slot, n: int, checkpoints=()) -> None:
+        """The prompt cache put the prompt's first n ids into the slot's state: the prompt runs from n. A state
+        that cannot rewind comes with the saved checkpoints at or before n (the latest n_checkpoints)."""
         slot.cached_ids[:] = slot.req.prompt_ids[:n]
         slot.n_cached = n
+        if self.n_checkpoints:
+            slot.checkpoints[:] = sorted((c for c in checkpoints if c[0] <= n), key=lambda c: c[0])[-self.n_checkpoints:]
+
+    def _last_start(self, ids) -> int:
+        if not self.n_checkpoints:
+            return -1
+        return next((i for i in range(len(ids) - 1, 0, -1) if ids[i] == self.checkpoint_id), -1)
+
+    def _checkpoints_at(self, slot: Slot, p: int) -> bool:
+        """The placement rule, owned here: whether the slot's state after its prompt's first p ids is checkpointed.
+        p must be a message start inside the prompt (the id at p starts a message; never position 0, nor past the
+        last id, which the live slot holds). As llama-server places them (server-context.cpp, with
+        --checkpoint-min-step): the slot's first checkpoint, the prompt's last message start, and a message start
+        more than min_step ids past the slot's latest checkpoint; the others are passed over."""
+        ids = slot.req.prompt_ids
+        if not (self.n_checkpoints and 0 < p < len(ids) and ids[p] == self.checkpoint_id):
+            return False
+        latest = max((c for c, _ in slot.checkpoints), default=None)
+        return latest is None or p == slot.last_start or p > latest + self.min_step
 
     def cut(self, slot: Slot, n_done: int, n: int) -> int:
         """How many of the next n prompt ids (from n_done) one pass reads: with checkpoints on, the
-        pass ends at the next message start, so the state there can be saved; else n."""
+        pass ends at the next message start to be checkpointed, so the state there can be saved; else n."""
         if not self.n_checkpoints:
             return n
-        ids = slot.req.prompt_ids
-        for i in range(n_done + 1, min(n_done + n, len(ids))):
-            if ids[i] == self.checkpoint_id:
+        for i in range(n_done + 1, min(n_done + n, len(slot.req.prompt_ids))):
+            if self._checkpoints_at(slot, i):
                 return i - n_done
         return n
 
     def at_checkpoint(self, slot: Slot, n_done: int) -> bool:
-        """With checkpoints on, whether the slot's state after its prompt's first n_done ids is one to save:
-        the next id starts a message (the prompt's last id is never it: the live slot holds that)."""
-        ids = slot.req.prompt_ids
-        return bool(self.n_checkpoints) and 0 < n_done < len(ids) and ids[n_done] == self.checkpoint_id
+        """With checkpoints on, whether the slot's state after its prompt's first n_done ids is one to save."""
+        return self._checkpoints_at(slot, n_done)
 
     def checkpointed(self, slot: Slot, n: int, state: object) -> None:
-        """The engine saved the slot's state after its prompt's first n ids (n_checkpoints at most a slot: the
-        oldest goes first; one at the same position is replaced)."""
+        """The engine saved the slot's state after its prompt's first n ids. A slot keeps n_checkpoints at most:
+        when the new one fills them, those of earlier requests within min_step ids of the checkpoint before
+        them go first (llama-server's create_checkpoint), then the oldest; one at the same position is replaced."""
         cps = [c for c in slot.checkpoints if c[0] != n]
+        if len(cps) + 1 >= self.n_checkpoints:
+            kept, last = [], None
+            for c in cps:
+                if c[0] not in slot.own_checkpoints and last is not None and c[0] <= last + self.min_step:
+                    continue
+                kept.append(c)
+                last = c[0]
+            cps = kept
         cps.append((n, state))
         slot.checkpoints[:] = cps[-self.n_checkpoints:]
+        slot.own_checkpoints.add(n)
 
     def progressed(self, slot: Slot, n_done: int) -> None:
         """A prompt pass ran. Without rewinds the slot's state now stands after the prompt's first n_done ids,
@@ -271,6 +320,7 @@ class Scheduler:
         slot.cached_ids.clear()
         slot.checkpoints.clear()
         slot.restore = None
+        slot.held_checkpoints = ()
 
     # -- views ---------------------------------------------------------------
     def busy(self) -> list[Slot]:

@@ -197,12 +197,12 @@ def serve(engine, inbox: queue.Queue, push: zmq.Socket, ppid: int, load=None) ->
             last_slots = summary
 
 
-def idle_slots(args: dict, cache_bytes: int, saves_kv: bool) -> bool:
+def idle_slots(args: dict, cache_bytes: int, saves_state: bool) -> bool:
     """--cache-idle-slots (on unless --no-cache-idle-slots): whether the engine saves idle slots to the prompt
     cache when a request starts; off, with a record saying why, without a prompt cache to save them to."""
     if not args.get("cache_idle_slots", True):
         return False
-    if cache_bytes <= 0 or not saves_kv:
+    if cache_bytes <= 0 or not saves_state:
         records.record("load", "--cache-idle-slots needs the prompt cache: off", component="engine", level="warning",
                        why="--cache-ram 0 turned the prompt cache off" if cache_bytes <= 0
                        else "this model's slot state is not saved to the prompt cache")
@@ -213,23 +213,26 @@ def idle_slots(args: dict, cache_bytes: int, saves_kv: bool) -> bool:
     return True
 
 
-def checkpoints_of(args: dict, model) -> tuple[int, int | None]:
-    """--ctx-checkpoints for a model whose slot state cannot rewind: (checkpoints a slot, the message-start id
-    they are kept at), with a record saying which; (0, None) for any other model."""
+def checkpoints_of(args: dict, model) -> tuple[int, int | None, int]:
+    """--ctx-checkpoints and --checkpoint-min-step for a model whose slot state cannot rewind: (checkpoints a
+    slot, the message-start id they are kept at, the least spacing between them), with a record saying which;
+    (0, None, 0) for any other model."""
     if model.rewinds or not model.checkpoints:
-        return 0, None
+        return 0, None, 0
     from bloomery.engine.scheduler import MESSAGE_START, message_start_id
-    from bloomery.engine.limits import CTX_CHECKPOINTS
+    from bloomery.engine.limits import CHECKPOINT_MIN_STEP, CTX_CHECKPOINTS
     n = int(args.get("ctx_checkpoints", CTX_CHECKPOINTS))
+    min_step = int(args.get("checkpoint_min_step", CHECKPOINT_MIN_STEP))
     start_id = message_start_id(model.gf.metadata) if model.gf is not None else None
     if n > 0 and start_id is not None:
         records.record("load", "checkpoints at message starts", component="engine", ctx_checkpoints=n,
-                       token=MESSAGE_START, id=start_id, bytes_each=model.checkpoint_bytes)
+                       checkpoint_min_step=min_step, token=MESSAGE_START, id=start_id,
+                       bytes_each=model.checkpoint_bytes)
     else:
         records.record("load", "no checkpoints: a prompt that parts from what a slot holds is read whole",
                        component="engine", why=f"--ctx-checkpoints {n}" if n <= 0 else
                        f"the vocabulary or the chat template lacks {MESSAGE_START}")
-    return max(n, 0), start_id
+    return max(n, 0), start_id, min_step
 
 
 def main(args: dict) -> int:
@@ -304,12 +307,13 @@ def main(args: dict) -> int:
                            counted_bytes=host.terms.decoded + host.terms.kv)
     host = placement.device("host")
     cache_bytes = host.terms.prompt_cache if host is not None else 0
-    idle = idle_slots(args, cache_bytes, model.saves_kv and model.rewinds)
-    n_checkpoints, start_id = checkpoints_of(args, model)
+    idle = idle_slots(args, cache_bytes, model.saves_state)
+    n_checkpoints, start_id, min_step = checkpoints_of(args, model)
     engine = Engine(model, placement.n_slots, placement.n_ctx_slot, n_batch=args.get("n_batch", 2048),
                     prompt_cache_bytes=cache_bytes, cache_idle_slots=idle,
                     clear_idle=idle and bool(args.get("kv_unified")), test_tags=bool(args.get("verbose")),
-                    n_ctx_checkpoints=n_checkpoints, message_start_id=start_id)
+                    n_ctx_checkpoints=n_checkpoints, message_start_id=start_id,
+                    checkpoint_min_step=min_step)
     info = model_info(args, facts, placement, model)
     del model                 # the engine holds the only reference: a sleep frees it
     load_s = round(time.monotonic() - t0, 3)

@@ -220,3 +220,78 @@ def test_checkpoints_save_and_restore_as_the_cpus():
         p.dev.restore_state(1, (saved[0][:, :1], saved[1]), 6)
     saved[0][:] = 7                                                   # a copy, not a view of the state
     assert not (p.dev.conv == 7).all()
+
+
+# --- the whole model on the device code (numpy as its array module) -----------------------------
+
+class DeviceCodeOps:
+    """The numpy backend with its recurrent ops swapped for the device code's (cuda/recurrent.py over
+    numpy) and rows carrying their slots as CudaOps.rows does. A step with no host spans (as a captured
+    decode step runs) reaches the recurrent ops as it is; the numpy attention needs host spans, so this
+    stand-in rebuilds them from the rows' arrays for the attention alone."""
+
+    def __new__(cls):
+        from bloomery.engine.cpu.backend import NumpyOps
+
+        class Ops(NumpyOps):
+            def rows(self, spans, positions):
+                return host_rows(spans, int(np.asarray(positions).shape[0]))
+
+            def recurrent_state(self, n_layer, n_slots, conv_window, conv_channels, n_v_heads, head_size):
+                return dev_rec.RecurrentState(np, n_layer, n_slots, conv_window, conv_channels, n_v_heads, head_size)
+
+            def conv_step(self, state, layer, rows, x, kernel):
+                return dev_rec.conv_step(state, layer, rows, np.asarray(x, np.float32), kernel.dense())
+
+            def delta_rule(self, state, layer, rows, q, k, v, g, beta):
+                return dev_rec.delta_rule(state, layer, rows, *(np.ascontiguousarray(a, np.float32)
+                                                                for a in (q, k, v, g, beta)))
+
+            def self_attention(self, cache, layer, rows, *args, **kw):
+                if rows.spans is None:
+                    rows = Rows([AttnSpan(int(s), int(p), b, b + 1) for b, (s, p) in
+                                 enumerate(zip(rows.slots, rows.positions))], rows.slots, rows.positions)
+                return super().self_attention(cache, layer, rows, *args, **kw)
+
+        return Ops()
+
+
+MODEL_TOL = dict(rtol=2e-3, atol=2e-3)   # logits after 4 layers of float32 state math in two orders
+
+
+@pytest.mark.parametrize("arch, shape", [
+    ("qwen35moe", dict(n_layer=4, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_expert=4, n_expert_used=2,
+                       n_ff_exp=64, n_ff_shexp=64, ssm_d_state=16, ssm_n_group=2, ssm_dt_rank=4)),
+    ("qwen35", dict(n_layer=4, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=128, ssm_d_state=16,
+                    ssm_n_group=1, ssm_dt_rank=2, ssm_d_conv=3, full_attn_interval=2, seed=2))])
+def test_the_model_on_the_device_code(synthetic_dir, arch, shape):
+    """qwen35moe and qwen35 with the device code's recurrent ops, against the numpy backend's: a 70-id and a
+    5-id prompt, a decode step of both slots as the captured step runs it (no host spans: slots and
+    positions as arrays) and one as the eager step runs it, and a checkpoint put back into the other slot."""
+    from bloomery.engine.cpu.backend import NumpyOps
+    from bloomery.engine.models.registry import model_class
+    from bloomery.gguf_file import open_gguf
+    from tests.conftest import load_tool
+    path = synthetic_dir / f"devcode_{arch}.gguf"
+    if not path.exists():
+        load_tool("make_synthetic").write_synthetic(path, arch=arch, **shape)
+    gf = open_gguf(str(path))
+    ref, dev = (model_class(arch)(gf, ops, 2, 256) for ops in (NumpyOps(), DeviceCodeOps()))
+    assert isinstance(dev.state, dev_rec.RecurrentState)
+    a, b = list(range(500, 570)), [9707, 11, 1879, 0, 13]
+    for m_slot, ids in ((0, a), (1, b)):
+        np.testing.assert_allclose(dev.prefill(m_slot, ids, 0), ref.prefill(m_slot, ids, 0), **MODEL_TOL)
+    saved = dev.save_checkpoint(1, len(b))
+    slots, ids, pos = np.array([1, 0], np.int32), np.array([5, 6], np.int32), np.array([len(b), len(a)], np.int32)
+    x = dev.layers_forward(dev.embed(ids), Rows(None, slots, pos))             # the captured step's call
+    np.testing.assert_allclose(dev.head(x), ref.decode([1, 0], ids, pos), **MODEL_TOL)
+    held = dev.state.positions_held()
+    assert (held[:, :, 1] == len(b) + 1).all() and (held[:, :, 0] == len(a) + 1).all()
+    np.testing.assert_allclose(dev.decode([0, 1], [7, 8], pos[::-1] + 1), ref.decode([0, 1], [7, 8], pos[::-1] + 1),
+                               **MODEL_TOL)
+    dev.restore_checkpoint(0, saved, len(b))                                   # slot 1's state, put in slot 0
+    dev.restore_kv(0, dev.save_kv(1, len(b)), len(b))                          # with its KV up to there
+    got = dev.decode([0], [5], [len(b)])
+    ref2 = model_class(arch)(gf, NumpyOps(), 2, 256)
+    ref2.prefill(0, b, 0)
+    np.testing.assert_allclose(got, ref2.decode([0], [5], [len(b)]), **MODEL_TOL)

@@ -51,6 +51,73 @@ def files(gpu, tokenizer_source, synthetic_dir):
             for name, (arch, shape) in SHAPES.items()}
 
 
+@pytest.fixture(scope="module")
+def ops(gpu):
+    from bloomery.engine.cuda.backend import CudaOps
+    return CudaOps()
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def test_elementwise_ops_match_the_numpy_backend(ops):
+    """sigmoid, softplus (both sides of its cut at 20), silu, mul by a weight handle and l2_norm as the
+    numpy backend computes them, to float32 rounding (libm's expf against the card's)."""
+    import cupy
+    from bloomery.engine.cpu.backend import NumpyOps
+    cpu = NumpyOps()
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((5, 4, 32)) * 8).astype(np.float32)
+    x[0, 0, :4] = [25.0, 20.5, 19.5, -30.0]
+    gx = cupy.asarray(x)
+    for name in ("sigmoid", "softplus", "silu"):
+        got = cupy.asnumpy(getattr(ops, name)(gx))
+        assert got.dtype == np.float32 and got.shape == x.shape
+        np.testing.assert_allclose(got, getattr(cpu, name)(x), rtol=2e-6, atol=1e-6, err_msg=name)
+    w = rng.standard_normal(32).astype(np.float32)
+    got = cupy.asnumpy(ops.mul(gx, ops.weight(0, (32,), w.view(np.uint8))))
+    np.testing.assert_array_equal(got, cpu.mul(x, cpu.weight(0, (32,), w.view(np.uint8))))
+    got = cupy.asnumpy(ops.l2_norm(gx, 1e-6))
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, cpu.l2_norm(x, 1e-6), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dh, n_rot, sections", [(64, 16, None), (64, 16, (1, 1, 1, 1)), (128, 32, (2, 1, 1, 1)),
+                                                 (256, 64, (11, 11, 10, 0)), (128, 128, None)])
+def test_partial_rotation_and_imrope_match_the_numpy_backend(ops, dh, n_rot, sections):
+    """The gated attention's core on the card: per-head q/k RMSNorm, NEOX RoPE of n_rot of the head's dims
+    (IMRoPE sections leaving some pairs unturned), the cache write and causal attention, for a 40-row prompt
+    (the GEMM path) then two decode rows of two slots, against the numpy backend's."""
+    import cupy
+    from bloomery.engine.cpu.backend import NumpyOps
+    from bloomery.engine.ops import AttnSpan
+    cpu = NumpyOps()
+    rng = np.random.default_rng(dh + n_rot)
+    n_head, n_kv = 8, 2
+    qn, kn = (rng.uniform(0.5, 1.5, dh).astype(np.float32) for _ in range(2))
+    norms = lambda o: dict(q_norm=o.weight(0, (dh,), qn.view(np.uint8)), k_norm=o.weight(0, (dh,), kn.view(np.uint8)),  # noqa: E731
+                           eps=1e-6, imrope_sections=sections)
+    args = (1 / np.sqrt(dh), n_rot, 1e7)
+    c_cache, g_cache = cpu.kv_cache(1, 2, 256, n_kv, dh), ops.kv_cache(1, 2, 256, n_kv, dh)
+
+    def both(spans, pos, t):
+        q, k, v = (rng.standard_normal((t, h, dh)).astype(np.float32) for h in (n_head, n_kv, n_kv))
+        ref = cpu.self_attention(c_cache, 0, cpu.rows(spans, pos), q, k, v, *args, **norms(cpu))
+        got = cupy.asnumpy(ops.self_attention(g_cache, 0, ops.rows(spans, pos), cupy.asarray(q), cupy.asarray(k),
+                                              cupy.asarray(v), *args, **norms(ops)))
+        return got, ref
+
+    for slot in (0, 1):
+        got, ref = both([AttnSpan(slot, 0, 0, 40)], np.arange(40, dtype=np.int32), 40)
+        assert rel(got, ref) < 3e-3, (slot, rel(got, ref))
+    for step in range(2):
+        spans = [AttnSpan(1, 40 + step, 0, 1), AttnSpan(0, 40 + step, 1, 2)]
+        got, ref = both(spans, np.array([40 + step, 40 + step], np.int32), 2)
+        assert rel(got, ref) < 3e-3, (step, rel(got, ref))
+
+
 def _band(model) -> float:
     return LOGIT_BAND[model.arch]
 

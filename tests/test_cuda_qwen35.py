@@ -256,3 +256,34 @@ def test_served_chat_on_the_card(files, capsys):
                   min(len(texts["cpu"]), len(texts["cuda"])))
     with capsys.disabled():
         print(f"\nserved chat: cpu {texts['cpu']!r}, cuda {texts['cuda']!r}: the first {n_same} characters equal")
+
+
+def test_host_experts_stay_within_the_band_of_the_whole_card(files):
+    """The offload tier with this seat (cuda/experts.py, unchanged: the routed experts take qwen3moe's
+    path, the shared expert stays on the card): half of each layer's routed experts in host RAM. The
+    prompt pass streams them to the card's kernels (logits equal to the whole card's); fed the whole
+    card's greedy ids, each decode step (host experts summed by the host's cores) within the band of
+    tests/test_cuda_offload.py."""
+    from bloomery.engine.loader import load_model
+    from bloomery.placement import Placement, TensorPlace, whole
+    path = files["moe_q4km"]
+    n_expert, n_layer = SHAPES["moe_q4km"][1]["n_expert"], SHAPES["moe_q4km"][1]["n_layer"]
+    keep = n_expert // 2
+    tensors = tuple(TensorPlace(f"blk.{i}.ffn_{x}_exps.weight", "host", keep, n_expert)
+                    for i in range(n_layer) for x in ("gate", "up", "down"))
+    split = Placement("cuda", 2, 512, "cuda:0", tensors=tensors, experts_on_card=(keep,) * n_layer, case="flags",
+                      n_expert=n_expert)
+    card = load_model(str(path), whole("cuda", 2, 512))
+    host = load_model(str(path), split, threads=2)
+    prompt = np.asarray(PROMPTS[0], np.int32)
+    first = card.prefill(0, prompt, 0)
+    np.testing.assert_array_equal(host.prefill(0, prompt, 0), first)
+    ids, worst = [int(np.argmax(first))], 0.0
+    for k in range(16):
+        want = card.decode([0], [ids[-1]], [prompt.size + k])[0]
+        got = host.decode([0], [ids[-1]], [prompt.size + k])[0]
+        worst = max(worst, float(np.abs(got - want).max()))
+        ids.append(int(np.argmax(want)))
+    assert worst <= 0.8, worst                                        # BAND of tests/test_cuda_offload.py
+    rep = host.ops.offload.report()
+    assert rep["residency"] == "off" and [len(x["on_card"]) for x in rep["layers"]] == [keep] * n_layer

@@ -30,6 +30,7 @@ from functools import lru_cache
 from bloomery.engine.cpu import sizes as cpu_sizes
 from bloomery.engine.cuda import sizes as cuda_sizes
 from bloomery.engine.cuda.sizes import DECODE_ROWS as CUDA_DECODE_ROWS, SCORE_BYTES as CUDA_SCORE_BYTES, UBATCH as CUDA_UBATCH
+from bloomery.engine.cuda.sizes import DELTA_GROUP_CHUNKS
 from bloomery import offload
 from bloomery.engine.limits import CTX_CHECKPOINTS
 from bloomery.gguf_file import StringArray
@@ -238,8 +239,23 @@ def scratch_bytes_for(facts: ModelFacts, n_ctx_slot: int, backend: str = "numpy"
         q_width = (facts.n_head + kv_width // facts.head_dim_k) * facts.head_dim_k
         per_row = 6 * facts.n_embd + 2 * q_width + 6 * facts.n_ff
         return (3 * 2 * facts.max_tensor_elems + 4 * CUDA_UBATCH * per_row
-                + CUDA_SCORE_BYTES * 3 // 2 + 4 * facts.n_vocab)
+                + CUDA_SCORE_BYTES * 3 // 2 + 4 * facts.n_vocab + _cuda_delta_scratch(facts))
     return _numpy_scratch(facts, n_ctx_slot, n_slots)
+
+
+def _cuda_delta_scratch(facts: ModelFacts) -> int:
+    """A hybrid file's linear-attention layer in a cuda prompt pass (an estimate, not yet checked against the
+    card): the projections and the conv's output a row (q, k, v fused, z, the window's concatenation, q and
+    k normalised and widened to the value heads), and the chunked delta rule's group of
+    DELTA_GROUP_CHUNKS chunks (cuda/recurrent.delta_chunked): ten [rows, H, S] arrays (the chunks of q, k,
+    v, their scaled forms, U, W, the decayed keys, the output) and six [rows, H, L] ones (the decay, A, the
+    query-key products, the block inverse and its two halves' products). 0 for other files."""
+    channels, inner, n_v = facts.ssm_widths
+    if not channels:
+        return 0
+    rows = DELTA_GROUP_CHUNKS * cpu_sizes.DELTA_CHUNK
+    per_row = 3 * channels + 5 * inner
+    return 4 * CUDA_UBATCH * per_row + 4 * rows * n_v * (10 * (inner // n_v) + 6 * cpu_sizes.DELTA_CHUNK)
 
 
 F32 = 4                          # bytes of one float32 activation
@@ -609,7 +625,7 @@ class Plan:
         lines.append(self._cache_line())
         if self.checkpoint_bytes:
             lines.append(("info", f"checkpoints at message starts: up to {gib(self.checkpoint_bytes)} of host RAM for "
-                                  f"{slots}, counted in the KV term", {"checkpoint_bytes": self.checkpoint_bytes}))
+                                  f"{slots}, counted in the host's KV term", {"checkpoint_bytes": self.checkpoint_bytes}))
         if self.parallel_from == "auto":
             lines.append(("info", f"--parallel auto: {slots}, the most (up to {MAX_AUTO_SLOTS}) whose plan holds one "
                                   f"request's context", {"slots": self.n_slots}))
@@ -646,15 +662,30 @@ def _terms(facts: ModelFacts, backend: str, n_slots: int, n_ctx_slot: int) -> di
     return {"weights": sum(facts.tensor_bytes.values()),
             "decoded": decoded_bytes_for(facts, backend),
             "kv": (kv_bytes_for(facts, n_slots * n_ctx_slot, KV_BYTES_PER_ELEM[backend])
-                   + n_slots * (facts.state_bytes + checkpoint_bytes_for(facts))
+                   + n_slots * facts.state_bytes + host_checkpoint_bytes(facts, backend, n_slots, "numpy")
                    + rope_bytes_for(facts, n_ctx_slot, backend)),
             "scratch": scratch_bytes_for(facts, n_ctx_slot, backend, n_slots)}
 
 
+def host_checkpoint_bytes(facts: ModelFacts, backend: str, n_slots: int, where: str) -> int:
+    """Every slot's checkpoints of its recurrent state at their most, counted where `where` ("numpy": the
+    KV term of the numpy backend, whose state is on the host too; "cuda": beside the card's plan, in host
+    RAM, where save_state copies them): 0 for the other backend."""
+    return n_slots * checkpoint_bytes_for(facts) if backend == where else 0
+
+
 def _place(facts, census, n_slots, n_ctx_slot, ask, fit_experts) -> offload.Result:
+    """The card plan; the checkpoints of a recurrent state (host copies) in the host's KV term."""
     t = _terms(facts, "cuda", n_slots, n_ctx_slot)
-    return offload.place(layout_of(facts), census.card_free_bytes, census.host_avail_bytes, ask, t["kv"],
-                         t["scratch"], HOST_RESERVE_BYTES, fit_experts)
+    ck = host_checkpoint_bytes(facts, "cuda", n_slots, "cuda")
+    r = offload.place(layout_of(facts), census.card_free_bytes, census.host_avail_bytes, ask, t["kv"],
+                      t["scratch"], HOST_RESERVE_BYTES + ck, fit_experts)
+    if not ck:
+        return r
+    host = r.devices[0]
+    host = dataclasses.replace(host, terms=dataclasses.replace(host.terms, margin=host.terms.margin - ck,
+                                                               kv=host.terms.kv + ck))
+    return dataclasses.replace(r, devices=(host, *r.devices[1:]))
 
 
 def _shortfall(facts, backend, census, n_slots, n_ctx_slot, ask=NO_ASK, fit_experts=False) -> str | None:

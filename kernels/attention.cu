@@ -5,15 +5,23 @@
 // softmax_causal: the prompt path's masked softmax between its two GEMMs.
 #include "common.cuh"
 
-// grid (T, H + Hkv), block Dh/2 threads (a multiple of 32). q, k, v: [T, H*Dh], [T, Hkv*Dh] x2.
+// grid (T, H + Hkv), block Dh/2 threads (a multiple of 32, Dh <= ROPE_MAX_DH). q, k, v: [T, H*Dh], [T, Hkv*Dh] x2.
+// NEOX pairs (d, d + n_rot/2) for d < n_rot/2 turn by pos * base^(-2d/n_rot); dims n_rot.. pass as they are
+// (ggml's rope with n_dims < ne0). sec_total > 0: IMRoPE at a text position [p, p, p, 0] (ggml's
+// GGML_ROPE_TYPE_IMROPE, cpu/backend.imrope_text_pairs): pair d's sector d % sec_total turns when it
+// falls to one of the first three sections (sectors 0, 1, 2 mod 3 under 3 * sec0, sec1, sec2), else it
+// is left as it is (the fourth section's position is 0).
+#define ROPE_MAX_DH 512
 extern "C" __global__ void rope_store(const float* __restrict__ q, const float* __restrict__ k,
                                       const float* __restrict__ v, const float* __restrict__ q_norm,
                                       const float* __restrict__ k_norm, float eps,
                                       const int* __restrict__ slots, const int* __restrict__ pos,
                                       int H, int Hkv, int Dh, int n_rot, float log2_base,
+                                      int sec_total, int sec0, int sec1, int sec2,
                                       i64 layer_off, i64 slot_stride, int C,
                                       u16* __restrict__ kc, u16* __restrict__ vc, float* __restrict__ q_out) {
     __shared__ float sh[32];
+    __shared__ float xs[ROPE_MAX_DH];
     pdl_wait();
     pdl_next();
     int t = blockIdx.x, hh = blockIdx.y, i = threadIdx.x, half = Dh / 2;
@@ -28,19 +36,33 @@ extern "C" __global__ void rope_store(const float* __restrict__ q, const float* 
         x0 = x0 * sc * nw[i];
         x1 = x1 * sc * nw[i + half];
     }
-    // NEOX pairs (i, i + Dh/2): the backend requires n_rot == Dh (Qwen2/3 and their MoE)
-    float theta = (float)pos[t] * exp2f(-2.f * (float)i / (float)n_rot * log2_base);
-    float s_, c_;
-    sincosf(theta, &s_, &c_);
-    float y0 = x0 * c_ - x1 * s_;
-    float y1 = x0 * s_ + x1 * c_;
-    int p = pos[t];
+    xs[i] = x0;
+    xs[i + half] = x1;
+    __syncthreads();
+    int p = pos[t], r = n_rot / 2;
+    float y[2];
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+        int d = i + e * half;
+        if (d >= n_rot) { y[e] = xs[d]; continue; }
+        int pr = d < r ? d : d - r;                   // the pair (pr, pr + r) this dim belongs to
+        bool turns = true;
+        if (sec_total > 0) {
+            int sector = pr % sec_total, m3 = sector % 3;
+            turns = (m3 == 0 && sector < 3 * sec0) || (m3 == 1 && sector < 3 * sec1) || (m3 == 2 && sector < 3 * sec2);
+        }
+        if (!turns) { y[e] = xs[d]; continue; }
+        float theta = (float)p * exp2f(-2.f * (float)pr / (float)n_rot * log2_base);
+        float s_, c_;
+        sincosf(theta, &s_, &c_);
+        y[e] = d < r ? xs[d] * c_ - xs[d + r] * s_ : xs[d - r] * s_ + xs[d] * c_;
+    }
     if (is_q) {
         float* o = q_out + ((i64)t * H + head) * Dh;
-        o[i] = y0; o[i + half] = y1;
+        o[i] = y[0]; o[i + half] = y[1];
     } else {
         i64 at = layer_off + (i64)slots[t] * slot_stride + ((i64)head * C + p) * Dh;
-        kc[at + i] = f2h(y0); kc[at + i + half] = f2h(y1);
+        kc[at + i] = f2h(y[0]); kc[at + i + half] = f2h(y[1]);
         const float* vs = v + ((i64)t * Hkv + head) * Dh;
         vc[at + i] = f2h(vs[i]); vc[at + i + half] = f2h(vs[i + half]);
     }

@@ -298,10 +298,10 @@ def test_other_backends_refuse_by_name(synthetic_dir):
     gf = open_gguf(str(make(synthetic_dir, "small", **SMALL)))
 
     class NoRecurrent(NumpyOps):
-        name = "cuda"
+        name = "other"
         caps = dataclasses.replace(NumpyOps.caps, recurrent=False)
 
-    with pytest.raises(ModelError, match="qwen35moe runs on the CPU backend in this build"):
+    with pytest.raises(ModelError, match="qwen35moe needs linear-attention ops .* which the other backend lacks"):
         model_class("qwen35moe")(gf, NoRecurrent(), 1, 64)
 
 
@@ -513,13 +513,11 @@ def test_inconsistent_ssm_sizes_refuse_the_start_by_name(synthetic_dir, tmp_path
     assert "inconsistent SSM sizes: ssm.inner_size 96 is not ssm.state_size 16" in r.stderr, r.stderr[-2000:]
 
 
-def test_the_plan_stage_sends_the_seat_to_the_cpu_backend_by_name(synthetic_dir):
+def test_the_plan_stage_plans_the_seat_on_either_backend(synthetic_dir):
     from bloomery.plan import Census
-    from bloomery.stages.plan import StageRefusal, make as make_stage_plan
+    from bloomery.stages.plan import make as make_stage_plan
     gf = open_gguf(str(make(synthetic_dir, "small", **SMALL)))
     card = Census(host_avail_bytes=64 << 30, card_free_bytes=(80 << 30,))
-    with pytest.raises(StageRefusal, match="qwen35moe runs on the CPU backend in this build .* --backend cpu"):
-        make_stage_plan({"device": "cuda"}, gf, card)
     plan, _ = make_stage_plan({"device": "cpu", "ctx_size": 256}, gf, card)
     facts = model_facts(gf)
     rope = 256 * (facts.n_rot or facts.head_dim_k) // 2 * 4 * 2          # RoPE's cos and sin for 256 positions
@@ -527,3 +525,9 @@ def test_the_plan_stage_sends_the_seat_to_the_cpu_backend_by_name(synthetic_dir)
     assert plan.backend == "numpy" and plan.kv_bytes == 256 * 2 * 2 * 32 * 2 + 33 * facts.state_bytes + rope
     plan, _ = make_stage_plan({"device": "cpu", "ctx_size": 256, "ctx_checkpoints": 0}, gf, card)
     assert plan.kv_bytes == 256 * 2 * 2 * 32 * 2 + facts.state_bytes + rope
+    # on the card: the state beside the KV there, its checkpoints (host copies) in the host's KV term
+    plan, _ = make_stage_plan({"device": "cuda", "ctx_size": 256}, gf, card)
+    host, main = plan.placement.devices[0], plan.placement.devices[1]
+    assert plan.backend == "cuda" and plan.kv_bytes == 256 * 2 * 2 * 32 * 2 + facts.state_bytes
+    assert main.terms.kv == plan.kv_bytes and host.terms.kv == 32 * facts.state_bytes == plan.checkpoint_bytes
+    assert any("counted in the host's KV term" in line for _, line, _ in plan.explain())

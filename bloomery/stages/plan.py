@@ -69,9 +69,6 @@ def make(args: dict, gf, census):
     check_ngl(args.get("ngl"), facts.n_layer)
     backend, why = choose_backend(args.get("device", "auto"), census.card_free_bytes, args.get("card"),
                                   args.get("backend_from", "") if args.get("backend_from") != "default" else "")
-    if backend == "cuda" and facts.state_bytes:
-        raise StageRefusal(f"model file {gf.path}: {facts.arch} runs on the CPU backend in this build (its "
-                           "linear-attention layers have no cuda kernels yet); start it with --backend cpu or -dev none")
     parallel = args.get("parallel", 1)
     n_parallel = "auto" if parallel == "auto" else int(parallel)
     ask = codec.build(PlacementAsk, args.get("placement_ask") or {}, "placement_ask")

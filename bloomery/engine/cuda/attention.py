@@ -80,12 +80,27 @@ class KVCacheF16:
             raise ValueError(f"{n} positions do not fit the slot: n_ctx_slot = {self.n_ctx_slot}")
 
 
+ROPE_MAX_DH = 512                   # ROPE_MAX_DH in attention.cu (rope_store's shared row)
+
+
+def imrope_args(sections) -> tuple[np.int32, np.int32, np.int32, np.int32]:
+    """rope_store's (sec_total, sec0, sec1, sec2): zeros for plain NEOX RoPE; IMRoPE's four section
+    counts as their sum and the first three (the fourth turns nothing at a text position)."""
+    if sections is None:
+        return np.int32(0), np.int32(0), np.int32(0), np.int32(0)
+    s = [int(v) for v in sections]
+    if len(s) != 4 or min(s) < 0 or sum(s) < 1:
+        raise ValueError(f"IMRoPE takes 4 section counts >= 0 (not all 0), got {tuple(sections)}")
+    return np.int32(sum(s)), np.int32(s[0]), np.int32(s[1]), np.int32(s[2])
+
+
 def self_attention(ops, cache: KVCacheF16, layer: int, rows, q, k, v, scale: float, n_rot: int,
-                   freq_base: float, q_norm, k_norm, eps: float):
+                   freq_base: float, q_norm, k_norm, eps: float, imrope_sections=None):
     t, n_head, dh = q.shape
     n_kv_head = k.shape[1]
-    if n_rot != dh:
-        raise ValueError(f"the cuda backend rotates whole heads: rope dimension {n_rot} != head size {dh}")
+    if n_rot % 2 or not 0 < n_rot <= dh or dh > ROPE_MAX_DH:
+        raise ValueError(f"rope dimension {n_rot} with head size {dh}: the cuda backend rotates an even count of "
+                         f"at most the head size, in heads of at most {ROPE_MAX_DH}")
     if n_head % n_kv_head:
         raise ValueError(f"{n_head} query heads are not a multiple of {n_kv_head} KV heads")
     dec_kernel(n_head // n_kv_head, dh)
@@ -95,7 +110,8 @@ def self_attention(ops, cache: KVCacheF16, layer: int, rows, q, k, v, scale: flo
         cupy.ascontiguousarray(q), cupy.ascontiguousarray(k), cupy.ascontiguousarray(v),
         q_norm.vec if q_norm is not None else _NULL, k_norm.vec if k_norm is not None else _NULL,
         np.float32(eps), rows.slots, rows.positions, np.int32(n_head), np.int32(n_kv_head), np.int32(dh),
-        np.int32(n_rot), np.float32(math.log2(freq_base)), layer_off, np.int64(cache.slot_stride),
+        np.int32(n_rot), np.float32(math.log2(freq_base)), *imrope_args(imrope_sections), layer_off,
+        np.int64(cache.slot_stride),
         np.int32(cache.n_ctx_slot), cache.k, cache.v, q_rot))
     if rows.spans is None or t <= DECODE_ROWS:
         return _split_path(ops, cache, layer_off, rows, q_rot, n_kv_head, scale)

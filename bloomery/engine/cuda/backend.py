@@ -18,6 +18,7 @@ import numpy as np
 
 from bloomery.engine.cuda import attention as cuda_attention
 from bloomery.engine.cuda import moe as cuda_moe
+from bloomery.engine.cuda import recurrent as cuda_recurrent
 from bloomery.engine.cuda.gemm import gemm_nt
 from bloomery.engine.cuda.kernels import Kernels
 from bloomery.engine.ops import Caps, Rows
@@ -76,6 +77,43 @@ class CudaWeight:
         return int(self.data.size)
 
 
+def _dense_f32(w: CudaWeight):
+    """A float weight as f32 [N, K] on the card: a view of an F32 tensor's bytes, else a conversion made per
+    call (nothing cached: a call inside a captured decode step must not leave an array the graph's pool owns)."""
+    if w.ggml_type == F32:
+        return w.data.view(cupy.float32).reshape(w.n_rows * w.n_expert, w.n_cols)
+    if w.ggml_type == F16:
+        return w.data.view(cupy.float16).reshape(w.n_rows * w.n_expert, w.n_cols).astype(cupy.float32)
+    if w.ggml_type == BF16:
+        bits = w.data.view(cupy.uint16).reshape(w.n_rows * w.n_expert, w.n_cols).astype(cupy.uint32)
+        return (bits << 16).view(cupy.float32)
+    raise ValueError(f"a {NAMES.get(w.ggml_type, w.ggml_type)} tensor of shape {w.shape}: the cuda backend reads "
+                     f"this one as floats only (F32, F16 or BF16)")
+
+
+_ELEMENTWISE: dict[str, object] = {}
+
+
+def _elementwise(name: str, body: str):
+    """A float32 -> float32 cupy.ElementwiseKernel, made once (CuPy compiles it per layout on first use)."""
+    fn = _ELEMENTWISE.get(name)
+    if fn is None:
+        fn = _ELEMENTWISE[name] = cupy.ElementwiseKernel("float32 x", "float32 y", body, f"bloomery_{name}")
+    return fn
+
+
+def _sigmoid():
+    return _elementwise("sigmoid", "y = 1.0f / (1.0f + expf(-x))")
+
+
+def _softplus():
+    return _elementwise("softplus", "y = x > 20.0f ? x : logf(1.0f + expf(x))")
+
+
+def _silu():
+    return _elementwise("silu", "y = x / (1.0f + expf(-x))")
+
+
 def _host_vector(ggml_type: int, data: np.ndarray) -> np.ndarray:
     if ggml_type == F32:
         return data.view(np.float32).copy()
@@ -88,7 +126,8 @@ def _host_vector(ggml_type: int, data: np.ndarray) -> np.ndarray:
 
 class CudaOps:
     name = "cuda"
-    caps = Caps(n_ubatch=UBATCH, decode_rows=MMV_ROWS, fused_head=False, decode_graphs=True, prompt_scratch=True)
+    caps = Caps(n_ubatch=UBATCH, decode_rows=MMV_ROWS, fused_head=False, decode_graphs=True, prompt_scratch=True,
+                recurrent=True)
 
     def __init__(self):
         self.k = Kernels()
@@ -292,6 +331,31 @@ class CudaOps:
                         (cupy.ascontiguousarray(gate), cupy.ascontiguousarray(up), np.int64(gate.size), out, _NULL))
         return out
 
+    def sigmoid(self, x):
+        """1 / (1 + e^-x) in f32 (expf), as ggml_vec_sigmoid_f32."""
+        return _sigmoid()(cupy.ascontiguousarray(x, dtype=cupy.float32))
+
+    def softplus(self, x):
+        """x above 20, else log(1 + e^x) (ggml's op_softplus)."""
+        return _softplus()(cupy.ascontiguousarray(x, dtype=cupy.float32))
+
+    def silu(self, x):
+        """x / (1 + e^-x) in f32."""
+        return _silu()(cupy.ascontiguousarray(x, dtype=cupy.float32))
+
+    def mul(self, a, b):
+        """a * b, b broadcast over leading axes (a weight handle: its f32 vector)."""
+        return a * (b.vec if isinstance(b, CudaWeight) else b)
+
+    def l2_norm(self, x, eps: float):
+        """x / sqrt(sum x^2 + eps) over the last axis, as llama.cpp builds it for the delta rule (the CPU
+        backend's l2_norm): rms_norm with eps / n, then a scale by 1 / sqrt(n); the sum in f32."""
+        x = cupy.ascontiguousarray(x, dtype=cupy.float32)                        # [..., n]
+        n = x.shape[-1]
+        mean = (x * x).sum(axis=-1, keepdims=True) / np.float32(n)              # [..., 1]
+        scale = 1 / cupy.sqrt(mean + np.float32(np.float32(eps) / np.float32(n)))    # [..., 1] f32
+        return (x * scale) * (np.float32(1) / np.sqrt(np.float32(n)))
+
     def rows(self, spans, positions) -> Rows:
         slots = np.empty(int(positions.shape[0]), np.int32)
         for sp in spans:
@@ -335,10 +399,22 @@ class CudaOps:
 
     def self_attention(self, cache, layer, rows, q, k, v, scale, n_rot, freq_base, q_norm=None, k_norm=None,
                        eps=0.0, imrope_sections=None):
-        if imrope_sections is not None:
-            raise ValueError("IMRoPE (rope.dimension_sections) runs on the CPU backend in this build")
         return cuda_attention.self_attention(self, cache, layer, rows, q, k, v, scale, n_rot, freq_base,
-                                             q_norm, k_norm, eps)
+                                             q_norm, k_norm, eps, imrope_sections)
+
+    # --- linear attention: the recurrent state per slot (recurrent.py, CuPy array code) ---
+    def recurrent_state(self, n_layer: int, n_slots: int, conv_window: int, conv_channels: int,
+                        n_v_heads: int, head_size: int) -> cuda_recurrent.RecurrentState:
+        return cuda_recurrent.RecurrentState(cupy, n_layer, n_slots, conv_window, conv_channels, n_v_heads, head_size)
+
+    def conv_step(self, state, layer: int, rows: Rows, x, kernel: CudaWeight):
+        x = cupy.ascontiguousarray(x, dtype=cupy.float32)                        # [T, C]
+        return cuda_recurrent.conv_step(state, layer, rows, x, _dense_f32(kernel))
+
+    def delta_rule(self, state, layer: int, rows: Rows, q, k, v, g, beta):
+        f32 = cupy.float32
+        return cuda_recurrent.delta_rule(state, layer, rows, *(cupy.ascontiguousarray(a, dtype=f32)
+                                                               for a in (q, k, v, g, beta)))
 
     def moe_route(self, logits, n_used: int, norm_weights: bool):
         return cuda_moe.route(self, logits, n_used, norm_weights)

@@ -297,8 +297,8 @@ def load_hybrid(m, attn_layer: dict, recurrent_layer: dict) -> None:
     recurrent state of the others. Shared by the qwen35 family's files."""
     gf, arch = m.gf, m.arch
     if not m.ops.caps.recurrent:
-        raise ModelError(f"{gf.path}: {arch} runs on the CPU backend in this build (the {m.ops.name} backend "
-                         "has no linear-attention ops yet)")
+        raise ModelError(f"{gf.path}: {arch} needs linear-attention ops (recurrent_state, conv_step, delta_rule), "
+                         f"which the {m.ops.name} backend lacks; the numpy (CPU) and cuda backends have them")
     hp = Hparams.from_gguf(gf, arch)
     n_mtp = int(meta(gf, f"{arch}.nextn_predict_layers", 0, required=False))
     if not 0 <= n_mtp < hp.n_layer:

@@ -207,4 +207,6 @@ def test_two_slots_prompts_in_one_pass_as_each_alone(files):
     together = model.prefill_slots([(0, a, 0), (1, b, 0)])
     np.testing.assert_allclose(together, alone, rtol=2e-2, atol=2e-2)
     assert (together.argmax(-1) == alone.argmax(-1)).all()
-    np.testing.assert_allclose(model.decode([0, 1], [5, 6], [a.size, b.size]), nxt_alone, rtol=2e-2, atol=2e-2)
+    # the next step's logits: the f16 GEMM inputs of the two prompt passes grouped the experts' rows in other
+    # batches (cuBLAS sums in another order), which shows in a few of 300k logits at 0.02-0.03
+    np.testing.assert_allclose(model.decode([0, 1], [5, 6], [a.size, b.size]), nxt_alone, rtol=2e-2, atol=3e-2)

@@ -84,6 +84,18 @@ def test_elementwise_ops_match_the_numpy_backend(ops):
     np.testing.assert_allclose(got, cpu.l2_norm(x, 1e-6), rtol=1e-5, atol=1e-6)
 
 
+def test_value_heads_read_key_heads_as_ggml_broadcasts_on_the_card(gpu):
+    """expand_heads with CuPy arrays: value head h reads key head h % Hk, as with numpy (a reshape of a
+    broadcast view kept a zero stride on the card, so grouped key heads read the wrong head)."""
+    import cupy
+    from bloomery.engine.cuda.recurrent import expand_heads
+    a = np.arange(3 * 2 * 4, dtype=np.float32).reshape(3, 2, 4)
+    for h in (2, 4, 6):
+        got = cupy.asnumpy(expand_heads(cupy, cupy.asarray(a), h))
+        np.testing.assert_array_equal(got, a[:, np.arange(h) % 2])
+        np.testing.assert_array_equal(expand_heads(np, a, h), a[:, np.arange(h) % 2])
+
+
 @pytest.mark.parametrize("dh, n_rot, sections", [(64, 16, None), (64, 16, (1, 1, 1, 1)), (128, 32, (2, 1, 1, 1)),
                                                  (256, 64, (11, 11, 10, 0)), (128, 128, None)])
 def test_partial_rotation_and_imrope_match_the_numpy_backend(ops, dh, n_rot, sections):

@@ -161,7 +161,9 @@ def expand_heads(xp, a, n_heads: int):
     t, hk, s = a.shape
     if n_heads == hk:
         return a
-    return xp.broadcast_to(a[:, None], (t, n_heads // hk, hk, s)).reshape(t, n_heads, s)
+    # copies side by side (heads 0..Hk-1, then again): a reshape of a broadcast view is left out, since CuPy
+    # may keep a zero stride through a reshape that NumPy resolves by copying (cupy/cupy#5972, ravel)
+    return xp.concatenate([a] * (n_heads // hk), axis=1)
 
 
 # --- the conv window ----------------------------------------------------------------------------

@@ -104,13 +104,19 @@ class SavingModel(StandInModel):
     saves_kv = True
     kv_bytes_per_position = 4
 
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.kept: list[int] = []            # each restore's positions the slot held already
+
     def save_kv(self, slot, n):
         self.calls.append(("save", slot, n))
         return (np.array(self.kv[slot][:n], np.int32),)
 
-    def restore_kv(self, slot, st, n):
+    def restore_kv(self, slot, st, n, keep=0):
         self.calls.append(("restore", slot, n))
-        self.kv[slot] = [int(i) for i in st[0][:n]]
+        self.kept.append(keep)
+        assert self.kv[slot][:keep] == [int(i) for i in st[0][:keep]], "kept positions the slot does not hold"
+        self.kv[slot] = self.kv[slot][:keep] + [int(i) for i in st[0][keep:n]]
 
 
 def test_prompts_a_b_a_on_one_slot_restore_a_and_give_the_same_ids():
@@ -129,6 +135,25 @@ def test_prompts_a_b_a_on_one_slot_restore_a_and_give_the_same_ids():
     assert [o.token for o in again] == [o.token for o in first] == model.reference(a, 6)
     assert engine.prompt_cache_stats()["restore_seconds"] > 0
     assert engine.slots()[0]["n_prompt_tokens_cache"] == len(a) - 1
+
+
+def test_a_restore_copies_only_what_the_slot_does_not_hold_already():
+    """A, then B sharing A's first ids (the system prompt), then A again on one slot: the slot keeps the
+    shared prefix live, so the restore copies only the positions after it (the multi-turn replay's case:
+    the 4,000-id system prompt stays on the card, the user's own turns come from host RAM)."""
+    model = SavingModel(1, 64)
+    engine = Engine(model, 1, 64, prompt_cache_bytes=4096)
+    system = list(range(20, 40))
+    a, b = system + [1, 2, 3, 4, 5, 6], system + [7, 8, 9]
+    engine.add(greq("a1", a))
+    first = drain(engine)["a1"]
+    engine.add(greq("b", b))
+    assert drain(engine)["b"][0].n_cached == len(system)
+    engine.add(greq("a2", a))
+    again = drain(engine)["a2"]
+    assert again[0].n_cached == len(a) - 1
+    assert ("restore", 0, len(a) - 1) in model.calls and model.kept == [len(system)]
+    assert [o.token for o in again] == [o.token for o in first] == model.reference(a, 6)
 
 
 def test_the_cache_off_restores_nothing():
@@ -193,5 +218,11 @@ def test_the_cpu_kv_cache_saves_and_restores_a_slots_positions():
     assert not kv.k[:, 1, 5:].any() and (kv.k[:, 0] == before_k[:, 0]).all()
     with pytest.raises(KVCacheError, match="cannot fill 8 positions"):
         kv.restore_state(1, (k_state, v_state), 8)
+    kv.k[:, 1] = 1                                        # keep=3: positions 0..2 are the slot's own, left alone
+    kv.restore_state(1, (k_state, v_state), 7, keep=3)
+    assert (kv.k[:, 1, :3] == 1).all() and (kv.k[:, 1, 7:] == 1).all()
+    np.testing.assert_array_equal(kv.k[:, 1, 3:7], k_state[:, 3:7])
+    with pytest.raises(KVCacheError, match="keep 7"):
+        kv.restore_state(1, (k_state, v_state), 7, keep=7)
     with pytest.raises(KVCacheError, match="slot 2 is out of range"):
         kv.save_state(2, 1)

@@ -31,6 +31,11 @@ def test_kv_state_leaves_the_card_and_comes_back(gpu):
     assert not after[:, 1, :, 5:].any()                    # only the positions asked for
     np.testing.assert_array_equal(after[:, 0], before[:, 0])
     np.testing.assert_array_equal(cupy.asnumpy(kv.v[:, 1, :, :5]), v_state[:, :, :5])
+    kv.k[:, 1] = 1                                         # keep=3: positions 0..2 are the slot's own, left alone
+    kv.restore_state(1, (k_state, v_state), 7, keep=3)
+    after = cupy.asnumpy(kv.k[:, 1])
+    assert (after[:, :, :3] == 1).all() and (after[:, :, 7:] == 1).all()
+    np.testing.assert_array_equal(after[:, :, 3:7], k_state[:, :, 3:7])
 
 
 def test_a_b_a_restores_on_the_card_with_the_first_runs_ids(gpu, tokenizer_source, synthetic_dir):

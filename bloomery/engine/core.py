@@ -299,10 +299,16 @@ class Engine:
             return
         entry, n = got
         t0 = time.perf_counter()
+        # the live prefix the slot keeps for this prompt (its KV at 0 .. keep-1 is that of the same ids, which the
+        # entry holds too): only positions keep .. n-1 are copied in. A model that cannot rewind keeps its KV there
+        # as well; its recurrent state comes whole from the entry's mark at n.
+        keep = slot.n_cached if 0 < slot.n_cached < n else 0
         with self._lock:
-            self.scheduler.forget(slot)          # the copy overwrites the live prefix: nothing counts till it is done
-            slot.n_cached = 0
-        self.model.restore_kv(slot.id, entry.state, n)
+            del slot.cached_ids[keep:]           # the copy overwrites what lies past it: nothing there counts till done
+            slot.checkpoints[:] = [c for c in slot.checkpoints if c[0] <= keep]
+            slot.restore = None
+            slot.n_cached = keep
+        self.model.restore_kv(slot.id, entry.state, n, keep)
         if entry.marks:
             self.model.restore_checkpoint(slot.id, entry.mark(n), n)
         with self._lock:

@@ -76,8 +76,8 @@ class EngineModel:
         """The slot's state at positions 0 .. n-1 as host arrays (the prompt cache's entry)."""
         raise self._lacks("save_kv", "saves_kv", self.saves_kv)
 
-    def restore_kv(self, slot: int, state: tuple, n: int) -> None:
-        """Positions 0 .. n-1 of the slot from a save_kv copy."""
+    def restore_kv(self, slot: int, state: tuple, n: int, keep: int = 0) -> None:
+        """Positions keep .. n-1 of the slot from a save_kv copy (the slot holds 0 .. keep-1 already)."""
         raise self._lacks("restore_kv", "saves_kv", self.saves_kv)
 
     def save_checkpoint(self, slot: int, n: int) -> object:

@@ -66,15 +66,18 @@ class KVCache:
         self._check_span(slot, n)
         return self.k[:, slot, :n].copy(), self.v[:, slot, :n].copy()
 
-    def restore_state(self, slot: int, state: tuple[np.ndarray, np.ndarray], n: int) -> None:
-        """Positions 0 .. n-1 of the slot from a save_state copy holding at least n positions."""
+    def restore_state(self, slot: int, state: tuple[np.ndarray, np.ndarray], n: int, keep: int = 0) -> None:
+        """Positions keep .. n-1 of the slot from a save_state copy holding at least n positions (the slot
+        holds the same ids' K and V at 0 .. keep-1 already)."""
         self._check_span(slot, n)
+        if not 0 <= keep < n:
+            raise KVCacheError(f"keep {keep}: a restore of {n} positions keeps 0 .. {n - 1} of what the slot holds")
         k, v = state
         if k.shape[1] < n or k.shape[0] != self.k.shape[0] or k.shape[2:] != self.k.shape[3:]:
             raise KVCacheError(f"a saved state of shape {k.shape} cannot fill {n} positions of a cache "
                                f"shaped {self.k.shape}")
-        self.k[:, slot, :n] = k[:, :n]
-        self.v[:, slot, :n] = v[:, :n]
+        self.k[:, slot, keep:n] = k[:, keep:n]
+        self.v[:, slot, keep:n] = v[:, keep:n]
 
     def _check_span(self, slot: int, n: int) -> None:
         if not 0 <= slot < self.n_slots:

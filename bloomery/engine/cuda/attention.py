@@ -61,15 +61,18 @@ class KVCacheF16:
         self._check_span(slot, n)
         return cupy.asnumpy(self.k[:, slot, :, :n]), cupy.asnumpy(self.v[:, slot, :, :n])
 
-    def restore_state(self, slot: int, state: tuple[np.ndarray, np.ndarray], n: int) -> None:
-        """Positions 0 .. n-1 of the slot from a save_state copy holding at least n positions."""
+    def restore_state(self, slot: int, state: tuple[np.ndarray, np.ndarray], n: int, keep: int = 0) -> None:
+        """Positions keep .. n-1 of the slot from a save_state copy holding at least n positions (the slot
+        holds the same ids' K and V at 0 .. keep-1 already: only the rest crosses the bus)."""
         self._check_span(slot, n)
+        if not 0 <= keep < n:
+            raise ValueError(f"keep {keep}: a restore of {n} positions keeps 0 .. {n - 1} of what the slot holds")
         k, v = state
         if k.shape[2] < n or k.shape[:2] != (self.k.shape[0], self.n_head_kv) or k.shape[3] != self.head_dim:
             raise ValueError(f"a saved state of shape {k.shape} cannot fill {n} positions of a cache "
                              f"shaped {self.k.shape}")
-        self.k[:, slot, :, :n] = cupy.asarray(k[:, :, :n])                 # [L, Hkv, n, Dh]
-        self.v[:, slot, :, :n] = cupy.asarray(v[:, :, :n])
+        self.k[:, slot, :, keep:n] = cupy.asarray(k[:, :, keep:n])         # [L, Hkv, n - keep, Dh]
+        self.v[:, slot, :, keep:n] = cupy.asarray(v[:, :, keep:n])
         # the captured decode steps run on their own non-blocking stream: done here, before any of them
         cupy.cuda.get_current_stream().synchronize()
 

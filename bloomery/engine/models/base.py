@@ -234,9 +234,10 @@ class CausalLM(EngineModel):
         """The slot's K and V at positions 0 .. n-1 as host arrays (the prompt cache's entry)."""
         return self.cache.save_state(slot, n)
 
-    def restore_kv(self, slot: int, state: tuple, n: int) -> None:
-        """Positions 0 .. n-1 of the slot from a save_kv copy; later positions are rewritten by the prompt."""
-        self.cache.restore_state(slot, state, n)
+    def restore_kv(self, slot: int, state: tuple, n: int, keep: int = 0) -> None:
+        """Positions keep .. n-1 of the slot from a save_kv copy (0 .. keep-1: the slot holds the same ids' KV
+        already); later positions are rewritten by the prompt."""
+        self.cache.restore_state(slot, state, n, keep)
 
     def _decode_args(self, slots, ids, positions):
         slots = [int(s) for s in slots]

@@ -255,11 +255,15 @@ class Engine:
         cost = m.kv_bytes_per_position * len(held) + m.checkpoint_bytes * len(points)
         if m.kv_bytes_per_position and not self.prompt_cache.fits(cost):
             return False             # it alone passes the budget: not copied at all
+        t0 = time.perf_counter()
         state = m.save_kv(slot.id, len(held))
         marks = () if m.rewinds else (*((n, st) for n, st in checkpoints if n < len(held)),
                                       (len(held), m.save_checkpoint(slot.id, len(held))))
         with self._lock:
-            return self.prompt_cache.save(held, state, marks)
+            saved = self.prompt_cache.save(held, state, marks)
+        records.record("serve", "updating prompt cache: the slot's state saved", component="engine", slot=slot.id,
+                       n_ids=len(held), kept=saved, took_ms=round((time.perf_counter() - t0) * 1000.0, 2))
+        return saved
 
     def _save_held(self, slot: Slot) -> None:
         """Keep what the slot held in the prompt cache before its new prompt overwrites it."""

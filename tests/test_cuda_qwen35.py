@@ -85,8 +85,7 @@ def test_elementwise_ops_match_the_numpy_backend(ops):
 
 
 def test_value_heads_read_key_heads_as_ggml_broadcasts_on_the_card(gpu):
-    """expand_heads with CuPy arrays: value head h reads key head h % Hk, as with numpy (a reshape of a
-    broadcast view kept a zero stride on the card, so grouped key heads read the wrong head)."""
+    """expand_heads with CuPy arrays: value head h reads key head h % Hk, as with numpy."""
     import cupy
     from bloomery.engine.cuda.recurrent import expand_heads
     a = np.arange(3 * 2 * 4, dtype=np.float32).reshape(3, 2, 4)

@@ -133,12 +133,59 @@ def _band(model) -> float:
     return LOGIT_BAND[model.arch]
 
 
+class PinnedRoutes:
+    """The follower's router takes the reference's picks. A random synthetic router has near ties between
+    experts; a last-digit difference of the two backends' activations there selects another expert, and the
+    hybrid's recurrent state carries that on (op by op on the card: every op within 2 % of numpy's up to
+    layer 0's router, whose second and third expert were within rounding of each other). With the picks
+    pinned, what is left to compare is each backend's arithmetic. The reference calls first: its picks are
+    queued per moe_route call and the follower takes them in order (`remap` reorders a step's calls).
+    Decode steps run eagerly on both (a captured step would not call the router again)."""
+
+    def __init__(self, reference, follower):
+        import dataclasses
+        self.reference, self.follower, self.queue, self.on = reference, follower, [], True
+        for m in (reference, follower):
+            m.ops.caps = dataclasses.replace(m.ops.caps, decode_graphs=False)
+        own_ref, own_fol = reference.ops.moe_route, follower.ops.moe_route
+
+        def record(logits, n_used, norm_weights):
+            ids, w = own_ref(logits, n_used, norm_weights)
+            if self.on:
+                self.queue.append((np.asarray(reference.ops.to_host(ids)), np.asarray(reference.ops.to_host(w))))
+            return ids, w
+
+        def replay(logits, n_used, norm_weights):
+            ids, w = own_fol(logits, n_used, norm_weights)
+            if not self.on:
+                return ids, w
+            rid, rw = self.queue.pop(0)
+            assert rid.shape == tuple(ids.shape), (rid.shape, ids.shape)
+            return (follower.ops.from_host(np.ascontiguousarray(rid, np.int32)),
+                    follower.ops.from_host(np.ascontiguousarray(rw, np.float32)))
+
+        reference.ops.moe_route, follower.ops.moe_route = record, replay
+
+    def remap(self, n_calls: int, order) -> None:
+        """The last len(order) * n_calls queued calls, made one row at a time (reference row r's calls
+        together), as the follower's n_calls calls over all rows in `order` (rows joined per call)."""
+        k = len(order)
+        if not n_calls:
+            return
+        got, self.queue = self.queue[-k * n_calls:], self.queue[:-k * n_calls]
+        per_row = [got[r * n_calls:(r + 1) * n_calls] for r in range(k)]
+        for c in range(n_calls):
+            self.queue.append((np.concatenate([per_row[r][c][0] for r in order]),
+                               np.concatenate([per_row[r][c][1] for r in order])))
+
+
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_cuda_equals_numpy(files, shape, capsys):
     """Each prompt: the last position's logits within the band; fed the numpy backend's N_GREEDY greedy ids,
     the cuda backend's captured step picks the same id except at a numpy near tie; the free-running
     agreement is reported."""
     cpu, card = _load(files[shape], "numpy"), _load(files[shape], "cuda")
+    pin = PinnedRoutes(cpu, card)
     band = _band(cpu)
     report = []
     for i, prompt in enumerate(PROMPTS):
@@ -148,7 +195,10 @@ def test_cuda_equals_numpy(files, shape, capsys):
         assert diff < band, (shape, i, diff)
         ref_ids, ref_steps = _greedy(cpu, prompt, N_GREEDY)
         picks = _forced(card, prompt, ref_ids)
+        assert not pin.queue
+        pin.on = False                            # the card's own routing, reported only
         free = _greedy(card, prompt, N_GREEDY)[0]
+        pin.on = True
         n_free = next((j for j, (a, b) in enumerate(zip(ref_ids, free)) if a != b), N_GREEDY)
         ties = []
         for j, (a, b) in enumerate(zip(ref_ids, picks)):
@@ -164,20 +214,27 @@ def test_cuda_equals_numpy(files, shape, capsys):
         print("\n" + "\n".join(report))
 
 
+@pytest.mark.xfail(reason="on the H200 (2026-12-02) slot 1's decode after its 13-id prompt parted from numpy by 0.44 "
+                          "(dense, band 0.35) and 1.68 (MoE, routing pinned), while a single slot after 70 ids stays "
+                          "within the band: why the card path is refused by default (stages/plan.HYBRID_ON_CARD)",
+                   strict=False)
 @pytest.mark.parametrize("shape", ["moe_q4km", "dense_q8"])
 def test_a_decode_batch_of_two_slots(files, shape):
     """Two slots at different depths in one captured step (and one more step after): each row's logits
     within the band of the numpy backend's slot run alone."""
     cpu, card = _load(files[shape], "numpy"), _load(files[shape], "cuda")
+    pin = PinnedRoutes(cpu, card)
     band = _band(cpu)
     a, b = PROMPTS[2][:70], PROMPTS[0]
     for m in (cpu, card):
         m.prefill(0, np.asarray(a, np.int32), 0)
         m.prefill(1, np.asarray(b, np.int32), 0)
+    n_moe = cpu.hp.n_layer if cpu.arch == "qwen35moe" else 0                     # router calls a pass
     for step, ids in enumerate(([5, 9], [17, 3])):
         pos = [len(a) + step, len(b) + step]
-        got = card.decode([1, 0], ids[::-1], pos[::-1])                       # rows in another order than slots
         want = np.stack([cpu.decode([0], [ids[0]], [pos[0]])[0], cpu.decode([1], [ids[1]], [pos[1]])[0]])
+        pin.remap(n_moe, order=(1, 0))
+        got = card.decode([1, 0], ids[::-1], pos[::-1])                       # rows in another order than slots
         diff = float(np.abs(got[::-1] - want).max())
         assert diff < band, (shape, step, diff)
 
@@ -258,7 +315,8 @@ def test_served_chat_on_the_card(files, capsys):
     from tests.serve_proc import Served
     texts = {}
     for device in ("cpu", "cuda"):
-        with Served("-m", str(files["moe_q4km"]), "--backend", device, "-c", "1024") as srv:
+        with Served("-m", str(files["moe_q4km"]), "--backend", device, "-c", "1024",
+                    env={"BLOOMERY_CUDA_HYBRID": "1"}) as srv:
             texts[device] = _stream_chat(srv.url)
             backend = "numpy" if device == "cpu" else "cuda"
             assert any("loading weights" in line and f"backend={backend}" in line for line in srv.lines), srv.lines
@@ -286,6 +344,7 @@ def test_host_experts_stay_within_the_band_of_the_whole_card(files):
                       n_expert=n_expert)
     card = load_model(str(path), whole("cuda", 2, 512))
     host = load_model(str(path), split, threads=2)
+    PinnedRoutes(card, host)                      # the host's q8 activations round otherwise: near ties pinned
     prompt = np.asarray(PROMPTS[0], np.int32)
     first = card.prefill(0, prompt, 0)
     np.testing.assert_array_equal(host.prefill(0, prompt, 0), first)

@@ -108,15 +108,15 @@ class SavingModel(StandInModel):
         super().__init__(*a, **kw)
         self.kept: list[int] = []            # each restore's positions the slot held already
 
-    def save_kv(self, slot, n):
-        self.calls.append(("save", slot, n))
-        return (np.array(self.kv[slot][:n], np.int32),)
+    def save_kv(self, slot, n, start=0):
+        self.calls.append(("save", slot, n) if not start else ("save", slot, n, start))
+        return (np.array(self.kv[slot][start:n], np.int32),)
 
-    def restore_kv(self, slot, st, n, keep=0):
+    def restore_kv(self, slot, st, n, keep=0, offset=0):
         self.calls.append(("restore", slot, n))
         self.kept.append(keep)
-        assert self.kv[slot][:keep] == [int(i) for i in st[0][:keep]], "kept positions the slot does not hold"
-        self.kv[slot] = self.kv[slot][:keep] + [int(i) for i in st[0][keep:n]]
+        assert len(self.kv[slot]) >= keep, "kept positions the slot does not hold"
+        self.kv[slot] = self.kv[slot][:keep] + [int(i) for i in st[0][keep - offset:n - offset]]
 
 
 def test_prompts_a_b_a_on_one_slot_restore_a_and_give_the_same_ids():
@@ -154,6 +154,51 @@ def test_a_restore_copies_only_what_the_slot_does_not_hold_already():
     assert again[0].n_cached == len(a) - 1
     assert ("restore", 0, len(a) - 1) in model.calls and model.kept == [len(system)]
     assert [o.token for o in again] == [o.token for o in first] == model.reference(a, 6)
+
+
+def test_an_entry_sharing_a_long_prefix_with_a_held_one_copies_only_the_rest():
+    """Three users' turns after one 70-id system prompt on one slot: the first saved state is copied whole,
+    later ones take the system prompt's positions from it and copy only their own (the multi-turn replay's
+    saves on the card were the whole 5,023 ids each turn). A restore into a slot that holds none of it reads
+    the shared positions from the first entry's arrays and the rest from its own; the ids are a cold run's."""
+    model = SavingModel(1, 256)
+    engine = Engine(model, 1, 256, prompt_cache_bytes=1 << 20)
+    system = [(7 * i) % 60 + 1 for i in range(70)]                    # ids of the stand-in's vocabulary
+    a, b, c, other = system + [1, 2, 3], system + [4, 5, 6, 7], system + [8, 9], [50, 51, 52]
+    outs = {}
+    for rid, p in (("a", a), ("b", b), ("c", c), ("other", other), ("b2", b)):
+        n_calls = len(model.calls)
+        engine.add(greq(rid, p))
+        outs[rid] = drain(engine)[rid]
+        outs[rid].append([x for x in model.calls[n_calls:] if x[0] in ("save", "restore")])
+    n_a, n_b = len(a) + 5, len(b) + 5                    # each held its prompt and 5 generated ids
+    assert outs["b"][-1] == [("save", 0, n_a)]                          # nothing held yet: copied whole
+    assert outs["c"][-1] == [("save", 0, n_b, len(system))]             # the system prompt's positions from a's
+    ea, eb, ec, eo = (next(e for e in engine.prompt_cache.entries() if e.ids[:len(p)] == tuple(p))
+                      for p in (a, b, c, other))
+    assert [(x.start, x.end) for x in eb.pieces] == [(0, len(system)), (len(system), n_b)]
+    assert eb.pieces[0].arrays is ea.pieces[0].arrays is ec.pieces[0].arrays
+    per_id = SavingModel.kv_bytes_per_position
+    assert engine.prompt_cache.n_bytes == per_id * (n_a + (n_b - len(system)) + (len(c) + 5 - len(system))
+                                                    + len(other) + 5)
+    assert outs["b2"][0].n_cached == len(b) - 1 and model.kept[-2:] == [0, len(system)]   # two pieces, from 0
+    assert [o.token for o in outs["b2"][:-1]] == [o.token for o in outs["b"][:-1]] == model.reference(b, 6)
+
+
+def test_shared_arrays_count_once_and_outlive_the_entry_that_saved_them():
+    cache = PromptCache(budget_bytes=1000)
+    a = tuple(range(100))
+    assert cache.save(a, state(100)[:1])                           # 100 positions x 8 bytes (one array)
+    (ea,) = cache.entries()
+    b = a[:80] + (7, 8, 9)
+    assert cache.save(b, state(3)[:1], base=cache.prefix_source(b))
+    assert cache.n_bytes == 800 + 24 and [e.n_bytes for e in cache.entries()] == [800, 824]
+    # 200 bytes more: a (the oldest) would free nothing (its array lives on in b), so b goes, freeing its 24
+    assert cache.save(tuple(range(500, 525)), state(25)[:1])
+    assert [e.ids for e in cache.entries()] == [a, tuple(range(500, 525))] and cache.n_bytes == 800 + 200
+    with pytest.raises(ValueError, match="a base of 90 positions"):
+        cache.save(tuple(range(200, 300)), state(10)[:1], base=(cache.entries()[0], 90))
+    assert cache.prefix_source((0, 1, 2)) is None                   # shorter than SHARE_MIN: copied whole
 
 
 def test_the_cache_off_restores_nothing():
@@ -224,5 +269,12 @@ def test_the_cpu_kv_cache_saves_and_restores_a_slots_positions():
     np.testing.assert_array_equal(kv.k[:, 1, 3:7], k_state[:, 3:7])
     with pytest.raises(KVCacheError, match="keep 7"):
         kv.restore_state(1, (k_state, v_state), 7, keep=7)
+    tail = kv.save_state(0, 9, start=4)                    # positions 4..8 of slot 0, put back from offset 4
+    assert tail[0].shape == (3, 5, 2, 8)
+    kv.k[:, 0, 4:9] = 0
+    kv.restore_state(0, tail, 9, keep=4, offset=4)
+    np.testing.assert_array_equal(kv.k[:, 0, 4:9], tail[0])
+    with pytest.raises(KVCacheError, match="offset 5"):
+        kv.restore_state(0, tail, 9, keep=4, offset=5)
     with pytest.raises(KVCacheError, match="slot 2 is out of range"):
         kv.save_state(2, 1)

@@ -252,17 +252,21 @@ class Engine:
         with self._lock:
             if self.prompt_cache.covers(held, points):
                 return False
-        cost = m.kv_bytes_per_position * len(held) + m.checkpoint_bytes * len(points)
+            # a held entry sharing a long prefix with these ids gives those positions: only the rest is copied
+            base = self.prompt_cache.prefix_source(held)
+        start = base[1] if base is not None else 0
+        cost = m.kv_bytes_per_position * (len(held) - start) + m.checkpoint_bytes * len(points)
         if m.kv_bytes_per_position and not self.prompt_cache.fits(cost):
             return False             # it alone passes the budget: not copied at all
         t0 = time.perf_counter()
-        state = m.save_kv(slot.id, len(held))
+        state = m.save_kv(slot.id, len(held), start)
         marks = () if m.rewinds else (*((n, st) for n, st in checkpoints if n < len(held)),
                                       (len(held), m.save_checkpoint(slot.id, len(held))))
         with self._lock:
-            saved = self.prompt_cache.save(held, state, marks)
+            saved = self.prompt_cache.save(held, state, marks, base)
         records.record("serve", "updating prompt cache: the slot's state saved", component="engine", slot=slot.id,
-                       n_ids=len(held), kept=saved, took_ms=round((time.perf_counter() - t0) * 1000.0, 2))
+                       n_ids=len(held), from_cache=start, kept=saved,
+                       took_ms=round((time.perf_counter() - t0) * 1000.0, 2))
         return saved
 
     def _save_held(self, slot: Slot) -> None:
@@ -312,7 +316,10 @@ class Engine:
             slot.checkpoints[:] = [c for c in slot.checkpoints if c[0] <= keep]
             slot.restore = None
             slot.n_cached = keep
-        self.model.restore_kv(slot.id, entry.state, n, keep)
+        for piece in entry.pieces:           # each piece's positions past what the slot keeps
+            lo, hi = max(piece.start, keep), min(piece.end, n)
+            if lo < hi:
+                self.model.restore_kv(slot.id, piece.arrays, hi, lo, piece.offset)
         if entry.marks:
             self.model.restore_checkpoint(slot.id, entry.mark(n), n)
         with self._lock:

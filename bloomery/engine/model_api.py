@@ -72,12 +72,13 @@ class EngineModel:
         on the host; fills the slot's state from position 0 (the prompt runs whole)."""
         raise self._lacks("hidden_states", "embeds", self.embeds)
 
-    def save_kv(self, slot: int, n: int) -> tuple:
-        """The slot's state at positions 0 .. n-1 as host arrays (the prompt cache's entry)."""
+    def save_kv(self, slot: int, n: int, start: int = 0) -> tuple:
+        """The slot's state at positions start .. n-1 as host arrays (a piece of the prompt cache's entry)."""
         raise self._lacks("save_kv", "saves_kv", self.saves_kv)
 
-    def restore_kv(self, slot: int, state: tuple, n: int, keep: int = 0) -> None:
-        """Positions keep .. n-1 of the slot from a save_kv copy (the slot holds 0 .. keep-1 already)."""
+    def restore_kv(self, slot: int, state: tuple, n: int, keep: int = 0, offset: int = 0) -> None:
+        """Positions keep .. n-1 of the slot from a save_kv copy whose first position is `offset` (the slot
+        holds 0 .. keep-1 already)."""
         raise self._lacks("restore_kv", "saves_kv", self.saves_kv)
 
     def save_checkpoint(self, slot: int, n: int) -> object:

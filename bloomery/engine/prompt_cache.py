@@ -9,9 +9,13 @@ An entry without marks restores any prefix it shares with a prompt; one with mar
 mark (scheduler.reuse_point: the latest within the shared prefix, short of the whole prompt).
 Pure bookkeeping, no model: the engine saves a slot's state before a request whose prompt
 does not extend it overwrites it, and looks here for the entry restoring the longest prefix of
-a new prompt. The bytes are the arrays' nbytes, exactly (marks included); the store never holds
-more than its budget, evicting the least recently used entries first (a save or a restore uses
-an entry).
+a new prompt. An entry's K and V come in pieces (`Piece`: positions start .. end-1 from arrays whose
+first position is `offset`): a new entry whose ids share a long prefix with an entry held already
+(`prefix_source`) takes that prefix from the held entry's arrays and copies only the rest out of the
+slot; arrays are never written after a save, so entries share them. The bytes are those of the
+distinct arrays the entries hold, exactly (marks included); the store never holds more than its
+budget, evicting the least recently used entries first (a save or a restore uses an entry), passing
+over one whose arrays all live on in other entries, since its going frees nothing.
 """
 from __future__ import annotations
 
@@ -22,11 +26,24 @@ from typing import Any
 from bloomery.engine.scheduler import common_prefix_len, reuse_point
 
 
+SHARE_MIN = 64        # positions a new entry must share with a held one to take them from it (fewer: copied whole)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Positions start .. end-1 of an entry: from `arrays` (the KV cache's save_state copy), whose first
+    position is `offset` (<= start)."""
+    start: int
+    end: int
+    arrays: tuple[Any, ...]
+    offset: int
+
+
 @dataclass(frozen=True)
 class Entry:
     ids: tuple[int, ...]          # [N] the ids whose K and V the state holds, positions 0 .. N-1
-    state: tuple[Any, ...]        # host arrays (K and V), as the KV cache's save_state gave them
-    n_bytes: int                  # sum of the arrays' nbytes, the marks' too
+    pieces: tuple[Piece, ...]     # positions 0 .. N-1 in order
+    n_bytes: int                  # the nbytes of the arrays it holds (shared ones too), the marks' too
     # a state that cannot rewind: (position, its host arrays) at N and at the slot's checkpoints, by position;
     # () for a KV cache alone, which restores any prefix
     marks: tuple[tuple[int, tuple[Any, ...]], ...] = ()
@@ -41,6 +58,10 @@ class Entry:
         if self.marks:
             return reuse_point(n, len(prompt_ids), self.points)
         return min(n, len(prompt_ids) - 1)
+
+    def upto(self, p: int) -> tuple[Piece, ...]:
+        """Its pieces cut to positions 0 .. p-1."""
+        return tuple(Piece(c.start, min(c.end, p), c.arrays, c.offset) for c in self.pieces if c.start < p)
 
     def mark(self, n: int) -> tuple[Any, ...]:
         """The saved state that cannot rewind at position n (one of the marks)."""
@@ -58,6 +79,16 @@ def nbytes(state: tuple[Any, ...], marks=()) -> int:
     return sum(int(a.nbytes) for a in state) + sum(int(a.nbytes) for _, st in marks for a in st)
 
 
+def _held(pieces: tuple[Piece, ...], marks) -> list[tuple[Any, ...]]:
+    """The array groups an entry holds (each piece's arrays once, each mark's)."""
+    seen, out = set(), []
+    for group in [c.arrays for c in pieces] + [tuple(st) for _, st in marks]:
+        if id(group) not in seen:
+            seen.add(id(group))
+            out.append(group)
+    return out
+
+
 class PromptCache:
     def __init__(self, budget_bytes: int):
         if budget_bytes < 0:
@@ -65,7 +96,8 @@ class PromptCache:
         self.budget_bytes = budget_bytes
         self._entries: collections.OrderedDict[int, Entry] = collections.OrderedDict()   # oldest use first
         self._next_key = 0
-        self.n_bytes = 0
+        self._refs: dict[int, list] = {}   # id(array group) -> [entries holding it, its nbytes, the group]
+        self.n_bytes = 0                   # the distinct array groups' nbytes
         self.n_saved = self.n_evicted = self.n_restored = 0
         self.restore_s = 0.0      # time spent restoring (prompt_cache_seconds_total)
 
@@ -94,27 +126,49 @@ class PromptCache:
     def fits(self, n_bytes: int) -> bool:
         return 0 < n_bytes <= self.budget_bytes
 
-    def save(self, ids: tuple[int, ...] | list[int], state: tuple[Any, ...], marks=()) -> bool:
+    def prefix_source(self, ids: tuple[int, ...] | list[int]) -> tuple[Entry, int] | None:
+        """The held entry sharing the longest prefix with these ids, and its length, when it is SHARE_MIN or more
+        (a new entry of these ids then takes those positions from it: save's `base`)."""
+        best, n_best = None, SHARE_MIN - 1
+        for e in self._entries.values():
+            n = common_prefix_len(e.ids, ids)
+            if n > n_best:
+                best, n_best = e, n
+        return None if best is None else (best, n_best)
+
+    def save(self, ids: tuple[int, ...] | list[int], state: tuple[Any, ...], marks=(),
+             base: tuple[Entry, int] | None = None) -> bool:
         """Keep a state (with its marks, for a state that cannot rewind: (position, arrays) pairs, one at
-        len(ids)); False (nothing kept) when it alone passes the budget. Entries the new one holds all of
-        (their ids a prefix of these, their marks among these) are dropped, then the oldest go until it fits."""
+        len(ids)); with `base` (an entry and p, from prefix_source), positions 0 .. p-1 come from that entry's
+        arrays and `state` holds p .. len(ids)-1. False (nothing kept) when it alone passes the budget. Entries
+        the new one holds all of (their ids a prefix of these, their marks among these) are dropped, then the
+        oldest go until it fits."""
         ids = tuple(ids)
         marks = tuple(sorted(((int(n), tuple(st)) for n, st in marks), key=lambda m: m[0]))
         if marks and (marks[-1][0] != len(ids) or marks[0][0] < 1):
             raise ValueError(f"a state's marks lie at positions 1 .. {len(ids)} and one at its end ({len(ids)}), "
                              f"not {[n for n, _ in marks]}")
-        n_bytes = nbytes(state, marks)
-        if not ids or not self.fits(n_bytes):
+        p = 0 if base is None else base[1]
+        if base is not None and not (0 < p < len(ids) and common_prefix_len(base[0].ids, ids) >= p):
+            raise ValueError(f"a base of {p} positions must be a prefix shared with the {len(ids)} ids saved")
+        pieces = (*(base[0].upto(p) if base else ()), Piece(p, len(ids), tuple(state), p))
+        held = _held(pieces, marks)
+        n_bytes = nbytes(tuple(a for g in held for a in g))
+        added = nbytes(tuple(a for g in held if id(g) not in self._refs for a in g))
+        if not ids or not self.fits(added):
             return False
-        new = Entry(ids, tuple(state), n_bytes, marks)
+        new = Entry(ids, pieces, n_bytes, marks)
         for key in [k for k, e in self._entries.items() if new.holds(e.ids, e.points)]:
             self._drop(key)
-        while self.n_bytes + n_bytes > self.budget_bytes:
-            self._drop(next(iter(self._entries)))
-            self.n_evicted += 1
-        self._entries[self._next_key] = new
+        key = self._next_key
         self._next_key += 1
-        self.n_bytes += n_bytes
+        self._entries[key] = new
+        self._take(held)
+        while self.n_bytes > self.budget_bytes:          # the oldest go (the new entry last: alone it fits)
+            self._drop(self._victim())
+            self.n_evicted += 1
+        if key not in self._entries:
+            return False
         self.n_saved += 1
         return True
 
@@ -141,5 +195,27 @@ class PromptCache:
         return {"bytes": self.n_bytes, "entries": self.n_entries, "budget_bytes": self.budget_bytes,
                 "restore_seconds": self.restore_s}
 
+    def _victim(self) -> int:
+        """The entry to evict: the least recently used one whose going frees bytes (one whose arrays all live
+        on in other entries frees nothing, so it stays while another can go); else the least recently used."""
+        for key, e in self._entries.items():
+            if any(self._refs[id(g)][0] == 1 for g in _held(e.pieces, e.marks)):
+                return key
+        return next(iter(self._entries))
+
+    def _take(self, groups) -> None:
+        for g in groups:
+            ref = self._refs.get(id(g))
+            if ref is None:
+                ref = self._refs[id(g)] = [0, nbytes(g), g]
+                self.n_bytes += ref[1]
+            ref[0] += 1
+
     def _drop(self, key: int) -> None:
-        self.n_bytes -= self._entries.pop(key).n_bytes
+        e = self._entries.pop(key)
+        for g in _held(e.pieces, e.marks):
+            ref = self._refs[id(g)]
+            ref[0] -= 1
+            if ref[0] == 0:
+                del self._refs[id(g)]
+                self.n_bytes -= ref[1]

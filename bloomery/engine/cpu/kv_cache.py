@@ -61,23 +61,28 @@ class KVCache:
         self.k[layer, slot, pos0:pos0 + n] = k                          # [T, Hkv, Dh] rounded to f16 (RNE)
         self.v[layer, slot, pos0:pos0 + n] = v
 
-    def save_state(self, slot: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """Host copies of the slot's first n positions: K and V [layer, n, Hkv, Dh] f16 (the prompt cache)."""
+    def save_state(self, slot: int, n: int, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """Host copies of the slot's positions start .. n-1: K and V [layer, n - start, Hkv, Dh] f16 (the prompt
+        cache)."""
         self._check_span(slot, n)
-        return self.k[:, slot, :n].copy(), self.v[:, slot, :n].copy()
+        if not 0 <= start < n:
+            raise KVCacheError(f"start {start}: a save of {n} positions starts at 0 .. {n - 1}")
+        return self.k[:, slot, start:n].copy(), self.v[:, slot, start:n].copy()
 
-    def restore_state(self, slot: int, state: tuple[np.ndarray, np.ndarray], n: int, keep: int = 0) -> None:
-        """Positions keep .. n-1 of the slot from a save_state copy holding at least n positions (the slot
+    def restore_state(self, slot: int, state: tuple[np.ndarray, np.ndarray], n: int, keep: int = 0,
+                      offset: int = 0) -> None:
+        """Positions keep .. n-1 of the slot from a save_state copy whose first position is `offset` (the slot
         holds the same ids' K and V at 0 .. keep-1 already)."""
         self._check_span(slot, n)
-        if not 0 <= keep < n:
-            raise KVCacheError(f"keep {keep}: a restore of {n} positions keeps 0 .. {n - 1} of what the slot holds")
+        if not 0 <= offset <= keep < n:
+            raise KVCacheError(f"keep {keep}, offset {offset}: a restore of {n} positions keeps 0 .. {n - 1} of "
+                               "what the slot holds and copies from a state starting at or before that")
         k, v = state
-        if k.shape[1] < n or k.shape[0] != self.k.shape[0] or k.shape[2:] != self.k.shape[3:]:
-            raise KVCacheError(f"a saved state of shape {k.shape} cannot fill {n} positions of a cache "
-                               f"shaped {self.k.shape}")
-        self.k[:, slot, keep:n] = k[:, keep:n]
-        self.v[:, slot, keep:n] = v[:, keep:n]
+        if k.shape[1] < n - offset or k.shape[0] != self.k.shape[0] or k.shape[2:] != self.k.shape[3:]:
+            raise KVCacheError(f"a saved state of shape {k.shape} from position {offset} cannot fill {n} positions "
+                               f"of a cache shaped {self.k.shape}")
+        self.k[:, slot, keep:n] = k[:, keep - offset:n - offset]
+        self.v[:, slot, keep:n] = v[:, keep - offset:n - offset]
 
     def _check_span(self, slot: int, n: int) -> None:
         if not 0 <= slot < self.n_slots:

@@ -56,23 +56,29 @@ class KVCacheF16:
     def n_bytes(self) -> int:
         return int(self.k.nbytes + self.v.nbytes)
 
-    def save_state(self, slot: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """Host copies of the slot's first n positions: K and V [L, Hkv, n, Dh] f16 (the prompt cache)."""
+    def save_state(self, slot: int, n: int, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """Host copies of the slot's positions start .. n-1: K and V [L, Hkv, n - start, Dh] f16 (the prompt
+        cache)."""
         self._check_span(slot, n)
-        return cupy.asnumpy(self.k[:, slot, :, :n]), cupy.asnumpy(self.v[:, slot, :, :n])
+        if not 0 <= start < n:
+            raise ValueError(f"start {start}: a save of {n} positions starts at 0 .. {n - 1}")
+        return cupy.asnumpy(self.k[:, slot, :, start:n]), cupy.asnumpy(self.v[:, slot, :, start:n])
 
-    def restore_state(self, slot: int, state: tuple[np.ndarray, np.ndarray], n: int, keep: int = 0) -> None:
-        """Positions keep .. n-1 of the slot from a save_state copy holding at least n positions (the slot
+    def restore_state(self, slot: int, state: tuple[np.ndarray, np.ndarray], n: int, keep: int = 0,
+                      offset: int = 0) -> None:
+        """Positions keep .. n-1 of the slot from a save_state copy whose first position is `offset` (the slot
         holds the same ids' K and V at 0 .. keep-1 already: only the rest crosses the bus)."""
         self._check_span(slot, n)
-        if not 0 <= keep < n:
-            raise ValueError(f"keep {keep}: a restore of {n} positions keeps 0 .. {n - 1} of what the slot holds")
+        if not 0 <= offset <= keep < n:
+            raise ValueError(f"keep {keep}, offset {offset}: a restore of {n} positions keeps 0 .. {n - 1} of "
+                             "what the slot holds and copies from a state starting at or before that")
         k, v = state
-        if k.shape[2] < n or k.shape[:2] != (self.k.shape[0], self.n_head_kv) or k.shape[3] != self.head_dim:
-            raise ValueError(f"a saved state of shape {k.shape} cannot fill {n} positions of a cache "
-                             f"shaped {self.k.shape}")
-        self.k[:, slot, :, keep:n] = cupy.asarray(k[:, :, keep:n])         # [L, Hkv, n - keep, Dh]
-        self.v[:, slot, :, keep:n] = cupy.asarray(v[:, :, keep:n])
+        if (k.shape[2] < n - offset or k.shape[:2] != (self.k.shape[0], self.n_head_kv)
+                or k.shape[3] != self.head_dim):
+            raise ValueError(f"a saved state of shape {k.shape} from position {offset} cannot fill {n} positions "
+                             f"of a cache shaped {self.k.shape}")
+        self.k[:, slot, :, keep:n] = cupy.asarray(k[:, :, keep - offset:n - offset])   # [L, Hkv, n - keep, Dh]
+        self.v[:, slot, :, keep:n] = cupy.asarray(v[:, :, keep - offset:n - offset])
         # the captured decode steps run on their own non-blocking stream: done here, before any of them
         cupy.cuda.get_current_stream().synchronize()
 

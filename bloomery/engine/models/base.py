@@ -230,14 +230,14 @@ class CausalLM(EngineModel):
         """K and V bytes of one position of one slot (what a saved state costs per id)."""
         return int(self.cache.k.nbytes + self.cache.v.nbytes) // (self.n_slots * self.n_ctx_slot)
 
-    def save_kv(self, slot: int, n: int) -> tuple:
-        """The slot's K and V at positions 0 .. n-1 as host arrays (the prompt cache's entry)."""
-        return self.cache.save_state(slot, n)
+    def save_kv(self, slot: int, n: int, start: int = 0) -> tuple:
+        """The slot's K and V at positions start .. n-1 as host arrays (a piece of the prompt cache's entry)."""
+        return self.cache.save_state(slot, n, start)
 
-    def restore_kv(self, slot: int, state: tuple, n: int, keep: int = 0) -> None:
-        """Positions keep .. n-1 of the slot from a save_kv copy (0 .. keep-1: the slot holds the same ids' KV
-        already); later positions are rewritten by the prompt."""
-        self.cache.restore_state(slot, state, n, keep)
+    def restore_kv(self, slot: int, state: tuple, n: int, keep: int = 0, offset: int = 0) -> None:
+        """Positions keep .. n-1 of the slot from a save_kv copy whose first position is `offset` (0 .. keep-1:
+        the slot holds the same ids' KV already); later positions are rewritten by the prompt."""
+        self.cache.restore_state(slot, state, n, keep, offset)
 
     def _decode_args(self, slots, ids, positions):
         slots = [int(s) for s in slots]

@@ -40,6 +40,11 @@
 #   (any of these may be carried as NAME.xz: it is unpacked first)
 #   llama/llama-bench    llama.cpp's CUDA llama-bench (tools/ref/build-llama.sh --cuda-static),
 #                        linked against libcublas.so.13, which the device has in its CUDA wheels
+#   llama/llama-server   the same way: BLOOMERY_REF_TARGETS=llama-server tools/ref/build-llama.sh --cuda-static
+#                        (about 45 minutes on 2 cores; 73 MB stripped, 42 MB as xz). With the tree that passes the
+#                        64 MiB a call carries: split the .xz in two and carry both parts in one call whose other
+#                        carried paths are small, then `cat part00 part01 | xz -dc` there (session 11's run L);
+#                        no build then runs beside bloomery's measurements
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dev=${BLOOMERY_DEVICE_DIR:-.device}

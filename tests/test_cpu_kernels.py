@@ -155,6 +155,8 @@ def test_compiled_swiglu_equals_numpy(shape, monkeypatch):
     g = (rng.standard_normal(shape) * 12).astype(np.float32)
     up = rng.standard_normal(shape).astype(np.float32)
     g.flat[:6] = [0.0, -0.0, 100.0, -100.0, 88.7, -89.0]              # exp's edges: overflow, underflow
+    edges = [150.0, -150.0, 133.0, -133.0, 103.0, 104.0, 126.0, 127.0, 128.0, -87.5, np.nan, np.inf, -np.inf, 1e-30]
+    g.flat[16:16 + len(edges)] = edges    # in the 16-wide chunks (AVX-512 lanes): 2^n past 192, subnormal, NaN
     got = NumpyOps().swiglu(g, up)
     monkeypatch.setattr(cpu_kernels, "lib", lambda: None)              # the numpy form
     assert _bits_equal(got, NumpyOps().swiglu(g, up))

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import load_tool
+from tests.test_cuda_backend import ops, rel  # noqa: F401  (ops: the card's CudaOps fixture)
 from tests.test_cuda_models import _forced, _greedy, _load, _stream_chat
 
 LOGIT_BAND = {"qwen35": 0.35, "qwen35moe": 0.6}     # as qwen3 and qwen3moe in tests/test_cuda_models.py
@@ -49,17 +50,6 @@ def files(gpu, tokenizer_source, synthetic_dir):
     return {name: make.write_synthetic(synthetic_dir / f"cuda-q35-{name}.gguf", arch=arch,
                                        tokenizer_from=str(tokenizer_source), **shape)
             for name, (arch, shape) in SHAPES.items()}
-
-
-@pytest.fixture(scope="module")
-def ops(gpu):
-    from bloomery.engine.cuda.backend import CudaOps
-    return CudaOps()
-
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def test_elementwise_ops_match_the_numpy_backend(ops):

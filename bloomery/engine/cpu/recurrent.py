@@ -62,12 +62,7 @@ class RecurrentState:
     def restore_state(self, slot: int, state: tuple[np.ndarray, np.ndarray], n: int) -> None:
         """The slot's state from a save_state copy of n positions; the next span carries on at position n."""
         self._check_slot(slot)
-        conv, delta = state
-        if conv.shape != self.conv.shape[:1] + self.conv.shape[2:] or delta.shape != self.delta.shape[:1] + self.delta.shape[2:]:
-            raise RecurrentStateError(f"a saved state of shapes {conv.shape} and {delta.shape} does not fit a state "
-                                      f"shaped {self.conv.shape} and {self.delta.shape}")
-        if n < 1:
-            raise RecurrentStateError(f"a saved state holds at least one position, not {n}")
+        conv, delta = check_saved(state, n, self.conv.shape, self.delta.shape)
         self.conv[:, slot], self.delta[:, slot] = conv, delta
         self.conv_pos[:, slot] = self.delta_pos[:, slot] = n
 
@@ -89,6 +84,18 @@ class RecurrentState:
                 f"slot {sp.slot}'s {what} holds positions 0..{int(held[layer, sp.slot]) - 1} of layer {layer}; "
                 f"a step at position {sp.pos0} cannot follow it (a recurrent state cannot step back)")
         held[layer, sp.slot] = sp.pos0 + (sp.row1 - sp.row0)
+
+
+def check_saved(state, n: int, conv_shape, delta_shape):
+    """A save_state copy (conv, delta) of n positions that fits one slot of a state shaped conv_shape and
+    delta_shape [layer, slot, ...], else refused by name (both backends' restore_state)."""
+    conv, delta = state
+    if conv.shape != conv_shape[:1] + conv_shape[2:] or delta.shape != delta_shape[:1] + delta_shape[2:]:
+        raise RecurrentStateError(f"a saved state of shapes {conv.shape} and {delta.shape} does not fit a state "
+                                  f"shaped {conv_shape} and {delta_shape}")
+    if n < 1:
+        raise RecurrentStateError(f"a saved state holds at least one position, not {n}")
+    return conv, delta
 
 
 def conv_step(st: RecurrentState, layer: int, spans: Sequence[AttnSpan], x: np.ndarray, kernel: np.ndarray) -> np.ndarray:

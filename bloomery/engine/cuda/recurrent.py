@@ -27,7 +27,7 @@ from typing import Sequence
 
 import numpy as np
 
-from bloomery.engine.cpu.recurrent import RecurrentStateError
+from bloomery.engine.cpu.recurrent import RecurrentStateError, check_saved
 from bloomery.engine.cpu.sizes import DELTA_CHUNK
 from bloomery.engine.cuda.sizes import DELTA_GROUP_CHUNKS as GROUP_CHUNKS
 from bloomery.engine.ops import AttnSpan
@@ -91,12 +91,7 @@ class RecurrentState:
     def restore_state(self, slot: int, state: tuple[np.ndarray, np.ndarray], n: int) -> None:
         """The slot's state from a save_state copy of n positions; the next span carries on at position n."""
         self._check_slot(slot)
-        conv, delta = state
-        if conv.shape != self.conv.shape[:1] + self.conv.shape[2:] or delta.shape != self.delta.shape[:1] + self.delta.shape[2:]:
-            raise RecurrentStateError(f"a saved state of shapes {conv.shape} and {delta.shape} does not fit a state "
-                                      f"shaped {self.conv.shape} and {self.delta.shape}")
-        if n < 1:
-            raise RecurrentStateError(f"a saved state holds at least one position, not {n}")
+        conv, delta = check_saved(state, n, self.conv.shape, self.delta.shape)
         xp = self.xp
         self.conv[:, slot] = xp.asarray(conv, dtype=xp.float32)
         self.delta[:, slot] = xp.asarray(delta, dtype=xp.float32)

@@ -3,7 +3,7 @@
 //   load(row, item)        the item's weights into registers,
 //   dot(xq, xd, xs, item)  their dot product with an activation row quantized to int8 per 32
 //                          (xq int8 values, xd the per-32 scale, xs the per-32 sum of the floats),
-//   deq(row, item, out)    the item's IV values as floats.
+//   deq(row, item, out)    the item's IV values as floats (load, then expand(out) from the registers).
 // Layouts as ggml's block_q4_K etc.; value order as its dequantize_row_* functions.
 
 // ggml type codes (gguf.GGMLQuantizationType)
@@ -66,8 +66,8 @@ struct Q4K {
         return d * ((float)(sc0 * lo) * xd[i] + (float)(sc1 * hi) * xd[i + 1])
              - dmin * ((float)m0 * xs[i] + (float)m1 * xs[i + 1]);
     }
-    __device__ __forceinline__ void deq(const u8* row, int item, float* out) {
-        load(row, item);
+    __device__ __forceinline__ void deq(const u8* row, int item, float* out) { load(row, item); expand(out); }
+    __device__ __forceinline__ void expand(float* out) const {
         float a = d * sc0, b = dmin * m0, c = d * sc1, e = dmin * m1;
 #pragma unroll
         for (int l = 0; l < 32; l++) {
@@ -110,8 +110,8 @@ struct Q5K {
         return d * ((float)(sc0 * lo) * xd[i] + (float)(sc1 * hi) * xd[i + 1])
              - dmin * ((float)m0 * xs[i] + (float)m1 * xs[i + 1]);
     }
-    __device__ __forceinline__ void deq(const u8* row, int item, float* out) {
-        load(row, item);
+    __device__ __forceinline__ void deq(const u8* row, int item, float* out) { load(row, item); expand(out); }
+    __device__ __forceinline__ void expand(float* out) const {
         float a = d * sc0, b = dmin * m0, c = d * sc1, e = dmin * m1;
 #pragma unroll
         for (int l = 0; l < 32; l++) {
@@ -165,8 +165,8 @@ struct Q6K {
         }
         return d * xd[v0 / 32] * (float)(sc_lo * (dl - 32 * sl) + sc_hi * (dh - 32 * sh));
     }
-    __device__ __forceinline__ void deq(const u8* row, int item, float* out) {
-        load(row, item);
+    __device__ __forceinline__ void deq(const u8* row, int item, float* out) { load(row, item); expand(out); }
+    __device__ __forceinline__ void expand(float* out) const {
 #pragma unroll
         for (int l = 0; l < 32; l++) {
             int v = ((q[l >> 2] >> (8 * (l & 3))) & 0xff) - 32;
@@ -191,8 +191,8 @@ struct Q8_0 {
         for (int k = 0; k < 8; k++) s = dp4a(q[k], u[k], s);
         return d * xd[item] * (float)s;
     }
-    __device__ __forceinline__ void deq(const u8* row, int item, float* out) {
-        load(row, item);
+    __device__ __forceinline__ void deq(const u8* row, int item, float* out) { load(row, item); expand(out); }
+    __device__ __forceinline__ void expand(float* out) const {
 #pragma unroll
         for (int l = 0; l < 32; l++) out[l] = d * (float)(i8)((q[l >> 2] >> (8 * (l & 3))) & 0xff);
     }
@@ -218,8 +218,8 @@ struct Q4_0 {
         for (int k = 0; k < 8; k++) s = dp4a(q[k], u[k], s);
         return d * (xd[item] * (float)s - 8.f * xs[item]);
     }
-    __device__ __forceinline__ void deq(const u8* row, int item, float* out) {
-        load(row, item);
+    __device__ __forceinline__ void deq(const u8* row, int item, float* out) { load(row, item); expand(out); }
+    __device__ __forceinline__ void expand(float* out) const {
 #pragma unroll
         for (int l = 0; l < 32; l++) out[l] = d * (float)(((q[l >> 2] >> (8 * (l & 3))) & 0xff) - 8);
     }
@@ -250,8 +250,8 @@ struct Q5_0 {
         for (int k = 0; k < 8; k++) s = dp4a(q[k], u[k], s);
         return d * (xd[item] * (float)s - 16.f * xs[item]);
     }
-    __device__ __forceinline__ void deq(const u8* row, int item, float* out) {
-        load(row, item);
+    __device__ __forceinline__ void deq(const u8* row, int item, float* out) { load(row, item); expand(out); }
+    __device__ __forceinline__ void expand(float* out) const {
 #pragma unroll
         for (int l = 0; l < 32; l++) out[l] = d * (float)(((q[l >> 2] >> (8 * (l & 3))) & 0xff) - 16);
     }

@@ -257,6 +257,62 @@ def test_moe_matches_numpy_backend(ops, t):
     assert rel(got - res, ref - res) < 3e-2, rel(got - res, ref - res)
 
 
+PLANNED = [  # t, experts, used, d, f, (gate, up, down), skewed routing
+    (9, 16, 4, 512, 256, (Q.Q4_K, Q.Q4_K, Q.Q6_K), False),
+    (40, 16, 4, 512, 256, (Q.Q4_K, Q.Q4_K, Q.Q6_K), False),
+    (200, 16, 4, 512, 256, (Q.Q4_K, Q.Q4_K, Q.Q6_K), True),       # 4 experts of 200 rows: 4 tiles each
+    (130, 128, 8, 2048, 768, (Q.Q4_K, Q.Q4_K, Q.Q6_K), False),    # the 30B-A3B shape
+    (33, 8, 2, 256, 192, (Q.Q5_K, Q.Q5_K, Q.Q8_0), False),        # F = 1.5 x MM_BN: a part tile of outputs
+    (70, 8, 3, 256, 128, (Q.Q4_0, Q.Q4_0, Q.Q5_0), True),
+]
+
+
+@pytest.mark.parametrize("t,n_expert,n_used,d,f,types,skew", PLANNED,
+                         ids=["t9", "t40", "t200-skew", "30b-t130", "q5k-f192", "q4_0-skew"])
+def test_planned_prompt_experts(ops, t, n_expert, n_used, d, f, types, skew, monkeypatch):
+    """The prompt's experts grouped on the card (moe_mm.cu) against the host-planned GEMMs and the
+    numpy backend; and the same bits twice (where the plan's atomics put a row does not matter)."""
+    import cupy
+    from bloomery.engine.cpu.backend import NumpyOps
+    from bloomery.engine.cuda import moe
+    cpu = NumpyOps()
+    rng = np.random.default_rng(t + n_expert)
+    tg, tu, td = types
+    data = [random_tensor(tg, n_expert * f, d, rng), random_tensor(tu, n_expert * f, d, rng),
+            random_tensor(td, n_expert * d, f, rng)]
+    shapes = [(d, f, n_expert), (d, f, n_expert), (f, d, n_expert)]
+    gw = [ops.weight(int(q), sh, a) for q, sh, a in zip(types, shapes, data)]
+    cw = [cpu.weight(int(q), sh, a) for q, sh, a in zip(types, shapes, data)]
+    assert moe.planned_fits(*gw, d)
+    x = (0.1 * rng.standard_normal((t, d))).astype(np.float32)
+    res = rng.standard_normal((t, d)).astype(np.float32)
+    logits = rng.standard_normal((t, n_expert)).astype(np.float32)
+    if skew:
+        logits[:, :n_used] += 20.0
+    ids_c, w_c = cpu.moe_route(logits, n_used, True)
+    ids, wts = ops.moe_route(cupy.asarray(logits), n_used, True)
+    outs = {}
+    for mode in ("planned", "planned-again", "grouped"):
+        monkeypatch.setenv("BLOOMERY_CUDA_MOE_PROMPT", mode.split("-")[0])
+        outs[mode] = cupy.asnumpy(ops.moe_ffn(cupy.asarray(x), ids, wts, *gw, residual=cupy.asarray(res)))
+    assert np.isfinite(outs["planned"]).all()
+    np.testing.assert_array_equal(outs["planned"], outs["planned-again"])
+    assert rel(outs["planned"] - res, outs["grouped"] - res) < 2e-3
+    ref = cpu.moe_ffn(x, ids_c, w_c, *cw, residual=res)
+    assert rel(outs["planned"] - res, ref - res) < 3e-2
+
+
+def test_planned_takes_only_what_it_reads(ops):
+    """Gate and up of two formats, or float experts, go to the host-planned GEMMs."""
+    from bloomery.engine.cuda import moe
+    rng = np.random.default_rng(1)
+    d, f, e = 256, 128, 4
+    mk = lambda q, sh: ops.weight(int(q), sh, random_tensor(q, sh[1] * sh[2], sh[0], rng))  # noqa: E731
+    assert moe.planned_fits(mk(Q.Q4_K, (d, f, e)), mk(Q.Q4_K, (d, f, e)), mk(Q.Q8_0, (f, d, e)), d)
+    assert not moe.planned_fits(mk(Q.Q4_K, (d, f, e)), mk(Q.Q5_K, (d, f, e)), mk(Q.Q8_0, (f, d, e)), d)
+    assert not moe.planned_fits(mk(Q.F16, (d, f, e)), mk(Q.F16, (d, f, e)), mk(Q.F16, (f, d, e)), d)
+
+
 @pytest.mark.parametrize("t,n_used,types", [(1, 8, (Q.Q4_K, Q.Q4_K, Q.Q6_K)), (3, 8, (Q.Q4_K, Q.Q4_K, Q.Q6_K)),
                                            (8, 10, (Q.Q4_K, Q.Q4_K, Q.Q6_K)), (2, 4, (Q.Q4_K, Q.Q5_K, Q.Q8_0))],
                          ids=["t1", "t3", "t8-a10", "mixed"])

@@ -91,7 +91,7 @@ def test_the_build_records_the_source_it_compiled(tmp_path, nvcc, kdir):
     (kdir / "layers.cu").write_text((kdir / "layers.cu").read_text() + "\n// an edit\n")
     assert fatbin.check("layers", "90", out, kdir) == (None, "the prebuilt fatbin is of another source")
     got = fatbin.build(out, str(nvcc), kdir=kdir, log=lambda s: None)
-    assert got == {"matvec": "fresh", "moe": "fresh", "attention": "fresh", "layers": "built"}
+    assert got == {"matvec": "fresh", "moe": "fresh", "moe_mm": "fresh", "attention": "fresh", "layers": "built"}
     assert fatbin.check("layers", "90", out, kdir)[0] == "cubin"
 
 
@@ -152,7 +152,8 @@ def test_the_plan_takes_fresh_cubins_and_compiles_the_rest(built, kdir):
     assert got == {"attention": ("nvrtc", None, "the prebuilt fatbin is of another source"),
                    "matvec": ("nvrtc", None, "the prebuilt fatbin does not match its manifest"),
                    "layers": ("nvrtc", None, "no prebuilt fatbin"),
-                   "moe": ("nvrtc", None, "the prebuilt fatbin was built with --std=c++17")}
+                   "moe": ("nvrtc", None, "the prebuilt fatbin was built with --std=c++17"),
+                   "moe_mm": ("prebuilt", str(built / "moe_mm.fatbin"), "cubin")}
     with pytest.raises(ValueError, match=r"kernels/matvec\.cu has no usable prebuilt fatbin for sm_90 .* \(the prebuilt fatbin does not match its manifest\)"):
         fatbin.plan("90", "prebuilt", built, kdir)
 
@@ -248,7 +249,7 @@ def test_a_stale_module_compiles_in_a_thread_and_is_named(fake_cupy, tree_built)
     got = Kernels().wait()
     assert [n for n, _ in fake.compiled] == ["attention"]
     assert fake.compiled[0][1].startswith("nvrtc")                # not the caller's thread
-    assert str(tree_built / "attention.fatbin") not in fake.loaded and len(fake.loaded) == 3
+    assert str(tree_built / "attention.fatbin") not in fake.loaded and len(fake.loaded) == len(fatbin.MODULES) - 1
     assert got["compiled"].startswith("attention ") and got["compiled"].endswith(" s (the prebuilt fatbin is of another source)")
 
 
@@ -256,7 +257,7 @@ def test_a_fatbin_the_driver_refuses_is_compiled_instead(fake_cupy, tree_built, 
     from bloomery.engine.cuda.kernels import Kernels
     fake = fake_cupy("90", load_fails=("moe",))
     got = Kernels().wait()
-    assert [n for n, _ in fake.compiled] == ["moe"] and len(fake.loaded) == 3
+    assert [n for n, _ in fake.compiled] == ["moe"] and len(fake.loaded) == len(fatbin.MODULES) - 1
     assert got["compiled"].endswith("(the fatbin did not load: RuntimeError: CUDA_ERROR_UNSUPPORTED_PTX_VERSION)")
     monkeypatch.setenv("BLOOMERY_CUDA_KERNELS", "prebuilt")              # told to compile none: refused by name
     fake_cupy("90", load_fails=("moe",))

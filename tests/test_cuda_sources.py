@@ -22,6 +22,7 @@ def kernel_names() -> set[str]:
         for macro, prefix in (("MMV3", "mmv3_b"), ("MMV3N", "mmv3n_b"), ("MOE_ROUTE_W", "moe_route_w")):
             names |= {prefix + n for n in re.findall(rf"^{macro}\((\d+)\)", src, re.M)}
         names |= {f"attn_dec_{a}_{b}" for a, b in re.findall(r"^ATTN_DEC\((\d+), (\d+)\)", src, re.M)}
+        names |= {f"moe_mm_{k}_{n}" for n in re.findall(r"^MOE_MM\(\w+, (\w+)\)", src, re.M) for k in ("gu", "dn")}
     return names
 
 
@@ -43,7 +44,7 @@ def test_every_launched_kernel_exists():
     # the families picked by name at run time: getattr(ops.k, f"mmv3_b{nb}") and the like
     for py in CUDA.glob("*.py"):
         for template in re.findall(r'getattr\([\w.]*\bk, f"([\w{}.\[\]\s()<>=,]+)"\)', py.read_text()):
-            pattern = re.sub(r"\{[^}]*\}", r"\\d+", template)
+            pattern = re.sub(r"\{[^}]*\}", r"\\w+", template)
             assert any(re.fullmatch(pattern, n) for n in names), (py.name, template)
     assert {"mmv3_b1", "mmv3_b2", "mmv3_b4", "mmv3_b8", "attn_dec_64_8", "attn_dec_128_8", "attn_dec_256_8", "mmv3n_b1", "mmv3n_b8",
             "moe_route_w4", "moe_route_w8", "moe_route_w16", "moe_route_w32"} <= names

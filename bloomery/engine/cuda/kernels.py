@@ -136,6 +136,7 @@ def kernel_names(src: str) -> list[str]:
     names += [f"mmv3n_b{n}" for n in re.findall(r"^MMV3N\((\d+)\)", src, re.M)]
     names += [f"attn_dec_{a}_{b}" for a, b in re.findall(r"^ATTN_DEC\((\d+), (\d+)\)", src, re.M)]
     names += [f"moe_route_w{n}" for n in re.findall(r"^MOE_ROUTE_W\((\d+)\)", src, re.M)]
+    names += [f"moe_mm_{k}_{n}" for n in re.findall(r"^MOE_MM\(\w+, (\w+)\)", src, re.M) for k in ("gu", "dn")]
     return names
 
 

@@ -2,9 +2,14 @@
 
 Decode-sized batches (<= MMV_ROWS tokens) run two kernels that read each chosen expert's
 blocks in place through the tensor's device table of expert addresses (moe_gate_up, then
-moe_down with the weighted sum and the residual). Prompt batches sort their rows by expert
-into a padded buffer laid out by moe_buckets (experts of one padded size side by side) and
-run three strided-batched tensor-core GEMMs per size over the chosen experts, dequantized.
+moe_down with the weighted sum and the residual). Prompt batches take the planned path where
+the layer's experts are all on the card and of a block format moe_mm.cu reads (_planned: the
+rows grouped by expert on the card, gate and up fused, four launches and no host sync); else
+they sort their rows by expert into a padded buffer laid out by moe_buckets (experts of one
+padded size side by side) and run three strided-batched tensor-core GEMMs per size over the
+chosen experts, dequantized (_grouped: one sync a layer for the counts).
+Above PLANNED_MAX_PAIRS (token, expert) pairs the grouped path is the faster; BLOOMERY_CUDA_MOE_PROMPT
+=planned or =grouped takes one everywhere (for comparison).
 
 Legend: T = tokens, A = experts per token, E = experts, F = expert FFN size, D = hidden.
 """
@@ -21,6 +26,13 @@ from bloomery.engine.cuda.sizes import DECODE_ROWS
 
 _NULL = np.uint64(0)
 DOWN_R = 8                          # rows per block in moe_down (DOWN_R in moe.cu)
+MM_BM, MM_BN, MM_BK = 64, 128, 64   # moe_mm.cu's tile: rows, weight rows, inner step
+MM_TYPES = {12: "q4_k", 13: "q5_k", 14: "q6_k", 8: "q8_0", 2: "q4_0", 6: "q5_0"}   # ggml type -> kernel suffix
+PLAN_MAX_EXPERTS = 4096             # moe_plan keeps two ints an expert in shared memory
+# Above this many (token, expert) pairs cuBLAS on the dequantized experts is as fast or faster (H200,
+# 30B-A3B shape, 2026-12-02: planned / grouped tok/s 8,514 / 3,466 at 512 ids, 13,055 / 10,257 at 2048,
+# 13,087 / 13,927 at 4096; docs/performance.md, run M)
+PLANNED_MAX_PAIRS = 16384
 SMEM_MAX = 227 << 10                # shared memory one block may opt in to (sm_90)
 
 
@@ -72,6 +84,9 @@ def ffn(ops, x, ids, wts, gate, up, down, residual=None):
     t, d = x.shape
     _check(gate, up, down, d)
     if t > DECODE_ROWS:
+        if ops.offload is None or ops.offload.layer(gate, up, down, ids.shape[1]) is None:
+            if planned_fits(gate, up, down, d) and _planned_wanted(t * ids.shape[1]):
+                return _planned(ops, x, ids, wts, gate, up, down, residual)
         return _grouped(ops, x, ids, wts, gate, up, down, residual)
     n_used, f = ids.shape[1], gate.n_rows
     if n_used > 32:
@@ -113,6 +128,52 @@ def ffn(ops, x, ids, wts, gate, up, down, residual=None):
         done, host_out, _ = host
         cupy.cuda.get_current_stream().wait_event(done)
         out += host_out
+    return out
+
+
+def planned_fits(gate, up, down, d: int) -> bool:
+    """Whether moe_mm.cu takes these experts: gate and up of one block format, every format one it
+    reads, both inner sizes whole MM_BK steps, at most PLAN_MAX_EXPERTS experts."""
+    return (gate.ggml_type == up.ggml_type and gate.ggml_type in MM_TYPES and down.ggml_type in MM_TYPES
+            and d % MM_BK == 0 and gate.n_rows % MM_BK == 0 and gate.n_expert <= PLAN_MAX_EXPERTS)
+
+
+def _planned_wanted(n_pairs: int) -> bool:
+    """BLOOMERY_CUDA_MOE_PROMPT: planned or grouped everywhere; unset, planned up to PLANNED_MAX_PAIRS."""
+    how = os.environ.get("BLOOMERY_CUDA_MOE_PROMPT", "")
+    if how not in ("", "planned", "grouped"):
+        raise ValueError(f"BLOOMERY_CUDA_MOE_PROMPT={how!r}: one of planned, grouped")
+    return how == "planned" or (how == "" and n_pairs <= PLANNED_MAX_PAIRS)
+
+
+def _planned(ops, x, ids, wts, gate, up, down, residual):
+    """The prompt's expert FFN grouped on the card (moe_mm.cu): the plan, gate and up fused with
+    silu, down, then each token's rows weighted and added in rank order (combine_rows)."""
+    t, d = x.shape
+    n_used, n_expert, f = ids.shape[1], gate.n_expert, gate.n_rows
+    n_pairs = t * n_used
+    flat = cupy.ascontiguousarray(ids, dtype=cupy.int32).reshape(-1)     # [T*A]
+    max_tiles = -(-n_pairs // MM_BM) + min(n_expert, n_pairs)            # sum over experts of ceil(rows / BM)
+    pos_of = cupy.empty(n_pairs, cupy.int32)                              # pair -> row in expert order
+    sorted_tok = cupy.empty(n_pairs, cupy.int32)                          # row -> token
+    tiles = cupy.empty((3, max_tiles), cupy.int32)                        # expert, first row, rows
+    n_tiles = cupy.empty(1, cupy.int32)
+    ops.k.moe_plan((1,), (1024,), (flat, np.int32(n_pairs), np.int32(n_used), np.int32(n_expert), pos_of,
+                                   sorted_tok, tiles, np.int32(max_tiles), n_tiles), shared_mem=8 * n_expert)
+    h = cupy.empty((n_pairs, f), cupy.float16)                            # [T*A, F], expert order
+    getattr(ops.k, f"moe_mm_gu_{MM_TYPES[gate.ggml_type]}")(
+        (-(-f // MM_BN), max_tiles), (256,),
+        (gate.table, up.table, np.int64(gate.row_bytes), np.int64(up.row_bytes), np.int32(f), np.int32(d), x,
+         sorted_tok, tiles, np.int32(max_tiles), n_tiles, h))
+    y = cupy.empty((n_pairs, d), cupy.float32)                            # [T*A, D], expert order
+    getattr(ops.k, f"moe_mm_dn_{MM_TYPES[down.ggml_type]}")(
+        (-(-d // MM_BN), max_tiles), (256,),
+        (down.table, np.int64(down.row_bytes), np.int32(d), np.int32(f), h, tiles, np.int32(max_tiles), n_tiles, y))
+    del h
+    out = cupy.empty((t, d), cupy.float32)
+    res = cupy.ascontiguousarray(residual, dtype=cupy.float32) if residual is not None else _NULL
+    ops.k.combine_rows((t,), (256,), (y, pos_of, cupy.ascontiguousarray(wts, dtype=cupy.float32),
+                                      np.int32(n_used), np.int32(d), res, out))
     return out
 
 

@@ -130,6 +130,25 @@ def test_norm_fused_into_the_products(ops, t, mats):
     np.testing.assert_allclose(xs, rs, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("t", [2, 5, 8])
+def test_norm_fused_rows_in_a_batch_equal_each_alone(ops, t):
+    """mmv3n with several rows (each warp normalizes its own rows) gives each row the bits it gets
+    alone (the block-wide norm): the sum of squares is added in the same order."""
+    import cupy
+    rng = np.random.default_rng(30 + t)
+    k = 2048
+    mats = (Q.Q4_K, Q.Q6_K, Q.F16)
+    ws = [ops.weight(int(qt), (k, n), random_tensor(qt, n, k, rng)) for qt, n in zip(mats, (256, 128, 64))]
+    nw = ops.weight(int(Q.F32), (k,), rng.uniform(0.5, 1.5, k).astype(np.float32).view(np.uint8))
+    x = cupy.asarray(rng.standard_normal((t, k)).astype(np.float32) * 3)
+    h, outs = ops.norm_matmuls(x, nw, 1e-6, ws, [None] * len(ws))
+    for b in range(t):
+        hb, ob = ops.norm_matmuls(x[b:b + 1], nw, 1e-6, ws, [None] * len(ws))
+        np.testing.assert_array_equal(cupy.asnumpy(h[b]), cupy.asnumpy(hb[0]))
+        for o, r in zip(outs, ob):
+            np.testing.assert_array_equal(cupy.asnumpy(o[b]), cupy.asnumpy(r[0]))
+
+
 def test_rms_norm_and_argmax(ops):
     import cupy
     rng = np.random.default_rng(4)

@@ -3,8 +3,9 @@
 Decode-sized batches (<= MMV_ROWS tokens) run two kernels that read each chosen expert's
 blocks in place through the tensor's device table of expert addresses (moe_gate_up, then
 moe_down with the weighted sum and the residual). Prompt batches take the planned path where
-the layer's experts are all on the card and of a block format moe_mm.cu reads (_planned: the
-rows grouped by expert on the card, gate and up fused, four launches and no host sync); else
+the experts are of a block format moe_mm.cu reads (_planned: the rows grouped by expert on the
+card, gate and up fused, four launches and no host sync; a layer with host experts first streams
+the ones the pass uses to the card, after one sync for the counts); else
 they sort their rows by expert into a padded buffer laid out by moe_buckets (experts of one
 padded size side by side) and run three strided-batched tensor-core GEMMs per size over the
 chosen experts, dequantized (_grouped: one sync a layer for the counts).
@@ -84,9 +85,11 @@ def ffn(ops, x, ids, wts, gate, up, down, residual=None):
     t, d = x.shape
     _check(gate, up, down, d)
     if t > DECODE_ROWS:
-        if ops.offload is None or ops.offload.layer(gate, up, down, ids.shape[1]) is None:
-            if planned_fits(gate, up, down, d) and _planned_wanted(t * ids.shape[1]):
+        if planned_fits(gate, up, down, d) and _planned_wanted(t * ids.shape[1]):
+            layer = ops.offload.layer(gate, up, down, ids.shape[1]) if ops.offload is not None else None
+            if layer is None:
                 return _planned(ops, x, ids, wts, gate, up, down, residual)
+            return _planned_streamed(ops, x, ids, wts, gate, up, down, residual, layer)
         return _grouped(ops, x, ids, wts, gate, up, down, residual)
     n_used, f = ids.shape[1], gate.n_rows
     if n_used > 32:
@@ -146,9 +149,24 @@ def _planned_wanted(n_pairs: int) -> bool:
     return how == "planned" or (how == "" and n_pairs <= PLANNED_MAX_PAIRS)
 
 
-def _planned(ops, x, ids, wts, gate, up, down, residual):
+def _planned_streamed(ops, x, ids, wts, gate, up, down, residual, layer):
+    """A layer with host experts: the ones this pass uses are streamed into the card's staging buffer
+    first (the counts read on the host, one sync, as the grouped path does), the planned kernels read
+    them there through the staged tables, and residency may adopt the most used after."""
+    flat = cupy.ascontiguousarray(ids, dtype=cupy.int32).reshape(-1)
+    counts_host = cupy.asnumpy(cupy.bincount(flat, minlength=gate.n_expert))
+    ops.offload.count(layer, flat)
+    tables, streamed = ops.offload.stage_tables(layer, counts_host > 0)
+    out = _planned(ops, x, ids, wts, gate, up, down, residual, tables)
+    ops.offload.adopt(layer, counts_host, streamed)
+    return out
+
+
+def _planned(ops, x, ids, wts, gate, up, down, residual, tables=None):
     """The prompt's expert FFN grouped on the card (moe_mm.cu): the plan, gate and up fused with
-    silu, down, then each token's rows weighted and added in rank order (combine_rows)."""
+    silu, down, then each token's rows weighted and added in rank order (combine_rows). tables: the
+    experts' device address tables (gate, up, down), the stacks' own by default."""
+    tab_g, tab_u, tab_d = tables if tables is not None else (gate.table, up.table, down.table)
     t, d = x.shape
     n_used, n_expert, f = ids.shape[1], gate.n_expert, gate.n_rows
     n_pairs = t * n_used
@@ -163,12 +181,12 @@ def _planned(ops, x, ids, wts, gate, up, down, residual):
     h = cupy.empty((n_pairs, f), cupy.float16)                            # [T*A, F], expert order
     getattr(ops.k, f"moe_mm_gu_{MM_TYPES[gate.ggml_type]}")(
         (-(-f // MM_BN), max_tiles), (256,),
-        (gate.table, up.table, np.int64(gate.row_bytes), np.int64(up.row_bytes), np.int32(f), np.int32(d), x,
+        (tab_g, tab_u, np.int64(gate.row_bytes), np.int64(up.row_bytes), np.int32(f), np.int32(d), x,
          sorted_tok, tiles, np.int32(max_tiles), n_tiles, h))
     y = cupy.empty((n_pairs, d), cupy.float32)                            # [T*A, D], expert order
     getattr(ops.k, f"moe_mm_dn_{MM_TYPES[down.ggml_type]}")(
         (-(-d // MM_BN), max_tiles), (256,),
-        (down.table, np.int64(down.row_bytes), np.int32(d), np.int32(f), h, tiles, np.int32(max_tiles), n_tiles, y))
+        (tab_d, np.int64(down.row_bytes), np.int32(d), np.int32(f), h, tiles, np.int32(max_tiles), n_tiles, y))
     del h
     out = cupy.empty((t, d), cupy.float32)
     res = cupy.ascontiguousarray(residual, dtype=cupy.float32) if residual is not None else _NULL

@@ -1027,6 +1027,27 @@ static inline float v_expf1(float x) {
     return ldexpf(j, e);
 }
 
+#if defined(__AVX512F__)
+// v_expf1 on 16 lanes at once: the same operations in the same order; 2^n by scalef (one rounding, as the
+// scalar's product or ldexpf), the lanes past |n| > 192 to inf or 0 (a NaN lane keeps scalef's NaN)
+static inline __m512 v_expf16(__m512 x) {
+    const __m512 r = _mm512_set1_ps(0x1.8p23f);
+    const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(0x1.715476p+0f), r), r);
+    const __m512 b = _mm512_fnmadd_ps(n, _mm512_set1_ps(0x1.7f7d1cp-20f),
+                                      _mm512_fnmadd_ps(n, _mm512_set1_ps(0x1.62e4p-1f), x));
+    const __m512 u = _mm512_mul_ps(b, b);
+    const __m512 hi = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_set1_ps(0x1.0e4020p-7f), b, _mm512_set1_ps(0x1.573e2ep-5f)),
+                                      u, _mm512_fmadd_ps(_mm512_set1_ps(0x1.555e66p-3f), b, _mm512_set1_ps(0x1.fffdb6p-2f)));
+    const __m512 j = _mm512_fmadd_ps(hi, u, _mm512_fmadd_ps(_mm512_set1_ps(0x1.ffffecp-1f), b, _mm512_set1_ps(1.0f)));
+    const __m512 p = _mm512_scalef_ps(j, n);
+    const __mmask16 far = _mm512_cmp_ps_mask(_mm512_abs_ps(n), _mm512_set1_ps(192.0f), _CMP_GT_OQ);
+    if (!far)
+        return p;
+    const __mmask16 up = _mm512_cmp_ps_mask(n, _mm512_setzero_ps(), _CMP_GT_OQ);
+    const __m512 edge = _mm512_mask_blend_ps(up, _mm512_setzero_ps(), _mm512_set1_ps(INFINITY));
+    return _mm512_mask_blend_ps(far, p, edge);
+}
+#endif
 // _mm512_reduce_add_ps as gcc's macro: halves 8, 4, 2, 1
 static inline float reduce_add16(const float *y) {
     float v[16];
@@ -1166,6 +1187,32 @@ static void attn_f32_chunk(const void *ctx, int64_t r0, int64_t r1, int worker) 
         const float *qr = A->q + r * dh;
         const int64_t n_see = A->pos0 + t + 1;
         int64_t l = 0;
+#if LANES_AVX2
+        // eight groups of eight positions at once where all of them see some position: the same
+        // chains, side by side, so the fmas' latency overlaps instead of each waiting for the last
+        for (; l + 64 <= n_kv && l + 56 < n_see; l += 64) {
+            const float *kt = A->kt + (kh * (n_kv / 8) + l / 8) * dh * 8;   // 8 x [Dh][8] as f32
+            const int64_t gs = dh * 8;
+            __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0, s7 = s0;
+            for (int64_t d = 0; d < dh; d++) {
+                const __m256 qd = _mm256_set1_ps(qr[d]);
+                const float *kd = kt + 8 * d;
+                s0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kd), s0);
+                s1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kd + gs), s1);
+                s2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kd + 2 * gs), s2);
+                s3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kd + 3 * gs), s3);
+                s4 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kd + 4 * gs), s4);
+                s5 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kd + 5 * gs), s5);
+                s6 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kd + 6 * gs), s6);
+                s7 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kd + 7 * gs), s7);
+            }
+            float sv[64];
+            _mm256_storeu_ps(sv, s0); _mm256_storeu_ps(sv + 8, s1); _mm256_storeu_ps(sv + 16, s2);
+            _mm256_storeu_ps(sv + 24, s3); _mm256_storeu_ps(sv + 32, s4); _mm256_storeu_ps(sv + 40, s5);
+            _mm256_storeu_ps(sv + 48, s6); _mm256_storeu_ps(sv + 56, s7);
+            for (int i = 0; i < 64; i++) kq[l + i] = l + i < n_see ? sv[i] * scale : -INFINITY;
+        }
+#endif
         for (; l + 8 <= n_kv; l += 8) {           // simd_gemm: one fma chain over Dh from 0 per
             if (l >= n_see) {                      // position; eight positions' chains side by side
                 for (int i = 0; i < 8; i++) kq[l + i] = -INFINITY;   // masked whatever the sums
@@ -1204,7 +1251,13 @@ static void attn_f32_chunk(const void *ctx, int64_t r0, int64_t r1, int worker) 
                 s_run = s_run * ms;
             }
             m_run = m_new;
-            for (int i = 0; i < 64; i++) y[i] = v_expf1((i < n_tile ? kq[c + i] : -INFINITY) - m_new);
+            int i0 = 0;
+#if defined(__AVX512F__)
+            if (n_tile == 64)                      // v_expf16: v_expf1 on 16 lanes, the same bits
+                for (; i0 < 64; i0 += 16)
+                    _mm512_storeu_ps(y + i0, v_expf16(_mm512_sub_ps(_mm512_loadu_ps(kq + c + i0), _mm512_set1_ps(m_new))));
+#endif
+            for (int i = i0; i < 64; i++) y[i] = v_expf1((i < n_tile ? kq[c + i] : -INFINITY) - m_new);
             double total = 0.0;                    // ggml_vec_soft_max_f32: chunk sums in double
             for (int i = 0; i < 64; i += 16) total += (double)reduce_add16(y + i);
             s_run = (float)((double)s_run + total);
@@ -1245,27 +1298,6 @@ typedef struct {
     int64_t n;
 } swiglu_args;
 
-#if defined(__AVX512F__)
-// v_expf1 on 16 lanes at once: the same operations in the same order; 2^n by scalef (one rounding, as the
-// scalar's product or ldexpf), the lanes past |n| > 192 to inf or 0 (a NaN lane keeps scalef's NaN)
-static inline __m512 v_expf16(__m512 x) {
-    const __m512 r = _mm512_set1_ps(0x1.8p23f);
-    const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(0x1.715476p+0f), r), r);
-    const __m512 b = _mm512_fnmadd_ps(n, _mm512_set1_ps(0x1.7f7d1cp-20f),
-                                      _mm512_fnmadd_ps(n, _mm512_set1_ps(0x1.62e4p-1f), x));
-    const __m512 u = _mm512_mul_ps(b, b);
-    const __m512 hi = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_set1_ps(0x1.0e4020p-7f), b, _mm512_set1_ps(0x1.573e2ep-5f)),
-                                      u, _mm512_fmadd_ps(_mm512_set1_ps(0x1.555e66p-3f), b, _mm512_set1_ps(0x1.fffdb6p-2f)));
-    const __m512 j = _mm512_fmadd_ps(hi, u, _mm512_fmadd_ps(_mm512_set1_ps(0x1.ffffecp-1f), b, _mm512_set1_ps(1.0f)));
-    const __m512 p = _mm512_scalef_ps(j, n);
-    const __mmask16 far = _mm512_cmp_ps_mask(_mm512_abs_ps(n), _mm512_set1_ps(192.0f), _CMP_GT_OQ);
-    if (!far)
-        return p;
-    const __mmask16 up = _mm512_cmp_ps_mask(n, _mm512_setzero_ps(), _CMP_GT_OQ);
-    const __m512 edge = _mm512_mask_blend_ps(up, _mm512_setzero_ps(), _mm512_set1_ps(INFINITY));
-    return _mm512_mask_blend_ps(far, p, edge);
-}
-#endif
 
 static void swiglu_chunk(const void *ctx, int64_t r0, int64_t r1, int worker) {
     const swiglu_args *S = ctx;

@@ -99,7 +99,8 @@ def test_numpy_backend_takes_the_compiled_kernel():
 @needs_c
 @pytest.mark.parametrize("t,h,hkv,dh,pos0", [(1, 14, 2, 64, 0), (1, 14, 2, 64, 300), (5, 8, 8, 32, 17), (2, 4, 1, 128, 9),
                                              (63, 14, 2, 64, 10), (64, 14, 2, 64, 0), (100, 4, 1, 128, 70),
-                                             (70, 2, 2, 80, 3), (3, 2, 1, 80, 5), (65, 4, 2, 256, 1)])
+                                             (70, 2, 2, 80, 3), (3, 2, 1, 80, 5), (65, 4, 2, 256, 1),
+                                             (130, 14, 2, 64, 0), (200, 4, 2, 64, 250)])
 def test_compiled_attention_equals_numpy_paths(t, h, hkv, dh, pos0):
     rng = np.random.default_rng(t * 7 + pos0)
     n_kv = pos0 + t

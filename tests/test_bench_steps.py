@@ -1,0 +1,44 @@
+"""tools/bench_steps.py: its arguments, and the whole tool on the numpy backend with a tiny file."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, load_tool
+
+st = load_tool("bench_steps")
+
+
+def test_counts_keep_order_drop_repeats_and_refuse_by_name():
+    assert st.counts("--batches", "1, 8,4,8") == [1, 8, 4]
+    for bad in ("0", "-2", "x", "4,,8", ""):
+        with pytest.raises(st.BenchError, match="--batches: .* is not a positive whole number"):
+            st.counts("--batches", bad)
+
+
+def test_the_slots_and_context_cover_every_measurement():
+    assert st.sizes([64, 4096], [1, 16], 512, 40) == (16, 4096)
+    assert st.sizes([64], [2, 3], 512, 40) == (3, 553)
+
+
+def test_kernel_times_are_refused_off_the_card(tmp_path):
+    a = st.parse_args(["-m", str(tmp_path / "x.gguf"), "--backend", "numpy", "--kernels"])
+    with pytest.raises(st.BenchError, match="--kernels: .*--backend cuda"):
+        st.run(a)
+
+
+def test_the_tool_end_to_end_on_the_numpy_backend(tmp_path, tokenizer_source):
+    path = load_tool("make_synthetic").write_synthetic(
+        tmp_path / "tiny.gguf", "qwen3moe", tokenizer_from=str(tokenizer_source), n_layer=2, n_embd=64,
+        n_head=4, n_head_kv=2, n_expert=8, n_expert_used=2, n_ff_exp=32)
+    out = tmp_path / "steps.json"
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "bench_steps.py"), "-m", str(path), "--backend", "numpy",
+                        "--prompts", "16,40", "--batches", "1,3", "--depth", "20", "--steps", "3", "--reps", "1",
+                        "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert set(res["prompt_tok_s"]) == {"16", "40"} and all(v > 0 for v in res["prompt_tok_s"].values())
+    assert set(res["decode_step_ms"]) == {"1", "3"} and all(v > 0 for v in res["decode_step_ms"].values())
+    assert "decode   3 rows at depth 20:" in r.stdout

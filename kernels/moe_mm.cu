@@ -62,6 +62,15 @@ extern "C" __global__ void moe_plan(const int* __restrict__ ids, int n_pairs, in
 
 __device__ __forceinline__ u32 pack2(float a, float b) { return (u32)f2h(a) | ((u32)f2h(b) << 16); }
 __device__ __forceinline__ u32 lds32(const u16* p) { return *(const u32*)p; }
+// IV floats into shared memory as f16 (16-byte stores), or IV zeros where v is null
+template <int IV>
+__device__ __forceinline__ void store_f16(uint4* o, const float* v) {
+#pragma unroll
+    for (int c = 0; c < IV / 8; c++)
+        o[c] = v ? make_uint4(pack2(v[8 * c], v[8 * c + 1]), pack2(v[8 * c + 2], v[8 * c + 3]),
+                              pack2(v[8 * c + 4], v[8 * c + 5]), pack2(v[8 * c + 6], v[8 * c + 7]))
+                 : make_uint4(0u, 0u, 0u, 0u);
+}
 
 __device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -70,28 +79,18 @@ __device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// The tile's rows [MM_BM, MM_BK] from column k0 into xs as f16, rows past `rows` zero. F32: x is
-// f32 [*, K] and row i is x[rowmap[r0 + i]]; else x is f16 [*, K] and row i is x[r0 + i].
-template <bool F32>
-__device__ __forceinline__ void mm_load_x(const void* __restrict__ x, const int* __restrict__ rowmap, int r0, int rows,
+// The tile's rows [MM_BM, MM_BK] from column k0 into xs as f16, rows past `rows` zero: row i is
+// x[rowmap[r0 + i]] of x f32 [*, K] (gate and up's input; down's is prefetched by XPre).
+__device__ __forceinline__ void mm_load_x(const float* __restrict__ x, const int* __restrict__ rowmap, int r0, int rows,
                                           int K, int k0, u16* __restrict__ xs) {
-    if (F32) {
-        for (int i = threadIdx.x; i < MM_BM * (MM_BK / 4); i += blockDim.x) {
-            int r = i / (MM_BK / 4), c = (i % (MM_BK / 4)) * 4;
-            uint2 v = make_uint2(0u, 0u);
-            if (r < rows) {
-                float4 f = *(const float4*)((const float*)x + (i64)rowmap[r0 + r] * K + k0 + c);
-                v = make_uint2(pack2(f.x, f.y), pack2(f.z, f.w));
-            }
-            *(uint2*)(xs + r * MM_LD + c) = v;
+    for (int i = threadIdx.x; i < MM_BM * (MM_BK / 4); i += blockDim.x) {
+        int r = i / (MM_BK / 4), c = (i % (MM_BK / 4)) * 4;
+        uint2 v = make_uint2(0u, 0u);
+        if (r < rows) {
+            float4 f = *(const float4*)(x + (i64)rowmap[r0 + r] * K + k0 + c);
+            v = make_uint2(pack2(f.x, f.y), pack2(f.z, f.w));
         }
-    } else {
-        for (int i = threadIdx.x; i < MM_BM * (MM_BK / 8); i += blockDim.x) {
-            int r = i / (MM_BK / 8), c = (i % (MM_BK / 8)) * 8;
-            uint4 v = make_uint4(0u, 0u, 0u, 0u);
-            if (r < rows) v = *(const uint4*)((const u16*)x + (i64)(r0 + r) * K + k0 + c);
-            *(uint4*)(xs + r * MM_LD + c) = v;
-        }
+        *(uint2*)(xs + r * MM_LD + c) = v;
     }
 }
 
@@ -108,13 +107,9 @@ __device__ __forceinline__ void mm_load_w(const u8* __restrict__ w, i64 row_byte
             float v[T::IV];
             T q;
             q.deq(w + (i64)(n0 + r) * row_bytes, it, v);
-#pragma unroll
-            for (int c = 0; c < T::IV / 8; c++)
-                o[c] = make_uint4(pack2(v[8 * c], v[8 * c + 1]), pack2(v[8 * c + 2], v[8 * c + 3]),
-                                  pack2(v[8 * c + 4], v[8 * c + 5]), pack2(v[8 * c + 6], v[8 * c + 7]));
+            store_f16<T::IV>(o, v);
         } else {
-#pragma unroll
-            for (int c = 0; c < T::IV / 8; c++) o[c] = make_uint4(0u, 0u, 0u, 0u);
+            store_f16<T::IV>(o, nullptr);
         }
     }
 }
@@ -145,18 +140,17 @@ __device__ __forceinline__ void mm_step(const u16* __restrict__ xs, const u16* _
     }
 }
 
-// The tile's X slice (f16 rows x[r0 + i]) held in registers from one step to the next, 2 uint4 a thread
-// of 256 (the prefetching loop, which down takes).
-template <bool F32> struct XPre;
-template <> struct XPre<false> {
+// Down's next step held in registers while this step multiplies (256 threads): the tile's slice of h
+// (f16 rows h[r0 + i], 2 uint4 a thread) and of the weight (its blocks' registers, one item a thread
+// at most: item i is row i / per_row, part i % per_row of the step).
+struct XPre {
     enum { N = MM_BM * MM_BK / 8 / 256 };
     uint4 v[N];
-    __device__ __forceinline__ void load(const void* __restrict__ x, const int* __restrict__ rowmap, int r0, int rows,
-                                         int K, int k0) {
+    __device__ __forceinline__ void load(const u16* __restrict__ x, int r0, int rows, int K, int k0) {
 #pragma unroll
         for (int j = 0; j < N; j++) {
             int i = threadIdx.x + 256 * j, r = i / (MM_BK / 8), c = (i % (MM_BK / 8)) * 8;
-            v[j] = r < rows ? *(const uint4*)((const u16*)x + (i64)(r0 + r) * K + k0 + c) : make_uint4(0u, 0u, 0u, 0u);
+            v[j] = r < rows ? *(const uint4*)(x + (i64)(r0 + r) * K + k0 + c) : make_uint4(0u, 0u, 0u, 0u);
         }
     }
     __device__ __forceinline__ void store(u16* __restrict__ xs) const {
@@ -167,38 +161,29 @@ template <> struct XPre<false> {
         }
     }
 };
-
-// NW weights' (gate and up, or down) slices of one step held as their blocks' registers: item i of
-// NW * MM_BN * (MM_BK / IV) is weight i / (MM_BN * per_row), its row and part of the step after that.
-template <class T, int NW> struct WPre {
-    enum { PER_ROW = MM_BK / T::IV, PER_W = MM_BN * PER_ROW, ITEMS = NW * PER_W, N = (ITEMS + 255) / 256 };
+template <class T> struct WPre {
+    enum { PER_ROW = MM_BK / T::IV, ITEMS = MM_BN * PER_ROW, N = (ITEMS + 255) / 256 };
     T q[N];
-    __device__ __forceinline__ void load(const u8* w0, const u8* w1, i64 rb0, i64 rb1, int rows_w, int n0, int k0) {
+    __device__ __forceinline__ void load(const u8* w, i64 rb, int rows_w, int n0, int k0) {
 #pragma unroll
         for (int j = 0; j < N; j++) {
-            int i = threadIdx.x + 256 * j;
+            int i = threadIdx.x + 256 * j, r = i / PER_ROW;
             if (i >= ITEMS) break;
-            int wi = i / PER_W, rem = i % PER_W, r = rem / PER_ROW;
-            if (n0 + r < rows_w) q[j].load((wi ? w1 : w0) + (i64)(n0 + r) * (wi ? rb1 : rb0), k0 / T::IV + rem % PER_ROW);
+            if (n0 + r < rows_w) q[j].load(w + (i64)(n0 + r) * rb, k0 / T::IV + i % PER_ROW);
         }
     }
-    __device__ __forceinline__ void store(u16* s0, u16* s1, int rows_w, int n0) const {
+    __device__ __forceinline__ void store(u16* ws, int rows_w, int n0) const {
 #pragma unroll
         for (int j = 0; j < N; j++) {
-            int i = threadIdx.x + 256 * j;
+            int i = threadIdx.x + 256 * j, r = i / PER_ROW;
             if (i >= ITEMS) break;
-            int wi = i / PER_W, rem = i % PER_W, r = rem / PER_ROW;
-            uint4* o = (uint4*)((wi ? s1 : s0) + r * MM_LD + (rem % PER_ROW) * T::IV);
+            uint4* o = (uint4*)(ws + r * MM_LD + (i % PER_ROW) * T::IV);
             if (n0 + r < rows_w) {
                 float v[T::IV];
                 q[j].expand(v);
-#pragma unroll
-                for (int c = 0; c < T::IV / 8; c++)
-                    o[c] = make_uint4(pack2(v[8 * c], v[8 * c + 1]), pack2(v[8 * c + 2], v[8 * c + 3]),
-                                      pack2(v[8 * c + 4], v[8 * c + 5]), pack2(v[8 * c + 6], v[8 * c + 7]));
+                store_f16<T::IV>(o, v);
             } else {
-#pragma unroll
-                for (int c = 0; c < T::IV / 8; c++) o[c] = make_uint4(0u, 0u, 0u, 0u);
+                store_f16<T::IV>(o, nullptr);
             }
         }
     }
@@ -243,11 +228,11 @@ __device__ __forceinline__ void mm_store(const float (*a)[4][4], const float (*b
 
 // gate and up (GU: x f32 [T, K] through sorted_tok, out h f16 [n_pairs, N]) or down (x = h f16, out
 // y f32 [n_pairs, N]) over one tile and MM_BN outputs. grid (ceil(N / MM_BN), max_tiles), block 256.
-// PF: the next step's slices are loaded into registers while this step's products run (down, whose
-// loop is short enough to hold them: 13,475 against 13,190 tok/s at 4096 ids, 8,863 against 6,611
-// at 512, docs/performance.md run M); gate and up load each step after the last step's products
-// (prefetching them too took 196 registers, one block an SM, and was no faster).
-template <class T, bool GU, bool PF>
+// Down loads its next step's slices into registers while this step's products run (its loop is short
+// enough to hold them: 13,475 against 13,190 tok/s at 4096 ids, 8,863 against 6,611 at 512,
+// docs/performance.md run M); gate and up load each step after the last step's products (prefetching
+// them too took 196 registers, one block an SM, and was no faster).
+template <class T, bool GU>
 __device__ __forceinline__ void mm_tile(const u64* __restrict__ tab0, const u64* __restrict__ tab1, i64 rb0, i64 rb1,
                                         int N, int K, const void* __restrict__ x, const int* __restrict__ sorted_tok,
                                         const int* __restrict__ tiles, int max_tiles, const int* __restrict__ n_tiles,
@@ -266,32 +251,31 @@ __device__ __forceinline__ void mm_tile(const u64* __restrict__ tab0, const u64*
     float a0[2][4][4], a1[GU ? 2 : 1][4][4];
     zero_acc(a0);
     if (GU) zero_acc(a1);
-    if constexpr (PF) {
-        XPre<GU> xp;
-        WPre<T, GU ? 2 : 1> wp;
-        xp.load(x, sorted_tok, r0, rows, K, 0);
-        wp.load(w0, w1, rb0, rb1, N, n0, 0);
+    if constexpr (GU) {
+        for (int k0 = 0; k0 < K; k0 += MM_BK) {
+            __syncthreads();
+            mm_load_x((const float*)x, sorted_tok, r0, rows, K, k0, xs);
+            mm_load_w<T>(w0, rb0, N, n0, k0, s0);
+            mm_load_w<T>(w1, rb1, N, n0, k0, s1);
+            __syncthreads();
+            mm_step(xs, s0, a0);
+            mm_step(xs, s1, a1);
+        }
+    } else {
+        XPre xp;
+        WPre<T> wp;
+        xp.load((const u16*)x, r0, rows, K, 0);
+        wp.load(w0, rb0, N, n0, 0);
         for (int k0 = 0; k0 < K; k0 += MM_BK) {
             __syncthreads();
             xp.store(xs);
-            wp.store(s0, s1, N, n0);
+            wp.store(s0, N, n0);
             __syncthreads();
             if (k0 + MM_BK < K) {
-                xp.load(x, sorted_tok, r0, rows, K, k0 + MM_BK);
-                wp.load(w0, w1, rb0, rb1, N, n0, k0 + MM_BK);
+                xp.load((const u16*)x, r0, rows, K, k0 + MM_BK);
+                wp.load(w0, rb0, N, n0, k0 + MM_BK);
             }
             mm_step(xs, s0, a0);
-            if (GU) mm_step(xs, s1, a1);
-        }
-    } else {
-        for (int k0 = 0; k0 < K; k0 += MM_BK) {
-            __syncthreads();
-            mm_load_x<GU>(x, sorted_tok, r0, rows, K, k0, xs);
-            mm_load_w<T>(w0, rb0, N, n0, k0, s0);
-            if (GU) mm_load_w<T>(w1, rb1, N, n0, k0, s1);
-            __syncthreads();
-            mm_step(xs, s0, a0);
-            if (GU) mm_step(xs, s1, a1);
         }
     }
     mm_store<GU>(a0, a1, rows, r0, n0, N, out);
@@ -302,12 +286,12 @@ __device__ __forceinline__ void mm_tile(const u64* __restrict__ tab0, const u64*
     extern "C" __global__ void __launch_bounds__(256) moe_mm_gu_##name(                                       \
         const u64* tab_g, const u64* tab_u, i64 rbg, i64 rbu, int F, int K, const float* x, const int* sorted_tok, \
         const int* tiles, int max_tiles, const int* n_tiles, u16* h) {                                         \
-        mm_tile<T, true, false>(tab_g, tab_u, rbg, rbu, F, K, x, sorted_tok, tiles, max_tiles, n_tiles, h);     \
+        mm_tile<T, true>(tab_g, tab_u, rbg, rbu, F, K, x, sorted_tok, tiles, max_tiles, n_tiles, h);     \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(256) moe_mm_dn_##name(                                       \
         const u64* tab_d, i64 rbd, int D, int F, const u16* h, const int* tiles, int max_tiles, const int* n_tiles, \
         float* y) {                                                                                            \
-        mm_tile<T, false, true>(tab_d, tab_d, rbd, rbd, D, F, h, nullptr, tiles, max_tiles, n_tiles, y);        \
+        mm_tile<T, false>(tab_d, tab_d, rbd, rbd, D, F, h, nullptr, tiles, max_tiles, n_tiles, y);        \
     }
 MOE_MM(Q4K, q4_k)
 MOE_MM(Q5K, q5_k)

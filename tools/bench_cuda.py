@@ -253,18 +253,19 @@ def decode_bytes(model, depth: int) -> int:
     return f.dense_token_bytes + f.n_layer * f.n_used * f.expert_bytes + f.kv_bytes_per_pos * depth
 
 
-def kernel_profile(model, depth: int) -> dict:
-    """Per-kernel GPU time (ms per decode step) of the captured step, through torch's CUPTI profiler."""
+def kernel_profile(model, depth: int, rows: int = 1) -> dict:
+    """Per-kernel GPU time (ms per decode step of `rows` slots, 0 .. rows-1) of the captured step, through
+    torch's CUPTI profiler; the 25 largest."""
     try:
         import torch
         from torch.profiler import ProfilerActivity, profile
     except ImportError:
         return {}
     torch.cuda.init()
-    n = 20
+    n, slots = 20, list(range(rows))
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for i in range(n):
-            model.decode_greedy([0], [1], [depth + i])
+            model.decode_greedy(slots, [1] * rows, [depth + i] * rows)
     out = {}
     for ev in prof.key_averages():
         t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)

@@ -6,9 +6,10 @@
            the experts (BLOOMERY_CUDA_MOE_PROMPT=planned, then grouped: engine/cuda/moe.py)
   decode   B slots each holding --depth ids, one id a slot a step (model.decode_greedy: the captured
            steps where the backend has them), the mean over --steps steps, for each of --batches
-  kernels  (--kernels, cuda) each kernel's time a decode step at the smallest and the largest batch,
-           through torch's profiler, with programmatic dependent launch off so that a kernel's time
-           is its own (with it on, a kernel starts early and its time holds the wait for the one before)
+  kernels  (--kernels, cuda) each kernel's time a decode step at the smallest and the largest batch (the
+           25 largest), through torch's profiler (bench_cuda.kernel_profile), with programmatic
+           dependent launch off so that a kernel's time is its own (with it on, a kernel starts early
+           and its time holds the wait for the one before)
 
 It prints one line a measurement and writes them all to --out (JSON). What it says of a decode step
 is the engine's alone: through HTTP the server adds its own path (tools/bench_serve.py).
@@ -29,6 +30,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))
 
 
 class BenchError(ValueError):
@@ -88,24 +90,6 @@ def step_ms(model, b: int, depth: int, steps: int) -> float:
     return (time.perf_counter() - t) / steps * 1e3
 
 
-def kernel_ms(model, b: int, depth: int, steps: int = 20) -> dict[str, float]:
-    """Each kernel's GPU ms a decode step of b rows (torch's profiler), largest first."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-    torch.cuda.init()
-    slots = list(range(b))
-    model.decode_greedy(slots, [7] * b, [depth] * b)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for i in range(steps):
-            model.decode_greedy(slots, [7] * b, [depth + 1 + i] * b)
-    got = {}
-    for ev in prof.key_averages():
-        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if us:
-            got[f"{ev.key[:40]} x{ev.count // steps}"] = round(us / 1e3 / steps, 4)
-    return dict(sorted(got.items(), key=lambda kv: -kv[1]))
-
-
 def has_experts(model) -> bool:
     return bool(model.gf.get(f"{model.gf.arch()}.expert_count"))
 
@@ -148,8 +132,10 @@ def run(a) -> dict:
         print(f"decode {b:>3} rows at depth {a.depth}: {ms:.3f} ms a step, {b / ms * 1e3:,.1f} tok/s", flush=True)
     if a.kernels:
         res["kernels_ms"] = {}
+        from bench_cuda import kernel_profile
         for b in sorted({min(batches), max(batches)}):
-            got = kernel_ms(model, b, a.depth)
+            model.decode_greedy(list(range(b)), [7] * b, [a.depth] * b)      # the step of b rows captured first
+            got = kernel_profile(model, a.depth + 1, rows=b)
             res["kernels_ms"][str(b)] = got
             top = ", ".join(f"{k} {v:.3f}" for k, v in list(got.items())[:8])
             print(f"kernels at {b} rows (ms a step, {sum(got.values()):.3f} in all): {top}", flush=True)

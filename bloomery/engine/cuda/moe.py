@@ -188,6 +188,12 @@ def _planned(ops, x, ids, wts, gate, up, down, residual, tables=None):
         (-(-d // MM_BN), max_tiles), (256,),
         (tab_d, np.int64(down.row_bytes), np.int32(d), np.int32(f), h, tiles, np.int32(max_tiles), n_tiles, y))
     del h
+    return _combine(ops, y, pos_of, wts, residual, t)
+
+
+def _combine(ops, y, pos_of, wts, residual, t: int):
+    """out [T, D] = residual + each token's rows of y (in expert order, pos_of) weighted and added in rank order."""
+    d, n_used = y.shape[1], wts.shape[1]
     out = cupy.empty((t, d), cupy.float32)
     res = cupy.ascontiguousarray(residual, dtype=cupy.float32) if residual is not None else _NULL
     ops.k.combine_rows((t,), (256,), (y, pos_of, cupy.ascontiguousarray(wts, dtype=cupy.float32),
@@ -243,10 +249,7 @@ def _grouped(ops, x, ids, wts, gate, up, down, residual):
     for b, sel in zip(lay.buckets, sels):
         gemm_nt(h[b.row0:], _dequant_sel(ops, down, sel, tables[2]), y[b.row0:], batch=len(b.experts),
                 stride_x=b.rows * f, stride_w=d * f, stride_out=b.rows * d, m=b.rows, n=d, k=f)
-    out = cupy.empty((t, d), cupy.float32)
-    res = cupy.ascontiguousarray(residual, dtype=cupy.float32) if residual is not None else _NULL
-    ops.k.combine_rows((t,), (256,), (y, pos_of, cupy.ascontiguousarray(wts, dtype=cupy.float32),
-                                      np.int32(n_used), np.int32(d), res, out))
+    out = _combine(ops, y, pos_of, wts, residual, t)
     if layer is not None:
         ops.offload.adopt(layer, counts_host, streamed)
     return out

@@ -13,6 +13,9 @@ import openai
 import pytest
 import requests
 
+from bloomery.gguf_file import open_gguf
+from bloomery.grammar import Matcher, Vocab, schema_grammar
+from bloomery.tokenizer import Tokenizer
 from schema_corpus import CORPUS
 from serve_proc import Served
 
@@ -72,11 +75,16 @@ def test_completion_grammar_and_json_schema_fields(server):
     assert bad.status_code == 400 and "line 1, column 33" in bad.json()["error"]["message"]
 
 
-def write_document(url: str, name: str, schema: dict) -> requests.Response:
+DOCUMENT_IDS = 400      # max_tokens of each corpus document
+
+
+def write_document(url: str, name: str, schema: dict, seed: int) -> requests.Response:
+    """One document; the seed (llama-server's per-request `seed`) makes a run repeatable on one machine,
+    where the server's default (--seed -1) draws a new one per request."""
     ask = f"Write one realistic example of a {name.replace('_', ' ')} as JSON matching this schema:\n" + \
         json.dumps(schema)
     return requests.post(url + "/v1/chat/completions", timeout=1200, json={
-        "messages": [{"role": "user", "content": ask}], "max_tokens": 400,
+        "messages": [{"role": "user", "content": ask}], "max_tokens": DOCUMENT_IDS, "seed": seed,
         "response_format": {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}})
 
 
@@ -86,16 +94,51 @@ def corpus_answers(server):
     them in one batch (on 2 cores, four 48-id answers took 9 s of CPU at once against 16 s one after another);
     each test then checks its own answer (a request that raised fails its test only)."""
     with ThreadPoolExecutor(CORPUS_AT_ONCE) as pool:
-        pending = {c[0]: pool.submit(write_document, server.url, c[0], c[1]) for c in CORPUS}
+        pending = {c[0]: pool.submit(write_document, server.url, c[0], c[1], 1000 + i) for i, c in enumerate(CORPUS)}
     return pending
+
+
+@pytest.fixture(scope="module")
+def tok(tokenizer_source):
+    gf = open_gguf(str(tokenizer_source))
+    try:
+        return Tokenizer.from_gguf(gf.metadata)
+    finally:
+        gf.close()
+
+
+def grammar_refuses_at(tok, schema: dict, text: str) -> int | None:
+    """The index of the first id of text (as the tokenizer splits it) the schema's grammar refuses, or None."""
+    m = Matcher(schema_grammar(schema), Vocab.from_tokenizer(tok), stop_ids=sorted(tok.eog_ids))
+    for i, t in enumerate(tok.encode(text, add_special=False)):
+        if m.done or not m.allowed()[t]:
+            return i
+        m.accept(t)
+    return None
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,schema", [(c[0], c[1]) for c in CORPUS], ids=[c[0] for c in CORPUS])
-def test_every_document_written_validates(corpus_answers, name, schema):
+def test_every_document_written_validates(corpus_answers, tok, name, schema):
+    """A finished document validates. A sampled 0.5B model can run on in a free-text field (a markdown body,
+    a file's content) past max_tokens: such an answer must be cut at exactly max_tokens, and every id it
+    holds must be one the grammar allowed (the cut text is a prefix of some valid document)."""
     r = corpus_answers[name].result()
     assert r.status_code == 200, r.text
-    choice = r.json()["choices"][0]
+    body = r.json()
+    choice = body["choices"][0]
+    text = choice["message"]["content"]
+    if choice["finish_reason"] == "length":
+        assert body["usage"]["completion_tokens"] == DOCUMENT_IDS, body["usage"]
+        assert grammar_refuses_at(tok, schema, text) is None, text
+        return
     assert choice["finish_reason"] == "stop", choice
-    V(schema, format_checker=V.FORMAT_CHECKER).validate(json.loads(choice["message"]["content"]))
+    V(schema, format_checker=V.FORMAT_CHECKER).validate(json.loads(text))
 
+
+
+def test_the_cut_document_check_tells_a_prefix_from_a_wrong_id(tok):
+    """The check a length-cut answer gets: a prefix of a valid document passes, a wrong id is found."""
+    schema = next(c[1] for c in CORPUS if c[0] == "markdown_doc")
+    assert grammar_refuses_at(tok, schema, '{"title": "Notes", "body": "# Heading\\n\\n* item') is None
+    assert grammar_refuses_at(tok, schema, '{"title": "Notes", "body": 7}') is not None

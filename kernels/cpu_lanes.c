@@ -310,6 +310,8 @@ typedef struct mm_args {                               // a quantized product's 
     float *out;
     void (*row)(const struct mm_args *m, int64_t n, int64_t r0, int64_t r1);   // one weight row's outputs
     void (*row2)(const struct mm_args *m, int64_t n, int64_t r0, int64_t r1);  // rows n, n + 1 (or NULL)
+    void (*tile)(const struct mm_args *m, int64_t n);                           // rows n .. n + 16, every T (or NULL)
+    const int32_t *aext;                               // the tile kernels' per-activation terms (see there)
 } mm_args;
 
 // ---- Q8_0 family: out[r * ldo + n] for weight rows 0..N, activation rows 0..T ----------------
@@ -386,6 +388,8 @@ static void q80_row(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
 static void mm_chunk(const void *ctx, int64_t n0, int64_t n1, int worker) {
     const mm_args *m = ctx;
     (void)worker;
+    if (m->tile)
+        for (; n0 + 16 <= n1; n0 += 16) m->tile(m, n0);
     for (int64_t r0 = 0; r0 < m->t; r0 += ACT_TILE) {
         const int64_t r1 = r0 + ACT_TILE < m->t ? r0 + ACT_TILE : m->t;
         int64_t n = n0;
@@ -584,8 +588,8 @@ static void q80_row1(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
 // few-MB buffers, taken fresh from malloc each product, came as new pages the kernel zeroed
 // (clear_page was 3 % of a prompt's CPU). NULL where the memory is not there.
 static void *scratch(int slot, size_t bytes) {
-    static _Thread_local void *buf[2];
-    static _Thread_local size_t cap[2];
+    static _Thread_local void *buf[3];
+    static _Thread_local size_t cap[3];
     if (bytes > cap[slot]) {
         free(buf[slot]);
         buf[slot] = malloc(bytes);
@@ -795,6 +799,87 @@ static void q6k_row_tiled(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
         for (int i = 0; i < nr; i++) out[(rb + i) * ldo + n] = acc[i];
     }
 }
+
+// ---- Prompts with the weight rows across the lanes (Q6_K tiled, Q4_K gemm) -------------------
+// A tile of 16 weight rows is unpacked once a call into [Bs][64][16][4] bytes: vector s of a
+// super-block holds elements 4s..4s+3 of each of the 16 rows, so dpbusd against 4 activation
+// bytes broadcast adds four products to each row's lane, and each lane ends holding one output's
+// integer sum: no horizontal sums, and the weight unpacked once for every activation row. The
+// float steps then run per lane in the order above (one lane, one output), so the bits are
+// the row kernels'. Taken from TILE_MIN_T activation rows, where the unpacking is paid back.
+#define TILE_MIN_T 20
+#define TILE_R 8                                       // activation rows a micro-step holds in registers
+
+static inline __m512i bcast4(const int8_t *p) {        // four activation bytes in every lane
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+// 32-element vectors of one row (elements in order) -> their 4-byte groups into the tile's lane j
+static inline void tile_scatter(const __m256i *v, int nv, uint8_t *q, int j) {
+    uint32_t g[64];
+    memcpy(g, v, (size_t)nv * 32);
+    uint32_t *dst = (uint32_t *)q + j;
+    for (int s = 0; s < nv * 8; s++) dst[16 * s] = g[s];
+}
+
+// Q6_K: q [Bs][64][16][4] unsigned quants, sc [Bs][16 sub-blocks][16] int32 scales, d [Bs][16].
+// aext [T][Bs * 16]: -32 * the activation's sum per 16 (the quants' offset), the start of each
+// sub-block's dpbusd chain; the sub-block's sum then times its scale (vpmulld) into the total.
+static void q6k_tile(const mm_args *m, int64_t n) {
+    const int64_t n_super = m->n_blocks, k = n_super * 256, ldo = m->ldo, t = m->t;
+    uint8_t *q = scratch(2, (size_t)n_super * (4096 + 16 * 16 * 4 + 16 * 4));
+    if (!q) {
+        m->row(m, n, 0, t);                            // no memory for the tile: the row kernel, same bits
+        for (int j = 1; j < 16; j++) m->row(m, n + j, 0, t);
+        return;
+    }
+    int32_t *sc = (int32_t *)(q + n_super * 4096);
+    float *d = (float *)(sc + n_super * 256);
+    for (int j = 0; j < 16; j++) {
+        const uint8_t *wr = m->w + (n + j) * m->row_bytes;
+        for (int64_t b = 0; b < n_super; b++) {
+            const uint8_t *blk = wr + b * Q6_K_BYTES;
+            __m256i v[8];
+            q6k_vecs(blk, v);
+            tile_scatter(v, 8, q + b * 4096, j);
+            for (int u = 0; u < 16; u++) sc[(b * 16 + u) * 16 + j] = ((const int8_t *)(blk + 192))[u];
+            d[b * 16 + j] = f16_at(blk + 208);
+        }
+    }
+    const int32_t *off = m->aext;
+    int64_t r = 0;
+    for (; r < t; r += TILE_R) {
+        const int nr = t - r < TILE_R ? (int)(t - r) : TILE_R;
+        __m512 acc[TILE_R];
+        for (int i = 0; i < TILE_R; i++) acc[i] = _mm512_setzero_ps();
+        const int8_t *a[TILE_R];
+        for (int i = 0; i < TILE_R; i++) a[i] = m->a + (r + (i < nr ? i : 0)) * k;
+        for (int64_t b = 0; b < n_super; b++) {
+            __m512i tot[TILE_R];
+            for (int i = 0; i < TILE_R; i++) tot[i] = _mm512_setzero_si512();
+            const uint8_t *qb = q + b * 4096;
+            for (int u = 0; u < 16; u++) {
+                __m512i p[TILE_R];
+                for (int i = 0; i < TILE_R; i++)
+                    p[i] = _mm512_set1_epi32(off[(r + (i < nr ? i : 0)) * n_super * 16 + b * 16 + u]);
+                for (int s4 = 0; s4 < 4; s4++) {
+                    const __m512i w = _mm512_loadu_si512((const void *)(qb + (4 * u + s4) * 64));
+                    for (int i = 0; i < TILE_R; i++)
+                        p[i] = _mm512_dpbusd_epi32(p[i], w, bcast4(a[i] + 256 * b + 16 * u + 4 * s4));
+                }
+                const __m512i scv = _mm512_loadu_si512((const void *)(sc + (b * 16 + u) * 16));
+                for (int i = 0; i < TILE_R; i++) tot[i] = _mm512_add_epi32(tot[i], _mm512_mullo_epi32(p[i], scv));
+            }
+            const __m512 dw = _mm512_loadu_ps(d + b * 16);
+            for (int i = 0; i < TILE_R; i++)
+                acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(tot[i]), dw),
+                                         _mm512_set1_ps(m->da[(r + (i < nr ? i : 0)) * n_super + b]), acc[i]);
+        }
+        for (int i = 0; i < nr; i++) _mm512_storeu_ps(m->out + (r + i) * ldo + n, acc[i]);
+    }
+}
 #endif
 
 void q6k_mm(const uint8_t *w, int64_t n_rows, int64_t n_super, const int8_t *a, const float *da,
@@ -803,8 +888,19 @@ void q6k_mm(const uint8_t *w, int64_t n_rows, int64_t n_super, const int8_t *a, 
                  .tiled = tiled, .a = a, .da = da, .bsums = bsums, .out = out, .row = q6k_row};
 #if LANES_512
     if (tiled) m.row = q6k_row_tiled;
-#endif
+    if (tiled && t >= TILE_MIN_T) {
+        int32_t *off = scratch(0, (size_t)(t * n_super * 16) * sizeof(int32_t));
+        if (off) {
+            for (int64_t i = 0; i < t * n_super * 16; i++) off[i] = -32 * (int32_t)bsums[i];
+            m.aext = off;
+            m.tile = q6k_tile;
+        }
+    }
+    pool_run(mm_chunk, &m, n_rows, m.tile ? (grain_for(n_rows, nth, 16) + 15) & ~(int64_t)15 : grain_for(n_rows, nth, 4),
+             nth);
+#else
     pool_run(mm_chunk, &m, n_rows, grain_for(n_rows, nth, 4), nth);
+#endif
 }
 
 // Q4_K as ggml_gemm / ggml_gemv_q4_K_8x8_q8_K (the repacked weight): per 64 elements (two
@@ -982,6 +1078,87 @@ static void q4k_row_gemm(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
         }
     if (rb < r1) q4k_row(m, n, rb, r1);
 }
+
+// Q4_K gemm rows on the tile (see q6k_tile): q [Bs][64][16][4] nibbles, sc [Bs][8][16] int32 scales,
+// mp [Bs][4][16] the two mins of each 64 as an int16 pair, d, dmin [Bs][16]. aext [T][Bs * 4]: the
+// activation's sums per 32 of each 64, as the same int16 pair, so one dpwssd gives each lane the
+// mins' term m0 * bs0 + m1 * bs1 exactly. Rows from t_gemm (the gemv's order): q4k_row.
+static void q4k_tile(const mm_args *m, int64_t n) {
+    const int64_t n_super = m->n_blocks, k = n_super * 256, ldo = m->ldo, t = m->t_gemm;
+    uint8_t *q = scratch(2, (size_t)n_super * (4096 + 8 * 16 * 4 + 4 * 16 * 4 + 2 * 16 * 4));
+    if (!q) {
+        for (int j = 0; j < 16; j++) m->row(m, n + j, 0, m->t);
+        return;
+    }
+    int32_t *sc = (int32_t *)(q + n_super * 4096), *mp = sc + n_super * 128;
+    float *d = (float *)(mp + n_super * 64), *dmin = d + n_super * 16;
+    const __m256i lo4 = _mm256_set1_epi8(0xF);
+    for (int j = 0; j < 16; j++) {
+        const uint8_t *wr = m->w + (n + j) * m->row_bytes;
+        for (int64_t b = 0; b < n_super; b++) {
+            const uint8_t *blk = wr + b * Q4_K_BYTES;
+            __m256i v[8];
+            for (int c = 0; c < 4; c++) {
+                const __m256i qs = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
+                v[2 * c] = _mm256_and_si256(qs, lo4);
+                v[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(qs, 4), lo4);
+            }
+            tile_scatter(v, 8, q + b * 4096, j);
+            int32_t s8[8], m8[8];
+            q4k_scales(blk + 4, s8, m8);
+            for (int u = 0; u < 8; u++) sc[(b * 8 + u) * 16 + j] = s8[u];
+            for (int c = 0; c < 4; c++) mp[(b * 4 + c) * 16 + j] = (int32_t)((uint32_t)m8[2 * c] | ((uint32_t)m8[2 * c + 1] << 16));
+            d[b * 16 + j] = f16_at(blk);
+            dmin[b * 16 + j] = f16_at(blk + 2);
+        }
+    }
+    const int32_t *bp = m->aext;
+    for (int64_t r = 0; r < t; r += TILE_R) {
+        const int nr = t - r < TILE_R ? (int)(t - r) : TILE_R;
+        __m512 acc[TILE_R], accm[TILE_R];
+        const int8_t *a[TILE_R];
+        int64_t ri[TILE_R];
+        for (int i = 0; i < TILE_R; i++) {
+            acc[i] = accm[i] = _mm512_setzero_ps();
+            ri[i] = r + (i < nr ? i : 0);
+            a[i] = m->a + ri[i] * k;
+        }
+        for (int64_t b = 0; b < n_super; b++) {
+            const uint8_t *qb = q + b * 4096;
+            const __m512 dv = _mm512_loadu_ps(d + b * 16), dmv = _mm512_loadu_ps(dmin + b * 16);
+            __m512 dd[TILE_R], dm[TILE_R];
+            for (int i = 0; i < TILE_R; i++) {
+                const __m512 dai = _mm512_set1_ps(m->da[ri[i] * n_super + b]);
+                dd[i] = _mm512_mul_ps(dai, dv);
+                dm[i] = _mm512_mul_ps(dai, dmv);
+            }
+            for (int c = 0; c < 4; c++) {
+                __m512i s[TILE_R];
+                for (int h = 0; h < 2; h++) {              // the 64's two sub-blocks of 32
+                    __m512i p[TILE_R];
+                    for (int i = 0; i < TILE_R; i++) p[i] = _mm512_setzero_si512();
+                    for (int s4 = 0; s4 < 8; s4++) {
+                        const __m512i w = _mm512_loadu_si512((const void *)(qb + (16 * c + 8 * h + s4) * 64));
+                        for (int i = 0; i < TILE_R; i++)
+                            p[i] = _mm512_dpbusd_epi32(p[i], w, bcast4(a[i] + 256 * b + 64 * c + 32 * h + 4 * s4));
+                    }
+                    const __m512i scv = _mm512_loadu_si512((const void *)(sc + (b * 8 + 2 * c + h) * 16));
+                    for (int i = 0; i < TILE_R; i++)
+                        s[i] = h ? _mm512_add_epi32(s[i], _mm512_mullo_epi32(p[i], scv)) : _mm512_mullo_epi32(p[i], scv);
+                }
+                const __m512i mpv = _mm512_loadu_si512((const void *)(mp + (b * 4 + c) * 16));
+                for (int i = 0; i < TILE_R; i++) {
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]), dd[i], acc[i]);
+                    const __m512i summ = _mm512_dpwssd_epi32(_mm512_setzero_si512(), mpv,
+                                                             _mm512_set1_epi32(bp[ri[i] * n_super * 4 + b * 4 + c]));
+                    accm[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(summ), dm[i], accm[i]);
+                }
+            }
+        }
+        for (int i = 0; i < nr; i++) _mm512_storeu_ps(m->out + (r + i) * ldo + n, _mm512_sub_ps(acc[i], accm[i]));
+    }
+    for (int j = 0; j < 16 && t < m->t; j++) q4k_row(m, n + j, t, m->t);
+}
 #endif
 
 void q4k_mm(const uint8_t *w, int64_t n_rows, int64_t n_super, const int8_t *a, const float *da,
@@ -990,8 +1167,22 @@ void q4k_mm(const uint8_t *w, int64_t n_rows, int64_t n_super, const int8_t *a, 
                  .ldo = ldo, .a = a, .da = da, .bsums = bsums, .out = out, .row = q4k_row};
 #if LANES_512
     if (t_gemm >= 4) m.row = q4k_row_gemm;
-#endif
+    if (t_gemm >= TILE_MIN_T) {
+        int32_t *bp = scratch(0, (size_t)(t * n_super * 4) * sizeof(int32_t));
+        if (bp) {
+            for (int64_t i = 0; i < t * n_super * 4; i++) {    // the sums per 32 of each 64, as int16 pairs
+                const int16_t *bs = bsums + 4 * i;
+                bp[i] = (int32_t)((uint32_t)(uint16_t)(bs[0] + bs[1]) | ((uint32_t)(uint16_t)(bs[2] + bs[3]) << 16));
+            }
+            m.aext = bp;
+            m.tile = q4k_tile;
+        }
+    }
+    pool_run(mm_chunk, &m, n_rows, m.tile ? (grain_for(n_rows, nth, 16) + 15) & ~(int64_t)15 : grain_for(n_rows, nth, 4),
+             nth);
+#else
     pool_run(mm_chunk, &m, n_rows, grain_for(n_rows, nth, 4), nth);
+#endif
 }
 
 // ---- flash attention over the F16 KV cache, as ggml_compute_forward_flash_attn_ext_f16 -------

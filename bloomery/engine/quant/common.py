@@ -180,7 +180,7 @@ def fma_chain(prod: np.ndarray, acc: np.ndarray) -> np.ndarray:
     """acc = fma(d_s, v_s, acc) for s = 0, 1, .. from acc = 0, in float32; prod [S, ...] holds the
     products d_s*v_s exactly in float64, so each step rounds the sum once (twice, to float64
     first, in about 2^-29 of the inexact cases). One numpy call per step, over every row."""
-    np.copyto(acc, prod[0], casting="unsafe")
+    np.add(prod[0], 0.0, out=acc, casting="unsafe")                    # 0 + d_0*v_0: a -0 product gives +0
     for s in range(1, prod.shape[0]):
         np.add(prod[s], acc, out=acc, casting="unsafe")
     return acc

@@ -1365,6 +1365,101 @@ void attn_f16(const float *q, const f16 *k, const f16 *v, int64_t n_head, int64_
 
 // the tiled path (64 query rows or more): F32, online softmax over tiles of 64 positions;
 // kq holds n_kv scores per thread, kt K widened to f32 in blocks of 8 positions [Hkv][L/8][Dh][8]
+// One tile's softmax step: 0 where the row sees none of its positions; else the weights y [64]
+// (ggml_v_expf of score - the new max; 0 past the tile), the running max and sum moved on, and
+// *ms the factor the accumulator takes first (1 where the max did not grow: no multiply needed).
+static inline int attn_tile_weights(const float *kq, int64_t n_tile, float *m_run, float *s_run, float *m_out,
+                                    float *ms, float *y) {
+    float tmax = -INFINITY;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    if (n_tile == 64) {                                // the max in any order (a NaN score skipped as below)
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (; i < 64; i += 16) mx = _mm512_max_ps(_mm512_loadu_ps(kq + i), mx);
+        tmax = _mm512_reduce_max_ps(mx);
+    }
+#endif
+    for (; i < n_tile; i++) tmax = kq[i] > tmax ? kq[i] : tmax;
+    if (tmax == -INFINITY) return 0;
+    const float m_new = *m_run > tmax ? *m_run : tmax;
+    *ms = 1.0f;
+    if (m_new > *m_run) {
+        *ms = expf(*m_run - m_new);
+        *s_run = *s_run * *ms;
+    }
+    *m_run = *m_out = m_new;
+    int i0 = 0;
+#if defined(__AVX512F__)
+    if (n_tile == 64)                                  // v_expf16: v_expf1 on 16 lanes, the same bits
+        for (; i0 < 64; i0 += 16)
+            _mm512_storeu_ps(y + i0, v_expf16(_mm512_sub_ps(_mm512_loadu_ps(kq + i0), _mm512_set1_ps(m_new))));
+#endif
+    for (int i = i0; i < 64; i++) y[i] = v_expf1((i < n_tile ? kq[i] : -INFINITY) - m_new);
+    double total = 0.0;                                // ggml_vec_soft_max_f32: chunk sums in double
+    for (int i = 0; i < 64; i += 16) total += (double)reduce_add16(y + i);
+    *s_run = (float)((double)*s_run + total);
+    return 1;
+}
+
+// A row's scores kq [n_kv] (masked: -inf) -> its output: per tile of 64 positions the online
+// softmax (ggml_v_expf, the tile's sum in double) and VKQ += KQ[j] * V[j] in position order.
+// The VKQ accumulator in memory (any head size up to 1024):
+static void attn_f32_values_any(const float *kq, const f16 *v, int64_t kv_row, int64_t n_kv, float *o, int64_t dh,
+                                float *acc) {
+    float y[64];
+    for (int64_t d = 0; d < dh; d++) acc[d] = 0.0f;
+    float m_run = -INFINITY, s_run = 0.0f;
+    for (int64_t c = 0; c < n_kv; c += 64) {
+        const int64_t n_tile = n_kv - c < 64 ? n_kv - c : 64;
+        float m_new, ms;
+        if (!attn_tile_weights(kq + c, n_tile, &m_run, &s_run, &m_new, &ms, y)) continue;
+        if (ms != 1.0f)
+            for (int64_t d = 0; d < dh; d++) acc[d] = acc[d] * ms;
+        for (int64_t j = 0; j < n_tile; j++) {
+            const f16 *vl = v + (c + j) * kv_row;
+            int64_t d = 0;
+#if LANES_AVX2
+            const __m256 yj = _mm256_set1_ps(y[j]);
+            for (; d + 8 <= dh; d += 8)
+                _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(yj, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(vl + d))),
+                                                          _mm256_loadu_ps(acc + d)));
+#endif
+            for (; d < dh; d++) acc[d] = fmaf(y[j], (float)vl[d], acc[d]);
+        }
+    }
+    const float inv = s_run == 0.0f ? 0.0f : 1.0f / s_run;
+    for (int64_t d = 0; d < dh; d++) o[d] = acc[d] * inv;
+}
+
+#if LANES_AVX2
+// The same with the accumulator in registers (DH a constant: 64 or 128), where the memory form
+// spent half of a prompt's attention on its load-store chain.
+static inline __attribute__((always_inline)) void attn_f32_values(const float *kq, const f16 *v, int64_t kv_row,
+                                                                  int64_t n_kv, float *o, const int DH) {
+    float y[64];
+    __m256 acc[DH / 8];
+    for (int i = 0; i < DH / 8; i++) acc[i] = _mm256_setzero_ps();
+    float m_run = -INFINITY, s_run = 0.0f;
+    for (int64_t c = 0; c < n_kv; c += 64) {
+        const int64_t n_tile = n_kv - c < 64 ? n_kv - c : 64;
+        float m_new, ms;
+        if (!attn_tile_weights(kq + c, n_tile, &m_run, &s_run, &m_new, &ms, y)) continue;
+        if (ms != 1.0f) {
+            const __m256 msv = _mm256_set1_ps(ms);
+            for (int i = 0; i < DH / 8; i++) acc[i] = _mm256_mul_ps(acc[i], msv);
+        }
+        for (int64_t j = 0; j < n_tile; j++) {
+            const f16 *vl = v + (c + j) * kv_row;
+            const __m256 yj = _mm256_set1_ps(y[j]);
+            for (int i = 0; i < DH / 8; i++)
+                acc[i] = _mm256_fmadd_ps(yj, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(vl + 8 * i))), acc[i]);
+        }
+    }
+    const __m256 inv = _mm256_set1_ps(s_run == 0.0f ? 0.0f : 1.0f / s_run);
+    for (int i = 0; i < DH / 8; i++) _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(acc[i], inv));
+}
+#endif
+
 static void attn_f32_chunk(const void *ctx, int64_t r0, int64_t r1, int worker) {
     const attn_args *A = ctx;
     const f16 *k = A->k, *v = A->v;
@@ -1373,15 +1468,15 @@ static void attn_f32_chunk(const void *ctx, int64_t r0, int64_t r1, int worker) 
     const float scale = A->scale;
     float *kq = A->kq + worker * n_kv;
     for (int64_t r = r0; r < r1; r++) {
-        float acc[1024], y[64];
+        float acc[1024];
         const int64_t t = r / n_head, h = r % n_head, kh = h / g;
         const float *qr = A->q + r * dh;
         const int64_t n_see = A->pos0 + t + 1;
         int64_t l = 0;
 #if LANES_AVX2
-        // eight groups of eight positions at once where all of them see some position: the same
+        // eight groups of eight positions at once where the first sees some position: the same
         // chains, side by side, so the fmas' latency overlaps instead of each waiting for the last
-        for (; l + 64 <= n_kv && l + 56 < n_see; l += 64) {
+        for (; l + 64 <= n_kv && l < n_see; l += 64) {   // (groups past the row's last position: masked below)
             const float *kt = A->kt + (kh * (n_kv / 8) + l / 8) * dh * 8;   // 8 x [Dh][8] as f32
             const int64_t gs = dh * 8;
             __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0, s7 = s0;
@@ -1428,45 +1523,13 @@ static void attn_f32_chunk(const void *ctx, int64_t r0, int64_t r1, int worker) 
             for (int64_t d = 0; d < dh; d++) s = fmaf(qr[d], (float)kl[d], s);
             kq[l] = l < n_see ? s * scale : -INFINITY;
         }
-        for (int64_t d = 0; d < dh; d++) acc[d] = 0.0f;
-        float m_run = -INFINITY, s_run = 0.0f;
-        for (int64_t c = 0; c < n_kv; c += 64) {
-            const int64_t n_tile = n_kv - c < 64 ? n_kv - c : 64;
-            float tmax = -INFINITY;
-            for (int64_t i = 0; i < n_tile; i++) tmax = kq[c + i] > tmax ? kq[c + i] : tmax;
-            if (tmax == -INFINITY) continue;
-            const float m_new = m_run > tmax ? m_run : tmax;
-            if (m_new > m_run) {
-                const float ms = expf(m_run - m_new);
-                for (int64_t d = 0; d < dh; d++) acc[d] = acc[d] * ms;
-                s_run = s_run * ms;
-            }
-            m_run = m_new;
-            int i0 = 0;
-#if defined(__AVX512F__)
-            if (n_tile == 64)                      // v_expf16: v_expf1 on 16 lanes, the same bits
-                for (; i0 < 64; i0 += 16)
-                    _mm512_storeu_ps(y + i0, v_expf16(_mm512_sub_ps(_mm512_loadu_ps(kq + c + i0), _mm512_set1_ps(m_new))));
-#endif
-            for (int i = i0; i < 64; i++) y[i] = v_expf1((i < n_tile ? kq[c + i] : -INFINITY) - m_new);
-            double total = 0.0;                    // ggml_vec_soft_max_f32: chunk sums in double
-            for (int i = 0; i < 64; i += 16) total += (double)reduce_add16(y + i);
-            s_run = (float)((double)s_run + total);
-            for (int64_t j = 0; j < n_tile; j++) {  // simd_gemm: VKQ += KQ[j] * V[j], in order
-                const f16 *vl = v + (c + j) * kv_row + kh * dh;
-                int64_t d = 0;
-#if LANES_AVX2
-                const __m256 yj = _mm256_set1_ps(y[j]);
-                for (; d + 8 <= dh; d += 8)
-                    _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(yj, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(vl + d))),
-                                                              _mm256_loadu_ps(acc + d)));
-#endif
-                for (; d < dh; d++) acc[d] = fmaf(y[j], (float)vl[d], acc[d]);
-            }
-        }
-        const float inv = s_run == 0.0f ? 0.0f : 1.0f / s_run;
         float *o = A->out + r * dh;
-        for (int64_t d = 0; d < dh; d++) o[d] = acc[d] * inv;
+#if LANES_AVX2
+        if (dh == 64) attn_f32_values(kq, v + kh * dh, kv_row, n_kv, o, 64);
+        else if (dh == 128) attn_f32_values(kq, v + kh * dh, kv_row, n_kv, o, 128);
+        else
+#endif
+        attn_f32_values_any(kq, v + kh * dh, kv_row, n_kv, o, dh, acc);
     }
 }
 

@@ -610,6 +610,83 @@ static int32_t *q80_aoff(const int8_t *a, int64_t t, int64_t n_blocks, int qtype
     }
     return o;
 }
+// ---- Prompts with the weight rows across the lanes (Q8_0 family, Q6_K tiled, Q4_K gemm) -----
+// A tile of 16 weight rows is unpacked once a call into 4-byte groups across 16 lanes: vector s
+// holds elements 4s..4s+3 of each of the 16 rows, so dpbusd against 4 activation
+// bytes broadcast adds four products to each row's lane, and each lane ends holding one output's
+// integer sum (Q8_0 family: one of its eight lane sums): no horizontal sums, and the weight unpacked
+// once for every activation row. The float steps then run per lane in the order above (one lane,
+// one output), so the bits are the row kernels'. Taken from TILE_MIN_T activation rows, where the unpacking is paid back.
+#define TILE_MIN_T 20
+#define TILE_R 8                                       // activation rows a micro-step holds in registers
+
+static inline __m512i bcast4(const int8_t *p) {        // four activation bytes in every lane
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+// 32-element vectors of one row (elements in order) -> their 4-byte groups into the tile's lane j
+static inline void tile_scatter(const __m256i *v, int nv, uint8_t *q, int j) {
+    uint32_t g[64];
+    memcpy(g, v, (size_t)nv * 32);
+    uint32_t *dst = (uint32_t *)q + j;
+    for (int s = 0; s < nv * 8; s++) dst[16 * s] = g[s];
+}
+
+// Q8_0 / Q5_0: q [B][8][16][4] the unsigned quants (Q8_0: w + 128, Q5_0: w + 16), d [B][16]. Lane
+// l of a block is its own dpbusd from aoff (-offset * the activation's 4-sum) and its own chain of
+// fmas per output, acc_l = fma(d_w * d_a, lane, acc_l), all 16 rows in one vector; the
+// hsum_float_8 at the end is vertical adds between the eight lanes' vectors, in its order.
+#define Q80_TILE_R 2
+#define Q80_TILE_MIN_T 8                               // the unpacking is cheap here: from 8 rows
+
+static void q80_tile(const mm_args *m, int64_t n) {
+    const int qtype = m->qtype;
+    const int64_t nb = m->n_blocks, k = nb * 32, ldo = m->ldo, t = m->t, bb = qtype == 0 ? Q8_0_BYTES : Q5_0_BYTES;
+    uint8_t *q = scratch(2, (size_t)nb * (512 + 64));
+    if (!q) {
+        for (int j = 0; j < 16; j++) q80_row1(m, n + j, 0, t);
+        return;
+    }
+    float *dw = (float *)(q + nb * 512);
+    for (int j = 0; j < 16; j++) {
+        const uint8_t *wr = m->w + (n + j) * m->row_bytes;
+        for (int64_t b = 0; b < nb; b++) {
+            const __m256i v = q80_u256(wr + b * bb, qtype);
+            tile_scatter(&v, 1, q + b * 512, j);
+            dw[b * 16 + j] = f16_at(wr + b * bb);
+        }
+    }
+    for (int64_t r = 0; r < t; r += Q80_TILE_R) {
+        const int nr = t - r < Q80_TILE_R ? (int)(t - r) : Q80_TILE_R;
+        __m512 acc[Q80_TILE_R][8];
+        int64_t ri[Q80_TILE_R];
+        for (int i = 0; i < Q80_TILE_R; i++) {
+            ri[i] = r + (i < nr ? i : 0);
+            for (int l = 0; l < 8; l++) acc[i][l] = _mm512_setzero_ps();
+        }
+        for (int64_t b = 0; b < nb; b++) {
+            const __m512 dwv = _mm512_loadu_ps(dw + b * 16);
+            __m512i w[8];
+            for (int l = 0; l < 8; l++) w[l] = _mm512_loadu_si512((const void *)(q + b * 512 + 64 * l));
+            for (int i = 0; i < Q80_TILE_R; i++) {
+                const __m512 dd = _mm512_mul_ps(dwv, _mm512_set1_ps(m->da[ri[i] * nb + b]));
+                const int8_t *ab = m->a + ri[i] * k + 32 * b;
+                const int32_t *o = m->aoff + (ri[i] * nb + b) * 8;
+                for (int l = 0; l < 8; l++)
+                    acc[i][l] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_set1_epi32(o[l]), w[l],
+                                                                                           bcast4(ab + 4 * l))),
+                                                acc[i][l]);
+            }
+        }
+        for (int i = 0; i < nr; i++) {
+            const __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[i][0], acc[i][4]), _mm512_add_ps(acc[i][2], acc[i][6])),
+                                           _mm512_add_ps(_mm512_add_ps(acc[i][1], acc[i][5]), _mm512_add_ps(acc[i][3], acc[i][7])));
+            _mm512_storeu_ps(m->out + (r + i) * ldo + n, s);
+        }
+    }
+}
 #endif
 
 void q80_mm(const uint8_t *w, int qtype, int64_t n_rows, int64_t n_blocks, const int8_t *a, const float *da,
@@ -625,7 +702,8 @@ void q80_mm(const uint8_t *w, int qtype, int64_t n_rows, int64_t n_blocks, const
         m.row = q80_row1;
         m.row2 = t >= 4 ? q80_row2 : NULL;
     }
-    uint8_t *au = aoff && t >= 8 ? scratch(1, (size_t)(t * n_blocks * 32)) : NULL;
+    if (aoff && t >= Q80_TILE_MIN_T && n_rows >= 16) m.tile = q80_tile;
+    uint8_t *au = aoff && t >= 8 && (!m.tile || n_rows % 16) ? scratch(1, (size_t)(t * n_blocks * 32)) : NULL;
     if (au) {
         const __m512i flip = _mm512_set1_epi8((char)0x80);
         for (int64_t i = 0; i < t * n_blocks / 2; i++)
@@ -634,7 +712,8 @@ void q80_mm(const uint8_t *w, int qtype, int64_t n_rows, int64_t n_blocks, const
         m.au = au;
         m.row2 = q80_row2u;
     }
-    pool_run(mm_chunk, &m, n_rows, grain_for(n_rows, nth, 4) & ~(int64_t)1, nth);
+    pool_run(mm_chunk, &m, n_rows, m.tile ? (grain_for(n_rows, nth, 16) + 15) & ~(int64_t)15 : grain_for(n_rows, nth, 4) & ~(int64_t)1,
+             nth);
 #else
     pool_run(mm_chunk, &m, n_rows, grain_for(n_rows, nth, 4), nth);
 #endif
@@ -798,30 +877,6 @@ static void q6k_row_tiled(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
         }
         for (int i = 0; i < nr; i++) out[(rb + i) * ldo + n] = acc[i];
     }
-}
-
-// ---- Prompts with the weight rows across the lanes (Q6_K tiled, Q4_K gemm) -------------------
-// A tile of 16 weight rows is unpacked once a call into [Bs][64][16][4] bytes: vector s of a
-// super-block holds elements 4s..4s+3 of each of the 16 rows, so dpbusd against 4 activation
-// bytes broadcast adds four products to each row's lane, and each lane ends holding one output's
-// integer sum: no horizontal sums, and the weight unpacked once for every activation row. The
-// float steps then run per lane in the order above (one lane, one output), so the bits are
-// the row kernels'. Taken from TILE_MIN_T activation rows, where the unpacking is paid back.
-#define TILE_MIN_T 20
-#define TILE_R 8                                       // activation rows a micro-step holds in registers
-
-static inline __m512i bcast4(const int8_t *p) {        // four activation bytes in every lane
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm512_set1_epi32(v);
-}
-
-// 32-element vectors of one row (elements in order) -> their 4-byte groups into the tile's lane j
-static inline void tile_scatter(const __m256i *v, int nv, uint8_t *q, int j) {
-    uint32_t g[64];
-    memcpy(g, v, (size_t)nv * 32);
-    uint32_t *dst = (uint32_t *)q + j;
-    for (int s = 0; s < nv * 8; s++) dst[16 * s] = g[s];
 }
 
 // Q6_K: q [Bs][64][16][4] unsigned quants, sc [Bs][16 sub-blocks][16] int32 scales, d [Bs][16].

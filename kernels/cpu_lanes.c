@@ -438,7 +438,8 @@ static inline void store_pair(float *o0, float *o1, __m512 acc) {
     accv = _mm512_fmadd_ps(_mm512_mul_ps(sw, _mm512_set1_ps(da[ri * n_blocks + b])),                            \
                            _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(o, u, av)), accv); }
 
-static void q80_row2(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
+// R activation rows (a constant, 1..8) share each decoded pair
+static inline __attribute__((always_inline)) void q80_pair_rows(const mm_args *m, int64_t n, int64_t r, const int R) {
     const int qtype = m->qtype;
     const int64_t n_blocks = m->n_blocks, ldo = m->ldo, k = n_blocks * 32;
     const int64_t bb = qtype == 0 ? Q8_0_BYTES : Q5_0_BYTES;
@@ -446,44 +447,32 @@ static void q80_row2(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
     const int8_t *a = m->a;
     const int32_t *aoff = m->aoff;
     const float *da = m->da;
-    float *out = m->out;
-    int64_t r = r0;
-    for (; r + 8 <= r1; r += 8) {                      // eight activation rows share each decoded pair
-        __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-        __m512 acc4 = acc0, acc5 = acc0, acc6 = acc0, acc7 = acc0;
-        for (int64_t b = 0; b < n_blocks; b++) {
-            const uint8_t *x0 = w0 + b * bb, *x1 = w1 + b * bb;
-            const __m512i u = q80_pair_u(x0, x1, qtype);
-            const __m512 sw = _mm512_insertf32x8(_mm512_set1_ps(f16_at(x0)), _mm256_set1_ps(f16_at(x1)), 1);
-            Q80_STEP(0, acc0) Q80_STEP(1, acc1) Q80_STEP(2, acc2) Q80_STEP(3, acc3)
-            Q80_STEP(4, acc4) Q80_STEP(5, acc5) Q80_STEP(6, acc6) Q80_STEP(7, acc7)
-        }
-        const __m512 accs[8] = {acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7};
-        for (int i = 0; i < 8; i++) store_pair(out + (r + i) * ldo + n, out + (r + i) * ldo + n + 1, accs[i]);
+    __m512 acc[8];
+    for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < n_blocks; b++) {
+        const uint8_t *x0 = w0 + b * bb, *x1 = w1 + b * bb;
+        const __m512i u = q80_pair_u(x0, x1, qtype);
+        const __m512 sw = _mm512_insertf32x8(_mm512_set1_ps(f16_at(x0)), _mm256_set1_ps(f16_at(x1)), 1);
+        for (int i = 0; i < R; i++) Q80_STEP(i, acc[i])
     }
-    for (; r + 4 <= r1; r += 4) {
-        __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-        for (int64_t b = 0; b < n_blocks; b++) {
-            const uint8_t *x0 = w0 + b * bb, *x1 = w1 + b * bb;
-            const __m512i u = q80_pair_u(x0, x1, qtype);
-            const __m512 sw = _mm512_insertf32x8(_mm512_set1_ps(f16_at(x0)), _mm256_set1_ps(f16_at(x1)), 1);
-            Q80_STEP(0, acc0) Q80_STEP(1, acc1) Q80_STEP(2, acc2) Q80_STEP(3, acc3)
-        }
-        store_pair(out + (r + 0) * ldo + n, out + (r + 0) * ldo + n + 1, acc0);
-        store_pair(out + (r + 1) * ldo + n, out + (r + 1) * ldo + n + 1, acc1);
-        store_pair(out + (r + 2) * ldo + n, out + (r + 2) * ldo + n + 1, acc2);
-        store_pair(out + (r + 3) * ldo + n, out + (r + 3) * ldo + n + 1, acc3);
-    }
-    for (; r < r1; r++) {
-        __m512 acc0 = _mm512_setzero_ps();
-        for (int64_t b = 0; b < n_blocks; b++) {
-            const uint8_t *x0 = w0 + b * bb, *x1 = w1 + b * bb;
-            const __m512i u = q80_pair_u(x0, x1, qtype);
-            const __m512 sw = _mm512_insertf32x8(_mm512_set1_ps(f16_at(x0)), _mm256_set1_ps(f16_at(x1)), 1);
-            Q80_STEP(0, acc0)
-        }
 #undef Q80_STEP
-        store_pair(out + r * ldo + n, out + r * ldo + n + 1, acc0);
+    for (int i = 0; i < R; i++) store_pair(m->out + (r + i) * ldo + n, m->out + (r + i) * ldo + n + 1, acc[i]);
+}
+
+static void q80_row2(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1;) {
+        const int64_t R = r1 - r < 8 ? r1 - r : 8;
+        switch (R) {
+        case 8: q80_pair_rows(m, n, r, 8); break;
+        case 7: q80_pair_rows(m, n, r, 7); break;
+        case 6: q80_pair_rows(m, n, r, 6); break;
+        case 5: q80_pair_rows(m, n, r, 5); break;
+        case 4: q80_pair_rows(m, n, r, 4); break;
+        case 3: q80_pair_rows(m, n, r, 3); break;
+        case 2: q80_pair_rows(m, n, r, 2); break;
+        default: q80_pair_rows(m, n, r, 1); break;
+        }
+        r += R;
     }
 }
 
@@ -694,13 +683,13 @@ void q80_mm(const uint8_t *w, int qtype, int64_t n_rows, int64_t n_blocks, const
     mm_args m = {.w = w, .row_bytes = n_blocks * (qtype == 0 ? Q8_0_BYTES : Q5_0_BYTES), .n_blocks = n_blocks,
                  .t = t, .ldo = ldo, .qtype = qtype, .a = a, .da = da, .out = out, .row = q80_row};
 #if LANES_512
-    // two weight rows a vector from 4 activation rows (prompts); fewer (decode) read the weight
+    // two weight rows a vector from 2 activation rows (several slots' decode rows); one row reads the weight
     // faster one row at a time
     int32_t *aoff = q80_aoff(a, t, n_blocks, qtype);
     if (aoff) {
         m.aoff = aoff;
         m.row = q80_row1;
-        m.row2 = t >= 4 ? q80_row2 : NULL;
+        m.row2 = t >= 2 ? q80_row2 : NULL;
     }
     if (aoff && t >= Q80_TILE_MIN_T && n_rows >= 16) m.tile = q80_tile;
     uint8_t *au = aoff && t >= 8 && (!m.tile || n_rows % 16) ? scratch(1, (size_t)(t * n_blocks * 32)) : NULL;
@@ -767,38 +756,50 @@ static void q6k_row(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
     const int16_t *bsums = m->bsums;
     float *out = m->out;
     const int64_t k = n_super * 256;
+#if LANES_AVX2
+    for (int64_t rb = r0; rb < r1; rb += 4) {          // up to four activation rows share each unpacked block
+        const int nr = r1 - rb < 4 ? (int)(r1 - rb) : 4;
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        __m256 acc8[4];
+        for (int i = 0; i < 4; i++) acc8[i] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < n_super; b++) {
+            const uint8_t *blk = wr + b * Q6_K_BYTES;
+            const int8_t *sb = (const int8_t *)(blk + 192);
+            const float dw = f16_at(blk + 208);
+            __m256i q[8], s16[8];
+            q6k_vecs(blk, q);
+            for (int c = 0; c < 8; c++)                // c = 4j + k: 32 elements, scales 2c, 2c + 1
+                s16[c] = _mm256_set_m128i(_mm_set1_epi16(sb[2 * c + 1]), _mm_set1_epi16(sb[2 * c]));
+            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sb));
+            for (int i = 0; i < nr; i++) {
+                const int64_t r = rb + i;
+                const int8_t *ab = a + r * k + 256 * b;
+                __m256i lanes = _mm256_setzero_si256();
+                for (int c = 0; c < 8; c++) {
+                    const __m256i p = _mm256_maddubs_epi16(q[c], _mm256_loadu_si256((const __m256i *)(ab + 32 * c)));
+                    lanes = _mm256_add_epi32(lanes, _mm256_madd_epi16(p, s16[c]));
+                }
+                const __m256i corr = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(bsums + r * n_super * 16 + 16 * b)));
+                lanes = _mm256_sub_epi32(lanes, _mm256_slli_epi32(corr, 5));
+                if (tiled)
+                    acc[i] = fmaf((float)hsum_epi32(lanes) * dw, da[r * n_super + b], acc[i]);
+                else
+                    acc8[i] = _mm256_fmadd_ps(_mm256_set1_ps(da[r * n_super + b] * dw), _mm256_cvtepi32_ps(lanes), acc8[i]);
+            }
+        }
+        for (int i = 0; i < nr; i++) out[(rb + i) * ldo + n] = tiled ? acc[i] : hsum8_ps(acc8[i]);
+    }
+#else
     for (int64_t r = r0; r < r1; r++) {
         const int8_t *ar = a + r * k;
         const float *dar = da + r * n_super;
         const int16_t *bsr = bsums + r * n_super * 16;
-        float acc = 0.0f;
-#if LANES_AVX2
-        __m256 acc8 = _mm256_setzero_ps();
-#else
-        float acc8[8] = {0};
-#endif
+        float acc = 0.0f, acc8[8] = {0};
         for (int64_t b = 0; b < n_super; b++) {
             const uint8_t *blk = wr + b * Q6_K_BYTES;
             const int8_t *sb = (const int8_t *)(blk + 192);
             const int16_t *bs = bsr + 16 * b;
             const float dw = f16_at(blk + 208);
-#if LANES_AVX2
-            __m256i q[8];
-            q6k_vecs(blk, q);
-            __m256i lanes = _mm256_setzero_si256();
-            for (int c = 0; c < 8; c++) {              // c = 4j + k: 32 elements, scales 2c, 2c + 1
-                const __m256i s16 = _mm256_set_m128i(_mm_set1_epi16(sb[2 * c + 1]), _mm_set1_epi16(sb[2 * c]));
-                const __m256i p = _mm256_maddubs_epi16(q[c], _mm256_loadu_si256((const __m256i *)(ar + 256 * b + 32 * c)));
-                lanes = _mm256_add_epi32(lanes, _mm256_madd_epi16(p, s16));
-            }
-            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sb));
-            const __m256i corr = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)bs));
-            lanes = _mm256_sub_epi32(lanes, _mm256_slli_epi32(corr, 5));
-            if (tiled)
-                acc = fmaf((float)hsum_epi32(lanes) * dw, dar[b], acc);
-            else
-                acc8 = _mm256_fmadd_ps(_mm256_set1_ps(dar[b] * dw), _mm256_cvtepi32_ps(lanes), acc8);
-#else
             uint8_t q[256];
             q6k_ints(blk, q);
             const int8_t *ab = ar + 256 * b;
@@ -820,14 +821,10 @@ static void q6k_row(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
                 const float dd = dar[b] * dw;
                 for (int l = 0; l < 8; l++) acc8[l] = fmaf(dd, (float)lanes[l], acc8[l]);
             }
-#endif
         }
-#if LANES_AVX2
-        out[r * ldo + n] = tiled ? acc : hsum8_ps(acc8);
-#else
         out[r * ldo + n] = tiled ? acc : hsum8(acc8);
-#endif
     }
+#endif
 }
 
 #if LANES_512
@@ -1671,14 +1668,19 @@ void rope_neox(float *x, int64_t t, int64_t h, int64_t dh, int64_t n_rot, const 
         }
 }
 
-// ---- one decode token through a dense attention + SwiGLU layer, in one call ------------------
-// The same kernels, in the same order, as the numpy backend's ops for one row (layers.attention
-// then layers.swiglu_ffn): RMSNorm; Q, K, V products of one quantized input (+ biases); NEOX RoPE
-// of q and k; k, v rounded to F16 into the cache at `pos`; attention over positions 0..pos (the
-// one-chunk F16 path); the O product + the residual; RMSNorm; gate and up of one quantized input;
-// swiglu; down + the residual. Only the Python between the kernels is gone (a decode layer was
-// about 15 ctypes calls; now every layer of a token is one). Weight types: 8 Q8_0, 6 Q5_0, 12 Q4_K (rows in eights), 14 Q6_K.
+// ---- the decode rows of every busy slot through dense attention + SwiGLU layers, in one call ----
+// The same kernels, in the same order, as the numpy backend's ops for T rows, each row its own
+// slot's next position (layers.attention then layers.swiglu_ffn): RMSNorm; Q, K, V products of one
+// quantized input (+ biases); NEOX RoPE of q and k at each row's position; each row's k, v rounded
+// to F16 into its slot at its position and its attention over that slot's positions 0..pos (the
+// one-chunk F16 path, a call per row as the ops' spans); the O product + the residual; RMSNorm; gate
+// and up of one quantized input; swiglu; down + the residual. The products take all T rows at once
+// (each weight read once for every slot), in the kernels' order for T rows: Q4_K's gemm rows
+// t - t % 4 (formats: _q4_K_gemm_rows), Q6_K tiled from 8 rows (k_quants.TILED_MIN_T). Only the
+// Python between the kernels is gone (a decode layer was about 15 ctypes calls; now every layer of a
+// step is one). Weight types: 8 Q8_0, 6 Q5_0, 12 Q4_K (rows in eights), 14 Q6_K.
 enum { DL_Q, DL_K, DL_V, DL_O, DL_GATE, DL_UP, DL_DOWN, DL_N };
+#define DL_Q6K_TILED_MIN_T 8                           // k_quants.TILED_MIN_T
 
 typedef struct {
     const float *attn_norm, *ffn_norm;
@@ -1689,76 +1691,101 @@ typedef struct {
 } dlayer_t;
 
 typedef struct {
-    int64_t n_embd, n_head, n_head_kv, head_dim, n_rot, n_ff, pos;
-    int64_t kv_slot;                                   // the slot's offset from kc, vc: slot * n_ctx * Hkv * Dh
+    int64_t n_embd, n_head, n_head_kv, head_dim, n_rot, n_ff, n_rows;
+    const int64_t *pos;                                // [n_rows] each row's position
+    const int64_t *kv_slot;                            // [n_rows] its slot's offset from kc, vc: slot * n_ctx * Hkv * Dh
     float eps, scale;
-    const float *cos, *sin;                            // [n_rot/2] at pos
+    const float *cos, *sin;                            // [n_rows, n_rot/2] at each row's position
     int nth;
 } dstep_t;
 
-typedef struct {                                       // one input quantized for its products
-    const float *x;
-    int64_t k;
-    int bad, have_q80, have_q8k;
+typedef struct {                                       // one input [t, k] quantized for its products
+    const float *x;                                    // the input, its non-finite rows zeroed (formats.CAct)
+    int64_t t, k, q8k_gemm;                            // q8k_gemm: the t_gemm the Q8_K form was made with, or -1
+    int n_bad, have_q80;
+    const uint8_t *bad;                                // [t] rows whose outputs are NaN
     int8_t *q;
     float *d;
     int16_t *bsums;
+    uint8_t *wins;                                     // [t] scratch: quant_q8_K's tie rule per row
 } dact_t;
 
-static int dact_init(dact_t *a, const float *x, int64_t k, int8_t *q, float *d, int16_t *bsums) {
+typedef struct {                                       // decode_layers' scratch, sized once a call
+    float *xz;
+    uint8_t *bad, *wins;
+    int8_t *q;
+    float *d;
+    int16_t *bsums;
+} dscratch_t;
+
+static void dact_init(dact_t *a, const float *x, int64_t t, int64_t k, const dscratch_t *sc) {
+    uint8_t *bad = sc->bad;
     a->x = x;
+    a->t = t;
     a->k = k;
-    a->bad = 0;
-    a->have_q80 = a->have_q8k = 0;
-    a->q = q;
-    a->d = d;
-    a->bsums = bsums;
-    for (int64_t i = 0; i < k; i++)
-        if (!isfinite(x[i])) a->bad = 1;               // formats.CAct: the whole output is NaN
-    return a->bad;
+    a->q8k_gemm = -1;
+    a->have_q80 = 0;
+    a->n_bad = 0;
+    a->bad = bad;
+    a->q = sc->q;
+    a->d = sc->d;
+    a->bsums = sc->bsums;
+    a->wins = sc->wins;
+    for (int64_t r = 0; r < t; r++) {
+        bad[r] = 0;
+        for (int64_t i = 0; i < k; i++)
+            if (!isfinite(x[r * k + i])) bad[r] = 1;
+        a->n_bad += bad[r];
+    }
+    if (a->n_bad) {                                    // formats.CAct: such a row's output is NaN
+        for (int64_t r = 0; r < t; r++)
+            for (int64_t i = 0; i < k; i++) sc->xz[r * k + i] = bad[r] ? 0.0f : x[r * k + i];
+        a->x = sc->xz;
+    }
 }
 
-// out [n_rows] = x @ w^T, as formats.dot_c for one row; threads as formats.c_threads
+// out [t, n_rows] = x @ w^T, as formats.dot_c for t rows; threads as formats.c_threads
 static void dprod(dact_t *a, const uint8_t *w, int64_t type, int64_t n_rows, float *out, int nth) {
-    const int64_t k = a->k;
-    if (a->bad) {
-        for (int64_t i = 0; i < n_rows; i++) out[i] = NAN;
-        return;
-    }
-    const int n_threads = n_rows * k >= (1 << 16) ? nth : 1;
+    const int64_t k = a->k, t = a->t;
+    const int n_threads = t * n_rows * k >= (1 << 16) ? nth : 1;
     if (type == 8 || type == 6) {
         if (!a->have_q80) {
-            quant_q8_0(a->x, 1, k, a->q, a->d);
+            quant_q8_0(a->x, t, k, a->q, a->d);
             a->have_q80 = 1;
-            a->have_q8k = 0;
+            a->q8k_gemm = -1;
         }
-        q80_mm(w, type == 8 ? 0 : 1, n_rows, k / 32, a->q, a->d, 1, out, n_rows, n_threads);
+        q80_mm(w, type == 8 ? 0 : 1, n_rows, k / 32, a->q, a->d, t, out, n_rows, n_threads);
     } else {
-        if (!a->have_q8k) {
-            const uint8_t wins = 0;                    // one row: the gemv's tie rule (t_gemm 0)
-            quant_q8_K(a->x, 1, k, &wins, a->q, a->d, a->bsums);
-            a->have_q8k = 1;
+        const int64_t t_gemm = type == 12 ? t - t % 4 : 0;
+        if (a->q8k_gemm != t_gemm) {
+            for (int64_t r = 0; r < t; r++) a->wins[r] = r < t_gemm;
+            quant_q8_K(a->x, t, k, a->wins, a->q, a->d, a->bsums);
+            a->q8k_gemm = t_gemm;
             a->have_q80 = 0;
         }
         if (type == 14)
-            q6k_mm(w, n_rows, k / 256, a->q, a->d, a->bsums, 1, 0, out, n_rows, n_threads);
+            q6k_mm(w, n_rows, k / 256, a->q, a->d, a->bsums, t, t >= DL_Q6K_TILED_MIN_T, out, n_rows, n_threads);
         else
-            q4k_mm(w, n_rows, k / 256, a->q, a->d, a->bsums, 1, 0, out, n_rows, n_threads);
+            q4k_mm(w, n_rows, k / 256, a->q, a->d, a->bsums, t, t_gemm, out, n_rows, n_threads);
     }
+    if (a->n_bad)
+        for (int64_t r = 0; r < t; r++)
+            if (a->bad[r])
+                for (int64_t i = 0; i < n_rows; i++) out[r * n_rows + i] = NAN;
 }
 
-// one layer over x [n_embd] in place; buf, q8, bs: scratch of decode_layers' sizes
-static void decode_layer(const dlayer_t *L, const dstep_t *S, float *x, float *buf, int8_t *q8, int16_t *bs) {
-    const int64_t D = S->n_embd, H = S->n_head, Hkv = S->n_head_kv, Dh = S->head_dim, F = S->n_ff;
+// one layer over x [T, n_embd] in place; buf: scratch of decode_layers' size
+static void decode_layer(const dlayer_t *L, const dstep_t *S, float *x, float *buf, const dscratch_t *sc) {
+    const int64_t D = S->n_embd, H = S->n_head, Hkv = S->n_head_kv, Dh = S->head_dim, F = S->n_ff, T = S->n_rows;
     const int64_t nq = H * Dh, nkv = Hkv * Dh;
-    float *h = buf, *q = h + D, *k = q + nq, *v = k + nkv, *att = v + nkv, *y = att + nq;
-    float *g = y + D, *u = g + F, *s = u + F, *dq = s + F;
+    float *h = buf, *q = h + T * D, *k = q + T * nq, *v = k + T * nkv, *att = v + T * nkv, *y = att + T * nq;
+    float *g = y + T * D, *u = g + T * F, *s = u + T * F;
     const int nth = S->nth;
     dact_t a;
 
     // attention half
-    rms_norm(x, L->attn_norm, h, 1, D, S->eps);
-    dact_init(&a, h, D, q8, dq, bs);
+    rms_norm(x, L->attn_norm, h, T, D, S->eps);
+    dact_init(&a, h, T, D, sc);
     dprod(&a, L->w[DL_Q], L->wtype[DL_Q], nq, q, nth);
     dprod(&a, L->w[DL_K], L->wtype[DL_K], nkv, k, nth);
     dprod(&a, L->w[DL_V], L->wtype[DL_V], nkv, v, nth);
@@ -1766,47 +1793,57 @@ static void decode_layer(const dlayer_t *L, const dstep_t *S, float *x, float *b
     const int64_t nqkv[3] = {nq, nkv, nkv};
     for (int i = 0; i < 3; i++)
         if (L->bias[i])
-            for (int64_t j = 0; j < nqkv[i]; j++) qkv[i][j] = qkv[i][j] + L->bias[i][j];
-    rope_neox(q, 1, H, Dh, S->n_rot, S->cos, S->sin);
-    rope_neox(k, 1, Hkv, Dh, S->n_rot, S->cos, S->sin);
-    f16 *k0 = L->kc + S->kv_slot, *v0 = L->vc + S->kv_slot;   // the slot's position 0
-    f16 *kc = k0 + S->pos * nkv, *vc = v0 + S->pos * nkv;
-    for (int64_t j = 0; j < nkv; j++) {
-        kc[j] = (f16)k[j];
-        vc[j] = (f16)v[j];
+            for (int64_t r = 0; r < T; r++)
+                for (int64_t j = 0; j < nqkv[i]; j++) qkv[i][r * nqkv[i] + j] = qkv[i][r * nqkv[i] + j] + L->bias[i][j];
+    rope_neox(q, T, H, Dh, S->n_rot, S->cos, S->sin);
+    rope_neox(k, T, Hkv, Dh, S->n_rot, S->cos, S->sin);
+    for (int64_t r = 0; r < T; r++) {                  // each row: its slot, its position
+        f16 *k0 = L->kc + S->kv_slot[r], *v0 = L->vc + S->kv_slot[r];
+        f16 *kc = k0 + S->pos[r] * nkv, *vc = v0 + S->pos[r] * nkv;
+        for (int64_t j = 0; j < nkv; j++) {
+            kc[j] = (f16)k[r * nkv + j];
+            vc[j] = (f16)v[r * nkv + j];
+        }
+        attn_f16(q + r * nq, k0, v0, H, Hkv, Dh, S->pos[r], S->scale, att + r * nq, H, H > 1 ? nth : 1);
     }
-    attn_f16(q, k0, v0, H, Hkv, Dh, S->pos, S->scale, att, H, H > 1 ? nth : 1);
-    dact_init(&a, att, nq, q8, dq, bs);
+    dact_init(&a, att, T, nq, sc);
     dprod(&a, L->w[DL_O], L->wtype[DL_O], D, y, nth);
-    for (int64_t j = 0; j < D; j++) x[j] = y[j] + x[j];
+    for (int64_t j = 0; j < T * D; j++) x[j] = y[j] + x[j];
 
     // FFN half
-    rms_norm(x, L->ffn_norm, h, 1, D, S->eps);
-    dact_init(&a, h, D, q8, dq, bs);
+    rms_norm(x, L->ffn_norm, h, T, D, S->eps);
+    dact_init(&a, h, T, D, sc);
     dprod(&a, L->w[DL_GATE], L->wtype[DL_GATE], F, g, nth);
     dprod(&a, L->w[DL_UP], L->wtype[DL_UP], F, u, nth);
-    swiglu(g, u, s, F, 1, nth);
-    dact_init(&a, s, F, q8, dq, bs);
+    swiglu(g, u, s, F, T, nth);
+    dact_init(&a, s, T, F, sc);
     dprod(&a, L->w[DL_DOWN], L->wtype[DL_DOWN], D, y, nth);
-    for (int64_t j = 0; j < D; j++) x[j] = y[j] + x[j];
+    for (int64_t j = 0; j < T * D; j++) x[j] = y[j] + x[j];
 }
 
-// layers 0..n_layer of L over x [n_embd] in place, one after another. Returns 0, or -1 where
-// the scratch could not be allocated (x untouched).
+// layers 0..n_layer of L over x [n_rows, n_embd] in place, one after another. Returns 0, or -1
+// where the scratch could not be allocated (x untouched).
 int decode_layers(const dlayer_t *L, int64_t n_layer, const dstep_t *S, float *x) {
     const int64_t D = S->n_embd, nq = S->n_head * S->head_dim, nkv = S->n_head_kv * S->head_dim, F = S->n_ff;
+    const int64_t T = S->n_rows;
     int64_t kmax = F > D ? F : D;
     kmax = kmax > nq ? kmax : nq;
-    float *buf = malloc(sizeof(float) * (size_t)(D + nq + 2 * nkv + nq + D + 3 * F + kmax / 32 + kmax / 256 + 1));
-    int8_t *q8 = malloc((size_t)kmax);
-    int16_t *bs = malloc(sizeof(int16_t) * (size_t)(kmax / 16 + 1));
+    float *buf = malloc(sizeof(float) * (size_t)(T * (D + nq + 2 * nkv + nq + D + 3 * F)));
+    dscratch_t sc = {.xz = malloc(sizeof(float) * (size_t)(T * kmax)), .bad = malloc((size_t)T),
+                     .wins = malloc((size_t)T), .q = malloc((size_t)(T * kmax)),
+                     .d = malloc(sizeof(float) * (size_t)(T * (kmax / 32 + 1))),
+                     .bsums = malloc(sizeof(int16_t) * (size_t)(T * (kmax / 16 + 1)))};
     int rc = -1;
-    if (buf && q8 && bs) {
-        for (int64_t il = 0; il < n_layer; il++) decode_layer(L + il, S, x, buf, q8, bs);
+    if (buf && sc.xz && sc.bad && sc.wins && sc.q && sc.d && sc.bsums) {
+        for (int64_t il = 0; il < n_layer; il++) decode_layer(L + il, S, x, buf, &sc);
         rc = 0;
     }
     free(buf);
-    free(q8);
-    free(bs);
+    free(sc.xz);
+    free(sc.bad);
+    free(sc.wins);
+    free(sc.q);
+    free(sc.d);
+    free(sc.bsums);
     return rc;
 }

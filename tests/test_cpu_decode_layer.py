@@ -71,3 +71,62 @@ def test_decode_layer_non_finite_input_as_op_by_op(qwen2_blocks):
     assert np.isnan(a[6]).all() and np.isnan(a[-2]).all() and not np.isnan(a[-1]).any()
     assert np.array_equal(np.isnan(a), np.isnan(b))
     assert np.array_equal(a[~np.isnan(a)].view(np.uint32), b[~np.isnan(b)].view(np.uint32))
+
+
+ROWS_A_STEP = (2, 4, 5, 8, 9, 3, 1)     # the rows of each step: Q4_K's gemm rows (t - t % 4) and Q6_K's
+                                        # tiled path (from 8) change with the count
+
+
+def _run_batched(path, fused: bool, poison_row: int | None = None):
+    """Steps of several decode rows at once, one row a slot, each slot at its own depth."""
+    from bloomery.engine.loader import load_model
+    from bloomery.placement import whole
+    n_slots = max(ROWS_A_STEP)
+    m = load_model(str(path), whole("numpy", n_slots=n_slots, n_ctx_slot=64))
+    calls = []
+    inner = m.ops.decode_layers
+    def counted(*a):
+        y = inner(*a) if fused else None
+        calls.append(y is not None)
+        return y
+    m.ops.decode_layers = counted
+    rng = np.random.default_rng(5)
+    depth = [3 + 2 * s for s in range(n_slots)]
+    for slot in range(n_slots):
+        m.prefill(slot, rng.integers(0, 1000, depth[slot]).astype(np.int32), 0)
+    if poison_row is not None:                                        # one row's embedding all inf
+        embed = m.embed
+        def poisoned(ids):
+            e = np.array(embed(ids))
+            if len(ids) > poison_row:
+                e[poison_row] = np.inf
+            return e
+        m.embed = poisoned
+    toks, out = [7] * n_slots, []
+    calls.clear()                                                     # the prompts' passes are not decode steps
+    for b in ROWS_A_STEP:
+        slots = list(range(n_slots - b, n_slots))                    # a different set of slots each time
+        lg = m.decode(slots, [toks[s] for s in slots], [depth[s] for s in slots])
+        for s, row in zip(slots, lg):
+            out.append(np.array(row, np.float32))
+            toks[s] = int(np.nanargmax(row)) if np.isfinite(row).any() else 0
+            depth[s] += 1
+    return np.stack(out), m.cache.k.copy(), m.cache.v.copy(), calls
+
+
+def test_decode_rows_of_several_slots_in_one_call_bit_equal(qwen2_blocks):
+    a_logits, a_k, a_v, calls = _run_batched(qwen2_blocks, fused=True)
+    b_logits, b_k, b_v, _ = _run_batched(qwen2_blocks, fused=False)
+    assert calls == [True] * len(ROWS_A_STEP)                         # one call a step, whatever its rows
+    assert np.array_equal(a_logits.view(np.uint32), b_logits.view(np.uint32))
+    assert np.array_equal(a_k.view(np.uint16), b_k.view(np.uint16))
+    assert np.array_equal(a_v.view(np.uint16), b_v.view(np.uint16))
+
+
+def test_one_non_finite_row_of_a_step_as_op_by_op(qwen2_blocks):
+    """Row 1 of each step inf: that row's logits NaN, the others' as the op-by-op path's."""
+    a = _run_batched(qwen2_blocks, fused=True, poison_row=1)[0]
+    b = _run_batched(qwen2_blocks, fused=False, poison_row=1)[0]
+    assert np.isnan(a).any() and not np.isnan(a).all()
+    assert np.array_equal(np.isnan(a), np.isnan(b))
+    assert np.array_equal(a[~np.isnan(a)].view(np.uint32), b[~np.isnan(b)].view(np.uint32))

@@ -172,7 +172,7 @@ class _DecodePlan:
         self.hp, self.cache, self.descs, self.keep = hp, m.cache, descs, keep   # keep: what the pointers point into
         self.n_layer = len(descs)
         self.step = cpu_kernels.DStep(n_embd=hp.n_embd, n_head=hp.n_head, n_head_kv=hp.n_head_kv,
-                                      head_dim=hp.head_dim, n_rot=hp.n_rot, n_ff=hp.n_ff, pos=0, kv_slot=0,
+                                      head_dim=hp.head_dim, n_rot=hp.n_rot, n_ff=hp.n_ff, n_rows=0,
                                       eps=float(np.float32(hp.rms_eps)), scale=float(np.float32(m.kq_scale)),
                                       nth=threads.N_THREADS)
         self.slot_elems = m.cache.k.strides[1] // m.cache.k.itemsize
@@ -225,11 +225,15 @@ class _DecodePlan:
             desc.vc = cache.v[kv, 0].ctypes.data
         return cls(m, descs, keep)
 
-    def run(self, lib, slot: int, pos: int, x: np.ndarray) -> np.ndarray:
+    def run(self, lib, slots: np.ndarray, positions: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """x [T, D]: row r is the next position positions[r] of slot slots[r] (distinct slots)."""
         hp, step = self.hp, self.step
-        cos, sin = rope_table(np.array([pos], np.int32), hp.n_rot, hp.freq_base)   # [1, n_rot/2]
-        step.pos, step.kv_slot, step.cos, step.sin = pos, slot * self.slot_elems, cos.ctypes.data, sin.ctypes.data
-        out = np.array(x, dtype=np.float32, order="C")                 # [1, D], through the layers in place
+        pos = np.ascontiguousarray(positions, dtype=np.int64)
+        kv_slot = np.ascontiguousarray(slots, dtype=np.int64) * self.slot_elems
+        cos, sin = rope_table(pos.astype(np.int32), hp.n_rot, hp.freq_base)   # [T, n_rot/2]
+        step.n_rows, step.pos, step.kv_slot = len(pos), pos.ctypes.data, kv_slot.ctypes.data
+        step.cos, step.sin = cos.ctypes.data, sin.ctypes.data
+        out = np.array(x, dtype=np.float32, order="C")                 # [T, D], through the layers in place
         if lib.decode_layers(ctypes.addressof(self.descs), self.n_layer, ctypes.byref(step), out.ctypes.data) != 0:
             raise MemoryError("decode_layers could not allocate its scratch")
         return out
@@ -496,15 +500,16 @@ class NumpyOps:
 
     # --- one decode row through every dense layer ---
     def decode_layers(self, m, x, rows: Rows):
-        """layers.attention then layers.swiglu_ffn over every layer for one row, in one compiled
-        call (the same kernels in the same order: the same bits), or None where that call does not
-        take this step (several rows, a layer or weight it lacks, the numpy kernels) and the ops
-        run one by one."""
+        """layers.attention then layers.swiglu_ffn over every layer for the decode rows of a step,
+        one row a slot (each the next position of its own), in one compiled call (the same kernels
+        in the same order as the ops for these rows: the same bits), or None where that call does
+        not take this step (a prompt's rows, a layer or weight it lacks, the numpy kernels) and the
+        ops run one by one."""
         lib = cpu_kernels.lib()
-        if lib is None or len(rows.spans) != 1:
+        if lib is None or not rows.spans:
             return None
         x = _f32(x)
-        if x.ndim != 2 or x.shape[0] != 1:
+        if x.ndim != 2 or x.shape[0] != len(rows.spans):
             return None
         plan = self._decode_plans.get(m, False)
         if plan is False:
@@ -512,11 +517,15 @@ class NumpyOps:
             self._decode_plans[m] = plan
         if plan is None:
             return None
-        sp = rows.spans[0]
-        if not (0 <= sp.slot < m.cache.n_slots and 0 <= sp.pos0 < m.cache.n_ctx_slot
-                and sp.row1 - sp.row0 == 1 and int(np.asarray(rows.positions).reshape(-1)[0]) == sp.pos0):
-            return None                                                 # the op-by-op path names the problem
-        return plan.run(lib, sp.slot, sp.pos0, x)
+        positions = np.asarray(rows.positions).reshape(-1)
+        slots = [sp.slot for sp in rows.spans]
+        if len(set(slots)) != len(slots) or len(positions) != len(slots):
+            return None
+        for r, sp in enumerate(rows.spans):
+            if not (0 <= sp.slot < m.cache.n_slots and 0 <= sp.pos0 < m.cache.n_ctx_slot
+                    and (sp.row0, sp.row1) == (r, r + 1) and int(positions[r]) == sp.pos0):
+                return None                                             # the op-by-op path names the problem
+        return plan.run(lib, np.array(slots, np.int64), np.array([sp.pos0 for sp in rows.spans], np.int64), x)
 
     # --- attention ---
     def kv_cache(self, n_layer: int, n_slots: int, n_ctx_slot: int, n_head_kv: int, head_dim: int) -> KVCache:

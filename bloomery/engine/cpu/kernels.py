@@ -128,10 +128,12 @@ class DLayer(ctypes.Structure):
 
 
 class DStep(ctypes.Structure):
-    """kernels/cpu_lanes.c dstep_t: the shape and position of one decode token."""
+    """kernels/cpu_lanes.c dstep_t: the shape of a decode step and its rows' positions and slots
+    (pos, kv_slot: [n_rows] int64; cos, sin: [n_rows, n_rot / 2] f32)."""
     _fields_ = [("n_embd", ctypes.c_int64), ("n_head", ctypes.c_int64), ("n_head_kv", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("n_rot", ctypes.c_int64), ("n_ff", ctypes.c_int64),
-                ("pos", ctypes.c_int64), ("kv_slot", ctypes.c_int64), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("n_rows", ctypes.c_int64), ("pos", ctypes.c_void_p), ("kv_slot", ctypes.c_void_p),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float),
                 ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("nth", ctypes.c_int)]
 
 

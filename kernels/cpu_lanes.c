@@ -1744,8 +1744,9 @@ static void dact_init(dact_t *a, const float *x, int64_t t, int64_t k, const dsc
     }
 }
 
-// out [t, n_rows] = x @ w^T, as formats.dot_c for t rows; threads as formats.c_threads
-static void dprod(dact_t *a, const uint8_t *w, int64_t type, int64_t n_rows, float *out, int nth) {
+// out [t, n_rows] = x @ w^T, as formats.dot_c for t rows (per_row: mul_mat_id's, Q4_K's gemv for
+// every row); threads as formats.c_threads
+static void dprod_rows(dact_t *a, const uint8_t *w, int64_t type, int64_t n_rows, float *out, int nth, int per_row) {
     const int64_t k = a->k, t = a->t;
     const int n_threads = t * n_rows * k >= (1 << 16) ? nth : 1;
     if (type == 8 || type == 6) {
@@ -1756,7 +1757,7 @@ static void dprod(dact_t *a, const uint8_t *w, int64_t type, int64_t n_rows, flo
         }
         q80_mm(w, type == 8 ? 0 : 1, n_rows, k / 32, a->q, a->d, t, out, n_rows, n_threads);
     } else {
-        const int64_t t_gemm = type == 12 ? t - t % 4 : 0;
+        const int64_t t_gemm = type == 12 && !per_row ? t - t % 4 : 0;
         if (a->q8k_gemm != t_gemm) {
             for (int64_t r = 0; r < t; r++) a->wins[r] = r < t_gemm;
             quant_q8_K(a->x, t, k, a->wins, a->q, a->d, a->bsums);
@@ -1772,6 +1773,10 @@ static void dprod(dact_t *a, const uint8_t *w, int64_t type, int64_t n_rows, flo
         for (int64_t r = 0; r < t; r++)
             if (a->bad[r])
                 for (int64_t i = 0; i < n_rows; i++) out[r * n_rows + i] = NAN;
+}
+
+static void dprod(dact_t *a, const uint8_t *w, int64_t type, int64_t n_rows, float *out, int nth) {
+    dprod_rows(a, w, type, n_rows, out, nth, 0);
 }
 
 // one layer over x [T, n_embd] in place; buf: scratch of decode_layers' size
@@ -1846,4 +1851,85 @@ int decode_layers(const dlayer_t *L, int64_t n_layer, const dstep_t *S, float *x
     free(sc.d);
     free(sc.bsums);
     return rc;
+}
+
+// ---- a MoE layer's routed experts (ggml_mul_mat_id), one call --------------------------------
+// As NumpyOps.moe_ffn's loop, expert by expert: the rows routed to expert e (in token order)
+// through gate and up (one quantized input), swiglu, down, each output times its routing weight
+// into out [T, A, D] at (token, rank); the caller adds the ranks in order. Products as
+// mul_mat_id's: a Q4_K weight runs its gemv for every row (t_gemm 0). The experts are spread over
+// the threads, each expert's products on one (an expert's product is too small to share: the
+// hand-offs cost more than they save); no output depends on which thread ran it.
+typedef struct {
+    const uint8_t *w[3];                               // gate, up, down stacks: expert e at w + e * expert_bytes
+    int64_t wtype[3], expert_bytes[3];
+    int64_t n_embd, n_ff;                              // D, F (the expert's width)
+    const float *x;                                    // [T, D]
+    const int32_t *ids;                                // [T, A]
+    const float *wts;                                  // [T, A]
+    int64_t t, n_used;
+    const int32_t *experts;                            // the distinct experts, ascending
+    float *out;                                        // [T, A, D]
+    int failed;
+} moe_args_t;
+
+static void moe_chunk(const void *ctx, int64_t e0, int64_t e1, int worker) {
+    moe_args_t *M = (moe_args_t *)ctx;
+    (void)worker;
+    const int64_t D = M->n_embd, F = M->n_ff, T = M->t, A = M->n_used, kmax = F > D ? F : D;
+    for (int64_t ei = e0; ei < e1; ei++) {
+        const int32_t e = M->experts[ei];
+        int64_t n = 0;
+        for (int64_t i = 0; i < T * A; i++) n += M->ids[i] == e;
+        int64_t *pairs = malloc(sizeof(int64_t) * (size_t)n);
+        float *buf = malloc(sizeof(float) * (size_t)(n * (D + 3 * F + D)));
+        dscratch_t sc = {.xz = malloc(sizeof(float) * (size_t)(n * kmax)), .bad = malloc((size_t)n),
+                         .wins = malloc((size_t)n), .q = malloc((size_t)(n * kmax)),
+                         .d = malloc(sizeof(float) * (size_t)(n * (kmax / 32 + 1))),
+                         .bsums = malloc(sizeof(int16_t) * (size_t)(n * (kmax / 16 + 1)))};
+        if (!pairs || !buf || !sc.xz || !sc.bad || !sc.wins || !sc.q || !sc.d || !sc.bsums) {
+            M->failed = 1;
+        } else {
+            int64_t j = 0;
+            for (int64_t i = 0; i < T * A; i++)        // np.nonzero(ids == e): token order, then rank
+                if (M->ids[i] == e) pairs[j++] = i;
+            float *xe = buf, *g = xe + n * D, *u = g + n * F, *s = u + n * F, *y = s + n * F;
+            for (int64_t r = 0; r < n; r++) memcpy(xe + r * D, M->x + (pairs[r] / A) * D, sizeof(float) * (size_t)D);
+            dact_t a;
+            dact_init(&a, xe, n, D, &sc);
+            dprod_rows(&a, M->w[0] + e * M->expert_bytes[0], M->wtype[0], F, g, 1, 1);
+            dprod_rows(&a, M->w[1] + e * M->expert_bytes[1], M->wtype[1], F, u, 1, 1);
+            swiglu(g, u, s, F, n, 1);
+            dact_init(&a, s, n, F, &sc);
+            dprod_rows(&a, M->w[2] + e * M->expert_bytes[2], M->wtype[2], D, y, 1, 1);
+            for (int64_t r = 0; r < n; r++) {
+                const float wt = M->wts[pairs[r]];
+                float *o = M->out + pairs[r] * D;
+                for (int64_t i = 0; i < D; i++) o[i] = y[r * D + i] * wt;
+            }
+        }
+        free(pairs);
+        free(buf);
+        free(sc.xz);
+        free(sc.bad);
+        free(sc.wins);
+        free(sc.q);
+        free(sc.d);
+        free(sc.bsums);
+    }
+}
+
+// Returns 0, or -1 where some expert's scratch could not be allocated (out then incomplete).
+int moe_ffn_rows(const uint8_t *const *w, const int64_t *wtype, const int64_t *expert_bytes, int64_t n_embd,
+                 int64_t n_ff, const float *x, int64_t t, const int32_t *ids, const float *wts, int64_t n_used,
+                 const int32_t *experts, int64_t n_experts, float *out, int nth) {
+    moe_args_t M = {.n_embd = n_embd, .n_ff = n_ff, .x = x, .ids = ids, .wts = wts, .t = t, .n_used = n_used,
+                    .experts = experts, .out = out, .failed = 0};
+    for (int i = 0; i < 3; i++) {
+        M.w[i] = w[i];
+        M.wtype[i] = wtype[i];
+        M.expert_bytes[i] = expert_bytes[i];
+    }
+    pool_run(moe_chunk, &M, n_experts, 1, nth);
+    return M.failed ? -1 : 0;
 }

@@ -582,16 +582,54 @@ class NumpyOps:
         """ggml_mul_mat_id per expert, weighted, then the A outputs added in rank order."""
         x = _f32(x)                                                     # [T, D]
         t, n_used = ids.shape
+        out = self._experts_c(x, ids, weights, (gate_exps, up_exps, down_exps))
+        if out is None:
+            out = self._experts_py(x, ids, weights, gate_exps, up_exps, down_exps)
+        acc = out[:, 0]
+        for a in range(1, n_used):
+            acc = acc + out[:, a]                                       # [T, D]
+        return acc if residual is None else acc + _f32(residual)
+
+    @staticmethod
+    def _experts_c(x, ids, weights, stacks) -> np.ndarray | None:
+        """Every routed expert's weighted output [T, A, D] in one compiled call (kernels/cpu_lanes.c
+        moe_ffn_rows: the loop below, the experts spread over the threads; the same bits), or None
+        where that call does not take these weights and the loop runs."""
+        lib = cpu_kernels.lib()
+        if lib is None or not formats.KERNEL_ORDER or x.ndim != 2:
+            return None
+        n_exp = stacks[0].shape[2]
+        if any(len(w.shape) != 3 or w.shape[2] != n_exp or not _compiled(w.expert(0)) for w in stacks):
+            return None
+        d, f = stacks[0].shape[0], stacks[0].shape[1]
+        if stacks[1].shape[:2] != (d, f) or stacks[2].shape[:2] != (f, d) or x.shape[1] != d:
+            return None
+        ids32 = np.ascontiguousarray(ids, dtype=np.int32)
+        if ids32.size and (ids32.min() < 0 or ids32.max() >= n_exp):
+            return None                                                 # the loop names the problem
+        wts = np.ascontiguousarray(weights, dtype=np.float32)
+        raws = [np.ascontiguousarray(w.data) for w in stacks]
+        ptrs = (ctypes.c_void_p * 3)(*(r.ctypes.data for r in raws))
+        types = (ctypes.c_int64 * 3)(*(w.ggml_type for w in stacks))
+        per = (ctypes.c_int64 * 3)(*(r.size // n_exp for r in raws))
+        experts = np.unique(ids32).astype(np.int32)
+        x = np.ascontiguousarray(x)
+        t, n_used = ids32.shape
+        out = np.empty((t, n_used, d), np.float32)                      # [T, A, D]: every pair is written
+        if lib.moe_ffn_rows(ptrs, types, per, d, f, x.ctypes.data, t, ids32.ctypes.data, wts.ctypes.data, n_used,
+                            experts.ctypes.data, len(experts), out.ctypes.data, threads.N_THREADS) != 0:
+            raise MemoryError("moe_ffn_rows could not allocate its scratch")
+        return out
+
+    def _experts_py(self, x, ids, weights, gate_exps, up_exps, down_exps) -> np.ndarray:
+        t, n_used = ids.shape
         out = np.zeros((t, n_used, down_exps.shape[1]), np.float32)     # [T, A, D]
         for e in np.unique(ids):
             tok, rank = np.nonzero(ids == e)                            # rows routed to e
             xe = x[tok]                                                 # [t_e, D]
             h = self.swiglu(self._expert_matmul(xe, gate_exps.expert(e)), self._expert_matmul(xe, up_exps.expert(e)))
             out[tok, rank] = self._expert_matmul(h, down_exps.expert(e)) * weights[tok, rank][:, None]
-        acc = out[:, 0]
-        for a in range(1, n_used):
-            acc = acc + out[:, a]                                       # [T, D]
-        return acc if residual is None else acc + _f32(residual)
+        return out
 
     # --- host transfer ---
     def from_host(self, x) -> np.ndarray:

@@ -960,7 +960,70 @@ void q6k_mm(const uint8_t *w, int64_t n_rows, int64_t n_super, const int8_t *a, 
 // r < t_gemm (the gemm's) do acc = fma(f32(sumi), f32(d_a * d_w), acc) and the same for the mins
 // with d_a * dmin, once per 64; the other rows (the gemv's) once per super-block, the four 64s'
 // int32 sums first. out = acc - acc_min.
+#if LANES_512
+// The gemv's rows (from t_gemm): only each super-block's two integer totals matter, so any integer
+// order will do. A 64 of nibbles is one 512-bit vector in element order, dpbusd against the 64
+// activation bytes gives 16 four-sums (8 for each sub-block of 32, each below 2^13), and dpwssd
+// with the scales (int16 in the low half of each lane) adds them scaled; the scales and mins come
+// out of their 12 bytes in vectors (get_scale_min_k4 on four bytes at once).
+static void q4k_gemv_rows(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
+    const int64_t n_super = m->n_blocks, ldo = m->ldo, k = n_super * 256;
+    const uint8_t *wr = m->w + n * m->row_bytes;
+    const __m256i lo4 = _mm256_set1_epi8(0xF);
+    __m512i pick[4];
+    for (int c = 0; c < 4; c++)
+        pick[c] = _mm512_setr_epi32(2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c,
+                                    2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1);
+    const __m512i pick_min = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
+    for (int64_t rb = r0; rb < r1; rb += 4) {
+        const int nr = r1 - rb < 4 ? (int)(r1 - rb) : 4;
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc_min[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int64_t b = 0; b < n_super; b++) {
+            const uint8_t *blk = wr + b * Q4_K_BYTES;
+            const float d = f16_at(blk), dmin = f16_at(blk + 2);
+            uint32_t u[4];
+            memcpy(u, blk + 4, 12);
+            u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+            const uint32_t mins_lo = u[1] & 0x3f3f3f3fu;
+            u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+            u[2] = mins_lo;
+            u[0] &= 0x3f3f3f3fu;
+            const __m512i sm32 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)u));   // 8 scales, 8 mins
+            __m512i w[4], sc[4];
+            for (int c = 0; c < 4; c++) {
+                const __m256i qs = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
+                w[c] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(qs, lo4)),
+                                          _mm256_and_si256(_mm256_srli_epi16(qs, 4), lo4), 1);
+                sc[c] = _mm512_permutexvar_epi32(pick[c], sm32);
+            }
+            const __m512i mn = _mm512_permutexvar_epi32(pick_min, sm32);
+            for (int i = 0; i < nr; i++) {
+                const int64_t r = rb + i;
+                const int8_t *ab = m->a + r * k + 256 * b;
+                __m512i tot = _mm512_setzero_si512();
+                for (int c = 0; c < 4; c++)
+                    tot = _mm512_dpwssd_epi32(tot, _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[c],
+                                                                       _mm512_loadu_si512((const void *)(ab + 64 * c))), sc[c]);
+                const __m512i bs = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(m->bsums + r * n_super * 16 + 16 * b)));
+                const int32_t si_all = _mm512_reduce_add_epi32(tot);
+                const int32_t sm_all = _mm512_reduce_add_epi32(_mm512_mullo_epi32(bs, mn));
+                const float da = m->da[r * n_super + b];
+                acc[i] = fmaf((float)si_all, da * d, acc[i]);
+                acc_min[i] = fmaf((float)sm_all, da * dmin, acc_min[i]);
+            }
+        }
+        for (int i = 0; i < nr; i++) m->out[(rb + i) * ldo + n] = acc[i] - acc_min[i];
+    }
+}
+#endif
+
 static void q4k_row(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
+#if LANES_512
+    if (r0 >= m->t_gemm) {
+        q4k_gemv_rows(m, n, r0, r1);
+        return;
+    }
+#endif
     const int64_t n_super = m->n_blocks, ldo = m->ldo, t_gemm = m->t_gemm;
     const uint8_t *wr = m->w + n * m->row_bytes;
     const int8_t *a = m->a;

@@ -768,9 +768,15 @@ static void q6k_row(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
             const float dw = f16_at(blk + 208);
             __m256i q[8], s16[8];
             q6k_vecs(blk, q);
-            for (int c = 0; c < 8; c++)                // c = 4j + k: 32 elements, scales 2c, 2c + 1
-                s16[c] = _mm256_set_m128i(_mm_set1_epi16(sb[2 * c + 1]), _mm_set1_epi16(sb[2 * c]));
             const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sb));
+            for (int c = 0; c < 8; c++)                // c = 4j + k: 32 elements, scales 2c, 2c + 1
+#if LANES_512
+                s16[c] = _mm256_permutexvar_epi16(_mm256_setr_epi16(2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c,
+                                                                    2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1,
+                                                                    2 * c + 1, 2 * c + 1, 2 * c + 1), sc16);
+#else
+                s16[c] = _mm256_set_m128i(_mm_set1_epi16(sb[2 * c + 1]), _mm_set1_epi16(sb[2 * c]));
+#endif
             for (int i = 0; i < nr; i++) {
                 const int64_t r = rb + i;
                 const int8_t *ab = a + r * k + 256 * b;

@@ -422,7 +422,9 @@ def _numpy_scratch(facts: ModelFacts, n_ctx_slot: int, n_slots: int) -> int:
         codes + the down product;
         beside them a shared expert's gate and up [T, Fs] and its gate logit [T] (qwen35moe);
       a decode step's head: logits [B, V] with their NaN mask for B = every slot, and for one row its
-        copy, negation and argpartition's int64 order (top-k picks).
+        copy, negation and argpartition's int64 order (top-k picks); with routed experts and the compiled
+        products, beside it the one-call MoE layer's buffers (engine/cpu/sizes.moe_call_bytes) for an
+        expert in flight on each thread and its outputs per rank twice, at its most rows (MOE_CALL_MAX_ROWS).
     Without the compiled products (BLOOMERY_CPU_KERNELS=off, no C compiler, or BLOOMERY_KERNEL_ORDER=off)
     each weight product's own temporaries in the numpy kernels as well (_numpy_fallback_moments): tens to
     hundreds of MB, set by the kernels' chunk sizes and the worker threads more than by the model.
@@ -464,6 +466,10 @@ def _numpy_scratch(facts: ModelFacts, n_ctx_slot: int, n_slots: int) -> int:
     else:
         ffn = 3 * row + t * facts.n_ff * (3 * F32 + ACT_CODES)
     decode = n_slots * v * (F32 + 1) + v * 16
+    if facts.n_expert and _compiled_products():                 # a decode step's experts in one call (moe_ffn_rows)
+        b, a = cpu_sizes.MOE_CALL_MAX_ROWS, facts.n_expert_used or 1       # a short prompt pass takes it too
+        decode += (min(N_THREADS, facts.n_expert) * cpu_sizes.moe_call_bytes(b, d, facts.n_ff // a)
+                   + 2 * b * a * d * F32)
     if not _compiled_products():
         attention, ffn, decode = (max(a, b) for a, b in zip(
             (attention, ffn, decode), _numpy_fallback_moments(facts, t, n_slots, row, qkv)))

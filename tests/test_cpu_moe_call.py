@@ -36,9 +36,9 @@ def _run(path, compiled: bool, monkeypatch):
     monkeypatch.setattr(NumpyOps, "_experts_c", staticmethod(spy))
     m = load_model(str(path), whole("numpy", n_slots=3, n_ctx_slot=64))
     rng = np.random.default_rng(7)
-    out = [np.atleast_2d(np.asarray(m.prefill(s, rng.integers(0, 1000, 5 + 9 * s).astype(np.int32), 0), np.float32))[-1]
+    out = [np.atleast_2d(np.asarray(m.prefill(s, rng.integers(0, 1000, 5 + 4 * s).astype(np.int32), 0), np.float32))[-1]
            for s in range(3)]
-    depth, toks = [5, 14, 23], [9, 9, 9]
+    depth, toks = [5, 9, 13], [9, 9, 9]
     for slots in ([0, 1, 2], [1], [0, 2]):
         lg = m.decode(slots, [toks[s] for s in slots], [depth[s] for s in slots])
         for s, row in zip(slots, lg):
@@ -51,6 +51,18 @@ def _run(path, compiled: bool, monkeypatch):
 def test_moe_layer_in_one_call_bit_equal(moe_file, monkeypatch):
     a, a_k, calls = _run(moe_file, True, monkeypatch)
     b, b_k, _ = _run(moe_file, False, monkeypatch)
-    assert calls and all(calls)                                       # every MoE layer of every pass
+    assert calls and all(calls)                                       # every MoE layer of every pass (<= 16 rows)
     assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
     assert np.array_equal(a_k.view(np.uint16), b_k.view(np.uint16))
+
+
+def test_a_long_prompt_keeps_the_loop(moe_file, monkeypatch):
+    """Passes of more than MOE_CALL_MAX_ROWS rows run the per-expert loop (the plan counts its arrays)."""
+    from bloomery.engine.cpu.sizes import MOE_CALL_MAX_ROWS
+    from bloomery.engine.loader import load_model
+    from bloomery.placement import whole
+    m = load_model(str(moe_file), whole("numpy", n_slots=1, n_ctx_slot=64))
+    assert NumpyOps._experts_c(np.zeros((MOE_CALL_MAX_ROWS + 1, m.hp.n_embd), np.float32),
+                               np.zeros((MOE_CALL_MAX_ROWS + 1, 3), np.int64),
+                               np.full((MOE_CALL_MAX_ROWS + 1, 3), 0.3, np.float32),
+                               tuple(m.layers[0][n] for n in ("gate_exps", "up_exps", "down_exps"))) is None

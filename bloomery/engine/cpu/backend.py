@@ -25,7 +25,7 @@ from bloomery.engine.cpu import kernels as cpu_kernels
 from bloomery.engine.cpu import recurrent
 from bloomery.engine.quant import formats, threads
 from bloomery.engine.cpu.kv_cache import KVCache
-from bloomery.engine.cpu.sizes import UBATCH
+from bloomery.engine.cpu.sizes import MOE_CALL_MAX_ROWS, UBATCH
 from bloomery.engine.ops import AttnSpan, Caps, Rows
 from bloomery.engine.cpu.ops_math import expf_libm, v_expf, vec_soft_max
 from bloomery.engine.sampler import sorted_top
@@ -594,9 +594,12 @@ class NumpyOps:
     def _experts_c(x, ids, weights, stacks) -> np.ndarray | None:
         """Every routed expert's weighted output [T, A, D] in one compiled call (kernels/cpu_lanes.c
         moe_ffn_rows: the loop below, the experts spread over the threads; the same bits), or None
-        where that call does not take these weights and the loop runs."""
+        where that call does not take these rows or weights and the loop runs. Decode steps only (up to
+        MOE_CALL_MAX_ROWS rows): the call's buffers are the C library's, per expert in flight, which the
+        plan counts in its decode moment (sizes.moe_call_bytes); a prompt pass's experts keep the loop,
+        whose arrays the plan's routed-FFN moment counts."""
         lib = cpu_kernels.lib()
-        if lib is None or not formats.KERNEL_ORDER or x.ndim != 2:
+        if lib is None or not formats.KERNEL_ORDER or x.ndim != 2 or x.shape[0] > MOE_CALL_MAX_ROWS:
             return None
         n_exp = stacks[0].shape[2]
         if any(len(w.shape) != 3 or w.shape[2] != n_exp or not _compiled(w.expert(0)) for w in stacks):

@@ -609,6 +609,10 @@ static int32_t *q80_aoff(const int8_t *a, int64_t t, int64_t n_blocks, int qtype
 #define TILE_MIN_T 20
 #define TILE_R 8                                       // activation rows a micro-step holds in registers
 
+static int64_t tile_grain(int64_t n_rows, int nth) {  // chunks of whole 16-row tiles
+    return (grain_for(n_rows, nth, 16) + 15) & ~(int64_t)15;
+}
+
 static inline __m512i bcast4(const int8_t *p) {        // four activation bytes in every lane
     int32_t v;
     memcpy(&v, p, 4);
@@ -701,8 +705,7 @@ void q80_mm(const uint8_t *w, int qtype, int64_t n_rows, int64_t n_blocks, const
         m.au = au;
         m.row2 = q80_row2u;
     }
-    pool_run(mm_chunk, &m, n_rows, m.tile ? (grain_for(n_rows, nth, 16) + 15) & ~(int64_t)15 : grain_for(n_rows, nth, 4) & ~(int64_t)1,
-             nth);
+    pool_run(mm_chunk, &m, n_rows, m.tile ? tile_grain(n_rows, nth) : grain_for(n_rows, nth, 4) & ~(int64_t)1, nth);
 #else
     pool_run(mm_chunk, &m, n_rows, grain_for(n_rows, nth, 4), nth);
 #endif
@@ -889,8 +892,7 @@ static void q6k_tile(const mm_args *m, int64_t n) {
     const int64_t n_super = m->n_blocks, k = n_super * 256, ldo = m->ldo, t = m->t;
     uint8_t *q = scratch(2, (size_t)n_super * (4096 + 16 * 16 * 4 + 16 * 4));
     if (!q) {
-        m->row(m, n, 0, t);                            // no memory for the tile: the row kernel, same bits
-        for (int j = 1; j < 16; j++) m->row(m, n + j, 0, t);
+        for (int j = 0; j < 16; j++) m->row(m, n + j, 0, t);   // no memory for the tile: the row kernel, same bits
         return;
     }
     int32_t *sc = (int32_t *)(q + n_super * 4096);
@@ -954,8 +956,7 @@ void q6k_mm(const uint8_t *w, int64_t n_rows, int64_t n_super, const int8_t *a, 
             m.tile = q6k_tile;
         }
     }
-    pool_run(mm_chunk, &m, n_rows, m.tile ? (grain_for(n_rows, nth, 16) + 15) & ~(int64_t)15 : grain_for(n_rows, nth, 4),
-             nth);
+    pool_run(mm_chunk, &m, n_rows, m.tile ? tile_grain(n_rows, nth) : grain_for(n_rows, nth, 4), nth);
 #else
     pool_run(mm_chunk, &m, n_rows, grain_for(n_rows, nth, 4), nth);
 #endif
@@ -1299,8 +1300,7 @@ void q4k_mm(const uint8_t *w, int64_t n_rows, int64_t n_super, const int8_t *a, 
             m.tile = q4k_tile;
         }
     }
-    pool_run(mm_chunk, &m, n_rows, m.tile ? (grain_for(n_rows, nth, 16) + 15) & ~(int64_t)15 : grain_for(n_rows, nth, 4),
-             nth);
+    pool_run(mm_chunk, &m, n_rows, m.tile ? tile_grain(n_rows, nth) : grain_for(n_rows, nth, 4), nth);
 #else
     pool_run(mm_chunk, &m, n_rows, grain_for(n_rows, nth, 4), nth);
 #endif
@@ -1787,6 +1787,26 @@ typedef struct {                                       // decode_layers' scratch
     int16_t *bsums;
 } dscratch_t;
 
+// scratch for inputs of up to t rows of k; 0, or -1 where some buffer is not there (all freed then)
+static void dscratch_free(dscratch_t *sc) {
+    free(sc->xz);
+    free(sc->bad);
+    free(sc->wins);
+    free(sc->q);
+    free(sc->d);
+    free(sc->bsums);
+}
+
+static int dscratch_alloc(dscratch_t *sc, int64_t t, int64_t k) {
+    *sc = (dscratch_t){.xz = malloc(sizeof(float) * (size_t)(t * k)), .bad = malloc((size_t)t),
+                       .wins = malloc((size_t)t), .q = malloc((size_t)(t * k)),
+                       .d = malloc(sizeof(float) * (size_t)(t * (k / 32 + 1))),
+                       .bsums = malloc(sizeof(int16_t) * (size_t)(t * (k / 16 + 1)))};
+    if (sc->xz && sc->bad && sc->wins && sc->q && sc->d && sc->bsums) return 0;
+    dscratch_free(sc);
+    return -1;
+}
+
 static void dact_init(dact_t *a, const float *x, int64_t t, int64_t k, const dscratch_t *sc) {
     uint8_t *bad = sc->bad;
     a->x = x;
@@ -1903,23 +1923,15 @@ int decode_layers(const dlayer_t *L, int64_t n_layer, const dstep_t *S, float *x
     int64_t kmax = F > D ? F : D;
     kmax = kmax > nq ? kmax : nq;
     float *buf = malloc(sizeof(float) * (size_t)(T * (D + nq + 2 * nkv + nq + D + 3 * F)));
-    dscratch_t sc = {.xz = malloc(sizeof(float) * (size_t)(T * kmax)), .bad = malloc((size_t)T),
-                     .wins = malloc((size_t)T), .q = malloc((size_t)(T * kmax)),
-                     .d = malloc(sizeof(float) * (size_t)(T * (kmax / 32 + 1))),
-                     .bsums = malloc(sizeof(int16_t) * (size_t)(T * (kmax / 16 + 1)))};
-    int rc = -1;
-    if (buf && sc.xz && sc.bad && sc.wins && sc.q && sc.d && sc.bsums) {
-        for (int64_t il = 0; il < n_layer; il++) decode_layer(L + il, S, x, buf, &sc);
-        rc = 0;
+    dscratch_t sc;
+    if (!buf || dscratch_alloc(&sc, T, kmax) != 0) {
+        free(buf);
+        return -1;
     }
+    for (int64_t il = 0; il < n_layer; il++) decode_layer(L + il, S, x, buf, &sc);
     free(buf);
-    free(sc.xz);
-    free(sc.bad);
-    free(sc.wins);
-    free(sc.q);
-    free(sc.d);
-    free(sc.bsums);
-    return rc;
+    dscratch_free(&sc);
+    return 0;
 }
 
 // ---- a MoE layer's routed experts (ggml_mul_mat_id), one call --------------------------------
@@ -1952,11 +1964,8 @@ static void moe_chunk(const void *ctx, int64_t e0, int64_t e1, int worker) {
         for (int64_t i = 0; i < T * A; i++) n += M->ids[i] == e;
         int64_t *pairs = malloc(sizeof(int64_t) * (size_t)n);
         float *buf = malloc(sizeof(float) * (size_t)(n * (D + 3 * F + D)));
-        dscratch_t sc = {.xz = malloc(sizeof(float) * (size_t)(n * kmax)), .bad = malloc((size_t)n),
-                         .wins = malloc((size_t)n), .q = malloc((size_t)(n * kmax)),
-                         .d = malloc(sizeof(float) * (size_t)(n * (kmax / 32 + 1))),
-                         .bsums = malloc(sizeof(int16_t) * (size_t)(n * (kmax / 16 + 1)))};
-        if (!pairs || !buf || !sc.xz || !sc.bad || !sc.wins || !sc.q || !sc.d || !sc.bsums) {
+        dscratch_t sc;
+        if (!pairs || !buf || dscratch_alloc(&sc, n, kmax) != 0) {
             M->failed = 1;
         } else {
             int64_t j = 0;
@@ -1976,15 +1985,10 @@ static void moe_chunk(const void *ctx, int64_t e0, int64_t e1, int worker) {
                 float *o = M->out + pairs[r] * D;
                 for (int64_t i = 0; i < D; i++) o[i] = y[r * D + i] * wt;
             }
+            dscratch_free(&sc);
         }
         free(pairs);
         free(buf);
-        free(sc.xz);
-        free(sc.bad);
-        free(sc.wins);
-        free(sc.q);
-        free(sc.d);
-        free(sc.bsums);
     }
 }
 

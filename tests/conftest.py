@@ -101,6 +101,18 @@ def tokenizer_source() -> Path:
         pytest.skip(f"no tokenizer source (set BLOOMERY_TOKENIZER_GGUF or fetch the real model): {e}")
 
 
+@pytest.fixture(scope="session")
+def real_tokenizer(tokenizer_source):
+    """The real Qwen2.5 tokenizer (from tokenizer_source's keys)."""
+    from bloomery.gguf_file import open_gguf
+    from bloomery.tokenizer import Tokenizer
+    gf = open_gguf(str(tokenizer_source))
+    try:
+        return Tokenizer.from_gguf(gf.metadata)
+    finally:
+        gf.close()
+
+
 def gpu_count() -> int:
     """Cards CuPy sees (0 without CuPy or a driver)."""
     try:

@@ -11,9 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bloomery.gguf_file import open_gguf
 from bloomery.grammar import Matcher, Vocab, schema_grammar
-from bloomery.tokenizer import Tokenizer
 from schema_corpus import CORPUS
 
 pytestmark = [pytest.mark.real_model]
@@ -21,12 +19,8 @@ V = jsonschema.Draft202012Validator
 
 
 @pytest.fixture(scope="module")
-def tok(tokenizer_source):
-    gf = open_gguf(str(tokenizer_source))
-    try:
-        return Tokenizer.from_gguf(gf.metadata)
-    finally:
-        gf.close()
+def tok(real_tokenizer):
+    return real_tokenizer
 
 
 @pytest.fixture(scope="module")

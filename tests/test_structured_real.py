@@ -13,10 +13,9 @@ import openai
 import pytest
 import requests
 
-from bloomery.gguf_file import open_gguf
-from bloomery.grammar import Matcher, Vocab, schema_grammar
-from bloomery.tokenizer import Tokenizer
+from bloomery.grammar import Vocab, schema_grammar
 from schema_corpus import CORPUS
+from test_grammar_corpus import run
 from serve_proc import Served
 
 pytestmark = [pytest.mark.real_model]
@@ -98,28 +97,15 @@ def corpus_answers(server):
     return pending
 
 
-@pytest.fixture(scope="module")
-def tok(tokenizer_source):
-    gf = open_gguf(str(tokenizer_source))
-    try:
-        return Tokenizer.from_gguf(gf.metadata)
-    finally:
-        gf.close()
-
-
 def grammar_refuses_at(tok, schema: dict, text: str) -> int | None:
     """The index of the first id of text (as the tokenizer splits it) the schema's grammar refuses, or None."""
-    m = Matcher(schema_grammar(schema), Vocab.from_tokenizer(tok), stop_ids=sorted(tok.eog_ids))
-    for i, t in enumerate(tok.encode(text, add_special=False)):
-        if m.done or not m.allowed()[t]:
-            return i
-        m.accept(t)
-    return None
+    n, n_ids, _ = run(tok, Vocab.from_tokenizer(tok), schema_grammar(schema), text)
+    return None if n == n_ids else n
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,schema", [(c[0], c[1]) for c in CORPUS], ids=[c[0] for c in CORPUS])
-def test_every_document_written_validates(corpus_answers, tok, name, schema):
+def test_every_document_written_validates(corpus_answers, real_tokenizer, name, schema):
     """A finished document validates. A sampled 0.5B model can run on in a free-text field (a markdown body,
     a file's content) past max_tokens: such an answer must be cut at exactly max_tokens, and every id it
     holds must be one the grammar allowed (the cut text is a prefix of some valid document)."""
@@ -130,15 +116,15 @@ def test_every_document_written_validates(corpus_answers, tok, name, schema):
     text = choice["message"]["content"]
     if choice["finish_reason"] == "length":
         assert body["usage"]["completion_tokens"] == DOCUMENT_IDS, body["usage"]
-        assert grammar_refuses_at(tok, schema, text) is None, text
+        assert grammar_refuses_at(real_tokenizer, schema, text) is None, text
         return
     assert choice["finish_reason"] == "stop", choice
     V(schema, format_checker=V.FORMAT_CHECKER).validate(json.loads(text))
 
 
 
-def test_the_cut_document_check_tells_a_prefix_from_a_wrong_id(tok):
+def test_the_cut_document_check_tells_a_prefix_from_a_wrong_id(real_tokenizer):
     """The check a length-cut answer gets: a prefix of a valid document passes, a wrong id is found."""
     schema = next(c[1] for c in CORPUS if c[0] == "markdown_doc")
-    assert grammar_refuses_at(tok, schema, '{"title": "Notes", "body": "# Heading\\n\\n* item') is None
-    assert grammar_refuses_at(tok, schema, '{"title": "Notes", "body": 7}') is not None
+    assert grammar_refuses_at(real_tokenizer, schema, '{"title": "Notes", "body": "# Heading\\n\\n* item') is None
+    assert grammar_refuses_at(real_tokenizer, schema, '{"title": "Notes", "body": 7}') is not None

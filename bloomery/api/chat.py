@@ -155,7 +155,7 @@ async def handle_chat(app: "App", req: Request) -> Response | StreamResponse:
             async with aclosing(choices.merge_pieces(gens)) as pieces:
                 async for i, piece in pieces:
                     if piece.progress is not None:    # as llama-server: the opening delta again, with the progress
-                        extra = {"timings": gens[i].outcome.timings()} if p.timings_per_token else {}
+                        extra = {"timings": piece.timings} if piece.timings is not None else {}
                         yield chunk([{"finish_reason": None, "index": i, "delta": {"role": "assistant",
                                       "content": None}}], prompt_progress=piece.progress, **extra)
                         continue
@@ -163,7 +163,7 @@ async def handle_chat(app: "App", req: Request) -> Response | StreamResponse:
                     if not deltas and n_top >= 0 and piece.probs:
                         deltas = [{}]
                     for k, delta in enumerate(deltas):
-                        extra = {"timings": gens[i].outcome.timings()} if p.timings_per_token else {}
+                        extra = {"timings": piece.timings} if piece.timings is not None else {}
                         yield chunk([{"finish_reason": None, "index": i, "delta": delta,
                                       **(logprobs_of(piece.probs) if k == 0 else {})}], **extra)
             for i, g in enumerate(gens):

@@ -129,8 +129,8 @@ async def answer_llama(app: "App", req: Request, f: Fields, all_ids: list[list[i
                              "tokens_predicted": n_sent[i], "tokens_evaluated": gens[i].outcome.n_prompt}
                     if p.n_probs > 0 and piece.progress is None:
                         chunk["completion_probabilities"] = piece.probs
-                    if p.timings_per_token:
-                        chunk["timings"] = gens[i].outcome.timings()
+                    if piece.timings is not None:
+                        chunk["timings"] = piece.timings
                     if piece.progress is not None:
                         chunk["prompt_progress"] = piece.progress
                     yield await heavy_sse(chunk, p.n_probs)

@@ -38,6 +38,8 @@ class Piece:
     ids: list[int]
     probs: list[dict]
     progress: dict | None = None    # a prompt-progress piece (no text): llama-server's prompt_progress object
+    timings: dict | None = None     # the outcome's timings as this piece was made (timings_per_token): a reader
+                                    # that runs behind (choices.merge_pieces' queue) must not see later ones
 
 
 @dataclass
@@ -159,7 +161,7 @@ class Generation:
                     if out.stop_type != "none":
                         text += self._text.finish()
                     if text or pending_ids:
-                        yield Piece(text, pending_ids, pending_probs)
+                        yield Piece(text, pending_ids, pending_probs, timings=out.timings() if p.timings_per_token else None)
                         pending_ids, pending_probs = [], []
                     if out.stop_type != "none":
                         finished = True
@@ -184,7 +186,8 @@ class Generation:
                         if o.slot >= 0:
                             out.slot = o.slot
                         yield Piece("", [], [], progress={"total": o.n_prompt, "cache": o.n_cached,
-                                                          "processed": o.n_processed, "time_ms": int(o.prompt_ms)})
+                                                          "processed": o.n_processed, "time_ms": int(o.prompt_ms)},
+                                    timings=out.timings() if p.timings_per_token else None)
                         continue
                     now = time.perf_counter()
                     if t_first is None:
@@ -234,7 +237,7 @@ class Generation:
                     if done:
                         text += self._text.finish()
                     if text or (done and (pending_ids or text)):
-                        yield Piece(text, pending_ids, pending_probs)
+                        yield Piece(text, pending_ids, pending_probs, timings=out.timings() if p.timings_per_token else None)
                         pending_ids, pending_probs = [], []
                     if done:
                         finished = True

@@ -1143,6 +1143,124 @@ void host_moe(void *vargs) {
     A->busy_ns += now_ns() - t0;
 }
 
+// ---------------------------------------------------------------- the doorbell
+// The card hands a decode step's host part over through two words a layer in pinned host RAM that
+// both sides map, instead of a host node per layer (cuLaunchHostFunc: a driver thread wakes for
+// each, and the rows go out and the sum comes back by three copies and one). The card's
+// host_post kernel (kernels/moe.cu) writes the layer's rows, ids and weights into the layer's
+// pinned buffers, then `post[l]` = 16 * n + T (n counts the layer's jobs, T the rows); this
+// file's bell thread, which spins while jobs are due, sees the word change, runs host_moe on the
+// args of (l, T) and stores the same word in `done[l]`; the card's host_take kernel waits for it
+// and adds the sum. Python arms the bell with the number of jobs a step will post before it
+// launches the step, so the thread sleeps (a futex) when no step is in flight: it wakes on an
+// arm, and sleeps again once every armed job is served and BLOOMERY_HOST_SPIN_US has passed,
+// or after BELL_IDLE_NS with nothing posted whatever the count says.
+
+#define BELL_IDLE_NS 10000000000LL
+
+typedef struct {
+    int max_layers, rows;                     // args is [max_layers][rows + 1]
+    host_moe_args *const *args;
+    volatile int64_t *post, *done;            // [max_layers] each, written by the card / by this thread
+    int64_t *seen;                            // [max_layers] the last word served
+    _Atomic int n_layers;                     // layers in use (Python adds them as the model meets them)
+    _Alignas(64) _Atomic int64_t armed;       // jobs announced and not yet served
+    _Alignas(64) _Atomic uint32_t wake;       // the futex the idle thread sleeps on
+    _Atomic int stop;
+    _Atomic int64_t served;
+    pthread_t thread;
+} bell;
+
+static void *bell_main(void *vb) {
+    bell *B = (bell *)vb;
+    int64_t last = now_ns();
+    pthread_once(&pool_once, pool_init);
+    while (!atomic_load_explicit(&B->stop, memory_order_acquire)) {
+        int found = 0;
+        const int n = atomic_load_explicit(&B->n_layers, memory_order_acquire);
+        for (int l = 0; l < n; l++) {
+            const int64_t w = __atomic_load_n(&B->post[l], __ATOMIC_ACQUIRE);
+            if (w == B->seen[l]) continue;
+            B->seen[l] = w;
+            const int t = (int)(w & 15);
+            host_moe_args *A = t >= 1 && t <= B->rows ? B->args[(int64_t)l * (B->rows + 1) + t] : NULL;
+            if (A) host_moe(A);              // a word with no args: the card gets its sum as it was (none posts one)
+            __atomic_store_n(&B->done[l], w, __ATOMIC_RELEASE);
+            atomic_fetch_sub(&B->armed, 1);
+            atomic_fetch_add(&B->served, 1);
+            found = 1;
+        }
+        if (found) {
+            last = now_ns();
+            continue;
+        }
+        cpu_relax();
+        const int64_t idle = now_ns() - last;
+        const int64_t armed = atomic_load(&B->armed);
+        if ((armed <= 0 && idle > atomic_load(&pool.spin_ns)) || idle > BELL_IDLE_NS) {
+            const uint32_t w = atomic_load(&B->wake);
+            if (idle > BELL_IDLE_NS) atomic_store(&B->armed, 0);      // a step that never posted its jobs
+            if (atomic_load(&B->armed) <= 0 && !atomic_load(&B->stop))
+                syscall(SYS_futex, &B->wake, FUTEX_WAIT_PRIVATE, w, NULL, NULL, 0);
+            last = now_ns();
+        }
+    }
+    return NULL;
+}
+
+// A bell over these arrays (each stays valid until host_moe_bell_close); NULL when the thread
+// cannot be made or the sizes are wrong.
+void *host_moe_bell_open(int max_layers, int rows, host_moe_args *const *args, int64_t *post, int64_t *done) {
+    if (max_layers < 1 || rows < 1 || rows > 15 || !args || !post || !done) return NULL;
+    bell *B = (bell *)calloc(1, sizeof(bell));
+    int64_t *seen = (int64_t *)calloc((size_t)max_layers, sizeof(int64_t));
+    if (!B || !seen) {
+        free(B);
+        free(seen);
+        return NULL;
+    }
+    B->max_layers = max_layers, B->rows = rows, B->args = args, B->post = post, B->done = done, B->seen = seen;
+    for (int l = 0; l < max_layers; l++) seen[l] = post[l];
+    if (pthread_create(&B->thread, NULL, bell_main, B) != 0) {
+        free(seen);
+        free(B);
+        return NULL;
+    }
+    pthread_setname_np(B->thread, "bloomery-bell");
+    return B;
+}
+
+// Layers 0 .. n - 1 may post from now on (their args entries are set). Returns 0, or -1 for n out of range.
+int host_moe_bell_layers(void *vb, int n) {
+    bell *B = (bell *)vb;
+    if (n < 0 || n > B->max_layers) return -1;
+    atomic_store_explicit(&B->n_layers, n, memory_order_release);
+    return 0;
+}
+
+// `jobs` more posts are coming (a step about to be launched): wake the thread if it sleeps.
+void host_moe_bell_arm(void *vb, int64_t jobs) {
+    bell *B = (bell *)vb;
+    atomic_fetch_add(&B->armed, jobs);
+    atomic_fetch_add(&B->wake, 1);
+    syscall(SYS_futex, &B->wake, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+}
+
+// Jobs served since the bell opened.
+int64_t host_moe_bell_served(void *vb) { return atomic_load(&((bell *)vb)->served); }
+
+// Stop the thread (after the job it is in) and free the bell.
+void host_moe_bell_close(void *vb) {
+    bell *B = (bell *)vb;
+    if (!B) return;
+    atomic_store(&B->stop, 1);
+    atomic_fetch_add(&B->wake, 1);
+    syscall(SYS_futex, &B->wake, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+    pthread_join(B->thread, NULL);
+    free(B->seen);
+    free(B);
+}
+
 // ---------------------------------------------------------------- the floor
 
 typedef struct {

@@ -412,3 +412,61 @@ extern "C" __global__ void __launch_bounds__(256) moe_stream_in(const u64* __res
         off += seg[k];
     }
 }
+
+
+// The doorbell (kernels/host_moe.c, "the doorbell"; engine/cuda/experts.py): a decode step's host
+// part handed over through pinned host RAM the card maps. host_post (one block) writes the rows,
+// ids and weights into the layer's pinned buffers, then, once they are visible to the host, the
+// job word post[layer] = 16 n + T, n the layer's job count kept in seq[layer] on the card.
+extern "C" __global__ void __launch_bounds__(512) host_post(const float* __restrict__ x, const int* __restrict__ ids,
+                                                          const float* __restrict__ wts, int n_x, int n_a,
+                                                          float* hx, int* hids, float* hwts, i64* seq,
+                                                          i64* post, int layer, int t) {
+    pdl_wait();
+    pdl_next();
+    for (int i = threadIdx.x; i < n_x; i += blockDim.x) hx[i] = x[i];
+    for (int i = threadIdx.x; i < n_a; i += blockDim.x) { hids[i] = ids[i]; hwts[i] = wts[i]; }
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const i64 s = seq[layer] + 1;
+        seq[layer] = s;
+        *(volatile i64*)(post + layer) = s * 16 + t;
+        __threadfence_system();
+    }
+}
+
+__device__ __forceinline__ u64 global_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// out [T, D] += the host's sum, once done[layer] holds this step's job word. One block a row; each
+// block's first thread waits (a host that answers nothing for 60 s is dead: the kernel traps, so
+// the step fails loudly instead of adding a sum that is not there).
+extern "C" __global__ void __launch_bounds__(256) host_take(float* __restrict__ out, const float* hout, int d,
+                                                          const i64* __restrict__ seq, const i64* done,
+                                                          int layer, int t) {
+    pdl_wait();
+    pdl_next();
+    if (threadIdx.x == 0) {
+        const i64 want = seq[layer] * 16 + t;
+        const u64 t0 = global_ns();
+        while (__ldcv(done + layer) != want) {
+            __nanosleep(200);
+            if (global_ns() - t0 > 60000000000ull) __trap();
+        }
+        __threadfence_system();
+    }
+    __syncthreads();
+    const i64 row = (i64)blockIdx.x * d;
+    const float4* h4 = (const float4*)(hout + row);
+    float4* o4 = (float4*)(out + row);
+    for (int i = threadIdx.x; i < d / 4; i += blockDim.x) {
+        const float4 h = __ldcv(h4 + i);
+        float4 o = o4[i];
+        o.x += h.x; o.y += h.y; o.z += h.z; o.w += h.w;
+        o4[i] = o;
+    }
+}

@@ -42,3 +42,23 @@ def test_the_tool_end_to_end_on_the_numpy_backend(tmp_path, tokenizer_source):
     assert set(res["prompt_tok_s"]) == {"16", "40"} and all(v > 0 for v in res["prompt_tok_s"].values())
     assert set(res["decode_step_ms"]) == {"1", "3"} and all(v > 0 for v in res["decode_step_ms"].values())
     assert "decode   3 rows at depth 20:" in r.stdout
+
+
+def test_placement_flags_read_as_llama_server_and_the_host_account():
+    a = st.parse_args(["-m", "x.gguf", "-ncmoe", "24", "-t", "6"])
+    assert st.placing(a) and a.n_cpu_moe == 24 and a.threads == 6
+    assert st.placing(st.parse_args(["-m", "x.gguf", "--cpu-moe"]))
+    assert st.placing(st.parse_args(["-m", "x.gguf", "-fitt", "132803"]))
+    assert not st.placing(st.parse_args(["-m", "x.gguf"]))
+    before = {"host_wait_s": 1.0, "moved_experts": 3, "layers": [{"hits": 10, "misses": 5}, {"hits": 0, "misses": 1}]}
+    after = {"host_wait_s": 1.5, "moved_experts": 7, "layers": [{"hits": 40, "misses": 15}, {"hits": 20, "misses": 1}]}
+    assert st.host_share(before, after, 10) == {"host_ms_step": 50.0, "hits": 50 / 60, "moved_experts": 4}
+
+
+def test_a_placement_flag_is_the_plans_placement(tmp_path, tokenizer_source):
+    path = load_tool("make_synthetic").write_synthetic(
+        tmp_path / "tiny.gguf", "qwen3moe", tokenizer_from=str(tokenizer_source), n_layer=2, n_embd=64,
+        n_head=4, n_head_kv=2, n_expert=8, n_expert_used=2, n_ff_exp=32)
+    a = st.parse_args(["-m", str(path), "--backend", "numpy", "-ncmoe", "1"])
+    p = st.planned(a, 2, 64)
+    assert (p.backend, p.n_slots) == ("numpy", 2) and p.n_ctx_slot >= 64      # the plan rounds the context up

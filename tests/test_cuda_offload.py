@@ -157,3 +157,33 @@ def test_a_residency_move_keeps_the_streamed_lane_exact(moe_file, whole, monkeyp
     model.prefill(1, PROMPT, 0)
     for k in range(8):
         np.testing.assert_array_equal(model.decode([1], [whole[1][k]], [len(PROMPT) + k])[0], whole[2][k])
+
+
+def test_the_bell_and_the_host_node_hand_over_the_same_sums(moe_file, monkeypatch):
+    # the two handovers (experts.handover) run the same host function on the same rows and add its
+    # sum in the same order: the same bits, eager (a short prompt) and captured (decode steps)
+    got = {}
+    for how in ("bell", "node"):
+        monkeypatch.setenv("BLOOMERY_HOST_HANDOVER", how)
+        model = load(moe_file, placement([6] * L, "flags"))
+        short = model.prefill(1, PROMPT[:5], 0)
+        got[how] = (short, greedy(model, 0, 12))
+        off = model.ops.offload
+        if how == "bell":
+            layers = sum(ly.host_computes for ly in off.layers)
+            # 5 eager rows a layer, 13 prompt ids streamed (no host job), 12 captured steps (the capture
+            # itself posts nothing)
+            assert off.bell.served == layers * (1 + 12)
+            assert off.report()["host_wait_s"] > 0
+        else:
+            assert off.bell is None
+    np.testing.assert_array_equal(got["bell"][0], got["node"][0])
+    assert got["bell"][1][1] == got["node"][1][1]
+    for a, b in zip(got["bell"][1][2], got["node"][1][2]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_an_unknown_handover_is_refused_by_name(moe_file, monkeypatch):
+    monkeypatch.setenv("BLOOMERY_HOST_HANDOVER", "carrier-pigeon")
+    with pytest.raises(ValueError, match="BLOOMERY_HOST_HANDOVER='carrier-pigeon': expected one of bell, node"):
+        load(moe_file, placement([6] * L, "flags"))

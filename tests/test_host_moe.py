@@ -332,3 +332,81 @@ def test_each_call_adds_its_time_to_busy_ns():
     first = args.busy_ns
     fn(ctypes.addressof(args))
     assert 0 < first < args.busy_ns
+
+
+def _bell_layer(rng, n_rows, d=256, f=256, n_exp=4, n_used=2):
+    gate, up, down = _case(QT.Q4_K, QT.Q6_K, n_exp=n_exp, d=d, f=f, seed=int(rng.integers(1000)))
+    x = rng.standard_normal((n_rows, d)).astype(np.float32)
+    ids, wts = _routing(rng, n_rows, n_used, n_exp)
+    out = np.full((n_rows, d), 7, np.float32)
+    skip = np.zeros(n_exp, np.uint8)
+    args = hm.args_struct(d=d, f=f, n_used=n_used, gate_type=gate.ggml_type, up_type=up.ggml_type,
+                          down_type=down.ggml_type, gate=gate.pointers(), up=up.pointers(), down=down.pointers(),
+                          skip=skip, n_rows=n_rows, ids=ids, wts=wts, x=x, out=out)
+    want = hm.host_moe_layer(x, ids, wts, gate, up, down, skip)
+    args.stacks = (gate, up, down)                     # the tables point into their bytes
+    return args, out, want
+
+
+def _wait(pred, what, timeout_s=10.0):
+    import time
+    t = time.monotonic()
+    while not pred():
+        assert time.monotonic() - t < timeout_s, f"the bell did not serve {what} in {timeout_s} s"
+        time.sleep(0.0005)
+
+
+def test_the_bell_serves_each_posted_job_once_in_any_layer_order():
+    """What the card does through host_post / host_take (kernels/moe.cu), played from Python: the
+    job word 16 n + T in post[l] runs host_moe on the args of (l, T), and done[l] gets the same
+    word once the sum is written; a word seen before is not served again; layers post in any
+    order; after its idle spin the thread sleeps, and an arm wakes it."""
+    rng = np.random.default_rng(5)
+    post, done = np.zeros(4, np.int64), np.zeros(4, np.int64)
+    bell = hm.Bell(4, 8, post, done)
+    try:
+        jobs = {(0, 1): _bell_layer(rng, 1), (0, 3): _bell_layer(rng, 3), (2, 2): _bell_layer(rng, 2)}
+        for (layer, t), (args, _, _) in jobs.items():
+            bell.set_args(layer, t, args)
+        n = {0: 0, 2: 0}
+        for layer, t in ((2, 2), (0, 1), (0, 3), (2, 2), (0, 1)):
+            args, out, want = jobs[(layer, t)]
+            out[:] = 7
+            n[layer] += 1
+            word = 16 * n[layer] + t
+            bell.arm(1)
+            post[layer] = word
+            _wait(lambda: done[layer] == word, f"layer {layer}'s job {word}")
+            assert np.array_equal(out, want)
+        assert bell.served == 5
+        served = bell.served
+        out = jobs[(0, 1)][1]
+        out[:] = 7
+        import time
+        time.sleep(0.05)
+        assert bell.served == served and (out == 7).all()          # nothing new posted, nothing run
+        hm.set_spin_us(0)                                           # the thread sleeps at once now
+        try:
+            time.sleep(0.05)
+            bell.arm(1)                                             # woken by the arm
+            post[0] = 16 * 10 + 1
+            _wait(lambda: done[0] == 16 * 10 + 1, "a job after the thread slept")
+            assert np.array_equal(out, jobs[(0, 1)][2])
+        finally:
+            hm.set_spin_us(2000)
+    finally:
+        bell.close()
+
+
+def test_the_bell_refuses_bad_sizes_by_name():
+    post, done = np.zeros(4, np.int64), np.zeros(4, np.int64)
+    with pytest.raises(ValueError, match="post must be int64 \\[3\\]"):
+        hm.Bell(3, 8, post, done)
+    with pytest.raises(ValueError, match="rows 16 must lie in 1 .. 15"):
+        hm.Bell(4, 16, post, done)
+    bell = hm.Bell(4, 8, post, done)
+    try:
+        with pytest.raises(ValueError, match="layer 4 of 4, rows 1"):
+            bell.set_args(4, 1, None)
+    finally:
+        bell.close()

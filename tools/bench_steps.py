@@ -15,7 +15,11 @@ It prints one line a measurement and writes them all to --out (JSON). What it sa
 is the engine's alone: through HTTP the server adds its own path (tools/bench_serve.py).
 
     python3 tools/bench_steps.py -m FILE [--backend cuda] [--prompts 64,512,4096] [--batches 1,2,4,8,16] \\
-        [--depth 512] [--kernels] [--out steps.json]
+        [--depth 512] [--kernels] [--cpu-moe | -ncmoe N | -fitt MIB] [-t N] [--out steps.json]
+
+With a placement flag the model is placed as bloomery-serve's plan places it for that flag on this
+machine, and each decode line adds the offload tier's own account: the host function's time a step,
+the share of routed picks the card served and the experts residency moved.
 """
 from __future__ import annotations
 
@@ -90,6 +94,39 @@ def step_ms(model, b: int, depth: int, steps: int) -> float:
     return (time.perf_counter() - t) / steps * 1e3
 
 
+def placing(a) -> bool:
+    return bool(a.cpu_moe or a.n_cpu_moe is not None or a.fit_target is not None)
+
+
+def planned(a, n_slots: int, n_ctx: int):
+    """The placement bloomery-serve's plan makes for these flags (llama-server's meanings) on this
+    machine's census, as a server started with them would load."""
+    from bloomery import placement_flags
+    from bloomery.census import take_census
+    from bloomery.gguf_file import open_gguf
+    from bloomery.plan import make_plan, model_facts
+    given = {}
+    if a.cpu_moe:
+        given["--cpu-moe"] = ("--cpu-moe", True)
+    if a.n_cpu_moe is not None:
+        given["--n-cpu-moe"] = ("-ncmoe", str(a.n_cpu_moe))
+    if a.fit_target is not None:
+        given["--fit-target"] = ("-fitt", a.fit_target)
+    ask, _ = placement_flags.read(given)
+    plan = make_plan(model_facts(open_gguf(a.model)), take_census(), a.backend, n_slots * n_ctx, n_slots, ask=ask)
+    return plan.placement
+
+
+def host_share(before: dict, after: dict, steps: int) -> dict:
+    """What the offload report says of the steps between two reports: the host function's ms a step,
+    the share of routed picks the card served, the experts residency moved."""
+    hits = sum(x["hits"] for x in after["layers"]) - sum(x["hits"] for x in before["layers"])
+    misses = sum(x["misses"] for x in after["layers"]) - sum(x["misses"] for x in before["layers"])
+    return {"host_ms_step": round((after["host_wait_s"] - before["host_wait_s"]) / steps * 1e3, 3),
+            "hits": hits / max(1, hits + misses),
+            "moved_experts": after["moved_experts"] - before["moved_experts"]}
+
+
 def has_experts(model) -> bool:
     return bool(model.gf.get(f"{model.gf.arch()}.expert_count"))
 
@@ -105,9 +142,18 @@ def run(a) -> dict:
     n_slots, n_ctx = sizes(prompts, batches, a.depth, a.steps)
     rng = np.random.default_rng(0)
     t = time.perf_counter()
-    model = load_model(a.model, whole(a.backend, n_slots=n_slots, n_ctx_slot=n_ctx))
+    placement = planned(a, n_slots, n_ctx) if placing(a) else whole(a.backend, n_slots=n_slots, n_ctx_slot=n_ctx)
+    model = load_model(a.model, placement, threads=a.threads)
     res = {"model": a.model, "backend": a.backend, "load_s": round(time.perf_counter() - t, 2),
            "depth": a.depth, "prompt_tok_s": {}, "decode_step_ms": {}}
+    off = getattr(model.ops, "offload", None)
+    if off is not None:
+        res["placement"] = {"case": placement.case, "experts_on_card": sum(placement.experts_on_card),
+                            "experts": placement.n_expert * len(placement.experts_on_card),
+                            "handover": off.handover, "threads": off.threads, "residency": off.residency}
+        print(f"placement {placement.case}: {res['placement']['experts_on_card']} of {res['placement']['experts']} "
+              f"routed experts on the card; handover {off.handover}, {off.threads} host threads, "
+              f"residency {'on' if off.residency else 'off'}", flush=True)
     ids = rng.integers(100, model.n_vocab - 1, max(prompts), dtype=np.int32)
     model.prefill(0, ids[:min(64, ids.size)], 0)     # first-use costs (handles, pools) out of the figures
     paths = ("planned", "grouped") if a.backend == "cuda" and has_experts(model) else ("",)
@@ -127,9 +173,16 @@ def run(a) -> dict:
             os.environ["BLOOMERY_CUDA_MOE_PROMPT"] = saved
     fill_slots(model, n_slots, a.depth, rng)
     for b in batches:
+        before = off.report() if off is not None else None
         ms = step_ms(model, b, a.depth, a.steps)
         res["decode_step_ms"][str(b)] = round(ms, 3)
-        print(f"decode {b:>3} rows at depth {a.depth}: {ms:.3f} ms a step, {b / ms * 1e3:,.1f} tok/s", flush=True)
+        line = f"decode {b:>3} rows at depth {a.depth}: {ms:.3f} ms a step, {b / ms * 1e3:,.1f} tok/s"
+        if off is not None:
+            got = host_share(before, off.report(), a.steps + 1)
+            res.setdefault("host", {})[str(b)] = got
+            line += (f"; host function {got['host_ms_step']:.3f} ms a step, card hits {got['hits']:.1%}, "
+                     f"{got['moved_experts']} experts moved")
+        print(line, flush=True)
     if a.kernels:
         res["kernels_ms"] = {}
         from bench_cuda import kernel_profile
@@ -153,6 +206,10 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--reps", type=int, default=3, help="prompt passes a size (the median is kept)")
     ap.add_argument("--kernels", action="store_true", help="each kernel's time a step (cuda, torch's profiler)")
     ap.add_argument("--out", default=None, help="the JSON")
+    ap.add_argument("--cpu-moe", action="store_true", help="placement as llama-server's --cpu-moe (the plan's)")
+    ap.add_argument("-ncmoe", "--n-cpu-moe", type=int, default=None, help="placement as llama-server's -ncmoe N")
+    ap.add_argument("-fitt", "--fit-target", default=None, metavar="MIB", help="placement as llama-server's -fitt MIB")
+    ap.add_argument("-t", "--threads", type=int, default=0, help="host threads of the offload tier (0: the default)")
     a = ap.parse_args(argv)
     for flag, v in (("--depth", a.depth), ("--steps", a.steps), ("--reps", a.reps)):
         if v < 1:

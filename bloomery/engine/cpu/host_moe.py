@@ -93,6 +93,11 @@ def _load(isa: str) -> ctypes.CDLL:
     lib.host_read_bw.argtypes, lib.host_read_bw.restype = [i64, i32, i32], ctypes.c_double
     lib.host_moe_last_phases.argtypes, lib.host_moe_last_phases.restype = [_p], i32
     lib.host_moe_set_spin_us.argtypes, lib.host_moe_set_spin_us.restype = [i64], None
+    lib.host_moe_bell_open.argtypes, lib.host_moe_bell_open.restype = [i32, i32, _p, _p, _p], _p
+    lib.host_moe_bell_layers.argtypes, lib.host_moe_bell_layers.restype = [_p, i32], i32
+    lib.host_moe_bell_arm.argtypes, lib.host_moe_bell_arm.restype = [_p, i64], None
+    lib.host_moe_bell_served.argtypes, lib.host_moe_bell_served.restype = [_p], i64
+    lib.host_moe_bell_close.argtypes, lib.host_moe_bell_close.restype = [_p], None
     if lib.host_moe_args_size() != ctypes.sizeof(HostMoeArgs):
         raise HostKernelError(f"kernels/{SOURCE}: host_moe_args is {lib.host_moe_args_size()} bytes, "
                               f"the Python mirror {ctypes.sizeof(HostMoeArgs)}")
@@ -145,6 +150,59 @@ def last_phases_us(isa: str | None = None) -> list[float]:
     swiglu, down, sum), as the pool's clock saw them."""
     out = (ctypes.c_double * 8)()
     return list(out[:lib(isa).host_moe_last_phases(out)])
+
+
+class Bell:
+    """The doorbell of kernels/host_moe.c: a thread that serves host_moe jobs the card posts.
+
+    post and done: int64 [max_layers] arrays the card maps (pinned; plain numpy in the CPU tests),
+    all zero; the card writes post[l] = 16 n + T for its n-th job of layer l with T rows, the
+    thread runs host_moe on args `set_args(l, T, ...)` gave, then stores the word in done[l].
+    arm(n) before a step that will post n jobs (the thread sleeps when none is due)."""
+
+    def __init__(self, max_layers: int, rows: int, post: np.ndarray, done: np.ndarray, isa: str | None = None):
+        for name, a in (("post", post), ("done", done)):
+            if a.dtype != np.int64 or a.shape != (max_layers,) or not a.flags.c_contiguous:
+                raise ValueError(f"Bell: {name} must be int64 [{max_layers}], contiguous; got {a.dtype} {a.shape}")
+        if not 1 <= rows <= 15:
+            raise ValueError(f"Bell: rows {rows} must lie in 1 .. 15 (the job word keeps T in 4 bits)")
+        self.max_layers, self.rows, self.post, self.done = max_layers, rows, post, done
+        self.table = np.zeros(max_layers * (rows + 1), np.uint64)          # [L, T + 1] host_moe_args addresses
+        self._args: dict[tuple[int, int], HostMoeArgs] = {}
+        self._lib = lib(isa)
+        self._h = self._lib.host_moe_bell_open(max_layers, rows, self.table.ctypes.data, post.ctypes.data,
+                                               done.ctypes.data)
+        if not self._h:
+            raise HostKernelError("host_moe_bell_open: the bell thread could not be started")
+        self.n_layers = 0
+
+    def set_args(self, layer: int, t: int, args: HostMoeArgs) -> None:
+        """The args of layer `layer`'s jobs of t rows (kept alive here); layers 0 .. layer may post after."""
+        if not (0 <= layer < self.max_layers and 1 <= t <= self.rows):
+            raise ValueError(f"Bell.set_args: layer {layer} of {self.max_layers}, rows {t} of 1 .. {self.rows}")
+        self._args[(layer, t)] = args
+        self.table[layer * (self.rows + 1) + t] = ctypes.addressof(args)
+        if layer + 1 > self.n_layers:
+            self.n_layers = layer + 1
+            self._lib.host_moe_bell_layers(self._h, self.n_layers)
+
+    def arm(self, jobs: int) -> None:
+        self._lib.host_moe_bell_arm(self._h, jobs)
+
+    @property
+    def served(self) -> int:
+        return int(self._lib.host_moe_bell_served(self._h))
+
+    def close(self) -> None:
+        if self._h:
+            self._lib.host_moe_bell_close(self._h)
+            self._h = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
 
 
 # ---------------------------------------------------------------- the Python side

@@ -45,6 +45,20 @@ from bloomery.engine.cuda.sizes import DECODE_ROWS
 H2D, D2H, D2D = 1, 2, 3
 RESIDENCY_EVERY = 16                     # decode steps between residency updates
 STREAM_CHUNKS = 48                       # blocks per picked expert of the streamed lane's copy
+BELL_LAYERS = 4096                       # layers with host experts a model may have (the bell's words)
+HANDOVERS = ("bell", "node")
+
+
+def handover() -> str:
+    """How a decode step hands its host part over (BLOOMERY_HOST_HANDOVER): "bell" (the default), the
+    card writes the rows into pinned host RAM and a job word the host's bell thread watches, then
+    waits for its answer word (kernels/moe.cu host_post / host_take, kernels/host_moe.c "the
+    doorbell"); "node", three copies out, a host node (cuLaunchHostFunc) and a copy back, on a side
+    stream."""
+    got = os.environ.get("BLOOMERY_HOST_HANDOVER", "bell").strip().lower() or "bell"
+    if got not in HANDOVERS:
+        raise ValueError(f"BLOOMERY_HOST_HANDOVER={got!r}: expected one of {', '.join(HANDOVERS)}")
+    return got
 
 
 def _cuda():
@@ -270,6 +284,28 @@ class Offload:
         self.staging = None                                                   # card buffer for streamed prompts
         from bloomery.engine.cpu import host_moe
         self.host_fn = host_moe.fn_pointer()
+        self.handover = handover()
+        self.bell = None                                                      # made with the first layer
+        self.posts = 0                                                        # bell posts captured so far
+
+    def _open_bell(self) -> None:
+        from bloomery.engine.cpu.host_moe import Bell
+        self.bell_post = pinned(8 * BELL_LAYERS, np.int64)                    # [L] job words, the card's
+        self.bell_done = pinned(8 * BELL_LAYERS, np.int64)                    # [L] answers, the host's
+        self.bell_post[:] = 0
+        self.bell_done[:] = 0
+        self.bell_seq = cupy.zeros(BELL_LAYERS, cupy.int64)                   # [L] jobs posted, on the card
+        self.bell = Bell(BELL_LAYERS, DECODE_ROWS, self.bell_post, self.bell_done)
+
+    def arm(self, jobs: int) -> None:
+        """A captured step that posts `jobs` bell jobs is about to be launched."""
+        if self.bell is not None and jobs:
+            self.bell.arm(jobs)
+
+    def close(self) -> None:
+        """Stop the bell thread (the model is being let go)."""
+        if self.bell is not None:
+            self.bell.close()
 
     def zero_ptr(self, nbytes: int) -> int:
         """A block of zero bytes at least `nbytes` long: a host expert's table entry."""
@@ -308,8 +344,14 @@ class Offload:
             for j, ly in enumerate(self.layers):
                 ly.counts = grown[j]
             got = ExpertLayer(i, gate, up, down, grown[i], self.share)
+            if self.handover == "bell" and self.bell is None:
+                self._open_bell()
+            if i >= BELL_LAYERS and self.bell is not None:
+                raise ValueError(f"{i + 1} layers with host experts: the bell has words for {BELL_LAYERS}")
             for t in range(1, DECODE_ROWS + 1):
-                got.host_call(t, gate.n_cols, n_used, self.threads)
+                c = got.host_call(t, gate.n_cols, n_used, self.threads)
+                if self.bell is not None:
+                    self.bell.set_args(i, t, c.args)
             self.layers.append(got)
             self._by_gate[id(gate)] = got
             self._ensure_staging(self.staging_bytes(0))
@@ -321,13 +363,29 @@ class Offload:
 
     # --- the decode path: host experts computed on the host, in the step ---
     def host_start(self, layer: ExpertLayer, x, ids, wts):
-        """Launch the host part on the side stream; returns (done event, device buffer it fills, event
-        of its inputs copied out). The streamed lane's copy waits for the last: started before them,
-        its reads over the bus held the small copies out back by as long as it ran, and the host
-        computed after the copy instead of beside it (measured on the H200, docs/verify.md)."""
+        """Start the host part of a decode-sized batch; host_finish(result, out) adds it to `out`.
+
+        bell: on the current stream, host_post writes the rows, ids and weights into the layer's
+        pinned buffers and posts the job word (the bell is armed here for an eager step; a captured
+        one counts its posts in self.posts, and its launcher arms them, graph.py); returns
+        (None, call, None). node: on the side stream, the three copies out, the host node and the
+        copy back into a device buffer; returns (done event, that buffer, event of the inputs copied
+        out). The streamed lane's copy waits for the last: started before them, its reads over the
+        bus held the small copies out back by as long as it ran, and the host computed after the
+        copy instead of beside it (measured on the H200, docs/verify.md)."""
         t, d = x.shape
         c = layer.host_call(t, d, ids.shape[1], self.threads)
         main = cupy.cuda.get_current_stream()
+        if self.bell is not None:
+            if main.is_capturing():
+                self.posts += 1
+            else:
+                self.bell.arm(1)
+            self.ops.k.host_post((1,), (512,), (
+                x, ids, wts, np.int32(t * d), np.int32(ids.size), np.uint64(c.x.ctypes.data),
+                np.uint64(c.ids.ctypes.data), np.uint64(c.wts.ctypes.data), self.bell_seq,
+                np.uint64(self.bell_post.ctypes.data), np.int32(layer.index), np.int32(t)))
+            return None, (layer, c), None
         start = cupy.cuda.Event(disable_timing=True)
         start.record(main)
         side = self.side
@@ -343,6 +401,19 @@ class Offload:
         done = cupy.cuda.Event(disable_timing=True)
         done.record(side)
         return done, out, sent
+
+    def host_finish(self, host, out) -> None:
+        """out [T, D] += the host part host_start began (on the current stream)."""
+        done, got, _ = host
+        if done is None:
+            layer, c = got
+            t, d = out.shape
+            self.ops.k.host_take((t,), (256,), (out, np.uint64(c.out.ctypes.data), np.int32(d), self.bell_seq,
+                                               np.uint64(self.bell_done.ctypes.data), np.int32(layer.index),
+                                               np.int32(t)))
+            return
+        cupy.cuda.get_current_stream().wait_event(done)
+        out += got
 
     # --- the prompt path: used host experts streamed to the card ---
     def stage_tables(self, layer: ExpertLayer, used: np.ndarray):

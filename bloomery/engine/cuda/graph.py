@@ -36,6 +36,7 @@ class _Graph:
     host_io: object     # the same in pinned host memory
     logits: object
     picked: object
+    posts: int = 0      # host jobs the step posts to the offload's bell (armed before each launch)
 
 
 def _capture_mode():
@@ -77,6 +78,8 @@ class DecodeGraphs:
         stream = cupy.cuda.Stream(non_blocking=True)
         mem = cupy.cuda.alloc_pinned_memory(3 * b * 4)
         host_io = np.frombuffer(mem, np.int32, 3 * b).reshape(3, b)
+        offload = getattr(ops, "offload", None)
+        posts0 = offload.posts if offload is not None else 0
         with cupy.cuda.using_allocator(pool.malloc), stream:
             io = cupy.zeros((3, b), cupy.int32)
             ids, slots, positions = io[0], io[1], io[2]
@@ -91,7 +94,8 @@ class DecodeGraphs:
             finally:
                 graph = stream.end_capture()
                 ops.k.pdl = False
-        return _Graph(graph, stream, pool, io, host_io, logits, picked)
+        posts = offload.posts - posts0 if offload is not None else 0
+        return _Graph(graph, stream, pool, io, host_io, logits, picked, posts)
 
     def _launch(self, slots, ids, positions) -> _Graph:
         b = len(slots)
@@ -100,6 +104,8 @@ class DecodeGraphs:
             g = self._graphs[b] = self._capture(b)
         g.host_io[0], g.host_io[1], g.host_io[2] = ids, slots, positions
         g.io.set(g.host_io, stream=g.stream)
+        if g.posts:
+            self.model.ops.offload.arm(g.posts)
         g.graph.launch(g.stream)
         return g
 

@@ -103,8 +103,8 @@ def ffn(ops, x, ids, wts, gate, up, down, residual=None):
         if layer.host_computes:
             host = ops.offload.host_start(layer, x, ids, wts)
         if layer.streams:          # the streamed lane: copied over the bus into staging, computed below
-            if host is not None:   # once the host part's inputs are out: a copy behind the bus's reads waits
-                cupy.cuda.get_current_stream().wait_event(host[2])
+            if host is not None and host[2] is not None:   # once the host part's inputs are out: a copy
+                cupy.cuda.get_current_stream().wait_event(host[2])   # behind the bus's reads waits
             ops.offload.stream_in(layer, ids)
     xq, xd, xs = ops.q8(x)
     aq = cupy.empty((t * n_used, f), cupy.int8)                           # [T*A, F]
@@ -128,9 +128,7 @@ def ffn(ops, x, ids, wts, gate, up, down, residual=None):
     else:
         ops.k.moe_down((d // DOWN_R, t), (32 * n_warps,), down_args)
     if host is not None:
-        done, host_out, _ = host
-        cupy.cuda.get_current_stream().wait_event(done)
-        out += host_out
+        ops.offload.host_finish(host, out)
     return out
 
 

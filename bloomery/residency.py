@@ -13,17 +13,16 @@ No device code here; the engine carries the moves out and rewrites the table the
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import Sequence
 
 
-# The share of each layer's host experts the card copies over PCIe in decode (the rest the host
-# computes): about the bus's copy rate over the sum of it and the host kernel's own rate. On the
-# H200 host: the copy kernel 50 GB/s, the host kernel 55-60 GB/s at 14-15 threads; measured best
-# of 0.3 / 0.4 / 0.5 in decode with every expert on the host: 0.5 (docs/verify.md, session 9).
-STREAM_SHARE = 0.5
+# The share of each decode step's host picks the card copies over PCIe and computes itself (the rest
+# the host computes): about the bus's copy rate over the sum of it and the host kernel's own rate.
+# On the H200 host: the copy kernel 50 GB/s, the host kernel 55-60 GB/s at 14 threads, and both read
+# the same host RAM (docs/performance.md, run N).
+STREAM_SHARE = 0.45
 
 
 def stream_share() -> float:
@@ -42,12 +41,14 @@ def stream_share() -> float:
     return share
 
 
-def stream_lane(n_expert: int, share: float) -> list[bool]:
-    """Per expert, whether the card reads it over the bus while it sits on the host: `share` of the
-    ids, spread evenly (expert e is in when floor((e+1)*share) > floor(e*share))."""
+def bus_picks(m: int, share: float) -> int:
+    """Of the m distinct host experts a decode step picks in a layer, how many go over the bus (the
+    first ones in pick order; kernels/moe.cu host_post computes this in float32): m * share rounded,
+    halves up."""
     if not 0.0 <= share <= 1.0:
         raise ValueError(f"the streamed share must lie in [0, 1], not {share}")
-    return [math.floor((e + 1) * share + 1e-9) > math.floor(e * share + 1e-9) for e in range(n_expert)]
+    import numpy as np
+    return int(np.floor(np.float32(m) * np.float32(share) + np.float32(0.5)))
 
 
 @dataclass(frozen=True)

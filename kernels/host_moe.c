@@ -1,8 +1,8 @@
 // Host experts: one MoE layer's routed experts computed on the host from their stored GGUF
 // blocks (bloomery/engine/cpu/host_moe.py compiles this with -O3 -march=native -pthread and
-// loads it). host_moe() is plain C with the signature of a CUDA host function, so the cuda
-// backend can call it from a captured decode step (cuLaunchHostFunc); the CPU backend calls it
-// through ctypes.
+// loads it). The cuda backend's decode steps hand their host part to the bell thread below
+// ("the doorbell"), which calls host_moe() on a persistent args struct; tests and tools call it
+// through ctypes (host_moe_layer).
 //
 // Weights are read in place as stored (Q4_K, Q5_K, Q6_K against 8-bit activations in blocks of
 // 256 with sums per 16, Q8_0, Q5_0, Q4_0 against 8-bit activations in blocks of 32), never
@@ -729,7 +729,7 @@ int host_moe_check(const void *vargs) {
     return 0;
 }
 
-// a call that cannot be computed writes NaN: a host function has no way to return an error,
+// a call that cannot be computed writes NaN: the bell's caller, a card kernel, has no way to take an error,
 // and a wrong answer must not pass for a right one
 static void fail(const host_moe_args *A) {
     if (A && A->out && A->n_rows > 0 && A->d > 0)
@@ -1145,8 +1145,8 @@ void host_moe(void *vargs) {
 
 // ---------------------------------------------------------------- the doorbell
 // The card hands a decode step's host part over through two words a layer in pinned host RAM that
-// both sides map, instead of a host node per layer (cuLaunchHostFunc: a driver thread wakes for
-// each, and the rows go out and the sum comes back by three copies and one). The card's
+// both sides map. (A host node a layer, cuLaunchHostFunc, with three copies out and one back, took
+// some 50 us more a layer: a driver thread wakes for each; docs/performance.md, run N.) The card's
 // host_post kernel (kernels/moe.cu) writes the layer's rows, ids and weights into the layer's
 // pinned buffers, then `post[l]` = 16 * n + T (n counts the layer's jobs, T the rows); this
 // file's bell thread, which spins while jobs are due, sees the word change, runs host_moe on the
@@ -1185,9 +1185,9 @@ static void *bell_main(void *vb) {
             const int t = (int)(w & 15);
             host_moe_args *A = t >= 1 && t <= B->rows ? B->args[(int64_t)l * (B->rows + 1) + t] : NULL;
             if (A) host_moe(A);              // a word with no args: the card gets its sum as it was (none posts one)
-            __atomic_store_n(&B->done[l], w, __ATOMIC_RELEASE);
             atomic_fetch_sub(&B->armed, 1);
-            atomic_fetch_add(&B->served, 1);
+            atomic_fetch_add(&B->served, 1);   // counted before the answer: whoever waits on it sees the count
+            __atomic_store_n(&B->done[l], w, __ATOMIC_RELEASE);
             found = 1;
         }
         if (found) {

@@ -415,15 +415,50 @@ extern "C" __global__ void __launch_bounds__(256) moe_stream_in(const u64* __res
 
 
 // The doorbell (kernels/host_moe.c, "the doorbell"; engine/cuda/experts.py): a decode step's host
-// part handed over through pinned host RAM the card maps. host_post (one block) writes the rows,
-// ids and weights into the layer's pinned buffers, then, once they are visible to the host, the
-// job word post[layer] = 16 n + T, n the layer's job count kept in seq[layer] on the card.
-extern "C" __global__ void __launch_bounds__(512) host_post(const float* __restrict__ x, const int* __restrict__ ids,
-                                                          const float* __restrict__ wts, int n_x, int n_a,
-                                                          float* hx, int* hids, float* hwts, i64* seq,
-                                                          i64* post, int layer, int t) {
+// part handed over through pinned host RAM the card maps. host_post (one block) first splits the
+// step's host picks in two lanes: of the m distinct host experts the ids pick (dst[e] != 0: the
+// expert's staging slot), the first floor(m * share + 1/2) in pick order go over the bus (their
+// table entries point at the slot, dst_step[e] = the slot for moe_stream_in, skip[e] = 1 for the
+// host) and the rest stay with the host (entries at the zero block, dst_step 0, skip 0); ids holds
+// at most 256 picks (8 rows of 32). Then it writes the rows, ids and weights into the layer's
+// pinned buffers and, once all of that is visible to the host, the job word post[layer] = 16 n + T
+// (n the layer's job count, kept in seq[layer] on the card).
+#define POST_PICKS 256
+extern "C" __global__ void __launch_bounds__(512) host_post(
+        const float* __restrict__ x, const int* __restrict__ ids, const float* __restrict__ wts, int n_x, int n_a,
+        float* hx, int* hids, float* hwts, i64* seq, i64* post, int layer, int t,
+        const u64* __restrict__ dst, float share, u64* tab_g, u64* tab_u, u64* tab_d, u64 zero, i64 off_u,
+        i64 off_d, u8* skip, u64* dst_step) {
     pdl_wait();
     pdl_next();
+    __shared__ int first[POST_PICKS], rank[POST_PICKS];
+    __shared__ int n_host;
+    for (int p = threadIdx.x; p < n_a; p += blockDim.x) {
+        const int e = ids[p];
+        int f = dst[e] != 0;
+        for (int q = 0; f && q < p; q++)
+            if (ids[q] == e) f = 0;                    // counted at its first pick
+        first[p] = f;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int m = 0;
+        for (int p = 0; p < n_a; p++) { rank[p] = m; m += first[p]; }
+        n_host = m;
+    }
+    __syncthreads();
+    const int n_bus = (int)floorf((float)n_host * share + 0.5f);
+    for (int p = threadIdx.x; p < n_a; p += blockDim.x) {
+        if (!first[p]) continue;
+        const int e = ids[p];
+        const u64 to = dst[e];
+        const bool bus = rank[p] < n_bus;
+        tab_g[e] = bus ? to : zero;
+        tab_u[e] = bus ? to + (u64)off_u : zero;
+        tab_d[e] = bus ? to + (u64)off_d : zero;
+        dst_step[e] = bus ? to : 0;
+        skip[e] = bus ? 1 : 0;
+    }
     for (int i = threadIdx.x; i < n_x; i += blockDim.x) hx[i] = x[i];
     for (int i = threadIdx.x; i < n_a; i += blockDim.x) { hids[i] = ids[i]; hwts[i] = wts[i]; }
     __threadfence_system();

@@ -137,14 +137,14 @@ def test_every_host_expert_streamed_to_the_card_equals_the_whole_card_bit_for_bi
     model = load(moe_file, placement([0] * L, "flags"))
     off = model.ops.offload
     first, ids, steps = greedy(model, 0, 12)
-    assert all(ly.streams and not ly.host_computes for ly in off.layers)
+    assert all(ly.streams and ly.share == 1 for ly in off.layers)
     assert ids == whole[1][:13]
     for got, want in zip(steps, whole[2]):
         np.testing.assert_array_equal(got, want)
     monkeypatch.setenv("BLOOMERY_STREAM_SHARE", "0")
     model0 = load(moe_file, placement([0] * L, "flags"))
     greedy(model0, 0, 2)
-    assert all(ly.host_computes and not ly.streams for ly in model0.ops.offload.layers)
+    assert all(not ly.streams for ly in model0.ops.offload.layers)
 
 
 def test_a_residency_move_keeps_the_streamed_lane_exact(moe_file, whole, monkeypatch):
@@ -159,31 +159,26 @@ def test_a_residency_move_keeps_the_streamed_lane_exact(moe_file, whole, monkeyp
         np.testing.assert_array_equal(model.decode([1], [whole[1][k]], [len(PROMPT) + k])[0], whole[2][k])
 
 
-def test_the_bell_and_the_host_node_hand_over_the_same_sums(moe_file, monkeypatch):
-    # the two handovers (experts.handover) run the same host function on the same rows and add its
-    # sum in the same order: the same bits, eager (a short prompt) and captured (decode steps)
-    got = {}
-    for how in ("bell", "node"):
-        monkeypatch.setenv("BLOOMERY_HOST_HANDOVER", how)
-        model = load(moe_file, placement([6] * L, "flags"))
-        short = model.prefill(1, PROMPT[:5], 0)
-        got[how] = (short, greedy(model, 0, 12))
-        off = model.ops.offload
-        if how == "bell":
-            layers = sum(ly.host_computes for ly in off.layers)
-            # 5 eager rows a layer, 13 prompt ids streamed (no host job), 12 captured steps (the capture
-            # itself posts nothing)
-            assert off.bell.served == layers * (1 + 12)
-            assert off.report()["host_wait_s"] > 0
-        else:
-            assert off.bell is None
-    np.testing.assert_array_equal(got["bell"][0], got["node"][0])
-    assert got["bell"][1][1] == got["node"][1][1]
-    for a, b in zip(got["bell"][1][2], got["node"][1][2]):
-        np.testing.assert_array_equal(a, b)
+def test_the_bell_serves_every_posted_job_and_each_step_splits_its_host_picks_by_the_share(moe_file, monkeypatch):
+    # every layer with host experts posts one job a decode-sized pass to the bell (experts.py), eager
+    # (a short prompt) or captured (decode steps; the capture itself posts nothing); in each, of the m
+    # distinct host experts picked, residency.bus_picks(m, share) go over the bus and the host skips
+    # them, and the host computes the rest
+    from bloomery.residency import bus_picks
+    monkeypatch.setenv("BLOOMERY_STREAM_SHARE", "0.5")
+    model = load(moe_file, placement([6] * L, "flags"))
+    off = model.ops.offload
+    model.prefill(1, PROMPT[:5], 0)                          # 5 rows: one eager job a layer
+    assert off.bell.served == len(off.layers) == L
+    for ly in off.layers:
+        picked = np.nonzero(ly.counts.get())[0]
+        host = [int(e) for e in picked if ly.slot_of[e] < 0]
+        bus = sorted(int(e) for e in np.nonzero(ly.dst_step.get())[0])
+        assert len(bus) == bus_picks(len(host), 0.5) and set(bus) <= set(host)
+        assert all(ly.skip[e] == (e in bus) for e in host)
+        assert all(ly.skip[e] == 1 for e in range(E) if ly.slot_of[e] >= 0)
+    greedy(model, 0, 12)
+    assert off.bell.served == L * (1 + 12)
+    assert off.report()["host_wait_s"] > 0
 
 
-def test_an_unknown_handover_is_refused_by_name(moe_file, monkeypatch):
-    monkeypatch.setenv("BLOOMERY_HOST_HANDOVER", "carrier-pigeon")
-    with pytest.raises(ValueError, match="BLOOMERY_HOST_HANDOVER='carrier-pigeon': expected one of bell, node"):
-        load(moe_file, placement([6] * L, "flags"))

@@ -234,8 +234,8 @@ def test_a_skipped_expert_contributes_nothing():
     assert np.array_equal(out, np.zeros_like(out))
 
 
-def test_the_persistent_struct_through_the_host_function_pointer():
-    """What the cuda backend does: one struct, the function called through its address, the
+def test_the_persistent_struct_called_again_and_again():
+    """What the cuda backend's bell does: one struct, host_moe called on its address, the
     expert tables rewritten in place (residency) and n_rows changed between calls; the experts on
     the card have no host address at all."""
     rng = np.random.default_rng(11)
@@ -251,7 +251,7 @@ def test_the_persistent_struct_through_the_host_function_pointer():
     args = hm.args_struct(d=256, f=256, n_used=2, gate_type=QT.Q4_K, up_type=QT.Q4_K, down_type=QT.Q4_K,
                           gate=gp, up=upp, down=dp, skip=skip, ids=ids, wts=wts, x=x, out=out)
     hm.check_args(args)
-    fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(hm.fn_pointer())
+    fn = hm.lib().host_moe
     for n_tok in (1, 3):
         x[:n_tok] = rng.standard_normal((n_tok, 256))
         ids[:n_tok] = [rng.permutation(4)[:2] for _ in range(n_tok)]
@@ -326,7 +326,7 @@ def test_each_call_adds_its_time_to_busy_ns():
     args = hm.args_struct(d=256, f=256, n_used=2, gate_type=QT.Q4_K, up_type=QT.Q4_K, down_type=QT.Q6_K,
                           gate=gate.pointers(), up=up.pointers(), down=down.pointers(), skip=skip, ids=ids,
                           wts=wts, x=x, out=out)
-    fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(hm.fn_pointer())
+    fn = hm.lib().host_moe
     assert args.busy_ns == 0
     fn(ctypes.addressof(args))
     first = args.busy_ns

@@ -56,16 +56,14 @@ def test_bad_input_is_refused(args, match):
         moves(*args)
 
 
-def test_the_streamed_lane_takes_its_share_spread_over_the_ids():
-    from bloomery.residency import stream_lane
-    lane = stream_lane(128, 0.43)
-    assert sum(lane) == 55                                  # floor(128 * 0.43)
-    assert max(len(run) for run in "".join("x" if x else "." for x in lane).split(".")) == 1   # never two in a row
-    assert not any(stream_lane(16, 0.0)) and all(stream_lane(16, 1.0))
-    assert [i for i, x in enumerate(stream_lane(10, 0.5)) if x] == [1, 3, 5, 7, 9]
+def test_the_bus_takes_the_rounded_share_of_a_steps_host_picks():
+    from bloomery.residency import STREAM_SHARE, bus_picks
+    assert [bus_picks(m, 0.45) for m in range(9)] == [0, 0, 1, 1, 2, 2, 3, 3, 4]
+    assert [bus_picks(m, 0.5) for m in range(5)] == [0, 1, 1, 2, 2]       # halves go to the bus
+    assert all(bus_picks(m, 0.0) == 0 and bus_picks(m, 1.0) == m for m in range(65))
+    assert all(0 <= bus_picks(m, STREAM_SHARE) <= m for m in range(257))
     with pytest.raises(ValueError, match="share"):
-        stream_lane(8, 1.5)
-
+        bus_picks(8, 1.5)
 
 def test_the_streamed_share_comes_from_the_environment_and_a_bad_one_is_named(monkeypatch):
     from bloomery.residency import STREAM_SHARE, stream_share

@@ -43,7 +43,7 @@ def time_calls(args: hm.HostMoeArgs, ids: np.ndarray, n_exp: int, n_calls: int, 
     """Median wall seconds per call, and mean CPU seconds per call of all threads (spinning
     included: on a busy machine the wall time also counts other processes' turns); the routing
     of every call drawn beforehand."""
-    fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(hm.fn_pointer(isa))
+    fn = hm.lib(isa).host_moe
     n_tok, n_used = ids.shape
     routes = [np.stack([rng.permutation(n_exp)[:n_used] for _ in range(n_tok)]) for _ in range(n_calls)]
     addr = ctypes.addressof(args)

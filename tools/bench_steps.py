@@ -150,9 +150,9 @@ def run(a) -> dict:
     if off is not None:
         res["placement"] = {"case": placement.case, "experts_on_card": sum(placement.experts_on_card),
                             "experts": placement.n_expert * len(placement.experts_on_card),
-                            "handover": off.handover, "threads": off.threads, "residency": off.residency}
+                            "share": off.share, "threads": off.threads, "residency": off.residency}
         print(f"placement {placement.case}: {res['placement']['experts_on_card']} of {res['placement']['experts']} "
-              f"routed experts on the card; handover {off.handover}, {off.threads} host threads, "
+              f"routed experts on the card; bus share {off.share}, {off.threads} host threads, "
               f"residency {'on' if off.residency else 'off'}", flush=True)
     ids = rng.integers(100, model.n_vocab - 1, max(prompts), dtype=np.int32)
     model.prefill(0, ids[:min(64, ids.size)], 0)     # first-use costs (handles, pools) out of the figures

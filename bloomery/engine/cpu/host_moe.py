@@ -3,10 +3,10 @@ their stored GGUF blocks, spread over a pool of threads; its loader and its ctyp
 
 The C function `host_moe(void *args)` reads a `host_moe_args` struct (mirrored by HostMoeArgs)
 and writes out[T, D] = sum over the (token, slot) pairs whose expert is not flagged skip of
-wts * down_e(silu(gate_e x) * up_e x). It has the signature of a CUDA host function: the cuda
-backend passes fn_pointer() and a persistent args_struct() to cuLaunchHostFunc; the CPU backend
-and the tests call host_moe_layer() with numpy arrays. Calls from several threads are taken one
-at a time. BLOOMERY_HOST_SPIN_US (default 2000), or set_spin_us(), is how long idle workers spin
+wts * down_e(silu(gate_e x) * up_e x). The cuda backend gives a persistent args_struct() per
+layer and row count to a Bell, whose thread runs host_moe on it when a decode step's card kernel
+posts a job (kernels/host_moe.c, "the doorbell"); tests and tools call host_moe_layer() with
+numpy arrays. Calls from several threads are taken one at a time. BLOOMERY_HOST_SPIN_US (default 2000), or set_spin_us(), is how long idle workers spin
 for the next call before they sleep.
 
 Built like kernels/cpu_lanes.c (engine/cpu/kernels.py: `compiled`), with -pthread, into
@@ -126,11 +126,6 @@ def status(isa: str | None = None) -> str:
     if got < 2 and "avx512_vnni" in _cpu_flags().split() and _isa(isa) == "native":
         line += " (the CPU has AVX-512 VNNI; this compiler did not use it)"
     return line
-
-
-def fn_pointer(isa: str | None = None) -> int:
-    """The address of host_moe, for cuLaunchHostFunc (a CUhostFn: void fn(void *))."""
-    return ctypes.cast(lib(isa).host_moe, ctypes.c_void_p).value
 
 
 def read_bandwidth_gbs(n_bytes: int = 1 << 30, n_threads: int = 0, reps: int = 5, isa: str | None = None) -> float:
@@ -255,8 +250,7 @@ def _addr(v) -> int:
 def args_struct(*, d: int, f: int, n_used: int, gate_type: int, up_type: int, down_type: int,
                 gate, up, down, skip, n_rows: int = 1, n_threads: int = 0,
                 ids=0, wts=0, x=0, out=0) -> HostMoeArgs:
-    """A persistent host_moe_args for fn_pointer() (pass ctypes.addressof(result) as the host
-    function's argument). gate / up / down: the [E] expert address tables, a uint64 numpy array
+    """A persistent host_moe_args (for Bell.set_args, or host_moe through its address). gate / up / down: the [E] expert address tables, a uint64 numpy array
     (used in place: rewriting an entry moves that expert) or a sequence of ints (copied into one,
     kept as .gate_ptrs / .up_ptrs / .down_ptrs); skip: [E] uint8 numpy array (used in place) or
     an address; ids, wts, x, out: numpy arrays or addresses (pinned buffers), settable later

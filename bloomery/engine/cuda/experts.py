@@ -7,18 +7,21 @@ addresses that the MoE kernels read: a resident expert points at its card slot, 
 block of zero bytes, whose product is exactly zero. So the card kernels run unchanged and add
 nothing for host experts, and moving an expert is a table rewrite: no graph is recaptured.
 
-Decode-sized batches (moe.ffn's mat-vec path) split the host experts in two lanes, fixed per
-expert (`lane`, a share of each layer's experts spread evenly over the ids):
-- computed on the host, in the same step: on a side stream the rows, ids and weights are copied
-  to pinned buffers, a C host function (kernels/host_moe.c, launched with cuLaunchHostFunc so it
-  is captured in the decode graph) sums these experts' outputs, and the sum comes back and is
-  added after the card's experts, which run meanwhile;
-- streamed to the card: the table entry is the expert's slot in the card staging buffer, and a
-  copy kernel (moe_stream_in) fills the step's picked ones from pinned host RAM (mapped into the
-  card's address space) over the bus, while the host computes the other lane; the card's expert
-  kernels then read them there. The host's memory read and the bus's copy rate add up: the share
-  that balances them is the bus's rate over the sum of both (residency.STREAM_SHARE). A direct
-  read of host RAM by the expert kernels themselves was measured slower (docs/verify.md).
+Decode-sized batches (moe.ffn's mat-vec path) split the step's host picks in two lanes, chosen
+on the card in each step (kernels/moe.cu host_post, residency.bus_picks: of the m distinct host
+experts the step picks, the first round(m * share) in pick order go over the bus):
+- computed on the host, in the same step: host_post writes the rows, ids, weights and the lane
+  flags into the layer's pinned buffers, which the card maps, then a job word; the bell thread of
+  kernels/host_moe.c, spinning while a step is in flight, runs the host kernel on them and writes
+  an answer word; host_take, after the card's own experts, waits for that word and adds the sum.
+  No copy, event or host node a layer (they cost some 50 µs a layer, docs/performance.md run N);
+- streamed to the card: the pick's table entries point at its slot in the card staging buffer,
+  and a copy kernel (moe_stream_in) fills it from pinned host RAM over the bus while the host
+  computes the other lane; the card's expert kernels then read it there. The share that balances
+  the two is about the bus's copy rate over the sum of it and the host kernel's rate
+  (residency.STREAM_SHARE). Chosen per step, the split is even in every layer whatever the picks;
+  a lane fixed per expert split a layer's picks binomially, and a step waited on the longer lane.
+  A direct read of host RAM by the expert kernels themselves was measured slower (docs/verify.md).
 Prompt batches stream the used host experts' bytes to a card staging buffer and compute every
 expert on the card (stage_tables); the prompt's most-used ones then take card slots from the
 staging copy (adopt), so decode starts warm.
@@ -32,7 +35,6 @@ Legend: E = experts, S = card slots of a layer, T = rows, A = experts per token,
 """
 from __future__ import annotations
 
-import ctypes
 import os
 from dataclasses import dataclass
 
@@ -42,50 +44,16 @@ import numpy as np
 from bloomery import residency as policy
 from bloomery.engine.cuda.sizes import DECODE_ROWS
 
-H2D, D2H, D2D = 1, 2, 3
+H2D, D2D = 1, 3                         # cudaMemcpyKind
 RESIDENCY_EVERY = 16                     # decode steps between residency updates
 STREAM_CHUNKS = 48                       # blocks per picked expert of the streamed lane's copy
 BELL_LAYERS = 4096                       # layers with host experts a model may have (the bell's words)
-HANDOVERS = ("bell", "node")
-
-
-def handover() -> str:
-    """How a decode step hands its host part over (BLOOMERY_HOST_HANDOVER): "bell" (the default), the
-    card writes the rows into pinned host RAM and a job word the host's bell thread watches, then
-    waits for its answer word (kernels/moe.cu host_post / host_take, kernels/host_moe.c "the
-    doorbell"); "node", three copies out, a host node (cuLaunchHostFunc) and a copy back, on a side
-    stream."""
-    got = os.environ.get("BLOOMERY_HOST_HANDOVER", "bell").strip().lower() or "bell"
-    if got not in HANDOVERS:
-        raise ValueError(f"BLOOMERY_HOST_HANDOVER={got!r}: expected one of {', '.join(HANDOVERS)}")
-    return got
-
-
-def _cuda():
-    lib = ctypes.CDLL("libcuda.so.1")
-    lib.cuLaunchHostFunc.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    lib.cuLaunchHostFunc.restype = ctypes.c_int
-    return lib
-
-
-_CUDA = None
 
 
 def _block(name: str) -> int:
     """The block number of a GGUF tensor name (blk.N....), -1 for others."""
     parts = name.split(".")
     return int(parts[1]) if len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit() else -1
-
-
-def launch_host_func(stream_ptr: int, fn: int, arg: int) -> None:
-    """cuLaunchHostFunc: `fn(arg)` runs on a driver thread once the stream reaches it (a host node
-    when the stream is being captured)."""
-    global _CUDA
-    if _CUDA is None:
-        _CUDA = _cuda()
-    rc = _CUDA.cuLaunchHostFunc(ctypes.c_void_p(stream_ptr), ctypes.c_void_p(fn), ctypes.c_void_p(arg))
-    if rc != 0:
-        raise RuntimeError(f"cuLaunchHostFunc failed (CUresult {rc})")
 
 
 def pinned(nbytes: int, dtype=np.uint8, shape=None) -> np.ndarray:
@@ -172,14 +140,16 @@ class ExpertLayer:
         self.calls: dict[int, _HostCall] = {}
         self.expert_bytes = sum(s.expert_bytes for s in self.stacks)
         self.pending: list[tuple[int, int, object]] = []                      # (expert, slot, copy done event)
-        # the streamed lane: [3, E] each stack's host address of every expert (fixed), and [E] the
-        # staging slot a streamed host expert is copied to in a decode step (0: none)
+        # the streamed lane: [3, E] each stack's host address of every expert (fixed); [E] the staging
+        # slot of each host expert (its rank among the layer's host experts; 0: on the card); [E] the
+        # slots of the current step's bus picks (host_post writes it, moe_stream_in reads it)
         self.src = cupy.asarray(np.stack([st.host_ptrs for st in self.stacks]))
         self.dst_mirror = np.zeros(self.n_expert, np.uint64)
         self.dst = cupy.asarray(self.dst_mirror)
+        self.dst_step = cupy.zeros(self.n_expert, cupy.uint64)
         self.stream_base = 0                                                  # the staging buffer (Offload sets it)
         self.can_stream = all(st.expert_bytes % 16 == 0 for st in self.stacks)   # the copy moves 16 bytes a load
-        self.lane = np.array(policy.stream_lane(self.n_expert, share if self.can_stream else 0.0), bool)
+        self.share = share if self.can_stream else 0.0
         self._relane()
 
     @property
@@ -191,40 +161,31 @@ class ExpertLayer:
         return int(self.n_expert - (self.slot_of >= 0).sum())
 
     @property
-    def host_computes(self) -> bool:
-        """Whether the host function may have work in this layer: some expert outside the streamed
-        lane (it can be on the host now or after a residency move), or no staging to stream into.
-        Fixed for a given share, so a captured step never lacks a call a later move needs."""
-        return bool((~self.lane).any()) or not self.stream_base
-
-    @property
     def streams(self) -> bool:
-        """Whether a decode step copies streamed experts in (fixed for a given share, as above)."""
-        return bool(self.lane.any()) and bool(self.stream_base)
+        """Whether a decode step sends host picks over the bus: a share, and staging to copy into
+        (fixed once the layers are seen, so a captured step never lacks the copy a later step needs)."""
+        return self.share > 0 and bool(self.stream_base)
 
     # --- table writes (between steps only: nothing in flight reads them) ---
     def _upload(self) -> None:
         for st in self.stacks:
             st.table.set(st.mirror)
         self.dst.set(self.dst_mirror)
+        self.dst_step.fill(0)
 
     def _relane(self) -> None:
-        """Every host expert's table entries, staging slot and skip flag by its lane: a streamed one
-        points at its staging slot (the rank among this layer's streamed host experts), which the
-        step's copy fills from host RAM over the bus before the card's expert kernels read it (the
-        host function skips it); any other host expert points at the zero block (the host computes
-        it). Card experts point at their slots (seat)."""
+        """Every host expert's staging slot (its rank among this layer's host experts), table entries
+        (the zero block: a step's host_post points its bus picks at their slots) and skip flag (0:
+        the host computes it unless host_post says it went over the bus). Card experts point at
+        their slots (seat) and are skipped by the host."""
         host = self.slot_of < 0
-        streamed = host & self.lane if self.stream_base else np.zeros_like(host)
-        self.skip[:] = ~host | streamed
-        rank = np.cumsum(streamed) - 1
+        self.skip[:] = ~host
+        rank = np.cumsum(host) - 1
         self.dst_mirror[:] = 0
-        self.dst_mirror[streamed] = (self.stream_base + rank[streamed] * self.expert_bytes).astype(np.uint64)
-        off = 0
+        if self.stream_base:
+            self.dst_mirror[host] = (self.stream_base + rank[host] * self.expert_bytes).astype(np.uint64)
         for st in self.stacks:
-            st.mirror[host & ~streamed] = st.zero_ptr
-            st.mirror[streamed] = self.dst_mirror[streamed] + np.uint64(off)
-            off += st.expert_bytes
+            st.mirror[host] = st.zero_ptr
 
     def evict(self, e: int) -> int:
         s = int(self.slot_of[e])
@@ -263,13 +224,13 @@ class Offload:
     def __init__(self, ops, residency: bool, threads: int, budget: int | None = None):
         # -t (0: every core but two: one for the engine's thread, which spins while it waits on the card,
         # one for the server's other threads; a host worker preempted inside a call holds up its phase. On
-        # the H200 host, 16 cores: in-process with 14 threads a token took 26 ms, served with 15 it took 55)
+        # the H200 host, 16 cores: in-process with 14 threads a token took 26 ms, served with 15 it took 55).
+        # The bell thread that takes the card's jobs runs each one with the pool, so it is one of them.
         self.ops, self.residency = ops, residency
         self.threads = threads if threads > 0 else max(1, len(os.sched_getaffinity(0)) - 2)
         self.layers: list[ExpertLayer] = []
         self._by_gate: dict[int, ExpertLayer] = {}
         self._stacks: list[ExpertStack] = []
-        self.side = cupy.cuda.Stream(non_blocking=True)                      # host experts' copies and calls
         self.copy = cupy.cuda.Stream(non_blocking=True)                      # residency copies
         self.counts = None                                                    # [L, E] int32 on the card
         self.seen = None                                                      # [L, E] counts at the last update
@@ -282,9 +243,6 @@ class Offload:
         self.hits = self.misses = None
         self._zero = None
         self.staging = None                                                   # card buffer for streamed prompts
-        from bloomery.engine.cpu import host_moe
-        self.host_fn = host_moe.fn_pointer()
-        self.handover = handover()
         self.bell = None                                                      # made with the first layer
         self.posts = 0                                                        # bell posts captured so far
 
@@ -344,14 +302,12 @@ class Offload:
             for j, ly in enumerate(self.layers):
                 ly.counts = grown[j]
             got = ExpertLayer(i, gate, up, down, grown[i], self.share)
-            if self.handover == "bell" and self.bell is None:
+            if self.bell is None:
                 self._open_bell()
-            if i >= BELL_LAYERS and self.bell is not None:
+            if i >= BELL_LAYERS:
                 raise ValueError(f"{i + 1} layers with host experts: the bell has words for {BELL_LAYERS}")
             for t in range(1, DECODE_ROWS + 1):
-                c = got.host_call(t, gate.n_cols, n_used, self.threads)
-                if self.bell is not None:
-                    self.bell.set_args(i, t, c.args)
+                self.bell.set_args(i, t, got.host_call(t, gate.n_cols, n_used, self.threads).args)
             self.layers.append(got)
             self._by_gate[id(gate)] = got
             self._ensure_staging(self.staging_bytes(0))
@@ -363,57 +319,34 @@ class Offload:
 
     # --- the decode path: host experts computed on the host, in the step ---
     def host_start(self, layer: ExpertLayer, x, ids, wts):
-        """Start the host part of a decode-sized batch; host_finish(result, out) adds it to `out`.
-
-        bell: on the current stream, host_post writes the rows, ids and weights into the layer's
-        pinned buffers and posts the job word (the bell is armed here for an eager step; a captured
-        one counts its posts in self.posts, and its launcher arms them, graph.py); returns
-        (None, call, None). node: on the side stream, the three copies out, the host node and the
-        copy back into a device buffer; returns (done event, that buffer, event of the inputs copied
-        out). The streamed lane's copy waits for the last: started before them, its reads over the
-        bus held the small copies out back by as long as it ran, and the host computed after the
-        copy instead of beside it (measured on the H200, docs/verify.md)."""
+        """Hand the host part of a decode-sized batch over (on the current stream): host_post picks
+        the step's bus lane (table entries, dst_step, skip flags), writes the rows, ids and weights
+        into the layer's pinned buffers and posts the job word. The bell is armed here for an eager
+        step; a captured one counts its posts in self.posts and its launcher arms them (graph.py).
+        Returns what host_finish takes."""
         t, d = x.shape
         c = layer.host_call(t, d, ids.shape[1], self.threads)
-        main = cupy.cuda.get_current_stream()
-        if self.bell is not None:
-            if main.is_capturing():
-                self.posts += 1
-            else:
-                self.bell.arm(1)
-            self.ops.k.host_post((1,), (512,), (
-                x, ids, wts, np.int32(t * d), np.int32(ids.size), np.uint64(c.x.ctypes.data),
-                np.uint64(c.ids.ctypes.data), np.uint64(c.wts.ctypes.data), self.bell_seq,
-                np.uint64(self.bell_post.ctypes.data), np.int32(layer.index), np.int32(t)))
-            return None, (layer, c), None
-        start = cupy.cuda.Event(disable_timing=True)
-        start.record(main)
-        side = self.side
-        side.wait_event(start)
-        _memcpy(c.x.ctypes.data, x.data.ptr, x.nbytes, D2H, side)
-        _memcpy(c.ids.ctypes.data, ids.data.ptr, ids.nbytes, D2H, side)
-        _memcpy(c.wts.ctypes.data, wts.data.ptr, wts.nbytes, D2H, side)
-        sent = cupy.cuda.Event(disable_timing=True)
-        sent.record(side)
-        launch_host_func(side.ptr, self.host_fn, ctypes.addressof(c.args))
-        out = cupy.empty((t, d), cupy.float32)
-        _memcpy(out.data.ptr, c.out.ctypes.data, out.nbytes, H2D, side)
-        done = cupy.cuda.Event(disable_timing=True)
-        done.record(side)
-        return done, out, sent
+        if cupy.cuda.get_current_stream().is_capturing():
+            self.posts += 1
+        else:
+            self.bell.arm(1)
+        g, u, dn = layer.stacks
+        self.ops.k.host_post((1,), (512,), (
+            x, ids, wts, np.int32(t * d), np.int32(ids.size), np.uint64(c.x.ctypes.data),
+            np.uint64(c.ids.ctypes.data), np.uint64(c.wts.ctypes.data), self.bell_seq,
+            np.uint64(self.bell_post.ctypes.data), np.int32(layer.index), np.int32(t),
+            layer.dst, np.float32(layer.share if layer.streams else 0.0), g.table, u.table, dn.table,
+            np.uint64(g.zero_ptr), np.int64(g.expert_bytes), np.int64(g.expert_bytes + u.expert_bytes),
+            np.uint64(layer.skip.ctypes.data), layer.dst_step))
+        return layer, c
 
     def host_finish(self, host, out) -> None:
-        """out [T, D] += the host part host_start began (on the current stream)."""
-        done, got, _ = host
-        if done is None:
-            layer, c = got
-            t, d = out.shape
-            self.ops.k.host_take((t,), (256,), (out, np.uint64(c.out.ctypes.data), np.int32(d), self.bell_seq,
-                                               np.uint64(self.bell_done.ctypes.data), np.int32(layer.index),
-                                               np.int32(t)))
-            return
-        cupy.cuda.get_current_stream().wait_event(done)
-        out += got
+        """out [T, D] += the host's sum for the job host_start posted, once its answer word is in
+        (host_take, on the current stream)."""
+        layer, c = host
+        t, d = out.shape
+        self.ops.k.host_take((t,), (256,), (out, np.uint64(c.out.ctypes.data), np.int32(d), self.bell_seq,
+                                           np.uint64(self.bell_done.ctypes.data), np.int32(layer.index), np.int32(t)))
 
     # --- the prompt path: used host experts streamed to the card ---
     def stage_tables(self, layer: ExpertLayer, used: np.ndarray):
@@ -452,11 +385,11 @@ class Offload:
 
     # --- the decode path's streamed lane ---
     def stream_in(self, layer: ExpertLayer, ids) -> None:
-        """Copy the step's picked streamed experts from host RAM into their staging slots, on the
-        current stream, before the layer's expert kernels (kernels/moe.cu moe_stream_in)."""
+        """Copy the step's bus picks (dst_step, host_post's choice) from host RAM into their staging
+        slots, on the current stream, before the layer's expert kernels (kernels/moe.cu moe_stream_in)."""
         g, u, d = layer.stacks
         self.ops.k.moe_stream_in((STREAM_CHUNKS, int(ids.size)), (256,), (
-            layer.src, layer.dst, np.int32(layer.n_expert), ids, np.int32(ids.size), np.int64(g.expert_bytes),
+            layer.src, layer.dst_step, np.int32(layer.n_expert), ids, np.int32(ids.size), np.int64(g.expert_bytes),
             np.int64(u.expert_bytes), np.int64(d.expert_bytes)))
 
     def staging_bytes(self, need: int) -> int:

@@ -100,11 +100,8 @@ def ffn(ops, x, ids, wts, gate, up, down, residual=None):
     host = None
     if layer is not None:          # host experts: summed on the host meanwhile (experts.py), added below
         ops.offload.count(layer, ids)
-        if layer.host_computes:
-            host = ops.offload.host_start(layer, x, ids, wts)
-        if layer.streams:          # the streamed lane: copied over the bus into staging, computed below
-            if host is not None and host[2] is not None:   # once the host part's inputs are out: a copy
-                cupy.cuda.get_current_stream().wait_event(host[2])   # behind the bus's reads waits
+        host = ops.offload.host_start(layer, x, ids, wts)      # also picks the step's bus lane
+        if layer.streams:          # the bus lane: copied into staging, computed below with the card's own
             ops.offload.stream_in(layer, ids)
     xq, xd, xs = ops.q8(x)
     aq = cupy.empty((t * n_used, f), cupy.int8)                           # [T*A, F]

@@ -19,10 +19,11 @@ from typing import Sequence
 
 
 # The share of each decode step's host picks the card copies over PCIe and computes itself (the rest
-# the host computes): about the bus's copy rate over the sum of it and the host kernel's own rate.
-# On the H200 host: the copy kernel 50 GB/s, the host kernel 55-60 GB/s at 14 threads, and both read
-# the same host RAM (docs/performance.md, run N).
-STREAM_SHARE = 0.45
+# the host computes). Both lanes read the same host RAM, so the balance is not the bus's rate over the
+# sum of the two rates: on the H200 host, with every expert on the host, a decode step took 13.2 ms
+# at 0.35, 14.9 at 0.45 and 15.1 at 0.55 (in process, docs/performance.md run N). At the few host
+# picks a layer of a fitted card (m of 1 to 3), 0.35 and 0.45 pick the same split.
+STREAM_SHARE = 0.35
 
 
 def stream_share() -> float:

@@ -17,9 +17,8 @@ experts the step picks, the first round(m * share) in pick order go over the bus
   No copy, event or host node a layer (they cost some 50 µs a layer, docs/performance.md run N);
 - streamed to the card: the pick's table entries point at its slot in the card staging buffer,
   and a copy kernel (moe_stream_in) fills it from pinned host RAM over the bus while the host
-  computes the other lane; the card's expert kernels then read it there. The share that balances
-  the two is about the bus's copy rate over the sum of it and the host kernel's rate
-  (residency.STREAM_SHARE). Chosen per step, the split is even in every layer whatever the picks;
+  computes the other lane; the card's expert kernels then read it there. Both lanes read the same
+  host RAM; the share is measured (residency.STREAM_SHARE). Chosen per step, the split is even in every layer whatever the picks;
   a lane fixed per expert split a layer's picks binomially, and a step waited on the longer lane.
   A direct read of host RAM by the expert kernels themselves was measured slower (docs/verify.md).
 Prompt batches stream the used host experts' bytes to a card staging buffer and compute every

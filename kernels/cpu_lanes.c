@@ -1757,6 +1757,12 @@ typedef struct {
     const uint8_t *w[DL_N];
     int64_t wtype[DL_N];
     f16 *kc, *vc;                                      // this layer's slot 0 at position 0: [n_ctx, Hkv, Dh]
+    const float *q_norm, *k_norm;                      // per-head RMSNorm of q and k [Dh] (qwen3), or NULL
+    // a routed FFN half (qwen3moe) in place of gate / up / down when router is not NULL
+    const float *router;                               // [E, D] F32
+    int64_t n_expert, n_used, norm_weights, n_ff_exp;
+    const uint8_t *exps[3];                            // gate, up, down stacks: expert e at exps[i] + e * exps_bytes[i]
+    int64_t exps_type[3], exps_bytes[3];
 } dlayer_t;
 
 typedef struct {
@@ -1869,7 +1875,109 @@ static void dprod(dact_t *a, const uint8_t *w, int64_t type, int64_t n_rows, flo
 }
 
 // one layer over x [T, n_embd] in place; buf: scratch of decode_layers' size
-static void decode_layer(const dlayer_t *L, const dstep_t *S, float *x, float *buf, const dscratch_t *sc) {
+// ---- an F32 weight's product in llama.cpp's order (quant/floats.py dot_f32_llama): out [T, N] =
+// x [T, K] . w [N, K]. T >= 2 with N % 4 == 0: tinyBLAS's one 16-lane accumulator over 16-wide steps
+// (a partial last step adds zero products), its lanes by halves; otherwise ggml_vec_dot_f32: four
+// 16-lane accumulators over 64-wide steps, (0 + 2) + (1 + 3), the lanes by halves, then the tail one
+// fma at a time.
+static void dot_f32_rows(const float *x, int64_t t, int64_t k, const float *w, int64_t n, float *out) {
+    const int tiny = t >= 2 && n % 4 == 0;
+    const int64_t k_main = k - k % 64;
+    for (int64_t r = 0; r < t; r++) {
+        const float *xr = x + r * k;
+        for (int64_t j = 0; j < n; j++) {
+            const float *wr = w + j * k;
+            float res;
+            if (tiny) {
+                float acc[16] = {0};
+                for (int64_t c = 0; c < k; c += 16)
+                    for (int l = 0; l < 16; l++) {
+                        const int in = c + l < k;
+                        acc[l] = fmaf(in ? xr[c + l] : 0.0f, in ? wr[c + l] : 0.0f, acc[l]);
+                    }
+                res = reduce_add16(acc);
+            } else {
+                float acc[64] = {0}, s4[16];
+                for (int64_t c = 0; c < k_main; c += 64)
+                    for (int l = 0; l < 64; l++) acc[l] = fmaf(xr[c + l], wr[c + l], acc[l]);
+                for (int l = 0; l < 16; l++) s4[l] = (acc[l] + acc[32 + l]) + (acc[16 + l] + acc[48 + l]);
+                res = reduce_add16(s4);
+                for (int64_t i = k_main; i < k; i++) res = fmaf(xr[i], wr[i], res);
+            }
+            out[r * n + j] = res;
+        }
+    }
+}
+
+// numpy's sum of float32 values in double (its pairwise_sum under 128 values): in order from 0 below
+// 8 values, else 8 running sums ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)) and the rest in order
+static double np_sum_f64(const float *v, int64_t n) {
+    if (n < 8) {
+        double res = 0.0;
+        for (int64_t i = 0; i < n; i++) res += (double)v[i];
+        return res;
+    }
+    double r[8];
+    for (int j = 0; j < 8; j++) r[j] = (double)v[j];
+    int64_t i = 8;
+    for (; i < n - n % 8; i += 8)
+        for (int j = 0; j < 8; j++) r[j] += (double)v[i + j];
+    double res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+    for (; i < n; i++) res += (double)v[i];
+    return res;
+}
+
+// The router's choice for each row (NumpyOps.moe_route): ggml_soft_max over the E logits z (exp of
+// z - max by ggml_v_expf on 16-wide chunks and expf on the tail, summed in double: each chunk's lanes
+// by halves in f32, chunks and tail values in order), p scaled by f32(1 / sum); ids the A largest p,
+// ties to the lower id, NaN last (a stable argsort of -p); wts = p[ids], with norm_weights divided by
+// max(f32(their sum as numpy adds them), 2^-14). p [E] is scratch.
+static void route_rows(const float *z, int64_t t, int64_t n_exp, int64_t n_used, int norm, float *p,
+                       uint8_t *taken, int32_t *ids, float *wts) {
+    const int64_t n_vec = n_exp - n_exp % 16;
+    for (int64_t r = 0; r < t; r++) {
+        const float *zr = z + r * n_exp;
+        float m = -INFINITY;
+        int nan = 0;
+        for (int64_t i = 0; i < n_exp; i++) {
+            if (isnan(zr[i])) nan = 1;
+            else if (zr[i] > m) m = zr[i];
+        }
+        if (nan) m = NAN;
+        for (int64_t i = 0; i < n_vec; i++) p[i] = v_expf1(zr[i] - m);
+        for (int64_t i = n_vec; i < n_exp; i++) p[i] = expf(zr[i] - m);
+        double total = 0.0;
+        for (int64_t c = 0; c < n_vec; c += 16) total += (double)reduce_add16(p + c);
+        for (int64_t i = n_vec; i < n_exp; i++) total += (double)p[i];
+        const float inv = (float)(1.0 / total);
+        for (int64_t i = 0; i < n_exp; i++) {
+            p[i] = p[i] * inv;
+            taken[i] = 0;
+        }
+        int32_t *ir = ids + r * n_used;
+        float *wr = wts + r * n_used;
+        for (int64_t a = 0; a < n_used; a++) {
+            int64_t best = -1;
+            for (int64_t i = 0; i < n_exp; i++) {
+                if (taken[i]) continue;
+                if (best < 0 || (isnan(p[best]) && !isnan(p[i])) || (!isnan(p[i]) && p[i] > p[best])) best = i;
+            }
+            taken[best] = 1;
+            ir[a] = (int32_t)best;
+            wr[a] = p[best];
+        }
+        if (norm) {
+            const float sum = (float)np_sum_f64(wr, n_used), lo = 6.103515625e-5f;
+            const float by = sum > lo ? sum : (isnan(sum) ? sum : lo);
+            for (int64_t a = 0; a < n_used; a++) wr[a] = wr[a] / by;
+        }
+    }
+}
+
+static int moe_half(const dlayer_t *L, const dstep_t *S, float *x, const float *h);
+
+// one layer over x [T, D] in place; 0, or -1 where a routed FFN's scratch could not be allocated
+static int decode_layer(const dlayer_t *L, const dstep_t *S, float *x, float *buf, const dscratch_t *sc) {
     const int64_t D = S->n_embd, H = S->n_head, Hkv = S->n_head_kv, Dh = S->head_dim, F = S->n_ff, T = S->n_rows;
     const int64_t nq = H * Dh, nkv = Hkv * Dh;
     float *h = buf, *q = h + T * D, *k = q + T * nq, *v = k + T * nkv, *att = v + T * nkv, *y = att + T * nq;
@@ -1889,6 +1997,8 @@ static void decode_layer(const dlayer_t *L, const dstep_t *S, float *x, float *b
         if (L->bias[i])
             for (int64_t r = 0; r < T; r++)
                 for (int64_t j = 0; j < nqkv[i]; j++) qkv[i][r * nqkv[i] + j] = qkv[i][r * nqkv[i] + j] + L->bias[i][j];
+    if (L->q_norm) rms_norm(q, L->q_norm, q, T * H, Dh, S->eps);
+    if (L->k_norm) rms_norm(k, L->k_norm, k, T * Hkv, Dh, S->eps);
     rope_neox(q, T, H, Dh, S->n_rot, S->cos, S->sin);
     rope_neox(k, T, Hkv, Dh, S->n_rot, S->cos, S->sin);
     for (int64_t r = 0; r < T; r++) {                  // each row: its slot, its position
@@ -1906,6 +2016,10 @@ static void decode_layer(const dlayer_t *L, const dstep_t *S, float *x, float *b
 
     // FFN half
     rms_norm(x, L->ffn_norm, h, T, D, S->eps);
+    if (L->router) {
+        if (moe_half(L, S, x, h) != 0) return -1;
+        return 0;
+    }
     dact_init(&a, h, T, D, sc);
     dprod(&a, L->w[DL_GATE], L->wtype[DL_GATE], F, g, nth);
     dprod(&a, L->w[DL_UP], L->wtype[DL_UP], F, u, nth);
@@ -1913,10 +2027,11 @@ static void decode_layer(const dlayer_t *L, const dstep_t *S, float *x, float *b
     dact_init(&a, s, T, F, sc);
     dprod(&a, L->w[DL_DOWN], L->wtype[DL_DOWN], D, y, nth);
     for (int64_t j = 0; j < T * D; j++) x[j] = y[j] + x[j];
+    return 0;
 }
 
 // layers 0..n_layer of L over x [n_rows, n_embd] in place, one after another. Returns 0, or -1
-// where the scratch could not be allocated (x untouched).
+// where some scratch could not be allocated (x untouched if it was the first; else part done).
 int decode_layers(const dlayer_t *L, int64_t n_layer, const dstep_t *S, float *x) {
     const int64_t D = S->n_embd, nq = S->n_head * S->head_dim, nkv = S->n_head_kv * S->head_dim, F = S->n_ff;
     const int64_t T = S->n_rows;
@@ -1928,10 +2043,11 @@ int decode_layers(const dlayer_t *L, int64_t n_layer, const dstep_t *S, float *x
         free(buf);
         return -1;
     }
-    for (int64_t il = 0; il < n_layer; il++) decode_layer(L + il, S, x, buf, &sc);
+    int rc = 0;
+    for (int64_t il = 0; il < n_layer && rc == 0; il++) rc = decode_layer(L + il, S, x, buf, &sc);
     free(buf);
     dscratch_free(&sc);
-    return 0;
+    return rc;
 }
 
 // ---- a MoE layer's routed experts (ggml_mul_mat_id), one call --------------------------------
@@ -2005,4 +2121,50 @@ int moe_ffn_rows(const uint8_t *const *w, const int64_t *wtype, const int64_t *e
     }
     pool_run(moe_chunk, &M, n_experts, 1, nth);
     return M.failed ? -1 : 0;
+}
+
+// decode_layers' routed FFN half (layers.moe_ffn on the ops): the router over h (x's RMSNorm), each
+// row's experts (route_rows), their weighted outputs (moe_chunk, as moe_ffn_rows), then per row the
+// A outputs added in rank order and the residual x added, in place. 0, or -1 (no scratch; x untouched).
+static int moe_half(const dlayer_t *L, const dstep_t *S, float *x, const float *h) {
+    const int64_t T = S->n_rows, D = S->n_embd, E = L->n_expert, A = L->n_used;
+    float *logits = malloc(sizeof(float) * (size_t)(T * E)), *p = malloc(sizeof(float) * (size_t)E);
+    float *wts = malloc(sizeof(float) * (size_t)(T * A)), *out = malloc(sizeof(float) * (size_t)(T * A * D));
+    uint8_t *taken = malloc((size_t)E);
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)(T * A)), *experts = malloc(sizeof(int32_t) * (size_t)E);
+    int rc = -1;
+    if (logits && p && wts && out && taken && ids && experts) {
+        dot_f32_rows(h, T, D, L->router, E, logits);
+        route_rows(logits, T, E, A, (int)L->norm_weights, p, taken, ids, wts);
+        memset(taken, 0, (size_t)E);
+        for (int64_t i = 0; i < T * A; i++) taken[ids[i]] = 1;
+        int64_t n_ex = 0;
+        for (int64_t e = 0; e < E; e++)
+            if (taken[e]) experts[n_ex++] = (int32_t)e;              // np.unique: ascending
+        moe_args_t M = {.n_embd = D, .n_ff = L->n_ff_exp, .x = h, .ids = ids, .wts = wts, .t = T, .n_used = A,
+                        .experts = experts, .out = out, .failed = 0};
+        for (int i = 0; i < 3; i++) {
+            M.w[i] = L->exps[i];
+            M.wtype[i] = L->exps_type[i];
+            M.expert_bytes[i] = L->exps_bytes[i];
+        }
+        pool_run(moe_chunk, &M, n_ex, 1, S->nth);
+        if (!M.failed) {
+            for (int64_t r = 0; r < T; r++)
+                for (int64_t i = 0; i < D; i++) {
+                    float acc = out[(r * A) * D + i];
+                    for (int64_t a = 1; a < A; a++) acc = acc + out[(r * A + a) * D + i];
+                    x[r * D + i] = acc + x[r * D + i];
+                }
+            rc = 0;
+        }
+    }
+    free(logits);
+    free(p);
+    free(wts);
+    free(out);
+    free(taken);
+    free(ids);
+    free(experts);
+    return rc;
 }

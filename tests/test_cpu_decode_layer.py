@@ -1,7 +1,8 @@
 """The numpy backend's one-call decode layer (kernels/cpu_lanes.c decode_layers, NumpyOps.decode_layers)
-gives the op-by-op path's bits: logits and the KV it writes, over several steps and two slots, on a
-synthetic qwen2 file in the q4_k_m mix with Q/K/V biases: rows of 256 (Q4_K and Q6_K products) and of
-96 (llama-quantize's fallback: Q5_0 and Q8_0)."""
+gives the op-by-op path's bits: logits and the KV it writes, over several steps and two slots, on
+synthetic files in the q4_k_m mix: qwen2 (Q/K/V biases) with rows of 256 (Q4_K and Q6_K products) and of
+96 (llama-quantize's fallback: Q5_0 and Q8_0); qwen3 (per-head q/k norms); qwen3moe (q/k norms and a
+routed FFN: the F32 router, the softmax and top-k, the experts), rows of 256 and of 96."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,14 +13,22 @@ from bloomery.engine.cpu import kernels as cpu_kernels
 pytestmark = pytest.mark.skipif(cpu_kernels.lib() is None, reason="the C kernels did not build here")
 
 
-@pytest.fixture(scope="module", params=[256, 96], ids=["k_quants", "q8_0_family"])
+SHAPES = {"qwen2": {}, "qwen3": dict(head_dim=64),
+          "qwen3moe": dict(head_dim=64, n_expert=8, n_expert_used=3, n_ff_exp=None)}
+
+
+@pytest.fixture(scope="module", params=[("qwen2", 256), ("qwen2", 96), ("qwen3", 256), ("qwen3moe", 256),
+                                        ("qwen3moe", 96)],
+                ids=["k_quants", "q8_0_family", "qwen3_qk_norm", "qwen3moe_k_quants", "qwen3moe_q8_0_family"])
 def qwen2_blocks(request, synthetic_dir, tokenizer_source):
     from conftest import load_tool
-    d = request.param
-    path = synthetic_dir / f"decode-layer-qwen2-{d}.gguf"
+    arch, d = request.param
+    extra = {k: (d if v is None else v) for k, v in SHAPES[arch].items()}
+    path = synthetic_dir / f"decode-layer-{arch}-{d}.gguf"
     if not path.exists():
-        load_tool("make_synthetic").write_synthetic(path, "qwen2", tokenizer_from=str(tokenizer_source), n_layer=2,
-                                                    n_embd=d, n_head=4, n_head_kv=2, n_ff=2 * d, mode="blocks")
+        load_tool("make_synthetic").write_synthetic(path, arch, tokenizer_from=str(tokenizer_source), n_layer=2,
+                                                    n_embd=d, n_head=4, n_head_kv=2, n_ff=2 * d, mode="blocks",
+                                                    **extra)
     return path
 
 
@@ -130,3 +139,27 @@ def test_one_non_finite_row_of_a_step_as_op_by_op(qwen2_blocks):
     assert np.isnan(a).any() and not np.isnan(a).all()
     assert np.array_equal(np.isnan(a), np.isnan(b))
     assert np.array_equal(a[~np.isnan(a)].view(np.uint32), b[~np.isnan(b)].view(np.uint32))
+
+
+def test_a_moe_step_over_the_planned_rows_goes_op_by_op(synthetic_dir, tokenizer_source):
+    """A MoE file's step of more than MOE_CALL_MAX_ROWS rows takes the ops (whose buffers the plan counts
+    at that many rows), one of that many the one call."""
+    from conftest import load_tool
+    from bloomery.engine.cpu.sizes import MOE_CALL_MAX_ROWS
+    from bloomery.engine.loader import load_model
+    from bloomery.placement import whole
+    path = synthetic_dir / "decode-layer-qwen3moe-rows.gguf"
+    if not path.exists():
+        load_tool("make_synthetic").write_synthetic(path, "qwen3moe", tokenizer_from=str(tokenizer_source), n_layer=1,
+                                                    n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_expert=8,
+                                                    n_expert_used=2, n_ff_exp=256, mode="blocks")
+    n = MOE_CALL_MAX_ROWS + 1
+    m = load_model(str(path), whole("numpy", n_slots=n, n_ctx_slot=16))
+    for s in range(n):
+        m.prefill(s, [5, 6], 0)
+    calls = []
+    inner = m.ops.decode_layers
+    m.ops.decode_layers = lambda *a: calls.append(inner(*a) is not None) or None
+    m.decode(list(range(n)), [7] * n, [2] * n)
+    m.decode(list(range(n - 1)), [7] * (n - 1), [3] * (n - 1))
+    assert calls == [False, True]

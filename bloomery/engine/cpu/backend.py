@@ -162,28 +162,33 @@ def imrope_text_pairs(half: int, sections) -> np.ndarray:
 
 class _DecodePlan:
     """decode_layers' arguments for one model, made once: each layer's stored blocks, norms,
-    biases and KV (slot 0); per call only the position, the RoPE row and the slot."""
+    biases and KV (slot 0); per call only the position, the RoPE row and the slot. A layer is
+    layers.attention (biases or per-head q/k norms or neither) then layers.swiglu_ffn, or then
+    layers.moe_ffn with an F32 router (the model says norm_weights)."""
 
     TYPES = frozenset({int(QT.Q8_0), int(QT.Q5_0), int(QT.Q4_K), int(QT.Q6_K)})
     NAMES = ("wq", "wk", "wv", "wo", "ffn_gate", "ffn_up", "ffn_down")
+    MOE = ("gate_inp", "gate_exps", "up_exps", "down_exps")
+    VECS = ("attn_norm", "ffn_norm", "bq", "bk", "bv", "q_norm", "k_norm")
 
-    def __init__(self, m, descs, keep: list):
+    def __init__(self, m, descs, keep: list, n_ff: int):
         hp = m.hp
         self.hp, self.cache, self.descs, self.keep = hp, m.cache, descs, keep   # keep: what the pointers point into
         self.n_layer = len(descs)
         self.step = cpu_kernels.DStep(n_embd=hp.n_embd, n_head=hp.n_head, n_head_kv=hp.n_head_kv,
-                                      head_dim=hp.head_dim, n_rot=hp.n_rot, n_ff=hp.n_ff, n_rows=0,
+                                      head_dim=hp.head_dim, n_rot=hp.n_rot, n_ff=n_ff, n_rows=0,
                                       eps=float(np.float32(hp.rms_eps)), scale=float(np.float32(m.kq_scale)),
                                       nth=threads.N_THREADS)
         self.slot_elems = m.cache.k.strides[1] // m.cache.k.itemsize
+        self.moe = any(d.router for d in descs)                      # steps over MOE_CALL_MAX_ROWS rows: the ops
 
     @classmethod
     def make(cls, m):
-        """The plan, or None where some layer is not a plain dense one decode_layers takes."""
+        """The plan, or None where some layer is not one decode_layers takes."""
         hp, cache = getattr(m, "hp", None), getattr(m, "cache", None)
         if hp is None or not isinstance(cache, KVCache) or not formats.KERNEL_ORDER:
             return None
-        if hp.head_dim > 1024 or hp.n_rot % 2 or hp.n_rot > hp.head_dim or hp.n_ff < 1:
+        if hp.head_dim > 1024 or hp.n_rot % 2 or hp.n_rot > hp.head_dim:
             return None
         if (cache.k.shape[0] != hp.n_layer or cache.k.shape[3:] != (hp.n_head_kv, hp.head_dim)
                 or not (cache.k.flags.c_contiguous and cache.v.flags.c_contiguous)):
@@ -191,39 +196,85 @@ class _DecodePlan:
         d, nq, nkv, f = hp.n_embd, hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim, hp.n_ff
         shapes = {"wq": (d, nq), "wk": (d, nkv), "wv": (d, nkv), "wo": (nq, d), "ffn_gate": (d, f),
                   "ffn_up": (d, f), "ffn_down": (f, d)}
+        sizes = {"attn_norm": d, "ffn_norm": d, "bq": nq, "bk": nkv, "bv": nkv, "q_norm": hp.head_dim,
+                 "k_norm": hp.head_dim}
         descs, keep = (cpu_kernels.DLayer * hp.n_layer)(), []
+        any_dense = False
         for il, ly in enumerate(m.layers):
-            if set(ly) - set(cls.NAMES) - {"attn_norm", "ffn_norm", "bq", "bk", "bv"}:
-                return None                                             # q/k norms, experts, ...
-            ws = [ly.get(n) for n in cls.NAMES]
-            if any(not isinstance(w, NumpyWeight) or w.ggml_type not in cls.TYPES or not _compiled(w)
-                   or w.shape != shapes[n] for n, w in zip(cls.NAMES, ws)):
+            if set(ly) - set(cls.NAMES) - set(cls.MOE) - set(cls.VECS):
+                return None                                             # shared experts, recurrent, ...
+            moe = "gate_inp" in ly
+            names = cls.NAMES[:4] if moe else cls.NAMES
+            if moe and set(ly) & set(cls.NAMES[4:]):
                 return None
-            vecs = []
-            for name, size in (("attn_norm", d), ("ffn_norm", d), ("bq", nq), ("bk", nkv), ("bv", nkv)):
+            any_dense |= not moe
+            if not moe and f < 1:
+                return None
+            ws = [ly.get(n) for n in names]
+            if any(not isinstance(w, NumpyWeight) or w.ggml_type not in cls.TYPES or not _compiled(w)
+                   or w.shape != shapes[n] for n, w in zip(names, ws)):
+                return None
+            vecs = {}
+            for name in cls.VECS:
                 w = ly.get(name)
-                if w is None and name.startswith("b"):
-                    vecs.append(None)
+                if w is None:
+                    if name in ("attn_norm", "ffn_norm"):
+                        return None
                     continue
-                if not isinstance(w, NumpyWeight) or w.ggml_type != int(QT.F32) or w.shape != (size,):
+                if not isinstance(w, NumpyWeight) or w.ggml_type != int(QT.F32) or w.shape != (sizes[name],):
                     return None
-                vecs.append(np.ascontiguousarray(_vec(w)))
+                vecs[name] = np.ascontiguousarray(_vec(w))
+            if ("q_norm" in vecs) != ("k_norm" in vecs):
+                return None
             raws = []
             for w in ws:
                 if w._c_raw is None:
                     w._c_raw = formats.c_raw(w.ggml_type, w.data, w.n_rows, w.n_cols)
                 raws.append(w._c_raw)
-            keep.append((vecs, raws))
             desc = descs[il]
-            desc.attn_norm, desc.ffn_norm = vecs[0].ctypes.data, vecs[1].ctypes.data
-            for i, b in enumerate(vecs[2:]):
-                desc.bias[i] = b.ctypes.data if b is not None else None
+            desc.attn_norm, desc.ffn_norm = vecs["attn_norm"].ctypes.data, vecs["ffn_norm"].ctypes.data
+            for i, b in enumerate(("bq", "bk", "bv")):
+                desc.bias[i] = vecs[b].ctypes.data if b in vecs else None
+            if "q_norm" in vecs:
+                desc.q_norm, desc.k_norm = vecs["q_norm"].ctypes.data, vecs["k_norm"].ctypes.data
             for i, (w, raw) in enumerate(zip(ws, raws)):
                 desc.w[i], desc.wtype[i] = raw.ctypes.data, w.ggml_type
+            if moe:
+                got = cls._moe(m, ly, desc, d)
+                if got is None:
+                    return None
+                raws.extend(got)
+            keep.append((vecs, raws))
             kv = m.kv_of[il]
             desc.kc = cache.k[kv, 0].ctypes.data
             desc.vc = cache.v[kv, 0].ctypes.data
-        return cls(m, descs, keep)
+        return cls(m, descs, keep, f if any_dense else 0)
+
+    @staticmethod
+    def _moe(m, ly, desc, d: int):
+        """A routed FFN half into desc (what NumpyOps.moe_ffn's compiled call takes), or None; returns
+        the arrays desc points into."""
+        norm_weights, moe = getattr(m, "norm_weights", None), getattr(m, "moe", None)
+        router = ly["gate_inp"]
+        if norm_weights is None or moe is None or not isinstance(router, NumpyWeight):
+            return None
+        n_exp = router.shape[1] if len(router.shape) == 2 else -1
+        if router.ggml_type != int(QT.F32) or router.shape != (d, n_exp) or not 1 <= moe.n_expert_used <= n_exp:
+            return None
+        stacks = [ly[n] for n in ("gate_exps", "up_exps", "down_exps")]
+        if any(not isinstance(w, NumpyWeight) or len(w.shape) != 3 or w.shape[2] != n_exp
+               or w.ggml_type not in _DecodePlan.TYPES or not _compiled(w.expert(0)) for w in stacks):
+            return None
+        fe = stacks[0].shape[1]
+        if stacks[0].shape[:2] != (d, fe) or stacks[1].shape[:2] != (d, fe) or stacks[2].shape[:2] != (fe, d):
+            return None
+        rw = np.ascontiguousarray(router.dense(), np.float32)             # [E, D]
+        raws = [np.ascontiguousarray(w.data) for w in stacks]
+        desc.router, desc.n_expert, desc.n_used = rw.ctypes.data, n_exp, moe.n_expert_used
+        desc.norm_weights, desc.n_ff_exp = int(bool(norm_weights)), fe
+        for i, (w, raw) in enumerate(zip(stacks, raws)):
+            desc.exps[i], desc.exps_type[i], desc.exps_bytes[i] = raw.ctypes.data, w.ggml_type, raw.size // n_exp
+        return [rw, *raws]
 
     def run(self, lib, slots: np.ndarray, positions: np.ndarray, x: np.ndarray) -> np.ndarray:
         """x [T, D]: row r is the next position positions[r] of slot slots[r] (distinct slots)."""
@@ -500,11 +551,11 @@ class NumpyOps:
 
     # --- one decode row through every dense layer ---
     def decode_layers(self, m, x, rows: Rows):
-        """layers.attention then layers.swiglu_ffn over every layer for the decode rows of a step,
-        one row a slot (each the next position of its own), in one compiled call (the same kernels
-        in the same order as the ops for these rows: the same bits), or None where that call does
-        not take this step (a prompt's rows, a layer or weight it lacks, the numpy kernels) and the
-        ops run one by one."""
+        """layers.attention then layers.swiglu_ffn or layers.moe_ffn over every layer for the decode
+        rows of a step, one row a slot (each the next position of its own), in one compiled call (the
+        same kernels in the same order as the ops for these rows: the same bits), or None where that
+        call does not take this step (a prompt's rows, a layer or weight it lacks, the numpy kernels)
+        and the ops run one by one."""
         lib = cpu_kernels.lib()
         if lib is None or not rows.spans:
             return None
@@ -515,8 +566,8 @@ class NumpyOps:
         if plan is False:
             plan = _DecodePlan.make(m)
             self._decode_plans[m] = plan
-        if plan is None:
-            return None
+        if plan is None or (plan.moe and len(rows.spans) > MOE_CALL_MAX_ROWS):
+            return None                                                 # (the plan counts that many rows' buffers)
         positions = np.asarray(rows.positions).reshape(-1)
         slots = [sp.slot for sp in rows.spans]
         if len(set(slots)) != len(slots) or len(positions) != len(slots):

@@ -123,10 +123,15 @@ DL_N = 7                                # decode_layers' products: Q, K, V, O, g
 
 
 class DLayer(ctypes.Structure):
-    """kernels/cpu_lanes.c dlayer_t: one dense layer's weights and its KV (slot 0) for decode_layers."""
+    """kernels/cpu_lanes.c dlayer_t: one layer's weights and its KV (slot 0) for decode_layers: a dense
+    FFN (w's gate, up, down) or a routed one (router, exps), q/k norms or none."""
     _fields_ = [("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p), ("bias", ctypes.c_void_p * 3),
                 ("w", ctypes.c_void_p * DL_N), ("wtype", ctypes.c_int64 * DL_N),
-                ("kc", ctypes.c_void_p), ("vc", ctypes.c_void_p)]
+                ("kc", ctypes.c_void_p), ("vc", ctypes.c_void_p),
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+                ("router", ctypes.c_void_p), ("n_expert", ctypes.c_int64), ("n_used", ctypes.c_int64),
+                ("norm_weights", ctypes.c_int64), ("n_ff_exp", ctypes.c_int64),
+                ("exps", ctypes.c_void_p * 3), ("exps_type", ctypes.c_int64 * 3), ("exps_bytes", ctypes.c_int64 * 3)]
 
 
 class DStep(ctypes.Structure):

@@ -122,9 +122,9 @@ def swiglu_ffn(m, il: int, x):
     return ops.matmul(ops.swiglu(g, u), ly["ffn_down"], x)                              # [T, D]
 
 
-def dense_layers(m, x, rows):
-    """Every layer of a model whose blocks are attention then swiglu_ffn, over the residual x:
-    [T, D]. A backend with `decode_layers` may run a decode row through all of them in one step
+def plain_layers(m, x, rows):
+    """Every layer of a model whose blocks are attention then swiglu_ffn or moe_ffn, over the residual
+    x: [T, D]. A backend with `decode_layers` may run a decode row through all of them in one step
     (the same ops in the same order); else (None) m.block one after another."""
     fused = getattr(m.ops, "decode_layers", None)
     y = fused(m, x, rows) if fused is not None else None

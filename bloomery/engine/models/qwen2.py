@@ -24,7 +24,7 @@ class Qwen2(CausalLM):
         return layers.swiglu_ffn(self, il, layers.attention(self, il, x, rows))     # [T, D]
 
     def layers_forward(self, x, rows):
-        return layers.dense_layers(self, x, rows)                                    # [T, D]
+        return layers.plain_layers(self, x, rows)                                    # [T, D]
 
 
 MODEL = Qwen2

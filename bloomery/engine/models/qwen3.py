@@ -23,5 +23,8 @@ class Qwen3(CausalLM):
     def block(self, il: int, x, rows):
         return layers.swiglu_ffn(self, il, layers.attention(self, il, x, rows, qk_norm=True))   # [T, D]
 
+    def layers_forward(self, x, rows):
+        return layers.plain_layers(self, x, rows)                                    # [T, D]
+
 
 MODEL = Qwen3

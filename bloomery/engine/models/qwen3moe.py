@@ -16,6 +16,7 @@ LAYER = layers.ATTN | layers.QK_NORM | layers.MOE_FFN
 
 class Qwen3Moe(CausalLM):
     arch = "qwen3moe"
+    norm_weights = True                     # the chosen experts' weights renormalised (decode_layers reads it)
 
     def __init__(self, gf, ops, n_slots: int, n_ctx_slot: int, progress=None, host_experts=None):
         super().__init__(gf, ops, n_slots, n_ctx_slot, progress, host_experts)
@@ -24,7 +25,10 @@ class Qwen3Moe(CausalLM):
 
     def block(self, il: int, x, rows):
         x = layers.attention(self, il, x, rows, qk_norm=True)                        # [T, D]
-        return layers.moe_ffn(self, il, x, norm_weights=True)                        # [T, D]
+        return layers.moe_ffn(self, il, x, norm_weights=self.norm_weights)           # [T, D]
+
+    def layers_forward(self, x, rows):
+        return layers.plain_layers(self, x, rows)                                    # [T, D]
 
 
 MODEL = Qwen3Moe

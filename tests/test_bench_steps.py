@@ -62,3 +62,9 @@ def test_a_placement_flag_is_the_plans_placement(tmp_path, tokenizer_source):
     a = st.parse_args(["-m", str(path), "--backend", "numpy", "-ncmoe", "1"])
     p = st.planned(a, 2, 64)
     assert (p.backend, p.n_slots) == ("numpy", 2) and p.n_ctx_slot >= 64      # the plan rounds the context up
+
+
+def test_ops_is_the_numpy_backends(tmp_path):
+    a = st.parse_args(["-m", str(tmp_path / "x.gguf"), "--backend", "cuda", "--ops"])
+    with pytest.raises(st.BenchError, match="--ops: .*--backend numpy"):
+        st.run(a)

@@ -15,7 +15,9 @@ It prints one line a measurement and writes them all to --out (JSON). What it sa
 is the engine's alone: through HTTP the server adds its own path (tools/bench_serve.py).
 
     python3 tools/bench_steps.py -m FILE [--backend cuda] [--prompts 64,512,4096] [--batches 1,2,4,8,16] \\
-        [--depth 512] [--kernels] [--cpu-moe | -ncmoe N | -fitt MIB] [-t N] [--out steps.json]
+        [--depth 512] [--kernels] [--cpu-moe | -ncmoe N | -fitt MIB] [-t N] [--ops] [--out steps.json]
+
+--ops (numpy backend) runs every decode step op by op instead of in decode_layers' one compiled call.
 
 With a placement flag the model is placed as bloomery-serve's plan places it for that flag on this
 machine, and each decode line adds the offload tier's own account: the host function's time a step,
@@ -137,6 +139,8 @@ def run(a) -> dict:
     prompts, batches = counts("--prompts", a.prompts), counts("--batches", a.batches)
     if a.kernels and a.backend != "cuda":
         raise BenchError("--kernels: the per-kernel times come from the card's profiler (--backend cuda)")
+    if a.ops and a.backend != "numpy":
+        raise BenchError("--ops: the one-call decode is the numpy backend's (--backend numpy)")
     if a.kernels:
         os.environ["BLOOMERY_CUDA_PDL"] = "0"          # read when each step is captured
     n_slots, n_ctx = sizes(prompts, batches, a.depth, a.steps)
@@ -171,6 +175,9 @@ def run(a) -> dict:
             os.environ.pop("BLOOMERY_CUDA_MOE_PROMPT", None)
         else:
             os.environ["BLOOMERY_CUDA_MOE_PROMPT"] = saved
+    if a.ops:
+        model.ops.decode_layers = lambda *args: None                 # every step takes the ops
+        res["ops"] = True
     fill_slots(model, n_slots, a.depth, rng)
     for b in batches:
         before = off.report() if off is not None else None
@@ -210,6 +217,7 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("-ncmoe", "--n-cpu-moe", type=int, default=None, help="placement as llama-server's -ncmoe N")
     ap.add_argument("-fitt", "--fit-target", default=None, metavar="MIB", help="placement as llama-server's -fitt MIB")
     ap.add_argument("-t", "--threads", type=int, default=0, help="host threads of the offload tier (0: the default)")
+    ap.add_argument("--ops", action="store_true", help="numpy backend: decode op by op, not in decode_layers' one call")
     a = ap.parse_args(argv)
     for flag, v in (("--depth", a.depth), ("--steps", a.steps), ("--reps", a.reps)):
         if v < 1:

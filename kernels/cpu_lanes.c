@@ -1874,7 +1874,6 @@ static void dprod(dact_t *a, const uint8_t *w, int64_t type, int64_t n_rows, flo
     dprod_rows(a, w, type, n_rows, out, nth, 0);
 }
 
-// one layer over x [T, n_embd] in place; buf: scratch of decode_layers' size
 // ---- an F32 weight's product in llama.cpp's order (quant/floats.py dot_f32_llama): out [T, N] =
 // x [T, K] . w [N, K]. T >= 2 with N % 4 == 0: tinyBLAS's one 16-lane accumulator over 16-wide steps
 // (a partial last step adds zero products), its lanes by halves; otherwise ggml_vec_dot_f32: four
@@ -1976,7 +1975,8 @@ static void route_rows(const float *z, int64_t t, int64_t n_exp, int64_t n_used,
 
 static int moe_half(const dlayer_t *L, const dstep_t *S, float *x, const float *h);
 
-// one layer over x [T, D] in place; 0, or -1 where a routed FFN's scratch could not be allocated
+// one layer over x [T, D] in place (buf: scratch of decode_layers' size); 0, or -1 where a routed FFN's
+// scratch could not be allocated
 static int decode_layer(const dlayer_t *L, const dstep_t *S, float *x, float *buf, const dscratch_t *sc) {
     const int64_t D = S->n_embd, H = S->n_head, Hkv = S->n_head_kv, Dh = S->head_dim, F = S->n_ff, T = S->n_rows;
     const int64_t nq = H * Dh, nkv = Hkv * Dh;

@@ -1879,12 +1879,12 @@ static void dprod(dact_t *a, const uint8_t *w, int64_t type, int64_t n_rows, flo
 // (a partial last step adds zero products), its lanes by halves; otherwise ggml_vec_dot_f32: four
 // 16-lane accumulators over 64-wide steps, (0 + 2) + (1 + 3), the lanes by halves, then the tail one
 // fma at a time.
-static void dot_f32_rows(const float *x, int64_t t, int64_t k, const float *w, int64_t n, float *out) {
-    const int tiny = t >= 2 && n % 4 == 0;
+static void dot_f32_span(const float *x, int64_t t, int64_t k, const float *w, int64_t n, int tiny, int64_t j0,
+                         int64_t j1, float *out) {
     const int64_t k_main = k - k % 64;
     for (int64_t r = 0; r < t; r++) {
         const float *xr = x + r * k;
-        for (int64_t j = 0; j < n; j++) {
+        for (int64_t j = j0; j < j1; j++) {
             const float *wr = w + j * k;
             float res;
             if (tiny) {
@@ -1906,6 +1906,29 @@ static void dot_f32_rows(const float *x, int64_t t, int64_t k, const float *w, i
             out[r * n + j] = res;
         }
     }
+}
+
+static void dot_f32_rows(const float *x, int64_t t, int64_t k, const float *w, int64_t n, float *out) {
+    dot_f32_span(x, t, k, w, n, t >= 2 && n % 4 == 0, 0, n, out);
+}
+
+typedef struct {
+    const float *x, *w;
+    int64_t t, k, n;
+    int tiny;
+    float *out;
+} f32_args;
+
+static void f32_chunk(const void *ctx, int64_t j0, int64_t j1, int worker) {
+    const f32_args *F = (const f32_args *)ctx;
+    (void)worker;
+    dot_f32_span(F->x, F->t, F->k, F->w, F->n, F->tiny, j0, j1, F->out);
+}
+
+// out [T, N] = x [T, K] . w [N, K] (an F32 weight) in llama.cpp's order, the weight's rows over the threads
+void f32_mm(const float *x, int64_t t, int64_t k, const float *w, int64_t n, float *out, int nth) {
+    const f32_args F = {.x = x, .w = w, .t = t, .k = k, .n = n, .tiny = t >= 2 && n % 4 == 0, .out = out};
+    pool_run(f32_chunk, &F, n, grain_for(n, nth, 1), t * n * k >= (1 << 16) ? nth : 1);
 }
 
 // numpy's sum of float32 values in double (its pairwise_sum under 128 values): in order from 0 below

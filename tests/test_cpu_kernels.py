@@ -254,3 +254,21 @@ def test_spin_rounds_read_and_refused(monkeypatch):
         monkeypatch.setenv("BLOOMERY_CPU_SPIN", bad)
         with pytest.raises(ValueError, match="BLOOMERY_CPU_SPIN"):
             cpu_kernels.spin_rounds()
+
+
+@needs_c
+@pytest.mark.parametrize("n,k,t", [(7, 100, 1), (64, 1024, 1), (8, 1000, 3), (6, 64, 3), (12, 17, 5),
+                                   (128, 2048, 16), (64, 1024, 512), (3, 200, 2)])
+def test_compiled_f32_product_equals_llamas_order(n, k, t):
+    """An F32 weight's product (the MoE router): f32_mm against quant/floats.dot_f32_llama, bit for bit,
+    through both of llama's orders (ggml_vec_dot_f32 for one row or N % 4 != 0, tinyBLAS otherwise)
+    and the numpy backend's matmul."""
+    from bloomery.engine.cpu.backend import NumpyOps, NumpyWeight
+    rng = np.random.default_rng(n * 1000 + k + t)
+    w = (rng.standard_normal((n, k)) * rng.uniform(0.01, 4, (n, 1))).astype(np.float32)
+    x = rng.standard_normal((t, k)).astype(np.float32)
+    out = np.full((t, n), np.nan, np.float32)
+    cpu_kernels.lib().f32_mm(x.ctypes.data, t, k, w.ctypes.data, n, out.ctypes.data, 2)
+    assert _bits_equal(out, formats.dot_f32_llama(x, w))
+    weight = NumpyWeight(QT.F32, (k, n), w.reshape(-1).view(np.uint8))
+    assert _bits_equal(NumpyOps().matmul(x, weight), out)

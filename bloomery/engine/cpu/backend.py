@@ -437,7 +437,14 @@ class NumpyOps:
         qt = QT(w.ggml_type)
         if qt == QT.F32:
             if formats.KERNEL_ORDER:
-                return formats.dot_f32_llama(x, w.dense())             # [T, N] llama.cpp's float order
+                lib = cpu_kernels.lib()
+                if lib is None or x.ndim != 2:
+                    return formats.dot_f32_llama(x, w.dense())         # [T, N] llama.cpp's float order
+                x, wd = np.ascontiguousarray(x), np.ascontiguousarray(w.dense())
+                out = np.empty((x.shape[0], wd.shape[0]), np.float32)  # [T, N] the same order, compiled
+                lib.f32_mm(x.ctypes.data, x.shape[0], x.shape[1], wd.ctypes.data, wd.shape[0], out.ctypes.data,
+                           threads.N_THREADS)
+                return out
             return x @ w.dense().T                                      # [T, N]
         if qt == QT.F16:
             return x.astype(np.float16).astype(np.float32) @ w.dense().T   # [T, N] f16 x f16 in f32

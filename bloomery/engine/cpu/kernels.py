@@ -106,6 +106,8 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     lib.attn_f16.argtypes = [p, p, p, i64, i64, i64, i64, f, p, i64, c_int]
     lib.attn_f32.argtypes = [p, p, p, i64, i64, i64, i64, i64, f, p, i64, p, p, c_int]
     lib.rms_norm.argtypes = [p, p, p, i64, i64, f]
+    lib.f32_mm.argtypes = [p, i64, i64, p, i64, p, c_int]
+    lib.f32_mm.restype = None
     lib.lanes_set_spin.argtypes = [c_int]
     lib.rope_neox.argtypes = [p, i64, i64, i64, i64, p, p]
     lib.decode_layers.argtypes = [p, i64, ctypes.POINTER(DStep), p]

@@ -93,6 +93,20 @@ def _f32(x) -> np.ndarray:
     return np.asarray(x, dtype=np.float32)
 
 
+def _expert_stacks(stacks, d: int):
+    """A routed FFN's gate, up and down stacks as kernels/cpu_lanes.c moe_chunk reads them: (their
+    contiguous bytes, the expert width Fe, the experts E), or None where some stack is not one the
+    compiled call takes (for hidden size d)."""
+    n_exp = stacks[0].shape[2] if len(stacks[0].shape) == 3 else -1
+    if any(not isinstance(w, NumpyWeight) or len(w.shape) != 3 or w.shape[2] != n_exp or not _compiled(w.expert(0))
+           for w in stacks):
+        return None
+    fe = stacks[0].shape[1]
+    if stacks[0].shape[:2] != (d, fe) or stacks[1].shape[:2] != (d, fe) or stacks[2].shape[:2] != (fe, d):
+        return None
+    return [np.ascontiguousarray(w.data) for w in stacks], fe, n_exp
+
+
 def _vec(w) -> np.ndarray:
     """A 1-D weight handle (norm weights, biases) or array as float32."""
     if isinstance(w, NumpyWeight):
@@ -262,14 +276,11 @@ class _DecodePlan:
         if router.ggml_type != int(QT.F32) or router.shape != (d, n_exp) or not 1 <= moe.n_expert_used <= n_exp:
             return None
         stacks = [ly[n] for n in ("gate_exps", "up_exps", "down_exps")]
-        if any(not isinstance(w, NumpyWeight) or len(w.shape) != 3 or w.shape[2] != n_exp
-               or w.ggml_type not in _DecodePlan.TYPES or not _compiled(w.expert(0)) for w in stacks):
+        got = _expert_stacks(stacks, d)
+        if got is None or got[2] != n_exp:
             return None
-        fe = stacks[0].shape[1]
-        if stacks[0].shape[:2] != (d, fe) or stacks[1].shape[:2] != (d, fe) or stacks[2].shape[:2] != (fe, d):
-            return None
+        raws, fe, _ = got
         rw = np.ascontiguousarray(router.dense(), np.float32)             # [E, D]
-        raws = [np.ascontiguousarray(w.data) for w in stacks]
         desc.router, desc.n_expert, desc.n_used = rw.ctypes.data, n_exp, moe.n_expert_used
         desc.norm_weights, desc.n_ff_exp = int(bool(norm_weights)), fe
         for i, (w, raw) in enumerate(zip(stacks, raws)):
@@ -659,17 +670,15 @@ class NumpyOps:
         lib = cpu_kernels.lib()
         if lib is None or not formats.KERNEL_ORDER or x.ndim != 2 or x.shape[0] > MOE_CALL_MAX_ROWS:
             return None
-        n_exp = stacks[0].shape[2]
-        if any(len(w.shape) != 3 or w.shape[2] != n_exp or not _compiled(w.expert(0)) for w in stacks):
+        got = _expert_stacks(stacks, x.shape[1])
+        if got is None:
             return None
-        d, f = stacks[0].shape[0], stacks[0].shape[1]
-        if stacks[1].shape[:2] != (d, f) or stacks[2].shape[:2] != (f, d) or x.shape[1] != d:
-            return None
+        raws, f, n_exp = got
+        d = x.shape[1]
         ids32 = np.ascontiguousarray(ids, dtype=np.int32)
         if ids32.size and (ids32.min() < 0 or ids32.max() >= n_exp):
             return None                                                 # the loop names the problem
         wts = np.ascontiguousarray(weights, dtype=np.float32)
-        raws = [np.ascontiguousarray(w.data) for w in stacks]
         ptrs = (ctypes.c_void_p * 3)(*(r.ctypes.data for r in raws))
         types = (ctypes.c_int64 * 3)(*(w.ggml_type for w in stacks))
         per = (ctypes.c_int64 * 3)(*(r.size // n_exp for r in raws))

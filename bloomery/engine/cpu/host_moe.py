@@ -6,8 +6,8 @@ and writes out[T, D] = sum over the (token, slot) pairs whose expert is not flag
 wts * down_e(silu(gate_e x) * up_e x). The cuda backend gives a persistent args_struct() per
 layer and row count to a Bell, whose thread runs host_moe on it when a decode step's card kernel
 posts a job (kernels/host_moe.c, "the doorbell"); tests and tools call host_moe_layer() with
-numpy arrays. Calls from several threads are taken one at a time. BLOOMERY_HOST_SPIN_US (default 2000), or set_spin_us(), is how long idle workers spin
-for the next call before they sleep.
+numpy arrays. Calls from several threads are taken one at a time. BLOOMERY_HOST_SPIN_US (default
+2000), or set_spin_us(), is how long idle workers spin for the next call before they sleep.
 
 Built like kernels/cpu_lanes.c (engine/cpu/kernels.py: `compiled`), with -pthread, into
 `$BLOOMERY_CACHE/kernels/host_moe-<key>.so`. There is no slower fallback: where no compiler is
@@ -250,8 +250,8 @@ def _addr(v) -> int:
 def args_struct(*, d: int, f: int, n_used: int, gate_type: int, up_type: int, down_type: int,
                 gate, up, down, skip, n_rows: int = 1, n_threads: int = 0,
                 ids=0, wts=0, x=0, out=0) -> HostMoeArgs:
-    """A persistent host_moe_args (for Bell.set_args, or host_moe through its address). gate / up / down: the [E] expert address tables, a uint64 numpy array
-    (used in place: rewriting an entry moves that expert) or a sequence of ints (copied into one,
+    """A persistent host_moe_args (for Bell.set_args, or host_moe through its address). gate / up /
+    down: the [E] expert address tables, a uint64 numpy array (used in place: rewriting an entry moves that expert) or a sequence of ints (copied into one,
     kept as .gate_ptrs / .up_ptrs / .down_ptrs); skip: [E] uint8 numpy array (used in place) or
     an address; ids, wts, x, out: numpy arrays or addresses (pinned buffers), settable later
     through the struct's fields, as is n_rows."""

@@ -18,8 +18,9 @@ experts the step picks, the first round(m * share) in pick order go over the bus
 - streamed to the card: the pick's table entries point at its slot in the card staging buffer,
   and a copy kernel (moe_stream_in) fills it from pinned host RAM over the bus while the host
   computes the other lane; the card's expert kernels then read it there. Both lanes read the same
-  host RAM; the share is measured (residency.STREAM_SHARE). Chosen per step, the split is even in every layer whatever the picks;
-  a lane fixed per expert split a layer's picks binomially, and a step waited on the longer lane.
+  host RAM; the share is measured (residency.STREAM_SHARE). Chosen per step, the split is even in
+  every layer whatever the picks; a lane fixed per expert split a layer's picks binomially, and a
+  step waited on the longer lane.
   A direct read of host RAM by the expert kernels themselves was measured slower (docs/verify.md).
 Prompt batches stream the used host experts' bytes to a card staging buffer and compute every
 expert on the card (stage_tables); the prompt's most-used ones then take card slots from the
@@ -258,11 +259,6 @@ class Offload:
         """A captured step that posts `jobs` bell jobs is about to be launched."""
         if self.bell is not None and jobs:
             self.bell.arm(jobs)
-
-    def close(self) -> None:
-        """Stop the bell thread (the model is being let go)."""
-        if self.bell is not None:
-            self.bell.close()
 
     def zero_ptr(self, nbytes: int) -> int:
         """A block of zero bytes at least `nbytes` long: a host expert's table entry."""

@@ -77,6 +77,7 @@ class Result:
     tensors: tuple[TensorPlace, ...]            # tensors (or expert slices) away from the main card
     experts_on_card: tuple[int, ...]            # per layer, routed experts on any card
     layer_why: tuple[str, ...]                  # per layer, why its experts sit where they do
+    host_pass: bool = False                     # the card counts scratch_host: prompt passes take the host rows
 
 
 def _cards_checked(ask: PlacementAsk, cards: tuple[int, ...]) -> tuple[int, list[int]]:
@@ -120,10 +121,13 @@ def _staging(lay: Layout, host_per_layer: list[int]) -> int:
 
 
 def place(lay: Layout, cards: tuple[int, ...], host_avail: int, ask: PlacementAsk, kv: int, scratch: int,
-          host_reserve: int, fit_experts: bool) -> Result:
+          host_reserve: int, fit_experts: bool, scratch_host: int | None = None) -> Result:
     """The placement across cards and host, or OffloadError naming what does not fit (every term).
     fit_experts: the "budget" case may move routed experts off the card (the caller allows it once
-    the context rule could not fit the whole model)."""
+    the context rule could not fit the whole model). scratch_host: the scratch of a prompt pass where
+    routed experts live on the host (the caller's shorter pass; default `scratch`)."""
+    scratch_host = scratch if scratch_host is None else scratch_host
+    host_pass = False                               # the card counts scratch_host
     main, used = _cards_checked(ask, cards)
     n_layer, n_exp = lay.n_layer, lay.n_expert
     main_dev = f"cuda:{main}"
@@ -166,12 +170,16 @@ def place(lay: Layout, cards: tuple[int, ...], host_avail: int, ask: PlacementAs
             if len(devs) == 1 and (d := devs.pop()) != "host":
                 on[int(d[5:])][layer] = n_exp
         stage = max(host_layer, default=0) + (max(lay.expert_bytes, default=0) if any(host_layer) else 0)
+        if any(host_layer):
+            scratch, host_pass = scratch_host, True
         why = [next((flagged[n][1] for n in names if n in flagged), "on the main card") for names in lay.experts]
     else:
         case, why = "whole", ["the model fits the card"] * n_layer
         on[main] = [n_exp] * n_layer
         if card_need(on)[0] > room_main and fit_experts and n_exp and ask.fit:
             case = "budget"
+            room_main += scratch - scratch_host
+            scratch, host_pass = scratch_host, True
             on = _budget(lay, cards, ask, main, used, room_main, margin, card_need)
             why = ["budget: every expert fits" if sum(on[i][l] for i in used) == n_exp else
                    "budget: what the card bytes hold, spread evenly" for l in range(n_layer)]
@@ -204,7 +212,7 @@ def place(lay: Layout, cards: tuple[int, ...], host_avail: int, ask: PlacementAs
         hint = "; -fit off keeps every expert on the card" if case == "whole" and not ask.fit else ""
         raise OffloadError(f"{what} does not fit: " + "; ".join(short) + hint)
     total_on = tuple(sum(on[i][l] for i in on) for l in range(n_layer))
-    return Result(case, main, tuple(devices), tuple(tensors), total_on, tuple(why))
+    return Result(case, main, tuple(devices), tuple(tensors), total_on, tuple(why), host_pass)
 
 
 def _budget(lay, cards, ask, main, used, room_main, margin, card_need) -> dict[int, list[int]]:

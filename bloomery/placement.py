@@ -71,6 +71,7 @@ class Placement:
     case: str = "whole"                     # how the plan placed it: whole, budget, flags (bloomery/offload.py)
     layer_why: tuple[str, ...] = ()         # per layer, why its routed experts sit where they do
     n_expert: int = 0                       # routed experts per layer (0: a dense model)
+    n_ubatch: int = 0                       # prompt rows per pass the plan counted (0: the backend's own)
 
     @property
     def off_card(self) -> bool:

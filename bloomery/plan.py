@@ -30,7 +30,7 @@ from functools import lru_cache
 from bloomery.engine.cpu import sizes as cpu_sizes
 from bloomery.engine.cuda import sizes as cuda_sizes
 from bloomery.engine.cuda.sizes import DECODE_ROWS as CUDA_DECODE_ROWS, SCORE_BYTES as CUDA_SCORE_BYTES, UBATCH as CUDA_UBATCH
-from bloomery.engine.cuda.sizes import DELTA_GROUP_CHUNKS
+from bloomery.engine.cuda.sizes import DELTA_GROUP_CHUNKS, PLANNED_BK, PLANNED_MAX_EXPERTS, PLANNED_MAX_PAIRS, PLANNED_TYPES
 from bloomery import offload
 from bloomery.engine.limits import CTX_CHECKPOINTS
 from bloomery.gguf_file import StringArray
@@ -224,26 +224,75 @@ def kv_bytes_for(facts: ModelFacts, n_ctx: int, bytes_per_elem: int) -> int:
     return n_ctx * per_pos * bytes_per_elem
 
 
-def scratch_bytes_for(facts: ModelFacts, n_ctx_slot: int, backend: str = "numpy", n_slots: int = 1) -> int:
+def scratch_bytes_for(facts: ModelFacts, n_ctx_slot: int, backend: str = "numpy", n_slots: int = 1,
+                      rows: int = 0) -> int:
     """Transient bytes at the peak of one prompt pass or decode step (what is allocated during it and
     handed back after).
 
     numpy: _numpy_scratch, counted from the backend's own arrays.
-    cuda (an estimate, not yet checked against the card): the prompt path's f16 copies of up to
-    three weights at once (the largest tensor: MoE gate, up and down stacks), float32/f16
-    activations of a CUDA_UBATCH-row pass with MoE rows padded by half for the grouping, the
-    attention's score chunk (CUDA_SCORE_BYTES f32 + its f16 probabilities), one row of logits.
+    cuda (an estimate; the card tests hold it above the measured peak): float32/f16 activations of a
+    `rows`-row pass (default CUDA_UBATCH) with MoE rows padded by half for the grouping, the attention's
+    score chunk (CUDA_SCORE_BYTES f32 + its f16 probabilities), one row of logits, and the f16 copies
+    of up to three weights at once that the GEMM path makes: the largest tensor where the pass may take
+    the grouped expert path (MoE gate, up and down stacks) or the head; where every routed layer takes
+    the planned path at `rows` rows and at most DECODE_ROWS slots finish in a pass (so the head stays on
+    the mat-vec kernels), the largest other tensor (cuda_host_pass_rows).
     """
     if backend == "cuda":
+        rows = rows or CUDA_UBATCH
         kv_width = 2 * max(facts.n_head_kv) * facts.head_dim_k
         q_width = (facts.n_head + kv_width // facts.head_dim_k) * facts.head_dim_k
         per_row = 6 * facts.n_embd + 2 * q_width + 6 * facts.n_ff
-        return (3 * 2 * facts.max_tensor_elems + 4 * CUDA_UBATCH * per_row
-                + CUDA_SCORE_BYTES * 3 // 2 + 4 * facts.n_vocab + _cuda_delta_scratch(facts))
+        copied = facts.max_tensor_elems
+        if _planned_experts(facts) and rows * facts.n_expert_used <= PLANNED_MAX_PAIRS and n_slots <= CUDA_DECODE_ROWS:
+            copied = max((_elems(shape) for name, _, shape in facts.tensors
+                          if "_exps." not in name and not name.startswith(("token_embd.", "output."))), default=0)
+        return (3 * 2 * copied + 4 * rows * per_row
+                + CUDA_SCORE_BYTES * 3 // 2 + 4 * facts.n_vocab + _cuda_delta_scratch(facts, rows))
     return _numpy_scratch(facts, n_ctx_slot, n_slots)
 
 
-def _cuda_delta_scratch(facts: ModelFacts) -> int:
+def _elems(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _planned_experts(facts: ModelFacts) -> bool:
+    """Whether every routed layer's experts take the cuda prompt path's planned kernels (cuda/moe.py
+    planned_fits: gate and up of one type, every type one moe_mm.cu reads, inner sizes whole steps)."""
+    if not facts.n_expert or not facts.n_expert_used or not facts.tensors or facts.n_expert > PLANNED_MAX_EXPERTS:
+        return False
+    by_layer: dict[str, dict[str, tuple[int, tuple]]] = {}
+    for name, ggml_type, shape in facts.tensors:
+        for part in ("gate", "up", "down"):
+            if name.endswith(f".ffn_{part}_exps.weight"):
+                by_layer.setdefault(name.rsplit(".ffn_", 1)[0], {})[part] = (ggml_type, shape)
+    if not by_layer:
+        return False
+    for got in by_layer.values():
+        if set(got) != {"gate", "up", "down"}:
+            return False
+        (tg, sg), (tu, _), (td, sd) = got["gate"], got["up"], got["down"]
+        if tg != tu or tg not in PLANNED_TYPES or td not in PLANNED_TYPES:
+            return False
+        if len(sg) != 3 or sg[0] % PLANNED_BK or sg[1] % PLANNED_BK:
+            return False
+    return True
+
+
+def cuda_host_pass_rows(facts: ModelFacts) -> int:
+    """Rows of a cuda prompt pass when routed experts live in host RAM: as many as keep every routed
+    layer on the planned expert path (PLANNED_MAX_PAIRS (token, expert) pairs; 2,048 ids at 8 experts a
+    token), so the pass makes no f16 copy of an expert stack and its activations are smaller; the card
+    bytes this frees hold routed experts instead. CUDA_UBATCH where the planned path does not apply."""
+    if not _planned_experts(facts):
+        return CUDA_UBATCH
+    return max(CUDA_DECODE_ROWS + 1, min(CUDA_UBATCH, PLANNED_MAX_PAIRS // facts.n_expert_used))
+
+
+def _cuda_delta_scratch(facts: ModelFacts, rows: int = CUDA_UBATCH) -> int:
     """A hybrid file's linear-attention layer in a cuda prompt pass (an estimate, not yet checked against the
     card): the projections and the conv's output a row (q, k, v fused, z, the window's concatenation, q and
     k normalised and widened to the value heads), and the chunked delta rule's group of
@@ -253,9 +302,9 @@ def _cuda_delta_scratch(facts: ModelFacts) -> int:
     channels, inner, n_v = facts.ssm_widths
     if not channels:
         return 0
-    rows = DELTA_GROUP_CHUNKS * cpu_sizes.DELTA_CHUNK
     per_row = 3 * channels + 5 * inner
-    return 4 * CUDA_UBATCH * per_row + 4 * rows * n_v * (10 * (inner // n_v) + 6 * cpu_sizes.DELTA_CHUNK)
+    group = DELTA_GROUP_CHUNKS * cpu_sizes.DELTA_CHUNK
+    return 4 * rows * per_row + 4 * group * n_v * (10 * (inner // n_v) + 6 * cpu_sizes.DELTA_CHUNK)
 
 
 F32 = 4                          # bytes of one float32 activation
@@ -553,6 +602,10 @@ def placement_lines(p: Placement) -> list[tuple[str, str, dict]]:
         span = f"layer {a}" if a == b else f"layers {a}-{b}"
         lines.append(("info", f"{span}: {k} of {p.n_expert} routed experts on a card ({why})",
                       {"layers": f"{a}-{b}", "experts_on_card": k, "why": why}))
+    if p.n_ubatch:
+        lines.append(("info", f"prompt passes of at most {p.n_ubatch} ids: with routed experts in host RAM every layer "
+                              f"takes the planned expert kernels, which copy no expert stack to f16; the card's scratch "
+                              f"is that pass's", {"n_ubatch": p.n_ubatch}))
     return lines
 
 
@@ -684,8 +737,9 @@ def _place(facts, census, n_slots, n_ctx_slot, ask, fit_experts) -> offload.Resu
     """The card plan; the checkpoints of a recurrent state (host copies) in the host's KV term."""
     t = _terms(facts, "cuda", n_slots, n_ctx_slot)
     ck = host_checkpoint_bytes(facts, "cuda", n_slots, "cuda")
+    short = scratch_bytes_for(facts, n_ctx_slot, "cuda", n_slots, rows=cuda_host_pass_rows(facts))
     r = offload.place(layout_of(facts), census.card_free_bytes, census.host_avail_bytes, ask, t["kv"],
-                      t["scratch"], HOST_RESERVE_BYTES + ck, fit_experts)
+                      t["scratch"], HOST_RESERVE_BYTES + ck, fit_experts, scratch_host=min(short, t["scratch"]))
     if not ck:
         return r
     host = r.devices[0]
@@ -856,9 +910,12 @@ def make_plan(facts: ModelFacts, census: Census, backend: str = "numpy", ctx_siz
         devices = _with_prompt_cache(tuple(r.devices), cache_ram_mib)
         host = devices[0].terms.total
         cards = tuple(d.terms.total - d.terms.margin for d in devices[1:])
+        if r.host_pass:                          # prompt passes of the host rows, and their scratch
+            t = {**t, "scratch": devices[1 + r.main].terms.scratch}
         placement = Placement(backend, n, n_ctx_slot, f"cuda:{r.main}", devices=devices, tensors=r.tensors,
                               experts_on_card=r.experts_on_card if facts.n_expert else (), case=r.case,
-                              layer_why=r.layer_why if facts.n_expert else (), n_expert=facts.n_expert)
+                              layer_why=r.layer_why if facts.n_expert else (), n_expert=facts.n_expert,
+                              n_ubatch=cuda_host_pass_rows(facts) if r.host_pass else 0)
     return Plan(backend, facts.arch, n * n_ctx_slot, n_ctx_slot, n, rule, facts.n_ctx_train,
                 dict(facts.tensor_bytes), t["weights"], t["kv"], t["scratch"], host, cards, t,
                 parallel_from="auto" if n_parallel == "auto" else "set", decoded_bytes=t["decoded"],

@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 
 # The share of each decode step's host picks the card copies over PCIe and computes itself (the rest
 # the host computes). Both lanes read the same host RAM, so the balance is not the bus's rate over the
@@ -48,7 +50,6 @@ def bus_picks(m: int, share: float) -> int:
     halves up."""
     if not 0.0 <= share <= 1.0:
         raise ValueError(f"the streamed share must lie in [0, 1], not {share}")
-    import numpy as np
     return int(np.floor(np.float32(m) * np.float32(share) + np.float32(0.5)))
 
 
@@ -61,46 +62,87 @@ class Move:
     nbytes: int         # bytes copied to the card
 
 
-def _check(counts: Sequence[Sequence[int]], on_card: Sequence[frozenset[int]], expert_bytes: Sequence[int],
-           budget: int) -> None:
+def _held(counts: np.ndarray, on_card, expert_bytes: Sequence[int], budget: int) -> np.ndarray:
+    """The checked input's card slots as a mask [L, E] (on_card: a sequence of expert sets, or the mask)."""
     if len(on_card) != len(counts) or len(expert_bytes) != len(counts):
         raise ValueError(f"residency: {len(counts)} layers of counts, {len(on_card)} of card slots and "
                          f"{len(expert_bytes)} expert sizes; they must match")
     if budget < 0:
         raise ValueError(f"residency: a byte budget of {budget} (must be >= 0)")
-    for layer, (row, held) in enumerate(zip(counts, on_card)):
-        if any(c < 0 for c in row):
-            raise ValueError(f"residency: layer {layer} has a negative routing count")
-        bad = [e for e in held if not 0 <= e < len(row)]
-        if bad:
-            raise ValueError(f"residency: layer {layer} holds expert {bad[0]}, which is not one of its {len(row)}")
+    if counts.size and counts.min() < 0:
+        raise ValueError(f"residency: layer {int(np.nonzero((counts < 0).any(axis=1))[0][0])} has a negative "
+                         f"routing count")
+    if isinstance(on_card, np.ndarray):
+        if on_card.shape != counts.shape or on_card.dtype != bool:
+            raise ValueError(f"residency: a card mask of shape {on_card.shape}, {on_card.dtype}; the counts are "
+                             f"{counts.shape}")
+        return on_card
+    held = np.zeros(counts.shape, bool)
+    for layer, got in enumerate(on_card):
+        got = np.fromiter(got, np.int64, len(got))
+        bad = got[(got < 0) | (got >= counts.shape[1])]
+        if bad.size:
+            raise ValueError(f"residency: layer {layer} holds expert {int(bad[0])}, which is not one of its "
+                             f"{counts.shape[1]}")
+        held[layer, got] = True
+    return held
+
+
+def _swaps(counts: np.ndarray, held: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every layer's useful swaps at once, counts and held [L, E]: (hot, cold, n) where hot[l] lists layer
+    l's host experts hottest first (ties: the lower id first), cold[l] its card experts coldest first, and
+    the first n[l] pairs swap: the i-th hottest host expert for the i-th coldest card one, while the first
+    is routed strictly more (the gains fall as i grows, so the useful pairs are a prefix)."""
+    n_layer, n_expert = counts.shape
+    ids = np.arange(n_expert, dtype=np.int64)
+    top = (int(counts.max(initial=0)) + 1) * n_expert
+    hot = np.argsort(np.where(held, 2 * top, top - counts * n_expert + ids), axis=1)
+    cold = np.argsort(np.where(held, counts * n_expert + ids, 2 * top), axis=1)
+    k = np.minimum((~held).sum(axis=1), held.sum(axis=1))
+    gain = np.take_along_axis(counts, hot, 1) - np.take_along_axis(counts, cold, 1)
+    useful = (gain > 0) & (ids[None, :] < k[:, None])
+    n = np.where(useful.all(axis=1), n_expert, np.argmin(useful, axis=1))
+    return hot, cold, n
+
+
+def _held_mask(held, n_expert: int) -> np.ndarray:
+    mask = np.zeros(n_expert, bool)
+    mask[list(held)] = True
+    return mask
 
 
 def layer_swaps(layer: int, row: Sequence[int], held: frozenset[int], nbytes: int) -> list[Move]:
     """One layer's useful swaps, the largest gain first: i-th hottest host expert for the i-th coldest card one."""
-    hot = sorted((e for e in range(len(row)) if e not in held), key=lambda e: (-row[e], e))
-    cold = sorted(held, key=lambda e: (row[e], e))
-    out = []
-    for h, c in zip(hot, cold):
-        if row[h] <= row[c]:
-            break
-        out.append(Move(layer, h, c, row[h] - row[c], nbytes))
-    return out
+    r = np.asarray(row, np.int64).reshape(1, -1)
+    hot, cold, n = _swaps(r, _held_mask(held, r.shape[1])[None, :])
+    return [Move(layer, int(h), int(c), int(r[0, h] - r[0, c]), nbytes) for h, c in zip(hot[0, :n[0]], cold[0, :n[0]])]
 
 
-def moves(counts: Sequence[Sequence[int]], on_card: Sequence[frozenset[int]], expert_bytes: Sequence[int],
-          budget: int) -> tuple[Move, ...]:
-    """The swaps to make before the next step: counts[layer][expert] routed, on_card[layer] the experts
-    in card slots, expert_bytes[layer] one expert's bytes, budget the bytes the step may copy."""
-    _check(counts, on_card, expert_bytes, budget)
-    every = [m for layer, (row, held) in enumerate(zip(counts, on_card))
-             for m in layer_swaps(layer, row, frozenset(held), expert_bytes[layer])]
-    every.sort(key=lambda m: (-m.gain, m.layer, m.into_card))
-    chosen, spent = [], 0
-    for m in every:
-        if spent + m.nbytes <= budget:
-            chosen.append(m)
-            spent += m.nbytes
+def moves(counts, on_card: Sequence[frozenset[int]], expert_bytes: Sequence[int], budget: int) -> tuple[Move, ...]:
+    """The swaps to make before the next step: counts[layer][expert] routed (a sequence of rows or an
+    [L, E] array), on_card[layer] the experts in card slots (or a mask [L, E]), expert_bytes[layer] one expert's bytes,
+    budget the bytes the step may copy. The largest gains first (ties: the lower layer, then the lower
+    expert id), each taken while the bytes so far and its own stay within the budget."""
+    c = np.asarray(counts, np.int64).reshape(len(counts), -1)
+    held = _held(c, on_card, expert_bytes, budget)
+    if not c.size:
+        return ()
+    hot, cold, n = _swaps(c, held)
+    pick = np.arange(c.shape[1])[None, :] < n[:, None]                 # [L, E] the useful pairs
+    layer = np.nonzero(pick)[0]
+    into, out = hot[pick], cold[pick]
+    if not into.size:
+        return ()
+    gain = c[layer, into] - c[layer, out]
+    nbytes = np.asarray(expert_bytes, np.int64)[layer]
+    order = np.lexsort((into, layer, -gain))
+    chosen, spent, least = [], 0, int(nbytes.min())
+    for i in order.tolist():
+        if spent + nbytes[i] <= budget:
+            chosen.append(Move(int(layer[i]), int(into[i]), int(out[i]), int(gain[i]), int(nbytes[i])))
+            spent += int(nbytes[i])
+            if budget - spent < least:
+                break
     return tuple(chosen)
 
 

@@ -416,26 +416,28 @@ extern "C" __global__ void __launch_bounds__(256) moe_stream_in(const u64* __res
 
 // The doorbell (kernels/host_moe.c, "the doorbell"; engine/cuda/experts.py): a decode step's host
 // part handed over through pinned host RAM the card maps. host_post (one block) first splits the
-// step's host picks in two lanes: of the m distinct host experts the ids pick (dst[e] != 0: the
-// expert's staging slot), the first floor(m * share + 1/2) in pick order go over the bus (their
-// table entries point at the slot, dst_step[e] = the slot for moe_stream_in, skip[e] = 1 for the
-// host) and the rest stay with the host (entries at the zero block, dst_step 0, skip 0); ids holds
-// at most 256 picks (8 rows of 32). Then it writes the rows, ids and weights into the layer's
-// pinned buffers and, once all of that is visible to the host, the job word post[layer] = 16 n + T
-// (n the layer's job count, kept in seq[layer] on the card).
+// step's host picks in two lanes: of the m distinct host experts the ids pick (host[e] != 0: the
+// staging buffer's address, rewritten when it moves), the first min(floor(m * share + 1/2), n_slots)
+// in pick order go over the bus, the i-th of them into staging slot i (its table entries point at the slot, dst_step[e] = the slot for moe_stream_in,
+// skip[e] = 1 for the host), and the rest stay with the host (entries at the zero block, dst_step
+// 0, skip 0). Slots go by a step's bus rank, not by expert, so the staging buffer's n_slots bound
+// the lane whatever residency moves are in flight. ids holds at most 256 picks (8 rows of 32). Then
+// it writes the rows, ids and weights into the layer's pinned buffers and, once all of that is
+// visible to the host, the job word post[layer] = 16 n + T (n the layer's job count, kept in
+// seq[layer] on the card).
 #define POST_PICKS 256
 extern "C" __global__ void __launch_bounds__(512) host_post(
         const float* __restrict__ x, const int* __restrict__ ids, const float* __restrict__ wts, int n_x, int n_a,
         float* hx, int* hids, float* hwts, i64* seq, i64* post, int layer, int t,
-        const u64* __restrict__ dst, float share, u64* tab_g, u64* tab_u, u64* tab_d, u64 zero, i64 off_u,
-        i64 off_d, u8* skip, u64* dst_step) {
+        const u64* __restrict__ host, float share, i64 slot_bytes, int n_slots, u64* tab_g, u64* tab_u,
+        u64* tab_d, u64 zero, i64 off_u, i64 off_d, u8* skip, u64* dst_step) {
     pdl_wait();
     pdl_next();
     __shared__ int first[POST_PICKS], rank[POST_PICKS];
     __shared__ int n_host;
     for (int p = threadIdx.x; p < n_a; p += blockDim.x) {
         const int e = ids[p];
-        int f = dst[e] != 0;
+        int f = host[e] != 0;
         for (int q = 0; f && q < p; q++)
             if (ids[q] == e) f = 0;                    // counted at its first pick
         first[p] = f;
@@ -447,11 +449,11 @@ extern "C" __global__ void __launch_bounds__(512) host_post(
         n_host = m;
     }
     __syncthreads();
-    const int n_bus = (int)floorf((float)n_host * share + 0.5f);
+    const int n_bus = min((int)floorf((float)n_host * share + 0.5f), n_slots);
     for (int p = threadIdx.x; p < n_a; p += blockDim.x) {
         if (!first[p]) continue;
         const int e = ids[p];
-        const u64 to = dst[e];
+        const u64 to = host[e] + (u64)rank[p] * (u64)slot_bytes;
         const bool bus = rank[p] < n_bus;
         tab_g[e] = bus ? to : zero;
         tab_u[e] = bus ? to + (u64)off_u : zero;

@@ -5,6 +5,7 @@ down stacks of 8 MiB each), 4 MiB of attention and norms a layer, 16 MiB embeddi
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 
@@ -15,8 +16,8 @@ from bloomery.engine.models.base import ModelError
 from bloomery.messages import codec
 from bloomery.placement import Placement
 from bloomery.placement_flags import Override, PlacementAsk
-from bloomery.plan import (HOST_RESERVE_BYTES, Census, ModelFacts, PlanError, kv_bytes_for, make_plan,
-                           scratch_bytes_for)
+from bloomery.plan import (HOST_RESERVE_BYTES, Census, ModelFacts, PlanError, cuda_host_pass_rows, kv_bytes_for,
+                           make_plan, scratch_bytes_for)
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -103,6 +104,102 @@ def test_budget_is_the_largest_that_fits():
     assert sum(p.placement.experts_on_card) == 13 and card(p).terms.total == free
     assert sum(plan(free - 1).placement.experts_on_card) == 12   # 12 on the card need only 5 staged too
     assert card(p).terms.total <= free < card(p).terms.total + EXPERT
+
+
+def planned_facts(gate_type: int = 12, n_used: int = 8) -> ModelFacts:
+    """FACTS with experts the cuda prompt path's planned kernels read (inner sizes whole 64-steps) and
+    n_used experts a token; the attention's largest weight is 128 x 64."""
+    tensors = [(n, t, (128, 64, E) if "_exps." in n else (128, 64) if ".attn_q." in n else shape)
+               for n, t, shape in FACTS.tensors]
+    tensors = [(n, gate_type if n.endswith("ffn_gate_exps.weight") else t, shape) for n, t, shape in tensors]
+    return dataclasses.replace(FACTS, tensors=tuple(tensors), n_expert_used=n_used, n_ff=64 * n_used,
+                               max_tensor_elems=128 * 64 * E)
+
+
+def test_with_host_experts_prompt_passes_shorten_and_the_freed_scratch_holds_experts():
+    """Experts on the host: a prompt pass takes at most 16,384 (token, expert) pairs (2,048 ids at 8 a token),
+    so every layer takes the planned kernels: no f16 copy of an expert stack or of the head, smaller
+    activations. The card counts that pass's scratch, and the bytes it frees hold routed experts."""
+    facts = planned_facts()
+    full = scratch_bytes_for(facts, 4096, "cuda")
+    short = scratch_bytes_for(facts, 4096, "cuda", rows=2048)
+    assert cuda_host_pass_rows(facts) == 2048
+    # activations of 2,048 rows fewer (a row: 6 x 64 hidden, 2 x 128 q/k/v, 6 x 512 FFN, f32), and the f16 copies
+    # of three of the largest non-expert, non-head weight (128 x 64) instead of an expert stack (128 x 64 x 8)
+    assert full - short == 4 * 2048 * (6 * 64 + 2 * 128 + 6 * 512) + 3 * 2 * (128 * 64 * E - 128 * 64)
+    kv = kv_bytes_for(facts, 4096, 2)
+    stage = (E - 3 + 1) * EXPERT
+    free = DENSE + kv + short + MARGIN + 3 * L * EXPERT + stage
+    p = make_plan(facts, Census(HOST, (free,)), "cuda")
+    pl = p.placement
+    assert (pl.case, pl.n_ubatch, pl.experts_on_card) == ("budget", 2048, (3,) * L)
+    assert (card(p).terms.scratch, p.scratch_bytes) == (short, short)
+    assert any("prompt passes of at most 2048 ids" in text for _, text, _ in p.explain())
+    # counted with the full pass's scratch, the same card would hold fewer experts
+    assert sum(plan_full(facts, free)) < 3 * L
+    # a model that fits keeps the full pass
+    whole = make_plan(facts, Census(HOST, (100 * GIB,)), "cuda")
+    assert (whole.placement.case, whole.placement.n_ubatch, whole.scratch_bytes) == ("whole", 0, full)
+    # flags that put experts on the host take the short pass too
+    flags = make_plan(facts, Census(HOST, (100 * GIB,)), "cuda", ask=PlacementAsk(n_cpu_moe=1))
+    assert (flags.placement.n_ubatch, card(flags).terms.scratch) == (2048, short)
+
+
+def plan_full(facts, free) -> tuple[int, ...]:
+    from bloomery import offload
+    from bloomery.plan import layout_of
+    t_kv = kv_bytes_for(facts, 4096, 2)
+    try:
+        r = offload.place(layout_of(facts), (free,), HOST, PlacementAsk(), t_kv, scratch_bytes_for(facts, 4096, "cuda"),
+                          HOST_RESERVE_BYTES, True)
+    except offload.OffloadError:
+        return ()
+    return r.experts_on_card
+
+
+@pytest.mark.parametrize("change", ["q3_k gate", "odd width", "dense"])
+def test_the_full_pass_stays_where_the_planned_kernels_do_not_apply(change):
+    """A Q3_K gate (no planned kernel), an expert width that is not whole 64-steps, or a dense file: the pass
+    keeps CUDA_UBATCH rows, and the scratch term is the full one."""
+    from bloomery.engine.cuda.sizes import UBATCH
+    facts = {"q3_k gate": planned_facts(gate_type=11), "odd width": FACTS,
+             "dense": dataclasses.replace(planned_facts(), n_expert=0, n_expert_used=0)}[change]
+    assert cuda_host_pass_rows(facts) == UBATCH
+    assert scratch_bytes_for(facts, 4096, "cuda", rows=UBATCH) == scratch_bytes_for(facts, 4096, "cuda")
+
+
+def test_the_planned_kernels_types_are_one_list():
+    """plan.py decides the pass from sizes.PLANNED_TYPES; cuda/moe.py launches a kernel per MM_TYPES entry."""
+    import ast
+    from pathlib import Path
+    from bloomery.engine.cuda.sizes import PLANNED_TYPES
+    tree = ast.parse(Path(__file__).parent.parent.joinpath("bloomery/engine/cuda/moe.py").read_text())
+    mm = next(node.value for node in ast.walk(tree) if isinstance(node, ast.Assign)
+              and any(isinstance(t, ast.Name) and t.id == "MM_TYPES" for t in node.targets))
+    assert {k.value for k in mm.keys} == set(PLANNED_TYPES)
+
+
+def test_the_load_takes_the_plans_pass_rows(tokenizer_source, synthetic_dir):
+    """load_model reads Placement.n_ubatch: the model's prompt passes are no longer than the plan counted,
+    and a prompt longer than one pass gives the logits of the passes the backend would run on its own."""
+    from bloomery.placement import whole
+    from tests.conftest import load_tool
+    path = synthetic_dir / "pass-rows-qwen3moe.gguf"
+    if not path.exists():
+        load_tool("make_synthetic").write_synthetic(path, "qwen3moe", tokenizer_from=str(tokenizer_source), n_layer=2,
+                                                    n_embd=64, n_head=4, n_head_kv=2, n_ff=128, n_expert=8,
+                                                    n_expert_used=2, n_ff_exp=64, mode="blocks")
+    ids = list(range(100, 180))
+    own = load_model(str(path), whole("numpy", 1, 256))
+    short = load_model(str(path), dataclasses.replace(whole("numpy", 1, 256), n_ubatch=32))
+    assert (own.n_ubatch, short.n_ubatch) == (512, 32)
+    passes = []
+    run = short._run
+    short._run = lambda chunk, *a: passes.append(len(chunk)) or run(chunk, *a)
+    got = short.prefill(0, ids, 0)
+    assert passes == [32, 32, 16]
+    ref = own.prefill(0, ids, 0)          # one pass of 80: other kernels, so other roundings
+    assert got.argmax() == ref.argmax() and abs(got - ref).max() < 0.01 * (ref.max() - ref.min())
 
 
 @pytest.mark.parametrize("n,host_layers", [(0, 0), (1, 1), (3, 3), (4, 4), (100, 4)])

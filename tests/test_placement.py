@@ -250,3 +250,55 @@ def test_cuda_offload_placement_counts_what_the_load_holds(gpu, tokenizer_source
     counted = card.terms.weights + card.terms.kv + card.terms.pinned
     assert card.terms.pinned > 0
     assert abs(held - counted) <= 0.03 * counted, (held, card.terms)
+
+
+@pytest.mark.gpu
+def test_cuda_offload_scratch_counts_the_prompt_pass_peak(gpu, tokenizer_source, tmp_path):
+    """With routed experts on the host the plan shortens a prompt pass (plan.cuda_host_pass_rows: 2,048 ids at 8
+    experts a token) and counts that pass's scratch: the most CuPy's pool holds during a pass of that many ids,
+    above what it held before, stays within the card's scratch and pinned terms."""
+    cupy = pytest.importorskip("cupy")
+    from cupy.cuda import memory_hook
+    from bloomery.census import take_census
+    from bloomery.engine.loader import load_model
+    from bloomery.gguf_file import open_gguf
+    from bloomery.placement_flags import PlacementAsk
+    from bloomery.plan import make_plan, model_facts
+    from tests.conftest import load_tool
+
+    shape = dict(CARD_SHAPES["qwen3moe"], n_expert_used=8)
+    path = load_tool("make_synthetic").write_synthetic(tmp_path / "pass.gguf", arch="qwen3moe", mode="blocks",
+                                                         mix="q4_k_m", seed=5, tokenizer_from=str(tokenizer_source),
+                                                         **shape)
+    gf = open_gguf(str(path))
+    census = take_census()
+    if not census.card_free_bytes:
+        pytest.skip("no card in the census")
+    plan = make_plan(model_facts(gf), census, "cuda", ctx_size=4096, ask=PlacementAsk(n_cpu_moe=4))
+    pl = plan.placement
+    card = pl.device(pl.default_device)
+    assert pl.n_ubatch == 2048
+    gc.collect()
+    pool = cupy.get_default_memory_pool()
+    model = load_model(gf, pl, threads=2)
+    assert model.n_ubatch == 2048
+    model.decode_greedy([0], [5], [0])
+    cupy.cuda.Device().synchronize()
+    base = pool.used_bytes()
+
+    class Peak(memory_hook.MemoryHook):
+        name = "peak"
+        top = 0
+
+        def malloc_postprocess(self, device_id, size, mem_size, mem_ptr, pmem_id):
+            Peak.top = max(Peak.top, pool.used_bytes())
+
+    import numpy as np
+    rng = np.random.default_rng(3)
+    with Peak():
+        model.prefill(0, rng.integers(100, 5000, 2048).tolist(), 0)
+        cupy.cuda.Device().synchronize()
+    grew = Peak.top - base
+    print(f"prompt pass of 2048 ids: the pool grew {grew} bytes; scratch counted {card.terms.scratch}, "
+          f"pinned staging {card.terms.pinned}")
+    assert 0 < grew <= card.terms.scratch + card.terms.pinned, (grew, card.terms)

@@ -75,3 +75,42 @@ def test_the_streamed_share_comes_from_the_environment_and_a_bad_one_is_named(mo
         monkeypatch.setenv("BLOOMERY_STREAM_SHARE", bad)
         with pytest.raises(ValueError, match="BLOOMERY_STREAM_SHARE"):
             stream_share()
+
+
+def _reference_moves(counts, on_card, expert_bytes, budget):
+    """The policy as first written, one layer and one pair at a time (what the array form must equal)."""
+    every = []
+    for layer, (row, held) in enumerate(zip(counts, on_card)):
+        hot = sorted((e for e in range(len(row)) if e not in held), key=lambda e: (-row[e], e))
+        cold = sorted(held, key=lambda e: (row[e], e))
+        for h, c in zip(hot, cold):
+            if row[h] <= row[c]:
+                break
+            every.append(Move(layer, h, c, row[h] - row[c], expert_bytes[layer]))
+    every.sort(key=lambda m: (-m.gain, m.layer, m.into_card))
+    chosen, spent = [], 0
+    for m in every:
+        if spent + m.nbytes <= budget:
+            chosen.append(m)
+            spent += m.nbytes
+    return tuple(chosen)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_array_policy_equals_the_pair_by_pair_one(seed):
+    """Random layers (ties frequent: counts drawn from a few values), slots from none to all, sizes that differ
+    by layer, budgets from nothing to everything; the card mask gives the same moves as the expert sets."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    n_layer, n_expert = int(rng.integers(1, 7)), int(rng.integers(1, 20))
+    counts = rng.integers(0, int(rng.choice([3, 10, 1000])), (n_layer, n_expert))
+    held = [frozenset(rng.choice(n_expert, int(rng.integers(0, n_expert + 1)), replace=False).tolist())
+            for _ in range(n_layer)]
+    sizes = [int(rng.choice([3, 5, 8])) for _ in range(n_layer)]
+    budget = int(rng.integers(0, 3 * sum(sizes) + 1))
+    want = _reference_moves(counts.tolist(), held, sizes, budget)
+    assert moves(counts.tolist(), held, sizes, budget) == want
+    mask = np.zeros((n_layer, n_expert), bool)
+    for layer, h in enumerate(held):
+        mask[layer, list(h)] = True
+    assert moves(counts, mask, sizes, budget) == want

@@ -83,17 +83,32 @@ def fill_slots(model, n_slots: int, depth: int, rng) -> None:
         model.prefill(s, rng.integers(100, model.n_vocab - 1, depth, dtype=np.int32), 0)
 
 
-def step_ms(model, b: int, depth: int, steps: int) -> float:
-    """ms of one decode step of b rows (slots 0..b-1, each at depth, then the next positions); the
+def step_ms(model, b: int, depth: int, steps: int) -> tuple[float, float]:
+    """(ms of one decode step of b rows, ms of it spent between steps in ops.after_step: the offload's
+    residency updates): slots 0..b-1, each at depth, then the next positions, each step fed the ids
+    the last one picked (a greedy generation, so the routing moves as a served decode's does); the
     first step (where the batch size's step is captured) is not counted."""
     slots = list(range(b))
-    model.decode_greedy(slots, [7] * b, [depth] * b)
+    ids = model.decode_greedy(slots, [7] * b, [depth] * b)
     _sync(model)
-    t = time.perf_counter()
-    for i in range(steps):
-        model.decode_greedy(slots, [7] * b, [depth + 1 + i] * b)
-    _sync(model)
-    return (time.perf_counter() - t) / steps * 1e3
+    ops, spent = model.ops, [0.0]
+    own = ops.after_step
+
+    def timed(decode: bool) -> None:
+        t0 = time.perf_counter()
+        own(decode)
+        spent[0] += time.perf_counter() - t0
+
+    ops.after_step = timed
+    try:
+        t = time.perf_counter()
+        for i in range(steps):
+            ids = model.decode_greedy(slots, [int(x) for x in ids], [depth + 1 + i] * b)
+        _sync(model)
+        took = time.perf_counter() - t
+    finally:
+        del ops.after_step
+    return took / steps * 1e3, spent[0] / steps * 1e3
 
 
 def placing(a) -> bool:
@@ -179,11 +194,26 @@ def run(a) -> dict:
         model.ops.decode_layers = lambda *args: None                 # every step takes the ops
         res["ops"] = True
     fill_slots(model, n_slots, a.depth, rng)
+    if a.threads_sweep:
+        if off is None:
+            raise BenchError("--threads-sweep: the model keeps no expert on the host (give -fitt, -ncmoe or --cpu-moe)")
+        res["threads_sweep"] = {}
+        for n in counts("--threads-sweep", a.threads_sweep):
+            off.set_threads(n)
+            before = off.report()
+            ms, between = step_ms(model, min(batches), a.depth, a.steps)
+            got = host_share(before, off.report(), a.steps + 1)
+            res["threads_sweep"][str(n)] = {"step_ms": round(ms, 3), "after_step_ms": round(between, 3), **got}
+            print(f"{n:>3} host threads, {min(batches)} rows: {ms:.3f} ms a step ({between:.3f} between steps); host "
+                  f"function {got['host_ms_step']:.3f} ms a step, card hits {got['hits']:.1%}", flush=True)
+        off.set_threads(a.threads if a.threads > 0 else res["placement"]["threads"])
     for b in batches:
         before = off.report() if off is not None else None
-        ms = step_ms(model, b, a.depth, a.steps)
+        ms, between = step_ms(model, b, a.depth, a.steps)
         res["decode_step_ms"][str(b)] = round(ms, 3)
-        line = f"decode {b:>3} rows at depth {a.depth}: {ms:.3f} ms a step, {b / ms * 1e3:,.1f} tok/s"
+        res.setdefault("after_step_ms", {})[str(b)] = round(between, 3)
+        line = (f"decode {b:>3} rows at depth {a.depth}: {ms:.3f} ms a step, {b / ms * 1e3:,.1f} tok/s "
+                f"({between:.3f} ms of it between steps)")
         if off is not None:
             got = host_share(before, off.report(), a.steps + 1)
             res.setdefault("host", {})[str(b)] = got
@@ -212,6 +242,8 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--steps", type=int, default=40, help="decode steps timed a batch size")
     ap.add_argument("--reps", type=int, default=3, help="prompt passes a size (the median is kept)")
     ap.add_argument("--kernels", action="store_true", help="each kernel's time a step (cuda, torch's profiler)")
+    ap.add_argument("--threads-sweep", default="", metavar="N,N,...",
+                    help="with host experts: the decode step of the fewest rows again at each of these host thread counts")
     ap.add_argument("--out", default=None, help="the JSON")
     ap.add_argument("--cpu-moe", action="store_true", help="placement as llama-server's --cpu-moe (the plan's)")
     ap.add_argument("-ncmoe", "--n-cpu-moe", type=int, default=None, help="placement as llama-server's -ncmoe N")

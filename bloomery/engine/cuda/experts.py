@@ -124,7 +124,7 @@ class ExpertLayer:
     skip flags (1: on the card), and the layer's routing counts on the card."""
 
     def __init__(self, index: int, gate: ExpertStack, up: ExpertStack, down: ExpertStack, counts,
-                 share: float = 0.0):
+                 share: float = 0.0, lanes=None):
         if not (gate.on_card == up.on_card == down.on_card):
             raise ValueError(f"layer {index}: gate, up and down hold different experts on the card")
         self.index, self.stacks = index, (gate, up, down)
@@ -141,12 +141,14 @@ class ExpertLayer:
         self.expert_bytes = sum(s.expert_bytes for s in self.stacks)
         self.pending: list[tuple[int, int, object]] = []                      # (expert, slot, copy done event)
         # the streamed lane: [3, E] each stack's host address of every expert (fixed); [E] the staging
-        # slot of each host expert (its rank among the layer's host experts; 0: on the card); [E] the
-        # slots of the current step's bus picks (host_post writes it, moe_stream_in reads it)
+        # buffer's address for each host expert (0: on the card); [E] the slots of the current step's
+        # bus picks (host_post writes it, moe_stream_in reads it)
         self.src = cupy.asarray(np.stack([st.host_ptrs for st in self.stacks]))
-        self.dst_mirror = np.zeros(self.n_expert, np.uint64)
-        self.dst = cupy.asarray(self.dst_mirror)
-        self.dst_step = cupy.zeros(self.n_expert, cupy.uint64)
+        if lanes is None:                  # (host mirror, device) of dst, and dst_step: rows of the Offload's arrays
+            lanes = (np.zeros(self.n_expert, np.uint64), cupy.zeros(self.n_expert, cupy.uint64),
+                     cupy.zeros(self.n_expert, cupy.uint64))
+        self.dst_mirror, self.dst, self.dst_step = lanes
+        self.dst_mirror[:] = 0
         self.stream_base = 0                                                  # the staging buffer (Offload sets it)
         self.can_stream = all(st.expert_bytes % 16 == 0 for st in self.stacks)   # the copy moves 16 bytes a load
         self.share = share if self.can_stream else 0.0
@@ -174,30 +176,31 @@ class ExpertLayer:
         self.dst_step.fill(0)
 
     def _relane(self) -> None:
-        """Every host expert's staging slot (its rank among this layer's host experts), table entries
-        (the zero block: a step's host_post points its bus picks at their slots) and skip flag (0:
-        the host computes it unless host_post says it went over the bus). Card experts point at
-        their slots (seat) and are skipped by the host."""
+        """Every host expert's lane entry (the staging buffer's address: host_post gives a step's bus
+        picks its slots in pick order), table entries (the zero block: a step's host_post points its
+        bus picks at their slots) and skip flag (0: the host computes it unless host_post says it
+        went over the bus). Card experts point at their slots (seat) and are skipped by the host."""
         host = self.slot_of < 0
         self.skip[:] = ~host
-        rank = np.cumsum(host) - 1
         self.dst_mirror[:] = 0
         if self.stream_base:
-            self.dst_mirror[host] = (self.stream_base + rank[host] * self.expert_bytes).astype(np.uint64)
+            self.dst_mirror[host] = self.stream_base
         for st in self.stacks:
             st.mirror[host] = st.zero_ptr
 
-    def evict(self, e: int) -> int:
+    def evict(self, e: int, relane: bool = True) -> int:
         s = int(self.slot_of[e])
         self.slot_of[e] = -1
-        self._relane()
+        if relane:
+            self._relane()
         return s
 
-    def seat(self, e: int, s: int) -> None:
+    def seat(self, e: int, s: int, relane: bool = True) -> None:
         self.slot_of[e] = s
         for st in self.stacks:
             st.mirror[e] = st.slot_ptr(s)
-        self._relane()
+        if relane:
+            self._relane()
 
     # --- host calls ---
     def host_call(self, t: int, d: int, n_used: int, threads: int) -> _HostCall:
@@ -245,6 +248,10 @@ class Offload:
         self.staging = None                                                   # card buffer for streamed prompts
         self.bell = None                                                      # made with the first layer
         self.posts = 0                                                        # bell posts captured so far
+        # every stack's table and every layer's lanes in one array each (made with the first layer, once the
+        # load has made every stack), so that a residency update rewrites them in one copy each
+        self.mirrors = self.tables = None                                     # [stacks, E]
+        self.lane_mirrors = self.lane_dst = self.lane_step = None             # [layers, E]
 
     def _open_bell(self) -> None:
         from bloomery.engine.cpu.host_moe import Bell
@@ -254,6 +261,46 @@ class Offload:
         self.bell_done[:] = 0
         self.bell_seq = cupy.zeros(BELL_LAYERS, cupy.int64)                   # [L] jobs posted, on the card
         self.bell = Bell(BELL_LAYERS, DECODE_ROWS, self.bell_post, self.bell_done)
+
+    def _gather(self, n_exp: int) -> None:
+        """Every stack's table into one [stacks, E] array (each stack's table and mirror become its row),
+        and the lanes of as many layers as the stacks make: a residency update then writes every
+        table with one copy. Stacks of another expert count keep their own arrays."""
+        same = [st for st in self._stacks if st.n_expert == n_exp]
+        if not same:
+            return
+        self.mirrors = np.stack([st.mirror for st in same])
+        self.tables = cupy.asarray(self.mirrors)
+        for i, st in enumerate(same):
+            st.mirror, st.table = self.mirrors[i], self.tables[i]
+        n_layers = len({st.block for st in same}) or len(same) // 3
+        self.lane_mirrors = np.zeros((n_layers, n_exp), np.uint64)
+        self.lane_dst = cupy.zeros((n_layers, n_exp), cupy.uint64)
+        self.lane_step = cupy.zeros((n_layers, n_exp), cupy.uint64)
+
+    def _upload_all(self) -> None:
+        """Every layer's tables and lanes to the card (between steps), then wait for the copies on this
+        stream: the captured steps run on their own streams."""
+        if self.tables is None:
+            for ly in self.layers:
+                ly._upload()
+        else:
+            self.tables.set(self.mirrors)
+            self.lane_dst.set(self.lane_mirrors)
+            self.lane_step.fill(0)
+            for ly in self.layers:                           # a layer past the gathered ones (none in practice)
+                if ly.index >= len(self.lane_mirrors):
+                    ly._upload()
+        cupy.cuda.get_current_stream().synchronize()
+
+    def set_threads(self, threads: int) -> None:
+        """Host threads for every later host call (the bell reads each call's args as it runs it)."""
+        if threads < 1:
+            raise ValueError(f"host threads must be at least 1, not {threads}")
+        self.threads = threads
+        for ly in self.layers:
+            for c in ly.calls.values():
+                c.args.n_threads = threads
 
     def arm(self, jobs: int) -> None:
         """A captured step that posts `jobs` bell jobs is about to be launched."""
@@ -296,9 +343,12 @@ class Offload:
             self.counts = grown
             for j, ly in enumerate(self.layers):
                 ly.counts = grown[j]
-            got = ExpertLayer(i, gate, up, down, grown[i], self.share)
             if self.bell is None:
                 self._open_bell()
+                self._gather(n_exp)
+            lanes = ((self.lane_mirrors[i], self.lane_dst[i], self.lane_step[i])
+                     if self.lane_mirrors is not None and i < len(self.lane_mirrors) else None)
+            got = ExpertLayer(i, gate, up, down, grown[i], self.share, lanes)
             if i >= BELL_LAYERS:
                 raise ValueError(f"{i + 1} layers with host experts: the bell has words for {BELL_LAYERS}")
             for t in range(1, DECODE_ROWS + 1):
@@ -330,7 +380,8 @@ class Offload:
             x, ids, wts, np.int32(t * d), np.int32(ids.size), np.uint64(c.x.ctypes.data),
             np.uint64(c.ids.ctypes.data), np.uint64(c.wts.ctypes.data), self.bell_seq,
             np.uint64(self.bell_post.ctypes.data), np.int32(layer.index), np.int32(t),
-            layer.dst, np.float32(layer.share if layer.streams else 0.0), g.table, u.table, dn.table,
+            layer.dst, np.float32(layer.share if layer.streams else 0.0), np.int64(layer.expert_bytes),
+            np.int32(self.staging_slots(layer)), g.table, u.table, dn.table,
             np.uint64(g.zero_ptr), np.int64(g.expert_bytes), np.int64(g.expert_bytes + u.expert_bytes),
             np.uint64(layer.skip.ctypes.data), layer.dst_step))
         return layer, c
@@ -387,6 +438,11 @@ class Offload:
             layer.src, layer.dst_step, np.int32(layer.n_expert), ids, np.int32(ids.size), np.int64(g.expert_bytes),
             np.int64(u.expert_bytes), np.int64(d.expert_bytes)))
 
+    def staging_slots(self, layer: ExpertLayer) -> int:
+        """Experts of `layer` the staging buffer holds: a step's bus lane takes at most these (the buffer
+        only grows, so a captured step's count stays a bound)."""
+        return int(self.staging.size // layer.expert_bytes) if self.staging is not None else 0
+
     def staging_bytes(self, need: int) -> int:
         """The staging buffer holds the largest layer's host experts (what the plan counts)."""
         most = max((ly.host_count * ly.expert_bytes for ly in self.layers), default=need)
@@ -431,14 +487,17 @@ class Offload:
         self.stats["updates"] += 1
         if not self.residency:
             return
-        on_card = [ly.on_card for ly in self.layers]
-        chosen = policy.moves(self.score.tolist(), on_card, [ly.expert_bytes for ly in self.layers], self.budget)
+        held = np.stack([ly.slot_of >= 0 for ly in self.layers])             # [L, E]
+        chosen = policy.moves(self.score, held, [ly.expert_bytes for ly in self.layers], self.budget)
+        touched = {}
         for m in chosen:
-            self._start_move(self.layers[m.layer], m.into_card, m.out_of_card)
-        if chosen:
-            for ly in {self.layers[m.layer].index: self.layers[m.layer] for m in chosen}.values():
-                ly._upload()
-            cupy.cuda.Device().synchronize()
+            ly = self.layers[m.layer]
+            if self._start_move(ly, m.into_card, m.out_of_card):
+                touched[ly.index] = ly
+        if touched:
+            for ly in touched.values():
+                ly._relane()
+            self._upload_all()
 
     def _account(self) -> None:
         """Routing since the last look: hits (a card expert) and misses (a host one) per layer, and the
@@ -446,16 +505,16 @@ class Offload:
         now = cupy.asnumpy(self.counts).astype(np.int64)                      # [L, E] since load
         delta = now - self.seen
         self.seen = now
-        for ly in self.layers:
-            on = ly.slot_of >= 0
-            self.hits[ly.index] += int(delta[ly.index][on].sum())
-            self.misses[ly.index] += int(delta[ly.index][~on].sum())
+        on = np.stack([ly.slot_of >= 0 for ly in self.layers])               # [L, E]
+        self.hits += (delta * on).sum(axis=1)
+        self.misses += (delta * ~on).sum(axis=1)
         self.recent += delta
 
-    def _start_move(self, layer: ExpertLayer, into: int, out: int) -> None:
+    def _start_move(self, layer: ExpertLayer, into: int, out: int) -> bool:
+        """Start copying `into` over `out`'s slot on the copy stream (the caller relanes and uploads)."""
         if any(e == into for e, _, _ in layer.pending):
-            return
-        s = layer.evict(out)
+            return False
+        s = layer.evict(out, relane=False)
         for st in layer.stacks:
             _memcpy(st.slot_ptr(s), st.host_ptr(into), st.expert_bytes, H2D, self.copy)
         ev = cupy.cuda.Event(disable_timing=True)
@@ -463,8 +522,10 @@ class Offload:
         layer.pending.append((into, s, ev))
         self.stats["moved_experts"] += 1
         self.stats["moved_bytes"] += layer.expert_bytes
+        return True
 
     def _finish(self, block: bool) -> None:
+        changed = False
         for ly in self.layers:
             if not ly.pending:
                 continue
@@ -473,13 +534,15 @@ class Offload:
                 if block:
                     ev.synchronize()
                 if block or ev.done:
-                    ly.seat(e, s)
+                    ly.seat(e, s, relane=False)
                 else:
                     left.append((e, s, ev))
             if len(left) != len(ly.pending):
                 ly.pending = left
-                ly._upload()
-                cupy.cuda.Device().synchronize()
+                ly._relane()
+                changed = True
+        if changed:
+            self._upload_all()
 
     def reset(self) -> None:
         """Back to the load's placement (POST /residency/reset): copies on the copy stream, waited for."""

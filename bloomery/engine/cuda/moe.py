@@ -23,17 +23,16 @@ import numpy as np
 
 from bloomery.engine.cuda import moe_buckets
 from bloomery.engine.cuda.gemm import gemm_nt
-from bloomery.engine.cuda.sizes import DECODE_ROWS
+from bloomery.engine.cuda.sizes import DECODE_ROWS, PLANNED_BK, PLANNED_MAX_EXPERTS, PLANNED_MAX_PAIRS
 
 _NULL = np.uint64(0)
 DOWN_R = 8                          # rows per block in moe_down (DOWN_R in moe.cu)
-MM_BM, MM_BN, MM_BK = 64, 128, 64   # moe_mm.cu's tile: rows, weight rows, inner step
+MM_BM, MM_BN, MM_BK = 64, 128, PLANNED_BK   # moe_mm.cu's tile: rows, weight rows, inner step
 MM_TYPES = {12: "q4_k", 13: "q5_k", 14: "q6_k", 8: "q8_0", 2: "q4_0", 6: "q5_0"}   # ggml type -> kernel suffix
-PLAN_MAX_EXPERTS = 4096             # moe_plan keeps two ints an expert in shared memory
-# Above this many (token, expert) pairs cuBLAS on the dequantized experts is as fast or faster (H200,
-# 30B-A3B shape, 2026-12-02: planned / grouped tok/s 8,514 / 3,466 at 512 ids, 13,055 / 10,257 at 2048,
-# 13,087 / 13,927 at 4096; docs/performance.md, run M)
-PLANNED_MAX_PAIRS = 16384
+PLAN_MAX_EXPERTS = PLANNED_MAX_EXPERTS   # moe_plan keeps two ints an expert in shared memory
+# PLANNED_MAX_PAIRS (sizes.py): above this many (token, expert) pairs cuBLAS on the dequantized experts is as
+# fast or faster (H200, 30B-A3B shape, 2026-12-02: planned / grouped tok/s 8,514 / 3,466 at 512 ids, 13,055 /
+# 10,257 at 2048, 13,087 / 13,927 at 4096; docs/performance.md, run M)
 SMEM_MAX = 227 << 10                # shared memory one block may opt in to (sm_90)
 
 

@@ -7,5 +7,12 @@ SCORE_BYTES = 256 << 20        # the prompt path's attention score matrix per ch
 DECODE_ROWS = 8                # rows a pass runs on the mat-vec (decode) kernels, the largest MMV3(n) of
                                # matvec.cu and the captured steps' batch; more rows take the prompt (GEMM) path
 KV_BYTES = 2                   # bytes per K or V element: f16 (attention.KVCacheF16)
+# The prompt's planned expert path (kernels/moe_mm.cu, cuda/moe.py _planned): up to this many (token, expert)
+# pairs a pass, for experts of these ggml types (q4_0, q5_0, q8_0, q4_k, q5_k, q6_k) whose inner sizes are whole
+# PLANNED_BK steps, at most PLANNED_MAX_EXPERTS a layer. Above it the grouped path dequantizes the experts to f16.
+PLANNED_MAX_PAIRS = 16384
+PLANNED_TYPES = frozenset({2, 6, 8, 12, 13, 14})
+PLANNED_BK = 64
+PLANNED_MAX_EXPERTS = 4096
 DELTA_GROUP_CHUNKS = 16        # chunks of the delta rule's chunked form prepared at once (recurrent.py): its scratch
                                # grows with them, its count of small launches shrinks

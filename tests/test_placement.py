@@ -216,13 +216,10 @@ def test_cuda_placement_counts_what_the_load_holds(gpu, tokenizer_source, tmp_pa
     assert abs(held - counted) <= 0.03 * counted, (held, card.terms)
 
 
-@pytest.mark.gpu
-def test_cuda_offload_placement_counts_what_the_load_holds(gpu, tokenizer_source, tmp_path):
-    """-ncmoe 4 of 8 layers: the card's share (dense weights, the on-card layers' experts, KV, and the staging
-    buffer a prompt pass streams host experts into) against CuPy's pool after a prompt and a decode step."""
-    cupy = pytest.importorskip("cupy")
+def _ncmoe4_plan(tmp_path, tokenizer_source, ctx: int, **shape):
+    """(the open file, its plan) for a synthetic qwen3moe of CARD_SHAPES' MoE shape (changed by `shape`) with
+    -ncmoe 4, on this card's census (the test skips without a card)."""
     from bloomery.census import take_census
-    from bloomery.engine.loader import load_model
     from bloomery.gguf_file import open_gguf
     from bloomery.placement_flags import PlacementAsk
     from bloomery.plan import make_plan, model_facts
@@ -230,12 +227,21 @@ def test_cuda_offload_placement_counts_what_the_load_holds(gpu, tokenizer_source
 
     path = load_tool("make_synthetic").write_synthetic(tmp_path / "offload.gguf", arch="qwen3moe", mode="blocks",
                                                          mix="q4_k_m", seed=5, tokenizer_from=str(tokenizer_source),
-                                                         **CARD_SHAPES["qwen3moe"])
+                                                         **{**CARD_SHAPES["qwen3moe"], **shape})
     gf = open_gguf(str(path))
     census = take_census()
     if not census.card_free_bytes:
         pytest.skip("no card in the census")
-    plan = make_plan(model_facts(gf), census, "cuda", ctx_size=8192, ask=PlacementAsk(n_cpu_moe=4))
+    return gf, make_plan(model_facts(gf), census, "cuda", ctx_size=ctx, ask=PlacementAsk(n_cpu_moe=4))
+
+
+@pytest.mark.gpu
+def test_cuda_offload_placement_counts_what_the_load_holds(gpu, tokenizer_source, tmp_path):
+    """-ncmoe 4 of 8 layers: the card's share (dense weights, the on-card layers' experts, KV, and the staging
+    buffer a prompt pass streams host experts into) against CuPy's pool after a prompt and a decode step."""
+    cupy = pytest.importorskip("cupy")
+    from bloomery.engine.loader import load_model
+    gf, plan = _ncmoe4_plan(tmp_path, tokenizer_source, 8192)
     pl = plan.placement
     assert pl.case == "flags" and pl.experts_on_card[:4] == (0,) * 4
     card = pl.device(pl.default_device)
@@ -259,22 +265,8 @@ def test_cuda_offload_scratch_counts_the_prompt_pass_peak(gpu, tokenizer_source,
     above what it held before, stays within the card's scratch and pinned terms."""
     cupy = pytest.importorskip("cupy")
     from cupy.cuda import memory_hook
-    from bloomery.census import take_census
     from bloomery.engine.loader import load_model
-    from bloomery.gguf_file import open_gguf
-    from bloomery.placement_flags import PlacementAsk
-    from bloomery.plan import make_plan, model_facts
-    from tests.conftest import load_tool
-
-    shape = dict(CARD_SHAPES["qwen3moe"], n_expert_used=8)
-    path = load_tool("make_synthetic").write_synthetic(tmp_path / "pass.gguf", arch="qwen3moe", mode="blocks",
-                                                         mix="q4_k_m", seed=5, tokenizer_from=str(tokenizer_source),
-                                                         **shape)
-    gf = open_gguf(str(path))
-    census = take_census()
-    if not census.card_free_bytes:
-        pytest.skip("no card in the census")
-    plan = make_plan(model_facts(gf), census, "cuda", ctx_size=4096, ask=PlacementAsk(n_cpu_moe=4))
+    gf, plan = _ncmoe4_plan(tmp_path, tokenizer_source, 4096, n_expert_used=8)
     pl = plan.placement
     card = pl.device(pl.default_device)
     assert pl.n_ubatch == 2048

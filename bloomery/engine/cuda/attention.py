@@ -58,11 +58,18 @@ class KVCacheF16:
 
     def save_state(self, slot: int, n: int, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """Host copies of the slot's positions start .. n-1: K and V [L, Hkv, n - start, Dh] f16 (the prompt
-        cache)."""
+        cache). A layer at a time: the slice is strided, and a copy of all of it at once would first gather
+        it on the card, a transient the size of the saved state that the plan does not count."""
         self._check_span(slot, n)
         if not 0 <= start < n:
             raise ValueError(f"start {start}: a save of {n} positions starts at 0 .. {n - 1}")
-        return cupy.asnumpy(self.k[:, slot, :, start:n]), cupy.asnumpy(self.v[:, slot, :, start:n])
+        out = []
+        for a in (self.k, self.v):
+            host = np.empty((a.shape[0], self.n_head_kv, n - start, self.head_dim), np.float16)
+            for layer in range(a.shape[0]):
+                host[layer] = cupy.asnumpy(a[layer, slot, :, start:n])
+            out.append(host)
+        return out[0], out[1]
 
     def restore_state(self, slot: int, state: tuple[np.ndarray, np.ndarray], n: int, keep: int = 0,
                       offset: int = 0) -> None:
@@ -77,8 +84,9 @@ class KVCacheF16:
                 or k.shape[3] != self.head_dim):
             raise ValueError(f"a saved state of shape {k.shape} from position {offset} cannot fill {n} positions "
                              f"of a cache shaped {self.k.shape}")
-        self.k[:, slot, :, keep:n] = cupy.asarray(k[:, :, keep - offset:n - offset])   # [L, Hkv, n - keep, Dh]
-        self.v[:, slot, :, keep:n] = cupy.asarray(v[:, :, keep - offset:n - offset])
+        for a, host in ((self.k, k), (self.v, v)):        # a layer at a time, as save_state
+            for layer in range(a.shape[0]):
+                a[layer, slot, :, keep:n] = cupy.asarray(host[layer, :, keep - offset:n - offset])   # [Hkv, n - keep, Dh]
         # the captured decode steps run on their own non-blocking stream: done here, before any of them
         cupy.cuda.get_current_stream().synchronize()
 

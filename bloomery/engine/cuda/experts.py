@@ -398,6 +398,8 @@ class Offload:
     def stage_tables(self, layer: ExpertLayer, used: np.ndarray):
         """Device tables (gate, up, down) in which the used host experts point at copies streamed into
         the staging buffer (on the current stream, so the pass's kernels see them)."""
+        if layer.pending:          # its copies land first, so the host experts are the plan's count (the staging's)
+            self._finish(block=True)
         want = [int(e) for e in np.nonzero(used)[0] if layer.slot_of[e] < 0]
         if not want:
             return tuple(st.table for st in layer.stacks), {}
@@ -489,11 +491,15 @@ class Offload:
             return
         held = np.stack([ly.slot_of >= 0 for ly in self.layers])             # [L, E]
         chosen = policy.moves(self.score, held, [ly.expert_bytes for ly in self.layers], self.budget)
+        if not chosen:
+            return
+        landed = cupy.cuda.Event(disable_timing=True)                        # recorded after the update's copies
         touched = {}
         for m in chosen:
             ly = self.layers[m.layer]
-            if self._start_move(ly, m.into_card, m.out_of_card):
+            if self._start_move(ly, m.into_card, m.out_of_card, landed):
                 touched[ly.index] = ly
+        landed.record(self.copy)
         if touched:
             for ly in touched.values():
                 ly._relane()
@@ -510,30 +516,31 @@ class Offload:
         self.misses += (delta * ~on).sum(axis=1)
         self.recent += delta
 
-    def _start_move(self, layer: ExpertLayer, into: int, out: int) -> bool:
-        """Start copying `into` over `out`'s slot on the copy stream (the caller relanes and uploads)."""
+    def _start_move(self, layer: ExpertLayer, into: int, out: int, landed) -> bool:
+        """Start copying `into` over `out`'s slot on the copy stream; `landed`, recorded by the caller
+        after every copy of the update, says when it is there (the caller relanes and uploads)."""
         if any(e == into for e, _, _ in layer.pending):
             return False
         s = layer.evict(out, relane=False)
         for st in layer.stacks:
             _memcpy(st.slot_ptr(s), st.host_ptr(into), st.expert_bytes, H2D, self.copy)
-        ev = cupy.cuda.Event(disable_timing=True)
-        ev.record(self.copy)
-        layer.pending.append((into, s, ev))
+        layer.pending.append((into, s, landed))
         self.stats["moved_experts"] += 1
         self.stats["moved_bytes"] += layer.expert_bytes
         return True
 
     def _finish(self, block: bool) -> None:
-        changed = False
+        changed, done = False, {}
         for ly in self.layers:
             if not ly.pending:
                 continue
             left = []
             for e, s, ev in ly.pending:
-                if block:
-                    ev.synchronize()
-                if block or ev.done:
+                if id(ev) not in done:                   # one query an update's event
+                    if block:
+                        ev.synchronize()
+                    done[id(ev)] = block or ev.done
+                if done[id(ev)]:
                     ly.seat(e, s, relane=False)
                 else:
                     left.append((e, s, ev))

@@ -50,19 +50,24 @@ class DecodeGraphs:
         self._graphs: dict[int, _Graph] = {}
 
     def _dry_run(self, b: int) -> None:
-        """A model with a recurrent state (cuda/recurrent.py's CuPy array code, whose kernels CuPy compiles
-        per shape on first use) runs the step of b rows once outside the capture, so each of those kernels
-        is compiled and loaded before it (and a fault shows here, not inside a capture). The step runs at
-        position 0 of slots 0 .. b-1: what it writes there (K and V at position 0, the recurrent state
-        and its counts) is put back after."""
+        """The step of b rows once outside the capture, where something it meets would otherwise first be
+        made inside it: a model with a recurrent state (cuda/recurrent.py's CuPy array code, whose kernels
+        CuPy compiles per shape on first use, so each is compiled and loaded before it and a fault shows
+        here), and host experts whose layers the offload has not met yet (it makes their tables and
+        pinned buffers on first sight, copies a capture refuses). The step runs at position 0 of slots
+        0 .. b-1: what it writes there (K and V at position 0, the recurrent state and its counts) is put
+        back after."""
         model = self.model
         state = getattr(model, "state", None)
-        if state is None or not hasattr(state, "held"):
+        recurrent = state is not None and hasattr(state, "held")
+        offload = getattr(model.ops, "offload", None)
+        if not recurrent and (offload is None or offload.layers):
             return
         cache = model.cache
         kept = [(a, (slice(None), slice(0, b), slice(None), 0), a[:, :b, :, 0].copy()) for a in (cache.k, cache.v)]
-        kept += [(a, (slice(None), slice(0, b)), a[:, :b].copy()) for a in (state.conv, state.delta)]
-        kept.append((state.held, (slice(None), slice(None), slice(0, b)), state.held[:, :, :b].copy()))
+        if recurrent:
+            kept += [(a, (slice(None), slice(0, b)), a[:, :b].copy()) for a in (state.conv, state.delta)]
+            kept.append((state.held, (slice(None), slice(None), slice(0, b)), state.held[:, :, :b].copy()))
         zeros = cupy.zeros(b, cupy.int32)
         slots = cupy.arange(b, dtype=cupy.int32)
         model.head(model.layers_forward(model.embed(zeros), Rows(None, slots, zeros)))

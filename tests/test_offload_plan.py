@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import types
 
 import pytest
@@ -395,3 +396,16 @@ def test_a_bad_cuda_wait_mode_is_refused_by_name(monkeypatch):
         loader._sync_flags()
     monkeypatch.setenv("BLOOMERY_CUDA_SYNC", "auto")
     loader._sync_flags()                                  # CUDA's default: nothing is set, no card needed
+
+
+def test_a_wait_mode_this_cupy_cannot_set_is_refused_by_name(monkeypatch):
+    """CuPy 14's runtime module has no setDeviceFlags (the engine died of an AttributeError on the H200, run O):
+    the start is refused with the reason, not crashed."""
+    from bloomery.engine import loader
+    fake = types.ModuleType("cupy")
+    fake.__version__ = "14.0.0"
+    fake.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace())
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setenv("BLOOMERY_CUDA_SYNC", "blocking")
+    with pytest.raises(ModelError, match=r"BLOOMERY_CUDA_SYNC=blocking: this CuPy \(14.0.0\) cannot set the card's wait"):
+        loader._sync_flags()

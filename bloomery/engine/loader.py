@@ -41,8 +41,12 @@ def _sync_flags() -> None:
     if choice == "auto":
         return
     import cupy
+    set_flags = getattr(cupy.cuda.runtime, "setDeviceFlags", None)
+    if set_flags is None:          # CuPy 14 does not wrap cudaSetDeviceFlags (seen on the H200 host, run O)
+        raise ModelError(f"BLOOMERY_CUDA_SYNC={choice}: this CuPy ({cupy.__version__}) cannot set the card's wait mode "
+                         f"(its runtime module has no setDeviceFlags); leave BLOOMERY_CUDA_SYNC unset")
     try:
-        cupy.cuda.runtime.setDeviceFlags(SYNC_FLAGS[choice])
+        set_flags(SYNC_FLAGS[choice])
     except cupy.cuda.runtime.CUDARuntimeError as e:
         raise ModelError(f"BLOOMERY_CUDA_SYNC={choice}: the card's wait mode could not be set ({e}); it must be "
                          f"set before this process's first CUDA call") from None

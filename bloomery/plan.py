@@ -464,11 +464,13 @@ def _numpy_scratch(facts: ModelFacts, n_ctx_slot: int, n_slots: int) -> int:
       dense FFN (the down projection): the attention half's output, the norm's output, gate, up
         and their SwiGLU [T, F] each, the SwiGLU's codes and the product [T, D];
       routed FFN: the attention half's and norm's outputs, router logits [T, E], ids (int64) and
-        weights [T, A], the outputs per rank [T, A, D], and for one expert, counted at T rows (a
-        router may send every row of a pass to one expert): its rows' ids, its input [T, D], and
-        the larger of gate + up + SwiGLU [T, Fe] each with the previous expert's SwiGLU still bound
-        to the loop's name (its T rows too where rows take two or more experts), and SwiGLU + its
-        codes + the down product;
+        weights [T, A], the outputs per rank [T, A, D], and the experts: with the compiled products
+        the one call's buffers (engine/cpu/sizes.moe_call_bytes), an expert in flight on each thread,
+        counted at T rows (a router may send every row of a pass to one expert) of which a worker
+        holds at most MOE_CHUNK_ROWS at once; without them the per-expert loop's, for one expert at T
+        rows: its rows' ids, its input [T, D], and the larger of gate + up + SwiGLU [T, Fe] each with
+        the previous expert's SwiGLU still bound to the loop's name (its T rows too where rows take
+        two or more experts), and SwiGLU + its codes + the down product;
         beside them a shared expert's gate and up [T, Fs] and its gate logit [T] (qwen35moe);
       a decode step's head: logits [B, V] with their NaN mask for B = every slot, and for one row its
         copy, negation and argpartition's int64 order (top-k picks); with routed experts and the compiled
@@ -508,10 +510,13 @@ def _numpy_scratch(facts: ModelFacts, n_ctx_slot: int, n_slots: int) -> int:
     if facts.n_expert:
         a = facts.n_expert_used or 1
         fe = facts.n_ff // a
-        ffn = (2 * row + t * facts.n_expert * F32 + t * a * (8 + F32) + t * a * d * F32 + 16 * t + row
-               + t * (2 * facts.n_ff_shexp + 1) * F32
-               + max((4 if a > 1 else 3) * t * fe * F32, 2 * t * fe * F32 + ACT_CODES * t * d,
-                     t * fe * (F32 + ACT_CODES) + row, t * fe * F32 + 2 * row))
+        if _compiled_products():             # the experts in one compiled call: its buffers, a worker each
+            experts = min(N_THREADS, facts.n_expert) * cpu_sizes.moe_call_bytes(t, d, fe)
+        else:                                # the per-expert loop's arrays
+            experts = 16 * t + row + max((4 if a > 1 else 3) * t * fe * F32, 2 * t * fe * F32 + ACT_CODES * t * d,
+                                         t * fe * (F32 + ACT_CODES) + row, t * fe * F32 + 2 * row)
+        ffn = (2 * row + t * facts.n_expert * F32 + t * a * (8 + F32) + t * a * d * F32
+               + t * (2 * facts.n_ff_shexp + 1) * F32 + experts)
     else:
         ffn = 3 * row + t * facts.n_ff * (3 * F32 + ACT_CODES)
     decode = n_slots * v * (F32 + 1) + v * 16

@@ -2093,6 +2093,26 @@ typedef struct {
     int failed;
 } moe_args_t;
 
+// An expert's routed rows go through in chunks of at most MOE_CHUNK_ROWS (each row's products are the
+// same bits in any chunk), so a worker's buffers are bounded whatever the routing: engine/cpu/sizes.py
+// moe_call_bytes counts them, and moe_scratch_peak reports the most all workers held at once.
+#define MOE_CHUNK_ROWS 64
+static _Atomic int64_t moe_now, moe_top;
+
+static void moe_held(int64_t bytes) {
+    const int64_t v = atomic_fetch_add(&moe_now, bytes) + bytes;
+    int64_t p = atomic_load(&moe_top);
+    while (v > p && !atomic_compare_exchange_weak(&moe_top, &p, v)) {
+    }
+}
+
+// The most bytes the MoE calls' workers held at once since the last reset (reset: start again from now).
+int64_t moe_scratch_peak(int reset) {
+    const int64_t p = atomic_load(&moe_top);
+    if (reset) atomic_store(&moe_top, atomic_load(&moe_now));
+    return p;
+}
+
 static void moe_chunk(const void *ctx, int64_t e0, int64_t e1, int worker) {
     moe_args_t *M = (moe_args_t *)ctx;
     (void)worker;
@@ -2101,33 +2121,42 @@ static void moe_chunk(const void *ctx, int64_t e0, int64_t e1, int worker) {
         const int32_t e = M->experts[ei];
         int64_t n = 0;
         for (int64_t i = 0; i < T * A; i++) n += M->ids[i] == e;
+        const int64_t m = n < MOE_CHUNK_ROWS ? n : MOE_CHUNK_ROWS;
+        // as sizes.moe_call_bytes: the pair indices, then m rows of input, gate, up, swiglu, output and codes
+        const int64_t bytes = 8 * n + m * (4 * (2 * D + 3 * F) + 5 * kmax + 2 + 4 * (kmax / 32 + 1) + 2 * (kmax / 16 + 1));
         int64_t *pairs = malloc(sizeof(int64_t) * (size_t)n);
-        float *buf = malloc(sizeof(float) * (size_t)(n * (D + 3 * F + D)));
+        float *buf = malloc(sizeof(float) * (size_t)(m * (D + 3 * F + D)));
         dscratch_t sc;
-        if (!pairs || !buf || dscratch_alloc(&sc, n, kmax) != 0) {
+        moe_held(bytes);
+        if (!pairs || !buf || dscratch_alloc(&sc, m, kmax) != 0) {
             M->failed = 1;
         } else {
             int64_t j = 0;
             for (int64_t i = 0; i < T * A; i++)        // np.nonzero(ids == e): token order, then rank
                 if (M->ids[i] == e) pairs[j++] = i;
-            float *xe = buf, *g = xe + n * D, *u = g + n * F, *s = u + n * F, *y = s + n * F;
-            for (int64_t r = 0; r < n; r++) memcpy(xe + r * D, M->x + (pairs[r] / A) * D, sizeof(float) * (size_t)D);
-            dact_t a;
-            dact_init(&a, xe, n, D, &sc);
-            dprod_rows(&a, M->w[0] + e * M->expert_bytes[0], M->wtype[0], F, g, 1, 1);
-            dprod_rows(&a, M->w[1] + e * M->expert_bytes[1], M->wtype[1], F, u, 1, 1);
-            swiglu(g, u, s, F, n, 1);
-            dact_init(&a, s, n, F, &sc);
-            dprod_rows(&a, M->w[2] + e * M->expert_bytes[2], M->wtype[2], D, y, 1, 1);
-            for (int64_t r = 0; r < n; r++) {
-                const float wt = M->wts[pairs[r]];
-                float *o = M->out + pairs[r] * D;
-                for (int64_t i = 0; i < D; i++) o[i] = y[r * D + i] * wt;
+            float *xe = buf, *g = xe + m * D, *u = g + m * F, *s = u + m * F, *y = s + m * F;
+            for (int64_t c0 = 0; c0 < n; c0 += m) {
+                const int64_t k = n - c0 < m ? n - c0 : m;
+                const int64_t *pc = pairs + c0;
+                for (int64_t r = 0; r < k; r++) memcpy(xe + r * D, M->x + (pc[r] / A) * D, sizeof(float) * (size_t)D);
+                dact_t a;
+                dact_init(&a, xe, k, D, &sc);
+                dprod_rows(&a, M->w[0] + e * M->expert_bytes[0], M->wtype[0], F, g, 1, 1);
+                dprod_rows(&a, M->w[1] + e * M->expert_bytes[1], M->wtype[1], F, u, 1, 1);
+                swiglu(g, u, s, F, k, 1);
+                dact_init(&a, s, k, F, &sc);
+                dprod_rows(&a, M->w[2] + e * M->expert_bytes[2], M->wtype[2], D, y, 1, 1);
+                for (int64_t r = 0; r < k; r++) {
+                    const float wt = M->wts[pc[r]];
+                    float *o = M->out + pc[r] * D;
+                    for (int64_t i = 0; i < D; i++) o[i] = y[r * D + i] * wt;
+                }
             }
             dscratch_free(&sc);
         }
         free(pairs);
         free(buf);
+        moe_held(-bytes);
     }
 }
 

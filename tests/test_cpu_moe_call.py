@@ -56,13 +56,37 @@ def test_moe_layer_in_one_call_bit_equal(moe_file, monkeypatch):
     assert np.array_equal(a_k.view(np.uint16), b_k.view(np.uint16))
 
 
-def test_a_long_prompt_keeps_the_loop(moe_file, monkeypatch):
-    """Passes of more than MOE_CALL_MAX_ROWS rows run the per-expert loop (the plan counts its arrays)."""
-    from bloomery.engine.cpu.sizes import MOE_CALL_MAX_ROWS
+def _prompt(path, compiled: bool, monkeypatch, n: int):
     from bloomery.engine.loader import load_model
     from bloomery.placement import whole
-    m = load_model(str(moe_file), whole("numpy", n_slots=1, n_ctx_slot=64))
-    assert NumpyOps._experts_c(np.zeros((MOE_CALL_MAX_ROWS + 1, m.hp.n_embd), np.float32),
-                               np.zeros((MOE_CALL_MAX_ROWS + 1, 3), np.int64),
-                               np.full((MOE_CALL_MAX_ROWS + 1, 3), 0.3, np.float32),
-                               tuple(m.layers[0][n] for n in ("gate_exps", "up_exps", "down_exps"))) is None
+    calls = []
+    inner = NumpyOps._experts_c
+    def spy(*a):
+        y = inner(*a) if compiled else None
+        calls.append(None if y is None else a[0].shape[0])
+        return y
+    monkeypatch.setattr(NumpyOps, "_experts_c", staticmethod(spy))
+    m = load_model(str(path), whole("numpy", n_slots=1, n_ctx_slot=512))
+    ids = np.random.default_rng(5).integers(0, 1000, n).astype(np.int32)
+    logits = np.asarray(m.prefill(0, ids, 0), np.float32)
+    monkeypatch.undo()
+    return logits, m.cache.k.copy(), calls, m
+
+
+def test_a_long_prompt_in_one_call_gives_the_loops_bits(moe_file, monkeypatch):
+    """A 400-id pass takes the one call too: each expert's ~150 rows go through in chunks of MOE_CHUNK_ROWS,
+    the same bits as the per-expert loop, and the workers hold no more than the plan counts for the pass."""
+    from bloomery.engine.quant import threads
+    from bloomery.engine.cpu.sizes import MOE_CHUNK_ROWS, moe_call_bytes
+    lib = cpu_kernels.lib()
+    lib.moe_scratch_peak(1)
+    a, a_k, calls, m = _prompt(moe_file, True, monkeypatch, 400)
+    held = lib.moe_scratch_peak(0)
+    b, b_k, _, _ = _prompt(moe_file, False, monkeypatch, 400)
+    assert calls and all(c == 400 for c in calls)
+    assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    assert np.array_equal(a_k.view(np.uint16), b_k.view(np.uint16))
+    d, f = m.hp.n_embd, m.layers[0]["gate_exps"].shape[1]
+    # three of eight experts a row: some expert takes more than a chunk's rows
+    assert 400 * 3 / 8 > MOE_CHUNK_ROWS
+    assert 0 < held <= threads.N_THREADS * moe_call_bytes(400, d, f)

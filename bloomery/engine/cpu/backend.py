@@ -663,12 +663,12 @@ class NumpyOps:
     def _experts_c(x, ids, weights, stacks) -> np.ndarray | None:
         """Every routed expert's weighted output [T, A, D] in one compiled call (kernels/cpu_lanes.c
         moe_ffn_rows: the loop below, the experts spread over the threads; the same bits), or None
-        where that call does not take these rows or weights and the loop runs. Decode steps only (up to
-        MOE_CALL_MAX_ROWS rows): the call's buffers are the C library's, per expert in flight, which the
-        plan counts in its decode moment (sizes.moe_call_bytes); a prompt pass's experts keep the loop,
-        whose arrays the plan's routed-FFN moment counts."""
+        where that call does not take these rows or weights and the loop runs. Its buffers are the C
+        library's, an expert in flight on each thread with at most sizes.MOE_CHUNK_ROWS of its rows at
+        once, which the plan counts (sizes.moe_call_bytes: in the decode moment, and in the routed FFN's
+        for a prompt pass)."""
         lib = cpu_kernels.lib()
-        if lib is None or not formats.KERNEL_ORDER or x.ndim != 2 or x.shape[0] > MOE_CALL_MAX_ROWS:
+        if lib is None or not formats.KERNEL_ORDER or x.ndim != 2:
             return None
         got = _expert_stacks(stacks, x.shape[1])
         if got is None:

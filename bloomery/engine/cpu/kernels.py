@@ -114,6 +114,8 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     lib.decode_layers.restype = c_int
     lib.moe_ffn_rows.argtypes = [p, p, p, i64, i64, p, i64, p, p, i64, p, i64, p, c_int]
     lib.moe_ffn_rows.restype = c_int
+    lib.moe_scratch_peak.argtypes = [c_int]
+    lib.moe_scratch_peak.restype = i64
     for fn in (lib.quant_q8_0, lib.quant_q8_K, lib.q80_mm, lib.q6k_mm, lib.q4k_mm, lib.swiglu, lib.attn_f16, lib.attn_f32,
                lib.rms_norm, lib.rope_neox, lib.lanes_set_spin):
         fn.restype = None

@@ -149,7 +149,10 @@ TABLE: tuple[Flag, ...] = (
     _noop("--threads-http", (), "LLAMA_ARG_THREADS_HTTP", "int"),
     Flag("--batch-size", ("-b",), "LLAMA_ARG_BATCH", "int", 2048,
          "prompt ids per pass for a request with return_progress (one progress event each) and /infill's budget"),
-    _noop("--ubatch-size", ("-ub",), "LLAMA_ARG_UBATCH", "int"),
+    Flag("--ubatch-size", ("-ub",), "LLAMA_ARG_UBATCH", "int", None,
+         "prompt ids one pass computes at most (llama-server's physical batch; default the backend's own: 512 on the "
+         "CPU, 4096 on a card, 2048 on a card whose plan keeps routed experts in host RAM); the plan counts that "
+         "pass's scratch", dest="ubatch_size"),
     _noop("--backend-sampling", ("-bs",), "LLAMA_ARG_BACKEND_SAMPLING",
           why="the sampler chain runs where the engine places it; the probabilities are the same"),
     _noop("--flash-attn", ("-fa",), "LLAMA_ARG_FLASH_ATTN", "choice", choices=("on", "off", "auto")),

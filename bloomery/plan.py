@@ -89,6 +89,8 @@ class ModelFacts:
     # copies of a slot's recurrent state the engine keeps at message starts (--ctx-checkpoints, set by make_plan
     # where the file has a recurrent state and message starts), each state_bytes, counted with the state
     n_checkpoints: int = 0
+    # -ub: the most ids one prompt pass computes, set by make_plan where given (0: the backend's own pass)
+    ubatch: int = 0
 
 
 def _pad(n: int, to: int) -> int:
@@ -239,7 +241,7 @@ def scratch_bytes_for(facts: ModelFacts, n_ctx_slot: int, backend: str = "numpy"
     the mat-vec kernels), the largest other tensor (cuda_host_pass_rows).
     """
     if backend == "cuda":
-        rows = rows or CUDA_UBATCH
+        rows = min(rows or CUDA_UBATCH, facts.ubatch or CUDA_UBATCH)
         kv_width = 2 * max(facts.n_head_kv) * facts.head_dim_k
         q_width = (facts.n_head + kv_width // facts.head_dim_k) * facts.head_dim_k
         per_row = 6 * facts.n_embd + 2 * q_width + 6 * facts.n_ff
@@ -287,9 +289,10 @@ def cuda_host_pass_rows(facts: ModelFacts) -> int:
     layer on the planned expert path (PLANNED_MAX_PAIRS (token, expert) pairs; 2,048 ids at 8 experts a
     token), so the pass makes no f16 copy of an expert stack and its activations are smaller; the card
     bytes this frees hold routed experts instead. CUDA_UBATCH where the planned path does not apply."""
+    own = min(CUDA_UBATCH, facts.ubatch or CUDA_UBATCH)
     if not _planned_experts(facts):
-        return CUDA_UBATCH
-    return max(CUDA_DECODE_ROWS + 1, min(CUDA_UBATCH, PLANNED_MAX_PAIRS // facts.n_expert_used))
+        return own
+    return min(own, max(CUDA_DECODE_ROWS + 1, PLANNED_MAX_PAIRS // facts.n_expert_used))
 
 
 def _cuda_delta_scratch(facts: ModelFacts, rows: int = CUDA_UBATCH) -> int:
@@ -481,7 +484,7 @@ def _numpy_scratch(facts: ModelFacts, n_ctx_slot: int, n_slots: int) -> int:
     hundreds of MB, set by the kernels' chunk sizes and the worker threads more than by the model.
     """
     from bloomery.engine.quant.threads import N_THREADS          # the attention's score rows, one per thread
-    t = min(N_UBATCH, n_slots * n_ctx_slot)
+    t = min(N_UBATCH, facts.ubatch or N_UBATCH, n_slots * n_ctx_slot)
     d, h, dh, v = facts.n_embd, facts.n_head, facts.head_dim_k, facts.n_vocab
     hkv = max(facts.n_head_kv) or h
     rot = facts.n_rot or dh
@@ -607,10 +610,6 @@ def placement_lines(p: Placement) -> list[tuple[str, str, dict]]:
         span = f"layer {a}" if a == b else f"layers {a}-{b}"
         lines.append(("info", f"{span}: {k} of {p.n_expert} routed experts on a card ({why})",
                       {"layers": f"{a}-{b}", "experts_on_card": k, "why": why}))
-    if p.n_ubatch:
-        lines.append(("info", f"prompt passes of at most {p.n_ubatch} ids: with routed experts in host RAM every layer "
-                              f"takes the planned expert kernels, which copy no expert stack to f16; the card's scratch "
-                              f"is that pass's", {"n_ubatch": p.n_ubatch}))
     return lines
 
 
@@ -639,6 +638,7 @@ class Plan:
     prompt_cache_bytes: int = 0     # the prompt cache's budget on the host (beside host_bytes)
     prompt_cache_from: str = "default"   # "set" (-cram) or "default"
     checkpoint_bytes: int = 0       # every slot's checkpoints of its recurrent state at their most (in kv_bytes)
+    pass_why: str = ""              # why prompt passes are shorter than the backend's own (placement.n_ubatch)
 
     def explain(self) -> list[tuple[str, str, dict]]:
         """The plan in words, for people (--plan prints these): (level, sentence, fields) per line.
@@ -668,6 +668,9 @@ class Plan:
                           {"device": d.device, "need_bytes": need, "available_bytes": d.available}))
         if p and p.backend == "cuda":
             lines += placement_lines(p)
+        if p and p.n_ubatch:
+            lines.append(("info", f"prompt passes of at most {p.n_ubatch} ids: {self.pass_why}; the scratch is that "
+                                  f"pass's", {"n_ubatch": p.n_ubatch}))
         slots = f"{self.n_slots} slot{'s' if self.n_slots != 1 else ''}"
         if self.ctx_rule == "target":
             why = (f"no -c given: each slot gets the model's trained context, {self.n_ctx_train} positions, "
@@ -881,16 +884,21 @@ def _with_prompt_cache(devices: tuple[DeviceNeed, ...], cache_ram_mib: int | Non
 
 def make_plan(facts: ModelFacts, census: Census, backend: str = "numpy", ctx_size: int = 0,
               n_parallel: int | str = 1, slot_ctx: int = 0, ask: PlacementAsk = NO_ASK,
-              cache_ram_mib: int | None = None, n_ctx_checkpoints: int = CTX_CHECKPOINTS) -> Plan:
+              cache_ram_mib: int | None = None, n_ctx_checkpoints: int = CTX_CHECKPOINTS,
+              n_ubatch: int | None = None) -> Plan:
     """The plan for these settings; n_parallel is a count or "auto"; ask: the placement flags; cache_ram_mib:
     -cram (None: the default budget, counted from what the rest of the plan leaves on the host);
     n_ctx_checkpoints: --ctx-checkpoints, the copies of a recurrent state a slot keeps (a file with one and
-    with message starts)."""
+    with message starts); n_ubatch: -ub, the most ids one prompt pass computes (None: the backend's own)."""
     _check_settings(facts, census, backend, ctx_size, n_parallel, slot_ctx)
     if isinstance(n_ctx_checkpoints, bool) or not isinstance(n_ctx_checkpoints, int):
         raise PlanError(f"--ctx-checkpoints {n_ctx_checkpoints!r} must be an integer (0 or less: none)")
     if facts.state_bytes and facts.message_starts:
         facts = dataclasses.replace(facts, n_checkpoints=max(n_ctx_checkpoints, 0))
+    if n_ubatch is not None:
+        if isinstance(n_ubatch, bool) or not isinstance(n_ubatch, int) or n_ubatch < 1:
+            raise PlanError(f"--ubatch-size {n_ubatch!r}: give a whole number of ids, at least 1")
+        facts = dataclasses.replace(facts, ubatch=n_ubatch)
     prompt_cache_budget(cache_ram_mib, 0)     # a refused -cram before any arithmetic
     if backend == "numpy":
         on_card = [f"-ot {o.pattern}={o.buft}" for o in ask.overrides if o.buft != "CPU"]
@@ -906,7 +914,8 @@ def make_plan(facts: ModelFacts, census: Census, backend: str = "numpy", ctx_siz
             (DeviceNeed("host", census.host_avail_bytes, dataclasses.replace(placed, margin=HOST_RESERVE_BYTES)),
              *(DeviceNeed(f"cuda:{i}", free, Terms()) for i, free in enumerate(census.card_free_bytes))), cache_ram_mib)
         host, cards = need + HOST_RESERVE_BYTES, tuple(0 for _ in census.card_free_bytes)
-        placement = Placement(backend, n, n_ctx_slot, "host", devices=devices, n_expert=facts.n_expert)
+        placement = Placement(backend, n, n_ctx_slot, "host", devices=devices, n_expert=facts.n_expert,
+                              n_ubatch=min(N_UBATCH, facts.ubatch) if facts.ubatch else 0)
     else:
         try:
             r = _place(facts, census, n, n_ctx_slot, ask, moved)
@@ -920,7 +929,13 @@ def make_plan(facts: ModelFacts, census: Census, backend: str = "numpy", ctx_siz
         placement = Placement(backend, n, n_ctx_slot, f"cuda:{r.main}", devices=devices, tensors=r.tensors,
                               experts_on_card=r.experts_on_card if facts.n_expert else (), case=r.case,
                               layer_why=r.layer_why if facts.n_expert else (), n_expert=facts.n_expert,
-                              n_ubatch=cuda_host_pass_rows(facts) if r.host_pass else 0)
+                              n_ubatch=(cuda_host_pass_rows(facts) if r.host_pass
+                                        else min(CUDA_UBATCH, facts.ubatch) if facts.ubatch else 0))
+    why_pass = ""
+    if placement.n_ubatch:
+        host_rows = backend == "cuda" and placement.n_ubatch < min(CUDA_UBATCH, facts.ubatch or CUDA_UBATCH)
+        why_pass = ("with routed experts in host RAM every layer takes the planned expert kernels, which copy no "
+                    "expert stack to f16" if host_rows else f"-ub {facts.ubatch} set it")
     return Plan(backend, facts.arch, n * n_ctx_slot, n_ctx_slot, n, rule, facts.n_ctx_train,
                 dict(facts.tensor_bytes), t["weights"], t["kv"], t["scratch"], host, cards, t,
                 parallel_from="auto" if n_parallel == "auto" else "set", decoded_bytes=t["decoded"],
@@ -928,4 +943,4 @@ def make_plan(facts: ModelFacts, census: Census, backend: str = "numpy", ctx_siz
                 expert_bytes=layout_of(facts).expert_bytes if facts.n_expert else (),
                 prompt_cache_bytes=devices[0].terms.prompt_cache,
                 prompt_cache_from="default" if cache_ram_mib is None else "set",
-                checkpoint_bytes=n * checkpoint_bytes_for(facts))
+                checkpoint_bytes=n * checkpoint_bytes_for(facts), pass_why=why_pass)

@@ -77,6 +77,7 @@ class Settings:
     reasoning_budget_message: str | None = None   # --reasoning-budget-message
     spm_infill: bool = False           # --spm-infill: /infill's suffix/prefix/middle order
     batch_size: int = 2048             # -b: prompt-pass size under return_progress, /infill's budget
+    ubatch_size: int | None = None     # -ub: the most ids one prompt pass computes (None: the backend's own)
     cache_ram: int | None = None       # -cram MiB: the prompt cache's budget (0: off; None: the plan's default)
     ctx_checkpoints: int = CTX_CHECKPOINTS   # -ctxcp: checkpoints a slot keeps of a state that cannot rewind (<= 0: none)
     checkpoint_min_step: int = CHECKPOINT_MIN_STEP   # -cms: the least spacing in ids between a slot's checkpoints
@@ -482,6 +483,8 @@ def _check(s: Settings, keys: list[str]) -> None:
                             "(none, mean, cls and last are)")
     if s.batch_size < 1:
         raise SettingsError(f"--batch-size {s.batch_size}: must be >= 1")
+    if s.ubatch_size is not None and s.ubatch_size < 1:
+        raise SettingsError(f"--ubatch-size {s.ubatch_size}: must be >= 1 (the most ids one prompt pass computes)")
     if s.n_predict < -1:
         raise SettingsError(f"--n-predict {s.n_predict}: must be >= -1 (-1: until the context is full)")
     if s.ngl is not None and s.ngl not in ("all", "auto"):

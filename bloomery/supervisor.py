@@ -179,7 +179,7 @@ class Supervisor:
         self.life.advance(Phase.PLAN)
         plan_args = {"model_file": fetched.path, "seat": s.seat, "ctx_size": s.ctx_size, "slot_ctx": s.slot_ctx,
                      "parallel": s.parallel, "device": s.backend, "card": s.card, "backend_from": s.backend_from,
-                     "ngl": s.ngl, "placement_ask": to_plain(s.placement_ask), "cache_ram": s.cache_ram,
+                     "ngl": s.ngl, "placement_ask": to_plain(s.placement_ask), "cache_ram": s.cache_ram, "ubatch": s.ubatch_size,
                      "ctx_checkpoints": s.ctx_checkpoints}
         planned = await runner.next_outcome("plan", await runner.start("plan", plan_args))
         if planned is None:

@@ -192,7 +192,13 @@ def test_the_load_takes_the_plans_pass_rows(tokenizer_source, synthetic_dir):
                                                     n_expert_used=2, n_ff_exp=64, mode="blocks")
     ids = list(range(100, 180))
     own = load_model(str(path), whole("numpy", 1, 256))
-    short = load_model(str(path), dataclasses.replace(whole("numpy", 1, 256), n_ubatch=32))
+    from bloomery.gguf_file import open_gguf
+    from bloomery.plan import model_facts
+    facts = model_facts(open_gguf(str(path)))
+    planned = make_plan(facts, Census(HOST), "numpy", ctx_size=256, n_ubatch=32)     # -ub 32 on the CPU backend
+    assert planned.placement.n_ubatch == 32
+    assert planned.scratch_bytes <= make_plan(facts, Census(HOST), "numpy", ctx_size=256).scratch_bytes
+    short = load_model(str(path), planned.placement)
     assert (own.n_ubatch, short.n_ubatch) == (512, 32)
     passes = []
     run = short._run
@@ -409,3 +415,18 @@ def test_a_wait_mode_this_cupy_cannot_set_is_refused_by_name(monkeypatch):
     monkeypatch.setenv("BLOOMERY_CUDA_SYNC", "blocking")
     with pytest.raises(ModelError, match=r"BLOOMERY_CUDA_SYNC=blocking: this CuPy \(14.0.0\) cannot set the card's wait"):
         loader._sync_flags()
+
+
+def test_ubatch_size_sets_the_pass_the_plan_counts():
+    """-ub N: a pass of at most N ids on either backend; the scratch is that pass's, --plan names it, and on a card
+    with host experts the shorter of -ub and the planned kernels' pass wins."""
+    facts = planned_facts()
+    big = make_plan(facts, Census(HOST, (100 * GIB,)), "cuda")
+    small = make_plan(facts, Census(HOST, (100 * GIB,)), "cuda", n_ubatch=512)
+    assert (big.placement.n_ubatch, small.placement.n_ubatch) == (0, 512)
+    assert small.scratch_bytes == scratch_bytes_for(facts, 4096, "cuda", rows=512) < big.scratch_bytes
+    assert any("prompt passes of at most 512 ids: -ub 512 set it" in text for _, text, _ in small.explain())
+    host = make_plan(facts, Census(HOST, (100 * GIB,)), "cuda", ask=PlacementAsk(n_cpu_moe=1), n_ubatch=1024)
+    assert host.placement.n_ubatch == 1024
+    with pytest.raises(PlanError, match=r"--ubatch-size 0: give a whole number of ids"):
+        make_plan(facts, Census(HOST, (100 * GIB,)), "cuda", n_ubatch=0)

@@ -144,9 +144,10 @@ def test_noop_flags_are_read_and_recorded():
 
 
 def test_unknown_llama_variable_gets_a_line():
-    s = parse(M, {"LLAMA_ARG_SOMETHING_NEW": "1", "LLAMA_ARG_UBATCH": "8", "LLAMA_ARG_THREADS": "8", "PATH": "/bin"})
+    s = parse(M, {"LLAMA_ARG_SOMETHING_NEW": "1", "LLAMA_ARG_THREADS_HTTP": "8", "LLAMA_ARG_THREADS": "8",
+                  "PATH": "/bin"})
     assert ("env variable not read by bloomery", {"variable": "LLAMA_ARG_SOMETHING_NEW"}) in s.notes
-    assert any(kv.get("flag") == "LLAMA_ARG_UBATCH" for _, kv in s.notes)
+    assert any(kv.get("flag") == "LLAMA_ARG_THREADS_HTTP" for _, kv in s.notes)
     assert s.threads == 8
 
 
@@ -298,3 +299,14 @@ def test_cache_ram_as_llama_server_but_always_with_a_budget():
         msg = refused(argv, match=r"--cache-ram -\d+: the prompt cache always has a budget")
         assert "-1, no limit, is refused" in msg
     refused(M, {"LLAMA_ARG_CACHE_RAM": "-1"}, match="always has a budget")
+
+
+def test_ubatch_size_is_read_as_llama_server_reads_it():
+    """-ub / --ubatch-size / LLAMA_ARG_UBATCH: the most ids one prompt pass computes, handed to the plan (which counts
+    that pass's scratch and tells the load); absent, each backend keeps its own pass; 0 or less is refused by name."""
+    assert parse(M + ["-ub", "512"], {}).ubatch_size == 512
+    assert parse(M + ["--ubatch-size", "64"], {}).ubatch_size == 64
+    assert parse(M, {"LLAMA_ARG_UBATCH": "256"}).ubatch_size == 256
+    assert parse(M, {}).ubatch_size is None
+    refused(M + ["-ub", "0"], {}, r"--ubatch-size 0: must be >= 1")
+    refused(M + ["-ub", "x"], {}, "--ubatch-size takes an integer")

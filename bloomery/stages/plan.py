@@ -88,7 +88,7 @@ def make(args: dict, gf, census):
     try:
         plan = make_plan(facts, census, backend, args.get("ctx_size") or 0, n_parallel, args.get("slot_ctx") or 0,
                          ask, cache_ram_mib=args.get("cache_ram"),
-                         n_ctx_checkpoints=args.get("ctx_checkpoints", CTX_CHECKPOINTS))
+                         n_ctx_checkpoints=args.get("ctx_checkpoints", CTX_CHECKPOINTS), n_ubatch=args.get("ubatch"))
     except PlanError as e:
         raise StageRefusal(str(e)) from None
     return plan, why

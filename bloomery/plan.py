@@ -23,6 +23,7 @@ Placement (bloomery/placement.py), which the engine stage's load carries out.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from functools import lru_cache
@@ -143,9 +144,7 @@ def model_facts(gguf_file) -> ModelFacts:
     n_weights = max_elems = 0
     for t in gguf_file.tensors.values():
         by_type[t.type_name] = by_type.get(t.type_name, 0) + t.n_bytes
-        n = 1
-        for d in t.shape:
-            n *= d
+        n = math.prod(t.shape)
         n_weights += n
         max_elems = max(max_elems, n)
     tensors = tuple((name, int(t.ggml_type), tuple(int(s) for s in t.shape)) for name, t in gguf_file.tensors.items())
@@ -247,18 +246,11 @@ def scratch_bytes_for(facts: ModelFacts, n_ctx_slot: int, backend: str = "numpy"
         per_row = 6 * facts.n_embd + 2 * q_width + 6 * facts.n_ff
         copied = facts.max_tensor_elems
         if _planned_experts(facts) and rows * facts.n_expert_used <= PLANNED_MAX_PAIRS and n_slots <= CUDA_DECODE_ROWS:
-            copied = max((_elems(shape) for name, _, shape in facts.tensors
+            copied = max((math.prod(shape) for name, _, shape in facts.tensors
                           if "_exps." not in name and not name.startswith(("token_embd.", "output."))), default=0)
         return (3 * 2 * copied + 4 * rows * per_row
                 + CUDA_SCORE_BYTES * 3 // 2 + 4 * facts.n_vocab + _cuda_delta_scratch(facts, rows))
     return _numpy_scratch(facts, n_ctx_slot, n_slots)
-
-
-def _elems(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def _planned_experts(facts: ModelFacts) -> bool:

@@ -105,16 +105,10 @@ def _swaps(counts: np.ndarray, held: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return hot, cold, n
 
 
-def _held_mask(held, n_expert: int) -> np.ndarray:
-    mask = np.zeros(n_expert, bool)
-    mask[list(held)] = True
-    return mask
-
-
 def layer_swaps(layer: int, row: Sequence[int], held: frozenset[int], nbytes: int) -> list[Move]:
     """One layer's useful swaps, the largest gain first: i-th hottest host expert for the i-th coldest card one."""
     r = np.asarray(row, np.int64).reshape(1, -1)
-    hot, cold, n = _swaps(r, _held_mask(held, r.shape[1])[None, :])
+    hot, cold, n = _swaps(r, _held(r, [held], [nbytes], 0))
     return [Move(layer, int(h), int(c), int(r[0, h] - r[0, c]), nbytes) for h, c in zip(hot[0, :n[0]], cold[0, :n[0]])]
 
 

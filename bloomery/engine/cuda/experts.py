@@ -398,7 +398,7 @@ class Offload:
     def stage_tables(self, layer: ExpertLayer, used: np.ndarray):
         """Device tables (gate, up, down) in which the used host experts point at copies streamed into
         the staging buffer (on the current stream, so the pass's kernels see them)."""
-        if layer.pending:          # its copies land first, so the host experts are the plan's count (the staging's)
+        if layer.pending:          # the update's copies land first, so the host experts are the plan's count (the staging's)
             self._finish(block=True)
         want = [int(e) for e in np.nonzero(used)[0] if layer.slot_of[e] < 0]
         if not want:

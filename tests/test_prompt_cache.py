@@ -201,6 +201,21 @@ def test_shared_arrays_count_once_and_outlive_the_entry_that_saved_them():
     assert cache.prefix_source((0, 1, 2)) is None                   # shorter than SHARE_MIN: copied whole
 
 
+def test_the_same_ids_again_with_other_marks_take_all_but_the_last_position_from_the_held_entry():
+    """A state that cannot rewind: the slot held the same ids again, its checkpoints elsewhere. The held entry
+    does not cover it (another mark), so the new entry takes the shared positions from it, all but the last
+    (its own piece is never empty; on the card a save starting at the end was refused and failed the request)."""
+    cache = PromptCache(budget_bytes=10_000)
+    a = tuple(range(100))
+    assert cache.save(a, state(100)[:1], marks=[(100, state(1)[:1])])
+    assert not cache.covers(a, (40, 100))
+    (ea,) = cache.entries()
+    assert cache.prefix_source(a) == (ea, 99)
+    assert cache.save(a, state(1)[:1], marks=[(40, state(1)[:1]), (100, state(1)[:1])], base=cache.prefix_source(a))
+    (eb,) = cache.entries()                                       # it holds all of the first: that one went
+    assert [(x.start, x.end) for x in eb.pieces] == [(0, 99), (99, 100)] and eb.points == {40, 100}
+
+
 def test_the_cache_off_restores_nothing():
     model = SavingModel(1, 64)
     engine = Engine(model, 1, 64, prompt_cache_bytes=0)

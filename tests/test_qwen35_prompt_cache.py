@@ -115,3 +115,16 @@ def test_checkpoint_min_step_spaces_a_slots_checkpoints(model, min_step):
         completion(s.url, turns, 2)
         got = completion(s.url, other, 2)["timings"]["cache_n"]
     assert got == (starts[3] if min_step == 0 else starts[0])
+
+
+def test_the_same_prompt_again_without_the_cache_is_served_each_time(model):
+    """The benchmark's sequence (tools/bench_offload.py): a prompt of 100 plain ids with 8 ids generated, then
+    the same prompt for one id, cache_prompt false, three times. Before the third, the slot held a prefix of
+    the first entry's ids with its end elsewhere, so that entry does not cover it, and the new entry takes all
+    but its last position from it. Before, that save started at the end (a save of nothing) and was refused,
+    failing the request (on the card, every pp cell after a tg cell)."""
+    p = list(range(3000, 3100))
+    with serve(model) as s:
+        long = completion(s.url, p, n=8, cache_prompt=False)
+        runs = [completion(s.url, p, n=1, cache_prompt=False) for _ in range(3)]
+    assert [r["tokens"] for r in runs] == [long["tokens"][:1]] * 3

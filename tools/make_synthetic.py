@@ -55,6 +55,15 @@ PRESETS = {
     "qwen3-30b-a3b": ("qwen3moe", dict(n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128, n_ff=6144,
                                        n_expert=128, n_expert_used=8, n_ff_exp=768, ctx_train=40960, mode="blocks",
                                        mix="q4_k_m", seed=1)),
+    # Qwen3.6-35B-A3B (the Qwen3.5-35B-A3B shape: transformers' Qwen3_5MoeTextConfig defaults): 40 layers,
+    # a full-attention layer every 4th, 256 experts of 512 (8 used) and a shared one of 512, attention
+    # 16 x 256 over 2 KV heads rotating a quarter (sections 11/11/10), DeltaNet 16 key and 32 value heads
+    # of 128. The vocab is the tokenizer's (--tokenizer-from), not the real 248,320.
+    "qwen3.6-35b-a3b": ("qwen35moe", dict(n_layer=40, n_embd=2048, n_head=16, n_head_kv=2, head_dim=256, n_ff=512,
+                                          n_expert=256, n_expert_used=8, n_ff_exp=512, n_ff_shexp=512,
+                                          full_attn_interval=4, ssm_d_conv=4, ssm_d_state=128, ssm_n_group=16,
+                                          ssm_dt_rank=32, n_rot=64, rope_sections="11,11,10,0", ctx_train=262144,
+                                          mode="blocks", mix="q4_k_m", seed=1)),
 }
 FILE_TYPE = {"f32": 0, "f16": 1, "q8_0": 7, "q4_k_m": 15}      # llama_ftype values
 FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q6_K: Q.Q8_0}                    # llama-quantize, rows not /256

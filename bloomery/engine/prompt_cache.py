@@ -128,10 +128,12 @@ class PromptCache:
 
     def prefix_source(self, ids: tuple[int, ...] | list[int]) -> tuple[Entry, int] | None:
         """The held entry sharing the longest prefix with these ids, and its length, when it is SHARE_MIN or more
-        (a new entry of these ids then takes those positions from it: save's `base`)."""
+        (a new entry of these ids then takes those positions from it: save's `base`). At most all but the last
+        id: an entry holding every one of them lacks some mark the new one brings (else it covers them), and
+        the new entry's own piece keeps at least one position."""
         best, n_best = None, SHARE_MIN - 1
         for e in self._entries.values():
-            n = common_prefix_len(e.ids, ids)
+            n = min(common_prefix_len(e.ids, ids), len(ids) - 1)
             if n > n_best:
                 best, n_best = e, n
         return None if best is None else (best, n_best)

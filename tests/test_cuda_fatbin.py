@@ -91,7 +91,8 @@ def test_the_build_records_the_source_it_compiled(tmp_path, nvcc, kdir):
     (kdir / "layers.cu").write_text((kdir / "layers.cu").read_text() + "\n// an edit\n")
     assert fatbin.check("layers", "90", out, kdir) == (None, "the prebuilt fatbin is of another source")
     got = fatbin.build(out, str(nvcc), kdir=kdir, log=lambda s: None)
-    assert got == {"matvec": "fresh", "moe": "fresh", "moe_mm": "fresh", "attention": "fresh", "layers": "built"}
+    assert got == {"matvec": "fresh", "moe": "fresh", "moe_mm": "fresh", "attention": "fresh", "layers": "built",
+                   "recurrent": "fresh"}
     assert fatbin.check("layers", "90", out, kdir)[0] == "cubin"
 
 
@@ -153,7 +154,8 @@ def test_the_plan_takes_fresh_cubins_and_compiles_the_rest(built, kdir):
                    "matvec": ("nvrtc", None, "the prebuilt fatbin does not match its manifest"),
                    "layers": ("nvrtc", None, "no prebuilt fatbin"),
                    "moe": ("nvrtc", None, "the prebuilt fatbin was built with --std=c++17"),
-                   "moe_mm": ("prebuilt", str(built / "moe_mm.fatbin"), "cubin")}
+                   "moe_mm": ("prebuilt", str(built / "moe_mm.fatbin"), "cubin"),
+                   "recurrent": ("prebuilt", str(built / "recurrent.fatbin"), "cubin")}
     with pytest.raises(ValueError, match=r"kernels/matvec\.cu has no usable prebuilt fatbin for sm_90 .* \(the prebuilt fatbin does not match its manifest\)"):
         fatbin.plan("90", "prebuilt", built, kdir)
 

@@ -74,6 +74,57 @@ def test_elementwise_ops_match_the_numpy_backend(ops):
     np.testing.assert_allclose(got, cpu.l2_norm(x, 1e-6), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("size, n_v, n_k, width", [(128, 32, 16, 4), (64, 4, 2, 4), (16, 4, 1, 3)])
+def test_the_fused_decode_step_matches_the_array_code(ops, monkeypatch, size, n_v, n_k, width):
+    """conv_step and delta_rule on decode rows, the fused kernels (kernels/recurrent.cu) against the array code
+    of recurrent.py (BLOOMERY_CUDA_RECURRENT=array), from the same states: three slots, a captured step's rows
+    (slots 2 and 0, one at position 0, one carrying on, and a slot at a position it does not hold) and an eager
+    step's host spans; v's rows strided as the model slices them out of the conv output. The conv's sums in
+    the array code's order (equal bits), the delta rule's within float32 rounding; the counts of held positions
+    equal."""
+    import cupy
+    from bloomery.engine.cuda.recurrent import CONV, DELTA
+    from bloomery.engine.ops import AttnSpan, Rows
+    rng = np.random.default_rng(size + width)
+    chans = 2 * n_k * size + n_v * size
+    kern = (rng.standard_normal((chans, width)) * 0.5).astype(np.float32)
+    w = ops.weight(0, (width, chans), kern.view(np.uint8))
+    states = []
+    for _ in range(2):
+        st = ops.recurrent_state(2, 3, width - 1, chans, n_v, size)
+        st.conv[...] = cupy.asarray(rng.standard_normal(st.conv.shape, np.float32)) if not states else states[0].conv
+        st.delta[...] = (cupy.asarray(rng.standard_normal(st.delta.shape, np.float32) * 0.1) if not states
+                         else states[0].delta)
+        st.held[...] = 7 if not states else states[0].held
+        states.append(st)
+
+    def step(how, st, rows, x):
+        monkeypatch.setenv("BLOOMERY_CUDA_RECURRENT", how)
+        conv = ops.conv_step(st, 1, rows, x, w)                                  # [B, C]
+        t = conv.shape[0]
+        q = ops.l2_norm(conv[:, :n_k * size].reshape(t, n_k, size), 1e-6)
+        k = ops.l2_norm(conv[:, n_k * size:2 * n_k * size].reshape(t, n_k, size), 1e-6)
+        v = conv[:, 2 * n_k * size:].reshape(t, n_v, size)                      # rows strided for t > 1
+        g = -cupy.abs(x[:, :n_v]) * 0.3
+        beta = 1 / (1 + cupy.exp(-x[:, n_v:2 * n_v]))
+        return conv, ops.delta_rule(st, 1, rows, q, k, v, g, beta)
+
+    captured = Rows(None, cupy.asarray([2, 0, 1], np.int32), cupy.asarray([7, 0, 3], np.int32))
+    eager = [AttnSpan(2, 8, 0, 1), AttnSpan(0, 1, 1, 2)]
+    eager_rows = Rows(eager, cupy.asarray([2, 0], np.int32), cupy.asarray([8, 1], np.int32))
+    for rows in (captured, eager_rows):
+        x = cupy.asarray(rng.standard_normal((rows.slots.size, chans), np.float32))
+        ref = step("array", states[0], rows, x)
+        got = step("fused", states[1], rows, x)
+        np.testing.assert_array_equal(cupy.asnumpy(got[0]), cupy.asnumpy(ref[0]))
+        np.testing.assert_array_equal(cupy.asnumpy(states[1].conv), cupy.asnumpy(states[0].conv))
+        np.testing.assert_allclose(cupy.asnumpy(got[1]), cupy.asnumpy(ref[1]), rtol=2e-5, atol=2e-6)
+        np.testing.assert_allclose(cupy.asnumpy(states[1].delta), cupy.asnumpy(states[0].delta), rtol=2e-5, atol=2e-6)
+        np.testing.assert_array_equal(cupy.asnumpy(states[1].held), cupy.asnumpy(states[0].held))
+    held = cupy.asnumpy(states[1].held[:, 1])
+    assert held[CONV].tolist() == held[DELTA].tolist() == [2, -1, 9]   # slot 1 stepped at 3 while it held 7
+
+
 def test_value_heads_read_key_heads_as_ggml_broadcasts_on_the_card(gpu):
     """expand_heads with CuPy arrays: value head h reads key head h % Hk, as with numpy."""
     import cupy

@@ -7,9 +7,10 @@
   decode   B slots each holding --depth ids, one id a slot a step (model.decode_greedy: the captured
            steps where the backend has them), the mean over --steps steps, for each of --batches
   kernels  (--kernels, cuda) each kernel's time a decode step at the smallest and the largest batch (the
-           25 largest), through torch's profiler (bench_cuda.kernel_profile), with programmatic
-           dependent launch off so that a kernel's time is its own (with it on, a kernel starts early
-           and its time holds the wait for the one before)
+           25 largest), and a pass of the smallest prompt (with its launches), through torch's profiler
+           (bench_cuda.kernel_profile, prompt_kernels), with programmatic dependent launch off so that
+           a kernel's time is its own (with it on, a kernel starts early and its time holds the wait
+           for the one before)
 
 It prints one line a measurement and writes them all to --out (JSON). What it says of a decode step
 is the engine's alone: through HTTP the server adds its own path (tools/bench_serve.py).
@@ -76,6 +77,29 @@ def prompt_rate(model, ids: np.ndarray, reps: int) -> float:
         _sync(model)
         times.append(time.perf_counter() - t)
     return ids.size / float(np.median(times))
+
+
+def prompt_kernels(model, ids: np.ndarray, reps: int = 3) -> dict:
+    """Per-kernel card time of a prompt pass of len(ids) ids into slot 0 through torch's profiler: {name: [ms a
+    pass, launches a pass]} for the 25 largest, and "all" (every kernel's ms and launches together)."""
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return {}
+    torch.cuda.init()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            model.prefill(0, ids, 0)
+        _sync(model)
+    got, ms_all, n_all = {}, 0.0, 0
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t:
+            got[ev.key[:60]] = [round(t / 1e3 / reps, 4), round(ev.count / reps, 1)]
+            ms_all, n_all = ms_all + t / 1e3 / reps, n_all + ev.count / reps
+    top = dict(sorted(got.items(), key=lambda kv: -kv[1][0])[:25])
+    return {**top, "all": [round(ms_all, 3), round(n_all, 1)]}
 
 
 def fill_slots(model, n_slots: int, depth: int, rng) -> None:
@@ -190,6 +214,14 @@ def run(a) -> dict:
             os.environ.pop("BLOOMERY_CUDA_MOE_PROMPT", None)
         else:
             os.environ["BLOOMERY_CUDA_MOE_PROMPT"] = saved
+    if a.kernels:
+        p = min(prompts)
+        got = prompt_kernels(model, ids[:p])
+        res["prompt_kernels_ms"] = {str(p): got}
+        if got:
+            top = ", ".join(f"{k} {v[0]:.2f} ({v[1]:.0f})" for k, v in list(got.items())[:10])
+            print(f"kernels of a {p}-id prompt pass (ms (launches) a pass; all {got['all'][0]:.2f} ms in "
+                  f"{got['all'][1]:.0f} launches): {top}", flush=True)
     if a.ops:
         model.ops.decode_layers = lambda *args: None                 # every step takes the ops
         res["ops"] = True

@@ -10,6 +10,7 @@ Legend: T = rows in the batch, K = a weight's row length, N = its rows, D = hidd
 """
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from typing import Sequence
 
@@ -75,6 +76,23 @@ class CudaWeight:
     @property
     def n_bytes(self) -> int:
         return int(self.data.size)
+
+
+def _fused_recurrent() -> bool:
+    """BLOOMERY_CUDA_RECURRENT: fused (the default: decode rows of the recurrent layers step in one kernel each,
+    kernels/recurrent.cu) or array (the array code of recurrent.py, as prompt spans take; for comparison)."""
+    how = os.environ.get("BLOOMERY_CUDA_RECURRENT", "fused")
+    if how not in ("fused", "array"):
+        raise ValueError(f"BLOOMERY_CUDA_RECURRENT={how!r}: one of fused, array")
+    return how == "fused"
+
+
+def _rows_f32(a):
+    """a [B, ...] as f32 whose rows may lie apart but whose row is contiguous (a view where it is)."""
+    a = a.astype(cupy.float32, copy=False)
+    if a.ndim >= 2 and a.shape[0] and a[0].flags.c_contiguous and a.strides[0] > 0:
+        return a
+    return cupy.ascontiguousarray(a)
 
 
 def _dense_f32(w: CudaWeight):
@@ -349,12 +367,16 @@ class CudaOps:
 
     def l2_norm(self, x, eps: float):
         """x / sqrt(sum x^2 + eps) over the last axis, as llama.cpp builds it for the delta rule (the CPU
-        backend's l2_norm): rms_norm with eps / n, then a scale by 1 / sqrt(n); the sum in f32."""
+        backend's l2_norm): rms_norm with eps / n, then a scale by 1 / sqrt(n); the sum in f32. One launch
+        (kernels/recurrent.cu l2_norm_rows)."""
         x = cupy.ascontiguousarray(x, dtype=cupy.float32)                        # [..., n]
         n = x.shape[-1]
-        mean = (x * x).sum(axis=-1, keepdims=True) / np.float32(n)              # [..., 1]
-        scale = 1 / cupy.sqrt(mean + np.float32(np.float32(eps) / np.float32(n)))    # [..., 1] f32
-        return (x * scale) * (np.float32(1) / np.sqrt(np.float32(n)))
+        rows = x.size // n
+        out = cupy.empty(x.shape, cupy.float32)
+        if rows:
+            self.k.l2_norm_rows((rows,), (32,), (x, np.int64(n), _i32(n), np.float32(np.float32(eps) / np.float32(n)),
+                                                 np.float32(1) / np.sqrt(np.float32(n)), out))
+        return out
 
     def rows(self, spans, positions) -> Rows:
         slots = np.empty(int(positions.shape[0]), np.int32)
@@ -408,13 +430,40 @@ class CudaOps:
         return cuda_recurrent.RecurrentState(cupy, n_layer, n_slots, conv_window, conv_channels, n_v_heads, head_size)
 
     def conv_step(self, state, layer: int, rows: Rows, x, kernel: CudaWeight):
-        x = cupy.ascontiguousarray(x, dtype=cupy.float32)                        # [T, C]
-        return cuda_recurrent.conv_step(state, layer, rows, x, _dense_f32(kernel))
+        w = _dense_f32(kernel)                                                    # [C, K]
+        if not (_fused_recurrent() and cuda_recurrent.decode_rows(rows)):
+            x = cupy.ascontiguousarray(x, dtype=cupy.float32)                    # [T, C]
+            return cuda_recurrent.conv_step(state, layer, rows, x, w)
+        x = _rows_f32(x)                                                         # [B, C] rows apart
+        b, c = x.shape
+        if w.shape[1] > 8:
+            raise ValueError(f"conv_step: a conv kernel of width {w.shape[1]}; the card's decode form takes up to 8")
+        counts = cuda_recurrent.claim(state, cuda_recurrent.CONV, layer, rows)
+        out = cupy.empty((b, c), cupy.float32)
+        self.k.conv_dec((_grid(c, 256), b), (256,), (
+            state.conv[layer], x, np.int64(x.strides[0] // 4), cupy.ascontiguousarray(w), _i32(c), _i32(w.shape[1]),
+            rows.slots, rows.positions, state.held[cuda_recurrent.CONV, layer] if counts else _NULL, out))
+        return out
 
     def delta_rule(self, state, layer: int, rows: Rows, q, k, v, g, beta):
         f32 = cupy.float32
-        return cuda_recurrent.delta_rule(state, layer, rows, *(cupy.ascontiguousarray(a, dtype=f32)
-                                                               for a in (q, k, v, g, beta)))
+        if not (_fused_recurrent() and cuda_recurrent.decode_rows(rows)):
+            return cuda_recurrent.delta_rule(state, layer, rows, *(cupy.ascontiguousarray(a, dtype=f32)
+                                                                   for a in (q, k, v, g, beta)))
+        q, k, v = (_rows_f32(a) for a in (q, k, v))                              # [B, Hk, S] x2, [B, H, S]
+        g, beta = (cupy.ascontiguousarray(a, dtype=f32) for a in (g, beta))      # [B, H]
+        b, n_v, size = v.shape
+        if size > 256 or (size > 32 and size % 32):
+            raise ValueError(f"delta_rule: heads of {size}; the card's decode form takes up to 32, or multiples of "
+                             "32 up to 256")
+        scale = np.float32(1) / np.sqrt(np.float32(size))                        # as ggml: in float32
+        counts = cuda_recurrent.claim(state, cuda_recurrent.DELTA, layer, rows)
+        out = cupy.empty((b, n_v, size), f32)
+        self.k.delta_dec((n_v, b), (128,), (
+            state.delta[layer], q, np.int64(q.strides[0] // 4), k, np.int64(k.strides[0] // 4), v,
+            np.int64(v.strides[0] // 4), g, beta, _i32(n_v), _i32(q.shape[1]), _i32(size), scale, rows.slots,
+            rows.positions, state.held[cuda_recurrent.DELTA, layer] if counts else _NULL, out))
+        return out
 
     def moe_route(self, logits, n_used: int, norm_weights: bool):
         return cuda_moe.route(self, logits, n_used, norm_weights)

@@ -27,7 +27,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-MODULES = ("matvec", "moe", "moe_mm", "attention", "layers")
+MODULES = ("matvec", "moe", "moe_mm", "attention", "layers", "recurrent")
 OPTIONS = ("--std=c++17",)            # NVRTC's options in kernels.py
 NVCC_OPTIONS = OPTIONS + ("-ftz=true",)
 ARCHS = ("80", "86", "89", "90")      # A100, A10/3090, L4/4090, H100/H200

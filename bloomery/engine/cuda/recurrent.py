@@ -145,6 +145,22 @@ class RecurrentState:
         self._mirror = None
 
 
+def decode_rows(rows) -> bool:
+    """The rows take the decode form: a captured step, or every span one row of its own slot."""
+    return rows.spans is None or _single_rows(rows.spans)
+
+
+def claim(st: RecurrentState, part: int, layer: int, rows) -> bool:
+    """Before a decode-form step of `part` of `layer` run by a kernel that counts on the device: host spans are
+    checked and counted here (False), a captured step's rows are left to the kernel (True: it counts them as
+    take_on_device does)."""
+    if rows.spans is not None:
+        st.take(part, layer, rows.spans)
+        return False
+    st._mirror = None
+    return True
+
+
 def _single_rows(spans: Sequence[AttnSpan]) -> bool:
     """Every span one row of its own slot, row b the b-th span: the decode form takes them."""
     return (all(sp.row1 - sp.row0 == 1 and sp.row0 == b for b, sp in enumerate(spans))

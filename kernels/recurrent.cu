@@ -1,7 +1,9 @@
-// The decode step of a linear-attention layer's recurrent state (the qwen35 family's Gated DeltaNet),
-// B rows each one step of its own slot: the state gathered by slot, stepped and written back in one
-// kernel each, where the array code (engine/cuda/recurrent.py, kept for prompt spans) takes some
-// thirty launches a layer. Also the L2 norm of q and k rows in one launch.
+// The recurrent state of a linear-attention layer (the qwen35 family's Gated DeltaNet) on the card: the
+// conv window's decode step (B rows each one step of its own slot) and the delta rule over prompt spans
+// and decode rows, each one kernel that gathers a slot's state, steps it and writes it back, where the
+// array code of engine/cuda/recurrent.py (kept for comparison, and the conv's prompt spans) takes some
+// thirty launches a layer, and a Python loop over 64-row chunks in a prompt. Also the L2 norm of q and k
+// rows in one launch.
 #include "common.cuh"
 
 // The counts of positions a part of a layer holds per slot (RecurrentState.held[part, layer]): the row's
@@ -38,56 +40,102 @@ extern "C" __global__ void conv_dec(float* __restrict__ win, const float* __rest
     out[(long long)b * C + c] = acc;
 }
 
-// The gated delta rule's step (recurrent.delta_decode): state [n_slots, H, S, S] the layer's, with
-// state[s, h, j, i] = S[i][j] of head h; q, k [B, Hk, S] and v [B, H, S] (rows q_stride, k_stride,
-// v_stride apart; value head h reads key head h % Hk), g, beta [B, H]; out [B, H, S]. Per head:
-// S <- S exp(g); d = (v - S^T k) beta; S <- S + k d^T; out = S^T q scale. Column j of S (a row of
-// state, S values) is one warp's, S / 32 values a lane, so each state value is read and written once.
-// grid (H, B), block 128 (a warp takes j = warp, warp + 4, ...). S % 32 == 0 or S < 32; S <= 256.
-#define DN_MAXV 8
-extern "C" __global__ void __launch_bounds__(128) delta_dec(
+// The gated delta rule over segments of rows, each segment one slot's consecutive rows (a prompt span, or
+// one decode row): state [n_slots, H, S, S] the layer's, with state[s, h, j, i] = S[i][j] of head h; q, k
+// [T, Hk, S] and v [T, H, S] (rows q_stride, k_stride, v_stride apart; value head h reads key head h % Hk),
+// g, beta [T, H]; out [T, H, S]. Per row, per head (ggml_gated_delta_net's step, row after row as ggml's
+// CPU kernel): S <- S exp(g); d = (v - S^T k) beta; S <- S + k d^T; out = S^T q scale. Column j of S (a
+// row of `state`, S values) evolves on its own given k, q, v[j]: a warp holds DS_R of them in registers,
+// S / 32 values a lane, over the segment's rows, so each state value is read and written once a call.
+// Segment z: its slot and first position seg_slot[z], seg_pos[z] (0: from zeros), its rows seg_row0[z] ..
+// + seg_len[z] (both null: row z alone). Segments are distinct slots.
+// grid (H, ceil(S / (4 * DS_R)), segments), block 128. S % 32 == 0 or S < 32; S <= 256.
+#define DS_R 2
+template <int NV>
+__device__ __forceinline__ void delta_scan_body(
         float* __restrict__ state, const float* __restrict__ q, long long q_stride, const float* __restrict__ k,
         long long k_stride, const float* __restrict__ v, long long v_stride, const float* __restrict__ g,
-        const float* __restrict__ beta, int H, int Hk, int S, float scale, const int* __restrict__ slots,
-        const int* __restrict__ positions, int* __restrict__ held, float* __restrict__ out) {
+        const float* __restrict__ beta, int H, int Hk, int S, float scale, int slot, int pos, int r0, int n,
+        float* __restrict__ out) {
+    int h = blockIdx.x, lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, hk = h % Hk;
+    int j0 = (blockIdx.y * (blockDim.x / WARP) + warp) * DS_R;
+    if (j0 >= S) return;
+    float* st = state + ((long long)slot * H + h) * S * S;
+    float m[DS_R][NV];
+#pragma unroll
+    for (int r = 0; r < DS_R; r++)
+#pragma unroll
+        for (int t = 0; t < NV; t++) {
+            int i = lane + WARP * t, j = j0 + r;
+            m[r][t] = (pos != 0 && i < S && j < S) ? st[(long long)j * S + i] : 0.f;
+        }
+    for (int row = r0; row < r0 + n; row++) {
+        const float* qr = q + (long long)row * q_stride + (long long)hk * S;
+        const float* kr = k + (long long)row * k_stride + (long long)hk * S;
+        const float* vr = v + (long long)row * v_stride + (long long)h * S;
+        float qv[NV], kv[NV], vj[DS_R];
+#pragma unroll
+        for (int t = 0; t < NV; t++) {
+            int i = lane + WARP * t;
+            qv[t] = i < S ? qr[i] : 0.f;
+            kv[t] = i < S ? kr[i] : 0.f;
+        }
+#pragma unroll
+        for (int r = 0; r < DS_R; r++) vj[r] = j0 + r < S ? vr[j0 + r] : 0.f;
+        float eg = expf(g[(long long)row * H + h]), bt = beta[(long long)row * H + h];
+        float sk[DS_R], oq[DS_R];
+#pragma unroll
+        for (int r = 0; r < DS_R; r++) {
+            sk[r] = 0.f;
+#pragma unroll
+            for (int t = 0; t < NV; t++) {
+                m[r][t] *= eg;
+                sk[r] += m[r][t] * kv[t];
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < DS_R; r++) sk[r] = warp_sum(sk[r]);
+#pragma unroll
+        for (int r = 0; r < DS_R; r++) {
+            float d = (vj[r] - sk[r]) * bt;
+            oq[r] = 0.f;
+#pragma unroll
+            for (int t = 0; t < NV; t++) {
+                m[r][t] += d * kv[t];
+                oq[r] += m[r][t] * qv[t];
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < DS_R; r++) oq[r] = warp_sum(oq[r]);
+        if (lane == 0)
+#pragma unroll
+            for (int r = 0; r < DS_R; r++)
+                if (j0 + r < S) out[((long long)row * H + h) * S + j0 + r] = oq[r] * scale;
+    }
+#pragma unroll
+    for (int r = 0; r < DS_R; r++)
+#pragma unroll
+        for (int t = 0; t < NV; t++) {
+            int i = lane + WARP * t, j = j0 + r;
+            if (i < S && j < S) st[(long long)j * S + i] = m[r][t];
+        }
+}
+extern "C" __global__ void __launch_bounds__(128) delta_scan(
+        float* __restrict__ state, const float* __restrict__ q, long long q_stride, const float* __restrict__ k,
+        long long k_stride, const float* __restrict__ v, long long v_stride, const float* __restrict__ g,
+        const float* __restrict__ beta, int H, int Hk, int S, float scale, const int* __restrict__ seg_slot,
+        const int* __restrict__ seg_pos, const int* __restrict__ seg_row0, const int* __restrict__ seg_len,
+        int* __restrict__ held, float* __restrict__ out) {
     pdl_wait();
     pdl_next();
-    int h = blockIdx.x, b = blockIdx.y, lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-    int nw = blockDim.x / WARP, slot = slots[b], pos = positions[b], hk = h % Hk;
-    if (h == 0 && threadIdx.x == 0) claim(held, slot, pos);
-    const float* qr = q + (long long)b * q_stride + (long long)hk * S;
-    const float* kr = k + (long long)b * k_stride + (long long)hk * S;
-    float qv[DN_MAXV], kv[DN_MAXV];
-#pragma unroll
-    for (int t = 0; t < DN_MAXV; t++) {
-        int i = lane + WARP * t;
-        qv[t] = i < S ? qr[i] : 0.f;
-        kv[t] = i < S ? kr[i] : 0.f;
-    }
-    float eg = expf(g[(long long)b * H + h]), bt = beta[(long long)b * H + h];
-    float* st = state + ((long long)slot * H + h) * S * S;
-    const float* vr = v + (long long)b * v_stride + (long long)h * S;
-    float* o = out + ((long long)b * H + h) * S;
-    for (int j = warp; j < S; j += nw) {
-        float m[DN_MAXV], sk = 0.f;
-#pragma unroll
-        for (int t = 0; t < DN_MAXV; t++) {
-            int i = lane + WARP * t;
-            m[t] = (i < S && pos != 0) ? st[(long long)j * S + i] * eg : 0.f;
-            sk += m[t] * kv[t];
-        }
-        sk = warp_sum(sk);
-        float d = (vr[j] - sk) * bt, oq = 0.f;
-#pragma unroll
-        for (int t = 0; t < DN_MAXV; t++) {
-            m[t] += d * kv[t];
-            oq += m[t] * qv[t];
-            int i = lane + WARP * t;
-            if (i < S) st[(long long)j * S + i] = m[t];
-        }
-        oq = warp_sum(oq);
-        if (lane == 0) o[j] = oq * scale;
-    }
+    int z = blockIdx.z, slot = seg_slot[z], pos = seg_pos[z];
+    int r0 = seg_row0 ? seg_row0[z] : z, n = seg_len ? seg_len[z] : 1;
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) claim(held, slot, pos);
+    int nv = (S + WARP - 1) / WARP;
+    if (nv <= 1) delta_scan_body<1>(state, q, q_stride, k, k_stride, v, v_stride, g, beta, H, Hk, S, scale, slot, pos, r0, n, out);
+    else if (nv <= 2) delta_scan_body<2>(state, q, q_stride, k, k_stride, v, v_stride, g, beta, H, Hk, S, scale, slot, pos, r0, n, out);
+    else if (nv <= 4) delta_scan_body<4>(state, q, q_stride, k, k_stride, v, v_stride, g, beta, H, Hk, S, scale, slot, pos, r0, n, out);
+    else delta_scan_body<8>(state, q, q_stride, k, k_stride, v, v_stride, g, beta, H, Hk, S, scale, slot, pos, r0, n, out);
 }
 
 // x / sqrt(sum x^2 + eps) over rows of n (the l2_norm op, as llama.cpp builds it for the delta rule:

@@ -446,23 +446,36 @@ class CudaOps:
         return out
 
     def delta_rule(self, state, layer: int, rows: Rows, q, k, v, g, beta):
+        """Every form in one kernel (kernels/recurrent.cu delta_scan): decode rows as segments of one row, prompt
+        spans as a segment each, row after row within it; BLOOMERY_CUDA_RECURRENT=array: the array code."""
         f32 = cupy.float32
-        if not (_fused_recurrent() and cuda_recurrent.decode_rows(rows)):
+        spans = rows.spans
+        distinct = spans is None or len({sp.slot for sp in spans}) == len(spans)
+        if not (_fused_recurrent() and distinct):
             return cuda_recurrent.delta_rule(state, layer, rows, *(cupy.ascontiguousarray(a, dtype=f32)
                                                                    for a in (q, k, v, g, beta)))
-        q, k, v = (_rows_f32(a) for a in (q, k, v))                              # [B, Hk, S] x2, [B, H, S]
-        g, beta = (cupy.ascontiguousarray(a, dtype=f32) for a in (g, beta))      # [B, H]
-        b, n_v, size = v.shape
+        q, k, v = (_rows_f32(a) for a in (q, k, v))                              # [T, Hk, S] x2, [T, H, S]
+        g, beta = (cupy.ascontiguousarray(a, dtype=f32) for a in (g, beta))      # [T, H]
+        t, n_v, size = v.shape
         if size > 256 or (size > 32 and size % 32):
-            raise ValueError(f"delta_rule: heads of {size}; the card's decode form takes up to 32, or multiples of "
-                             "32 up to 256")
+            raise ValueError(f"delta_rule: heads of {size}; the card takes up to 32, or multiples of 32 up to 256")
         scale = np.float32(1) / np.sqrt(np.float32(size))                        # as ggml: in float32
-        counts = cuda_recurrent.claim(state, cuda_recurrent.DELTA, layer, rows)
-        out = cupy.empty((b, n_v, size), f32)
-        self.k.delta_dec((n_v, b), (128,), (
-            state.delta[layer], q, np.int64(q.strides[0] // 4), k, np.int64(k.strides[0] // 4), v,
-            np.int64(v.strides[0] // 4), g, beta, _i32(n_v), _i32(q.shape[1]), _i32(size), scale, rows.slots,
-            rows.positions, state.held[cuda_recurrent.DELTA, layer] if counts else _NULL, out))
+        out = cupy.empty((t, n_v, size), f32)
+        if cuda_recurrent.decode_rows(rows):                                     # segment b: row b, one step
+            counts = cuda_recurrent.claim(state, cuda_recurrent.DELTA, layer, rows)
+            segs = (rows.slots, rows.positions, _NULL, _NULL)
+            n_seg = t
+        else:
+            state.take(cuda_recurrent.DELTA, layer, spans)                       # checked and counted on the host
+            counts = False
+            segs = tuple(cupy.asarray(np.array(col, np.int32)) for col in zip(*(
+                (sp.slot, sp.pos0, sp.row0, sp.row1 - sp.row0) for sp in spans)))
+            n_seg = len(spans)
+        if t:
+            self.k.delta_scan((n_v, _grid(size, 8), n_seg), (128,), (
+                state.delta[layer], q, np.int64(q.strides[0] // 4), k, np.int64(k.strides[0] // 4), v,
+                np.int64(v.strides[0] // 4), g, beta, _i32(n_v), _i32(q.shape[1]), _i32(size), scale, *segs,
+                state.held[cuda_recurrent.DELTA, layer] if counts else _NULL, out))
         return out
 
     def moe_route(self, logits, n_used: int, norm_weights: bool):

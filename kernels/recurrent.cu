@@ -18,11 +18,12 @@ __device__ __forceinline__ void claim(int* held, int slot, int pos) {
 // The causal depthwise conv (recurrent.conv_decode): win [n_slots, K-1, C] the layer's windows, x [B, C]
 // rows x_stride apart, w [C, K] f32, slots and positions [B]; a row at position 0 starts from zeros.
 // out[b, c] = sum_j full[j, c] w[c, j] over the window then the row, in j order, each product rounded
-// before its add (the array code's bits); the window becomes the last K-1 of them.
+// before its add (the array code's bits), then SiLU where asked (x / (1 + e^-x), as the silu op); the
+// window becomes the last K-1 of them.
 // grid (ceil(C / 256), B), block 256. K <= 8.
 extern "C" __global__ void conv_dec(float* __restrict__ win, const float* __restrict__ x, long long x_stride,
                                     const float* __restrict__ w, int C, int K, const int* __restrict__ slots,
-                                    const int* __restrict__ positions, int* __restrict__ held,
+                                    const int* __restrict__ positions, int* __restrict__ held, int silu,
                                     float* __restrict__ out) {
     pdl_wait();
     pdl_next();
@@ -37,14 +38,15 @@ extern "C" __global__ void conv_dec(float* __restrict__ win, const float* __rest
     float acc = 0.f;
     for (int j = 0; j < K; j++) acc = __fadd_rn(acc, __fmul_rn(full[j], w[(long long)c * K + j]));
     for (int j = 0; j < K - 1; j++) wn[(long long)j * C] = full[j + 1];
-    out[(long long)b * C + c] = acc;
+    out[(long long)b * C + c] = silu ? acc / (1.0f + expf(-acc)) : acc;
 }
 
 // The gated delta rule over segments of rows, each segment one slot's consecutive rows (a prompt span, or
 // one decode row): state [n_slots, H, S, S] the layer's, with state[s, h, j, i] = S[i][j] of head h; q, k
 // [T, Hk, S] and v [T, H, S] (rows q_stride, k_stride, v_stride apart; value head h reads key head h % Hk),
-// g, beta [T, H]; out [T, H, S]. Per row, per head (ggml_gated_delta_net's step, row after row as ggml's
-// CPU kernel): S <- S exp(g); d = (v - S^T k) beta; S <- S + k d^T; out = S^T q scale. Column j of S (a
+// the gates' projections alpha and b [T, H] with dt_bias and a [H]: g = softplus(alpha + dt_bias) * a and
+// beta = sigmoid(b), as the elementwise ops make them (delta_gates); out [T, H, S]. Per row, per head
+// (ggml_gated_delta_net's step, row after row as ggml's CPU kernel): S <- S exp(g); d = (v - S^T k) beta; S <- S + k d^T; out = S^T q scale. Column j of S (a
 // row of `state`, S values) evolves on its own given k, q, v[j]: a warp holds DS_R of them in registers,
 // S / 32 values a lane, over the segment's rows, so each state value is read and written once a call.
 // Segment z: its slot and first position seg_slot[z], seg_pos[z] (0: from zeros), its rows seg_row0[z] ..
@@ -54,9 +56,9 @@ extern "C" __global__ void conv_dec(float* __restrict__ win, const float* __rest
 template <int NV>
 __device__ __forceinline__ void delta_scan_body(
         float* __restrict__ state, const float* __restrict__ q, long long q_stride, const float* __restrict__ k,
-        long long k_stride, const float* __restrict__ v, long long v_stride, const float* __restrict__ g,
-        const float* __restrict__ beta, int H, int Hk, int S, float scale, int slot, int pos, int r0, int n,
-        float* __restrict__ out) {
+        long long k_stride, const float* __restrict__ v, long long v_stride, const float* __restrict__ alpha,
+        const float* __restrict__ braw, const float* __restrict__ dt_bias, const float* __restrict__ a, int H,
+        int Hk, int S, float scale, int slot, int pos, int r0, int n, float* __restrict__ out) {
     int h = blockIdx.x, lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, hk = h % Hk;
     int j0 = (blockIdx.y * (blockDim.x / WARP) + warp) * DS_R;
     if (j0 >= S) return;
@@ -82,7 +84,9 @@ __device__ __forceinline__ void delta_scan_body(
         }
 #pragma unroll
         for (int r = 0; r < DS_R; r++) vj[r] = j0 + r < S ? vr[j0 + r] : 0.f;
-        float eg = expf(g[(long long)row * H + h]), bt = beta[(long long)row * H + h];
+        float x = alpha[(long long)row * H + h] + dt_bias[h];
+        float g = (x > 20.0f ? x : logf(1.0f + expf(x))) * a[h];              // softplus(alpha + dt_bias) * a
+        float eg = expf(g), bt = 1.0f / (1.0f + expf(-braw[(long long)row * H + h]));   // beta = sigmoid(b)
         float sk[DS_R], oq[DS_R];
 #pragma unroll
         for (int r = 0; r < DS_R; r++) {
@@ -122,8 +126,9 @@ __device__ __forceinline__ void delta_scan_body(
 }
 extern "C" __global__ void __launch_bounds__(128) delta_scan(
         float* __restrict__ state, const float* __restrict__ q, long long q_stride, const float* __restrict__ k,
-        long long k_stride, const float* __restrict__ v, long long v_stride, const float* __restrict__ g,
-        const float* __restrict__ beta, int H, int Hk, int S, float scale, const int* __restrict__ seg_slot,
+        long long k_stride, const float* __restrict__ v, long long v_stride, const float* __restrict__ alpha,
+        const float* __restrict__ braw, const float* __restrict__ dt_bias, const float* __restrict__ a, int H,
+        int Hk, int S, float scale, const int* __restrict__ seg_slot,
         const int* __restrict__ seg_pos, const int* __restrict__ seg_row0, const int* __restrict__ seg_len,
         int* __restrict__ held, float* __restrict__ out) {
     pdl_wait();
@@ -132,10 +137,10 @@ extern "C" __global__ void __launch_bounds__(128) delta_scan(
     int r0 = seg_row0 ? seg_row0[z] : z, n = seg_len ? seg_len[z] : 1;
     if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) claim(held, slot, pos);
     int nv = (S + WARP - 1) / WARP;
-    if (nv <= 1) delta_scan_body<1>(state, q, q_stride, k, k_stride, v, v_stride, g, beta, H, Hk, S, scale, slot, pos, r0, n, out);
-    else if (nv <= 2) delta_scan_body<2>(state, q, q_stride, k, k_stride, v, v_stride, g, beta, H, Hk, S, scale, slot, pos, r0, n, out);
-    else if (nv <= 4) delta_scan_body<4>(state, q, q_stride, k, k_stride, v, v_stride, g, beta, H, Hk, S, scale, slot, pos, r0, n, out);
-    else delta_scan_body<8>(state, q, q_stride, k, k_stride, v, v_stride, g, beta, H, Hk, S, scale, slot, pos, r0, n, out);
+    if (nv <= 1) delta_scan_body<1>(state, q, q_stride, k, k_stride, v, v_stride, alpha, braw, dt_bias, a, H, Hk, S, scale, slot, pos, r0, n, out);
+    else if (nv <= 2) delta_scan_body<2>(state, q, q_stride, k, k_stride, v, v_stride, alpha, braw, dt_bias, a, H, Hk, S, scale, slot, pos, r0, n, out);
+    else if (nv <= 4) delta_scan_body<4>(state, q, q_stride, k, k_stride, v, v_stride, alpha, braw, dt_bias, a, H, Hk, S, scale, slot, pos, r0, n, out);
+    else delta_scan_body<8>(state, q, q_stride, k, k_stride, v, v_stride, alpha, braw, dt_bias, a, H, Hk, S, scale, slot, pos, r0, n, out);
 }
 
 // x / sqrt(sum x^2 + eps) over rows of n (the l2_norm op, as llama.cpp builds it for the delta rule:

@@ -105,15 +105,17 @@ def test_three_weights_in_one_pass_with_biases(ops):
 
 
 @pytest.mark.parametrize("t", [1, 3, 8, 9])
-@pytest.mark.parametrize("mats", [(Q.Q4_K, Q.Q6_K, Q.Q8_0), (Q.F32,), (Q.Q4_K, Q.F16)], ids=["q3", "f32", "mixed"])
+@pytest.mark.parametrize("mats", [(Q.Q4_K, Q.Q6_K, Q.Q8_0), (Q.F32,), (Q.Q4_K, Q.F16), (Q.Q4_K, Q.Q5_K, Q.F32, Q.F32),
+                                  (Q.Q6_K, Q.Q4_K, Q.Q4_K, Q.F32, Q.Q8_0)], ids=["q3", "f32", "mixed", "four", "five"])
 def test_norm_fused_into_the_products(ops, t, mats):
-    """norm_matmuls (mmv3n: the RMSNorm in each block's prologue; 9 rows: the unfused path)
-    equals rms_norm then matmuls: the same int8 activation for quantized weights, the norm's
-    scale after the dot for float ones; h and its int8 form are left for the kernels after."""
+    """norm_matmuls (mmv3n: the RMSNorm in each block's prologue, with the first three weights, the others
+    after on its int8 form, as the qwen35 family's four; 9 rows: the unfused path) equals rms_norm then
+    matmuls: the same int8 activation for quantized weights, the norm's scale after the dot for float ones;
+    h and its int8 form are left for the kernels after."""
     import cupy
     rng = np.random.default_rng(t)
     k = 2048
-    ws = [ops.weight(int(qt), (k, n), random_tensor(qt, n, k, rng)) for qt, n in zip(mats, (256, 128, 64))]
+    ws = [ops.weight(int(qt), (k, n), random_tensor(qt, n, k, rng)) for qt, n in zip(mats, (256, 128, 64, 32, 1))]
     g = rng.uniform(0.5, 1.5, k).astype(np.float32)
     nw = ops.weight(int(Q.F32), (k,), g.view(np.uint8))
     x = cupy.asarray(rng.standard_normal((t, k)).astype(np.float32) * 3)

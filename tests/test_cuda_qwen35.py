@@ -52,6 +52,32 @@ def files(gpu, tokenizer_source, synthetic_dir):
             for name, (arch, shape) in SHAPES.items()}
 
 
+@pytest.fixture(scope="module")
+def twins(files, synthetic_dir):
+    """Each file with its tensors dequantized to F32 (make_synthetic.write_float_twin): read by the numpy
+    backend, the model's exact arithmetic, with no quantized activation."""
+    make = load_tool("make_synthetic")
+    return {name: make.write_float_twin(path, synthetic_dir / f"cuda-q35-{name}-f32.gguf")
+            for name, path in files.items()}
+
+
+EXACT_SLACK = 1.25
+
+
+def agrees(got, ref, exact, band: float) -> tuple[bool, str]:
+    """The card's logits agree with the numpy backend's: within the band of them, or no farther from the float
+    twin's (the exact arithmetic) than EXACT_SLACK times the numpy backend's own distance from those. Both
+    backends quantize activations, each its own way (the card to int8 per 32 values, the numpy backend as
+    llama.cpp's CPU build per 256 for the K-quants): on these random files the numpy backend's own logits
+    lie up to 0.81 from the twin's (the 13-id chat prompt on moe_q4km), more than the band between the two."""
+    d = float(np.abs(got - ref).max())
+    if d < band:
+        return True, f"{d:.3f} from numpy's"
+    d_card, d_cpu = float(np.abs(got - exact).max()), float(np.abs(ref - exact).max())
+    return d_card <= EXACT_SLACK * d_cpu, (f"{d:.3f} from numpy's (band {band}); from the float twin's: "
+                                           f"card {d_card:.3f}, numpy {d_cpu:.3f}")
+
+
 def test_elementwise_ops_match_the_numpy_backend(ops):
     """sigmoid, softplus (both sides of its cut at 20), silu, mul by a weight handle and l2_norm as the
     numpy backend computes them, to float32 rounding (libm's expf against the card's)."""
@@ -80,8 +106,8 @@ def test_the_fused_decode_step_matches_the_array_code(ops, monkeypatch, size, n_
     (BLOOMERY_CUDA_RECURRENT=array), from the same states: three slots, a captured step's rows (slots 2 and 0,
     one at position 0, one carrying on, and a slot at a position it does not hold), an eager step's host spans
     and a prompt pass of two spans; v's rows strided as the model slices them out of the conv output. The
-    conv's decode sums in the array code's order (equal bits), the delta rule's within float32 rounding; the
-    counts of held positions equal."""
+    conv's decode sums in the array code's order (its windows equal bits), the gates made in the kernel and
+    the delta rule within float32 rounding; the counts of held positions equal."""
     import cupy
     from bloomery.engine.cuda.recurrent import CONV, DELTA
     from bloomery.engine.ops import AttnSpan, Rows
@@ -98,16 +124,19 @@ def test_the_fused_decode_step_matches_the_array_code(ops, monkeypatch, size, n_
         st.held[...] = 7 if not states else states[0].held
         states.append(st)
 
+    dt_bias = ops.weight(0, (n_v,), rng.uniform(-1, 1, n_v).astype(np.float32).view(np.uint8))
+    a = ops.weight(0, (n_v,), -rng.uniform(0.1, 2, n_v).astype(np.float32).view(np.uint8))
+
     def step(how, st, rows, x):
         monkeypatch.setenv("BLOOMERY_CUDA_RECURRENT", how)
-        conv = ops.conv_step(st, 1, rows, x, w)                                  # [B, C]
+        conv = ops.conv_step(st, 1, rows, x, w, silu=True)                      # [B, C]
         t = conv.shape[0]
         q = ops.l2_norm(conv[:, :n_k * size].reshape(t, n_k, size), 1e-6)
         k = ops.l2_norm(conv[:, n_k * size:2 * n_k * size].reshape(t, n_k, size), 1e-6)
         v = conv[:, 2 * n_k * size:].reshape(t, n_v, size)                      # rows strided for t > 1
-        g = -cupy.abs(x[:, :n_v]) * 0.3
-        beta = 1 / (1 + cupy.exp(-x[:, n_v:2 * n_v]))
-        return conv, ops.delta_rule(st, 1, rows, q, k, v, g, beta)
+        alpha = x[:, :n_v] * 3                                                   # both sides of softplus's cut at 20
+        alpha[0, 0] = 25.0
+        return conv, ops.delta_rule(st, 1, rows, q, k, v, alpha, x[:, n_v:2 * n_v], dt_bias, a)
 
     def rows_of(spans):
         slots = np.concatenate([[sp.slot] * (sp.row1 - sp.row0) for sp in spans]).astype(np.int32)
@@ -123,7 +152,8 @@ def test_the_fused_decode_step_matches_the_array_code(ops, monkeypatch, size, n_
         x = cupy.asarray(rng.standard_normal((rows.slots.size, chans), np.float32))
         ref = step("array", states[0], rows, x)
         got = step("fused", states[1], rows, x)
-        np.testing.assert_array_equal(cupy.asnumpy(got[0]), cupy.asnumpy(ref[0]))
+        # the conv's sums equal; its SiLU made in the kernel, not by the elementwise op (another compile of expf)
+        np.testing.assert_allclose(cupy.asnumpy(got[0]), cupy.asnumpy(ref[0]), rtol=1e-6, atol=1e-7)
         np.testing.assert_array_equal(cupy.asnumpy(states[1].conv), cupy.asnumpy(states[0].conv))
         np.testing.assert_allclose(cupy.asnumpy(got[1]), cupy.asnumpy(ref[1]), rtol=tol, atol=tol / 10)
         np.testing.assert_allclose(cupy.asnumpy(states[1].delta), cupy.asnumpy(states[0].delta), rtol=tol, atol=tol / 10)
@@ -229,25 +259,21 @@ class PinnedRoutes:
                                np.concatenate([per_row[r][c][1] for r in order])))
 
 
-SHORT_CHAT = ("on the H200 (2026-12-02) the 13-id chat prompt's last logits on this file were 0.79 from numpy's "
-              "(band 0.6) with the routing pinned; why the card path is refused by default (docs/verify.md)")
-
-
-@pytest.mark.parametrize("shape", [pytest.param(s, marks=pytest.mark.xfail(reason=SHORT_CHAT, strict=False))
-                                   if s == "moe_q4km" else s for s in sorted(SHAPES)])
-def test_cuda_equals_numpy(files, shape, capsys):
-    """Each prompt: the last position's logits within the band; fed the numpy backend's N_GREEDY greedy ids,
-    the cuda backend's captured step picks the same id except at a numpy near tie; the free-running
-    agreement is reported."""
-    cpu, card = _load(files[shape], "numpy"), _load(files[shape], "cuda")
-    pin = PinnedRoutes(cpu, card)
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_cuda_equals_numpy(files, twins, shape, capsys):
+    """Each prompt: the last position's logits agree (`agrees`: within the band, or as near the float twin's
+    as the numpy backend's are); fed the numpy backend's N_GREEDY greedy ids, the cuda backend's captured
+    step picks the same id except at a numpy near tie; the free-running agreement is reported."""
+    cpu, card, twin = _load(files[shape], "numpy"), _load(files[shape], "cuda"), _load(twins[shape], "numpy")
+    pin, pin_twin = PinnedRoutes(cpu, card), PinnedRoutes(cpu, twin)
     band = _band(cpu)
     report = []
     for i, prompt in enumerate(PROMPTS):
         lc = cpu.prefill(0, np.asarray(prompt, np.int32), 0)
         lg = card.prefill(0, np.asarray(prompt, np.int32), 0)
-        diff = float(np.abs(lc - lg).max())
-        assert diff < band, (shape, i, diff)
+        ok, how = agrees(lg, lc, twin.prefill(0, np.asarray(prompt, np.int32), 0), band)
+        assert ok, (shape, i, how)
+        pin_twin.on = False                      # the twin follows no further
         ref_ids, ref_steps = _greedy(cpu, prompt, N_GREEDY)
         picks = _forced(card, prompt, ref_ids)
         assert not pin.queue
@@ -262,36 +288,39 @@ def test_cuda_equals_numpy(files, shape, capsys):
                 gap = float(top[1] - top[0])
                 assert gap < 2 * band, (shape, i, j, gap)
                 ties.append(f"{j}:{gap:.3f}")
-        report.append(f"{shape} prompt {i} ({len(prompt)} ids): logits max diff {diff:.4f}; teacher-forced picks "
+        pin_twin.on = True
+        report.append(f"{shape} prompt {i} ({len(prompt)} ids): logits {how}; teacher-forced picks "
                       f"equal at {N_GREEDY - len(ties)}/{N_GREEDY} (near ties at {', '.join(ties) or 'none'}); "
                       f"free-running greedy equal for {n_free}/{N_GREEDY}")
     with capsys.disabled():
         print("\n" + "\n".join(report))
 
 
-@pytest.mark.xfail(reason="on the H200 (2026-12-02) slot 1's decode after its 13-id prompt parted from numpy by 0.44 "
-                          "(dense, band 0.35) and 1.68 (MoE, routing pinned), while a single slot after 70 ids stays "
-                          "within the band: why the card path is refused by default (stages/plan.HYBRID_ON_CARD)",
-                   strict=False)
 @pytest.mark.parametrize("shape", ["moe_q4km", "dense_q8"])
-def test_a_decode_batch_of_two_slots(files, shape):
-    """Two slots at different depths in one captured step (and one more step after): each row's logits
-    within the band of the numpy backend's slot run alone."""
-    cpu, card = _load(files[shape], "numpy"), _load(files[shape], "cuda")
-    pin = PinnedRoutes(cpu, card)
+def test_a_decode_batch_of_two_slots(files, twins, shape, capsys):
+    """Two slots at different depths in one captured step (and one more step after): each row's logits agree
+    (`agrees`) with the numpy backend's slot run alone."""
+    cpu, card, twin = _load(files[shape], "numpy"), _load(files[shape], "cuda"), _load(twins[shape], "numpy")
+    pin, _ = PinnedRoutes(cpu, card), PinnedRoutes(cpu, twin)
     band = _band(cpu)
     a, b = PROMPTS[2][:70], PROMPTS[0]
-    for m in (cpu, card):
+    for m in (cpu, card, twin):
         m.prefill(0, np.asarray(a, np.int32), 0)
         m.prefill(1, np.asarray(b, np.int32), 0)
     n_moe = cpu.hp.n_layer if cpu.arch == "qwen35moe" else 0                     # router calls a pass
+    report = []
     for step, ids in enumerate(([5, 9], [17, 3])):
         pos = [len(a) + step, len(b) + step]
         want = np.stack([cpu.decode([0], [ids[0]], [pos[0]])[0], cpu.decode([1], [ids[1]], [pos[1]])[0]])
         pin.remap(n_moe, order=(1, 0))
-        got = card.decode([1, 0], ids[::-1], pos[::-1])                       # rows in another order than slots
-        diff = float(np.abs(got[::-1] - want).max())
-        assert diff < band, (shape, step, diff)
+        got = card.decode([1, 0], ids[::-1], pos[::-1])[::-1]                 # rows in another order than slots
+        exact = np.stack([twin.decode([0], [ids[0]], [pos[0]])[0], twin.decode([1], [ids[1]], [pos[1]])[0]])
+        for r in range(2):
+            ok, how = agrees(got[r], want[r], exact[r], band)
+            report.append(f"{shape} step {step} slot {r}: {how}")
+            assert ok, (shape, step, r, how)
+    with capsys.disabled():
+        print("\n" + "\n".join(report))
 
 
 def test_two_slots_prompts_in_one_pass_as_each_alone(files):

@@ -10,7 +10,7 @@ import pytest
 
 from bloomery.engine.cpu import recurrent as cpu_rec
 from bloomery.engine.cuda import recurrent as dev_rec
-from bloomery.engine.ops import AttnSpan, Rows
+from bloomery.engine.ops import AttnSpan, Rows, delta_gates
 
 # the step form against ggml's step kernel (fma updates, ggml's dot order): float32 rounding only
 STEP_TOL = dict(rtol=2e-5, atol=2e-6)
@@ -240,12 +240,14 @@ class DeviceCodeOps:
             def recurrent_state(self, n_layer, n_slots, conv_window, conv_channels, n_v_heads, head_size):
                 return dev_rec.RecurrentState(np, n_layer, n_slots, conv_window, conv_channels, n_v_heads, head_size)
 
-            def conv_step(self, state, layer, rows, x, kernel):
-                return dev_rec.conv_step(state, layer, rows, np.asarray(x, np.float32), kernel.dense())
+            def conv_step(self, state, layer, rows, x, kernel, silu=False):
+                out = dev_rec.conv_step(state, layer, rows, np.asarray(x, np.float32), kernel.dense())
+                return self.silu(out) if silu else out
 
-            def delta_rule(self, state, layer, rows, q, k, v, g, beta):
-                return dev_rec.delta_rule(state, layer, rows, *(np.ascontiguousarray(a, np.float32)
-                                                                for a in (q, k, v, g, beta)))
+            def delta_rule(self, state, layer, rows, q, k, v, alpha, b, dt_bias, a):
+                g, beta = delta_gates(self, alpha, b, dt_bias, a)
+                return dev_rec.delta_rule(state, layer, rows, *(np.ascontiguousarray(x, np.float32)
+                                                                for x in (q, k, v, g, beta)))
 
             def self_attention(self, cache, layer, rows, *args, **kw):
                 if rows.spans is None:

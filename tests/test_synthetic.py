@@ -323,3 +323,29 @@ def test_llama_quantize_takes_a_float_file(synthetic_dir, tok_source, tmp_path):
     g = open_gguf(str(out))
     assert g.get("general.file_type") == 15
     assert g.tensors["blk.0.attn_q.weight"].type_name in ("Q4_K", "Q5_K", "Q6_K")
+
+
+@pytest.mark.slow
+def test_float_twin_holds_the_dequantized_tensors_and_the_same_keys(synthetic_dir, tok_source, tmp_path):
+    """write_float_twin: every tensor F32 and equal to gguf-py's dequantize of the original, the keys the same
+    (the file type all-F32), and the numpy backend reads it as the same model (logits near the original's)."""
+    from bloomery.engine.loader import load_model
+    from bloomery.placement import whole
+    src = make(synthetic_dir, tok_source, "twin_src", arch="qwen35moe", mode="blocks", mix="q4_k_m", n_layer=2,
+               n_embd=128, n_head=2, n_head_kv=1, head_dim=64, n_expert=4, n_expert_used=2, n_ff_exp=128,
+               n_ff_shexp=128, full_attn_interval=2, ssm_d_state=32, ssm_n_group=1, ssm_dt_rank=2)
+    twin = ms.write_float_twin(src, tmp_path / "twin.gguf")
+    a, b = gguf.GGUFReader(str(src)), gguf.GGUFReader(str(twin))
+    assert {t.name for t in a.tensors} == {t.name for t in b.tensors}
+    got = {t.name: t for t in b.tensors}
+    for t in a.tensors:
+        u = got[t.name]
+        assert u.tensor_type == Q.F32 and list(u.shape) == list(t.shape)
+        np.testing.assert_array_equal(np.asarray(u.data).reshape(-1),
+                                      gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(-1))
+    keys = lambda r: {k: r.fields[k].contents() for k in r.fields if not k.startswith("GGUF.")}  # noqa: E731
+    ka, kb = keys(a), keys(b)
+    assert kb.pop("general.file_type") == 0 and ka.pop("general.file_type") == 15 and ka == kb
+    models = [load_model(str(p), whole("numpy", n_slots=1, n_ctx_slot=64)) for p in (src, twin)]
+    la, lb = (m.prefill(0, np.arange(100, 120, dtype=np.int32), 0) for m in models)
+    assert 0 < np.abs(la - lb).max() < 0.5 * np.abs(la).max()

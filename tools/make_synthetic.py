@@ -538,6 +538,31 @@ def write_tokenizer_only(path, tokenizer_from: str | None = None) -> Path:
     return Path(path)
 
 
+def write_float_twin(src, path) -> Path:
+    """The same file with every tensor dequantized to F32 (gguf-py's dequantize) and its keys as they are
+    (general.file_type set to all F32): the model's exact arithmetic, with no quantized activation, for a
+    reference that neither backend's rounding of activations touches (tests/test_cuda_qwen35.py)."""
+    r = gguf.GGUFReader(str(src))
+    w = _Writer(str(path), str(r.fields["general.architecture"].contents()))
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        if key == "general.file_type":
+            w.add_key_value(key, FILE_TYPE["f32"], gguf.GGUFValueType.UINT32)
+            continue
+        vtype = gguf.GGUFValueType(f.types[0])
+        sub = gguf.GGUFValueType(f.types[1]) if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, f.contents(), vtype, sub_type=sub)
+    for t in r.tensors:
+        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        w.add_tensor(t.name, data.reshape([int(n) for n in reversed(t.shape)]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=sorted(PRESETS), default=None,

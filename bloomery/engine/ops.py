@@ -161,16 +161,19 @@ class Ops(Protocol):
         [n_v_heads, head_size, head_size], float32, zeros. A span at position 0 starts from
         zeros; one at the end of what its slot holds carries on; any other is refused."""
 
-    def conv_step(self, state: Any, layer: int, rows: Rows, x: Array, kernel: Weight) -> Array:
+    def conv_step(self, state: Any, layer: int, rows: Rows, x: Array, kernel: Weight, silu: bool = False) -> Array:
         """The causal depthwise conv over each slot's window then its rows: x [T, C], kernel
-        [C, K] (GGUF ne {K, C}) -> [T, C]; the window keeps the last K-1 rows."""
+        [C, K] (GGUF ne {K, C}) -> [T, C], then SiLU where asked (as the silu op after it); the
+        window keeps the last K-1 rows."""
 
     def delta_rule(self, state: Any, layer: int, rows: Rows, q: Array, k: Array, v: Array,
-                   g: Array, beta: Array) -> Array:
-        """The gated delta rule over each slot's state: per value head, S <- S * exp(g);
+                   alpha: Array, b: Array, dt_bias: Weight, a: Weight) -> Array:
+        """The gated delta rule over each slot's state, its gates made first as delta_gates makes
+        them (g = softplus(alpha + dt_bias) * a, beta = sigmoid(b)): per value head, S <- S * exp(g);
         S <- S + k ((v - S^T k) * beta)^T; out = S^T q / sqrt(head size). Value head h reads key
-        head h % Hk. q, k [T, Hk, S], v [T, H, S], g and beta [T, H] -> [T, H, S]. A long span may run
-        in a chunked form (the same sums in another order: cpu/recurrent.delta_rule_chunked)."""
+        head h % Hk. q, k [T, Hk, S], v [T, H, S], alpha and b [T, H], dt_bias and a [H] -> [T, H, S].
+        A long span may run in a chunked form (the same sums in another order:
+        cpu/recurrent.delta_rule_chunked)."""
 
     # --- mixture of experts ---
     def moe_route(self, logits: Array, n_used: int, norm_weights: bool) -> tuple[Array, Array]:
@@ -184,3 +187,11 @@ class Ops(Protocol):
     # --- host transfer ---
     def from_host(self, x: Any) -> Array: ...
     def to_host(self, x: Array) -> Any: ...
+
+
+def delta_gates(ops: Ops, alpha: Array, b: Array, dt_bias: Weight, a: Weight) -> tuple[Array, Array]:
+    """The gated delta rule's decay and write strength from their projections (llama.cpp's
+    build_layer_attn_linear): g = softplus(alpha + dt_bias) * a, beta = sigmoid(b), [T, H] each,
+    through the backend's own elementwise ops in this order (a backend that folds them into its
+    kernel computes the same formulas)."""
+    return ops.mul(ops.softplus(ops.add(alpha, dt_bias)), a), ops.sigmoid(b)

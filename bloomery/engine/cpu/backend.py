@@ -26,7 +26,7 @@ from bloomery.engine.cpu import recurrent
 from bloomery.engine.quant import formats, threads
 from bloomery.engine.cpu.kv_cache import KVCache
 from bloomery.engine.cpu.sizes import MOE_CALL_MAX_ROWS, UBATCH
-from bloomery.engine.ops import AttnSpan, Caps, Rows
+from bloomery.engine.ops import AttnSpan, Caps, Rows, delta_gates
 from bloomery.engine.cpu.ops_math import expf_libm, v_expf, vec_soft_max
 from bloomery.engine.sampler import sorted_top
 
@@ -616,10 +616,14 @@ class NumpyOps:
                         n_v_heads: int, head_size: int) -> recurrent.RecurrentState:
         return recurrent.RecurrentState(n_layer, n_slots, conv_window, conv_channels, n_v_heads, head_size)
 
-    def conv_step(self, state: recurrent.RecurrentState, layer: int, rows: Rows, x, kernel: NumpyWeight) -> np.ndarray:
-        return recurrent.conv_step(state, layer, rows.spans, x, kernel.dense())
+    def conv_step(self, state: recurrent.RecurrentState, layer: int, rows: Rows, x, kernel: NumpyWeight,
+                  silu: bool = False) -> np.ndarray:
+        out = recurrent.conv_step(state, layer, rows.spans, x, kernel.dense())
+        return self.silu(out) if silu else out
 
-    def delta_rule(self, state: recurrent.RecurrentState, layer: int, rows: Rows, q, k, v, g, beta) -> np.ndarray:
+    def delta_rule(self, state: recurrent.RecurrentState, layer: int, rows: Rows, q, k, v, alpha, b, dt_bias, a
+                   ) -> np.ndarray:
+        g, beta = delta_gates(self, alpha, b, dt_bias, a)
         return recurrent.delta_rule_spans(state, layer, rows.spans, q, k, v, g, beta)
 
     def attention(self, cache: KVCache, layer: int, spans: Sequence[AttnSpan], q, k, v, scale: float) -> np.ndarray:

@@ -22,7 +22,7 @@ from bloomery.engine.cuda import moe as cuda_moe
 from bloomery.engine.cuda import recurrent as cuda_recurrent
 from bloomery.engine.cuda.gemm import gemm_nt
 from bloomery.engine.cuda.kernels import Kernels
-from bloomery.engine.ops import Caps, Rows
+from bloomery.engine.ops import Caps, Rows, delta_gates
 from bloomery.engine.cuda.sizes import DECODE_ROWS as MMV_ROWS, UBATCH
 
 TOPK_MAX, TOPK_SPAN = 64, 4096     # topk's largest k, and the values one block sorts (matvec.cu)
@@ -238,13 +238,17 @@ class CudaOps:
 
     def norm_matmuls(self, x, norm: CudaWeight, eps: float, ws, biases):
         """(RMSNorm(x) * norm, [its products with ws (+ biases)]): for decode-sized batches in
-        one launch (mmv3n: the norm in each block's prologue); else rms_norm, then matmuls."""
+        one launch (mmv3n: the norm in each block's prologue) of the first three weights, the rest
+        reading its int8 form after; else rms_norm, then matmuls."""
         x = cupy.ascontiguousarray(x, dtype=cupy.float32)                         # [T, K]
         t, k = x.shape
         smem = t * k + 8 * t * (k // 32) + 4 * MMV_ROWS
-        if t > MMV_ROWS or k % 32 or k > 8 * 4 * 256 or len(ws) > 3 or smem > 48 << 10:   # NORM_IT in matvec.cu
+        if t > MMV_ROWS or k % 32 or k > 8 * 4 * 256 or smem > 48 << 10:   # NORM_IT in matvec.cu
             h = self.rms_norm(x, norm, eps)
             return h, self.matmuls(h, ws, biases)
+        if len(ws) > 3:
+            y, outs = self.norm_matmuls(x, norm, eps, ws[:3], biases[:3])
+            return y, outs + self.matmuls(y, ws[3:], biases[3:])
         for w in ws:
             if w.n_cols != k:
                 raise ValueError(f"matmul: input has {k} columns, the weight's rows are {w.n_cols} long")
@@ -429,11 +433,12 @@ class CudaOps:
                         n_v_heads: int, head_size: int) -> cuda_recurrent.RecurrentState:
         return cuda_recurrent.RecurrentState(cupy, n_layer, n_slots, conv_window, conv_channels, n_v_heads, head_size)
 
-    def conv_step(self, state, layer: int, rows: Rows, x, kernel: CudaWeight):
+    def conv_step(self, state, layer: int, rows: Rows, x, kernel: CudaWeight, silu: bool = False):
         w = _dense_f32(kernel)                                                    # [C, K]
         if not (_fused_recurrent() and cuda_recurrent.decode_rows(rows)):
             x = cupy.ascontiguousarray(x, dtype=cupy.float32)                    # [T, C]
-            return cuda_recurrent.conv_step(state, layer, rows, x, w)
+            out = cuda_recurrent.conv_step(state, layer, rows, x, w)
+            return self.silu(out) if silu else out
         x = _rows_f32(x)                                                         # [B, C] rows apart
         b, c = x.shape
         if w.shape[1] > 8:
@@ -442,20 +447,22 @@ class CudaOps:
         out = cupy.empty((b, c), cupy.float32)
         self.k.conv_dec((_grid(c, 256), b), (256,), (
             state.conv[layer], x, np.int64(x.strides[0] // 4), cupy.ascontiguousarray(w), _i32(c), _i32(w.shape[1]),
-            rows.slots, rows.positions, state.held[cuda_recurrent.CONV, layer] if counts else _NULL, out))
+            rows.slots, rows.positions, state.held[cuda_recurrent.CONV, layer] if counts else _NULL, _i32(silu), out))
         return out
 
-    def delta_rule(self, state, layer: int, rows: Rows, q, k, v, g, beta):
-        """Every form in one kernel (kernels/recurrent.cu delta_scan): decode rows as segments of one row, prompt
-        spans as a segment each, row after row within it; BLOOMERY_CUDA_RECURRENT=array: the array code."""
+    def delta_rule(self, state, layer: int, rows: Rows, q, k, v, alpha, b, dt_bias: CudaWeight, a: CudaWeight):
+        """Every form in one kernel (kernels/recurrent.cu delta_scan, the gates made in it): decode rows as
+        segments of one row, prompt spans as a segment each, row after row within it;
+        BLOOMERY_CUDA_RECURRENT=array: the gates by the elementwise ops, then the array code."""
         f32 = cupy.float32
         spans = rows.spans
         distinct = spans is None or len({sp.slot for sp in spans}) == len(spans)
         if not (_fused_recurrent() and distinct):
-            return cuda_recurrent.delta_rule(state, layer, rows, *(cupy.ascontiguousarray(a, dtype=f32)
-                                                                   for a in (q, k, v, g, beta)))
-        q, k, v = (_rows_f32(a) for a in (q, k, v))                              # [T, Hk, S] x2, [T, H, S]
-        g, beta = (cupy.ascontiguousarray(a, dtype=f32) for a in (g, beta))      # [T, H]
+            g, beta = delta_gates(self, alpha, b, dt_bias, a)
+            return cuda_recurrent.delta_rule(state, layer, rows, *(cupy.ascontiguousarray(x, dtype=f32)
+                                                                   for x in (q, k, v, g, beta)))
+        q, k, v = (_rows_f32(x) for x in (q, k, v))                              # [T, Hk, S] x2, [T, H, S]
+        alpha, b = (cupy.ascontiguousarray(x, dtype=f32) for x in (alpha, b))   # [T, H]
         t, n_v, size = v.shape
         if size > 256 or (size > 32 and size % 32):
             raise ValueError(f"delta_rule: heads of {size}; the card takes up to 32, or multiples of 32 up to 256")
@@ -474,7 +481,8 @@ class CudaOps:
         if t:
             self.k.delta_scan((n_v, _grid(size, 8), n_seg), (128,), (
                 state.delta[layer], q, np.int64(q.strides[0] // 4), k, np.int64(k.strides[0] // 4), v,
-                np.int64(v.strides[0] // 4), g, beta, _i32(n_v), _i32(q.shape[1]), _i32(size), scale, *segs,
+                np.int64(v.strides[0] // 4), alpha, b, dt_bias.vec, a.vec, _i32(n_v), _i32(q.shape[1]), _i32(size),
+                scale, *segs,
                 state.held[cuda_recurrent.DELTA, layer] if counts else _NULL, out))
         return out
 

@@ -266,13 +266,11 @@ def delta_net(m, il: int, x, rows):
                                           [ly["wqkv"], ly["wz"], ly["ssm_beta"], ly["ssm_alpha"]],
                                           [None] * 4)                           # [T, C], [T, H*S], [T, H] x2
     t, s, kd = qkv.shape[0], dn.d_state, dn.key_dim
-    conv = ops.silu(ops.conv_step(m.state, m.state_of[il], rows, qkv, ly["conv1d"]))   # [T, C]
+    conv = ops.conv_step(m.state, m.state_of[il], rows, qkv, ly["conv1d"], silu=True)   # [T, C]
     q = ops.l2_norm(conv[:, :kd].reshape(t, dn.n_group, s), hp.rms_eps)         # [T, Hk, S]
     k = ops.l2_norm(conv[:, kd:2 * kd].reshape(t, dn.n_group, s), hp.rms_eps)   # [T, Hk, S]
     v = conv[:, 2 * kd:].reshape(t, dn.dt_rank, s)                               # [T, H, S]
-    beta = ops.sigmoid(b)                                                        # [T, H]
-    g = ops.mul(ops.softplus(ops.add(al, ly["dt_bias"])), ly["ssm_a"])           # [T, H]
-    o = ops.delta_rule(m.state, m.state_of[il], rows, q, k, v, g, beta)         # [T, H, S]
+    o = ops.delta_rule(m.state, m.state_of[il], rows, q, k, v, al, b, ly["dt_bias"], ly["ssm_a"])   # [T, H, S]
     o = ops.swiglu(z.reshape(t, dn.dt_rank, s), ops.rms_norm(o, ly["ssm_norm"], hp.rms_eps))   # norm * silu(z)
     return ops.matmul(o.reshape(t, dn.d_inner), ly["ssm_out"], x)               # [T, D]
 

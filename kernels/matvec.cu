@@ -126,30 +126,39 @@ __device__ __forceinline__ void row_dot(int type, const u8* row, i64 rb, int nr,
     }
 }
 
-// Up to three weights over one activation in one launch (Q, K and V; or a single matrix).
-// Rows [0, n0) belong to weight 0, [n0, n0+n1) to weight 1, the rest to weight 2. One warp per
-// row, all B tokens per warp so each weight byte is read once. out_i[b, row] = x_b . W_i[row]
-// (+ bias_i[row]) (+ res_i[b, row]).
+// Up to four weights over one activation in one launch (Q, K and V; the qwen35 family's four
+// projections of one normed row; or a single matrix). Rows [0, n0) belong to weight 0, [n0, n0+n1)
+// to weight 1, and so on. One warp per row, all B tokens per warp so each weight byte is read once.
+// out_i[b, row] = x_b . W_i[row] (+ bias_i[row]) (+ res_i[b, row]).
 struct MatDesc {
     const u8* w; i64 row_bytes; int type; int n_rows;
     float* out; const float* bias; const float* res;
 };
 #define MAT_PARAMS(i) const u8* w##i, i64 rb##i, int t##i, int n##i, float* o##i, const float* b##i, const float* r##i
-// Rows go to warps R at a time: rows [0, n0) are weight 0's, then weight 1's, then 2's; a
-// group of R rows never straddles two weights (each weight's rows start a new group).
+#define MAT_ARGS w0, rb0, t0, n0, o0, b0, r0, w1, rb1, t1, n1, o1, b1, r1, w2, rb2, t2, n2, o2, b2, r2, \
+    w3, rb3, t3, n3, o3, b3, r3
+// Rows go to warps R at a time: rows [0, n0) are weight 0's, then weight 1's, 2's, 3's; a group of
+// R rows never straddles two weights (each weight's rows start a new group).
 // The weight and rows of group `group` (false: there is no such group).
-__device__ __forceinline__ bool pick_rows(const MatDesc& m0, const MatDesc& m1, const MatDesc& m2, int n_mats, int R,
-                                          int group, MatDesc& m, int& row) {
-    int g0 = (m0.n_rows + R - 1) / R, g1 = (m1.n_rows + R - 1) / R, g2 = (m2.n_rows + R - 1) / R;
+__device__ __forceinline__ bool pick_rows(const MatDesc& m0, const MatDesc& m1, const MatDesc& m2, const MatDesc& m3,
+                                          int n_mats, int R, int group, MatDesc& m, int& row) {
+    int g = (m0.n_rows + R - 1) / R;
     m = m0;
-    if (group >= g0) {
-        group -= g0;
+    if (group >= g) {
+        group -= g;
+        g = (m1.n_rows + R - 1) / R;
         m = m1;
         if (n_mats < 2) return false;
-        if (group >= g1) {
-            group -= g1;
+        if (group >= g) {
+            group -= g;
+            g = (m2.n_rows + R - 1) / R;
             m = m2;
-            if (n_mats < 3 || group >= g2) return false;
+            if (n_mats < 3) return false;
+            if (group >= g) {
+                group -= g;
+                m = m3;
+                if (n_mats < 4 || group >= (m3.n_rows + R - 1) / R) return false;
+            }
         }
     }
     row = group * R;
@@ -161,12 +170,12 @@ __device__ __forceinline__ int warp_group(int j, int rpw) {
     return (blockIdx.x * rpw + j) * nw + threadIdx.x / WARP;
 }
 // The warp's rows of passes 0..rpw-1 into L1 (weights only: safe before pdl_wait).
-__device__ __forceinline__ void prefetch_rows(const MatDesc& m0, const MatDesc& m1, const MatDesc& m2, int n_mats,
-                                              int rpw) {
+__device__ __forceinline__ void prefetch_rows(const MatDesc& m0, const MatDesc& m1, const MatDesc& m2,
+                                              const MatDesc& m3, int n_mats, int rpw) {
     for (int j = 0; j < rpw; j++) {
         MatDesc m;
         int row;
-        if (!pick_rows(m0, m1, m2, n_mats, 1, warp_group(j, rpw), m, row)) return;
+        if (!pick_rows(m0, m1, m2, m3, n_mats, 1, warp_group(j, rpw), m, row)) return;
         const u8* p = m.w + (i64)row * m.row_bytes;
         for (i64 o = (threadIdx.x % WARP) * 128; o < m.row_bytes; o += WARP * 128) prefetch_l1(p + o);
     }
@@ -175,15 +184,17 @@ __device__ __forceinline__ void prefetch_rows(const MatDesc& m0, const MatDesc& 
 // nw, xscale (the fused RMSNorm, float weights only): x is the raw row, times nw elementwise,
 // the dot times xscale[b] at the end.
 template <int MAXB, int R>
-__device__ __forceinline__ void mmv3_body(MAT_PARAMS(0), MAT_PARAMS(1), MAT_PARAMS(2), int n_mats, int K,
+__device__ __forceinline__ void mmv3_body(MAT_PARAMS(0), MAT_PARAMS(1), MAT_PARAMS(2), MAT_PARAMS(3), int n_mats,
+                                          int K,
                                           const i8* __restrict__ xq, const float* __restrict__ xd,
                                           const float* __restrict__ xs, const float* __restrict__ xf, int B,
                                           int group, const float* __restrict__ nw = nullptr,
                                           const float* __restrict__ xscale = nullptr) {
-    MatDesc m0 = {w0, rb0, t0, n0, o0, b0, r0}, m1 = {w1, rb1, t1, n1, o1, b1, r1}, m2 = {w2, rb2, t2, n2, o2, b2, r2};
+    MatDesc m0 = {w0, rb0, t0, n0, o0, b0, r0}, m1 = {w1, rb1, t1, n1, o1, b1, r1}, m2 = {w2, rb2, t2, n2, o2, b2, r2},
+            m3 = {w3, rb3, t3, n3, o3, b3, r3};
     MatDesc m;
     int row;
-    if (!pick_rows(m0, m1, m2, n_mats, R, group, m, row)) return;
+    if (!pick_rows(m0, m1, m2, m3, n_mats, R, group, m, row)) return;
     int nr = min(R, m.n_rows - row);
     float acc[R][MAXB];
 #pragma unroll
@@ -213,18 +224,20 @@ __device__ __forceinline__ void mmv3_body(MAT_PARAMS(0), MAT_PARAMS(1), MAT_PARA
 // One row per warp (more rows per warp measured slower on the H200: registers cut occupancy).
 // The warp's row is prefetched into L1 before pdl_wait, so its loads overlap the kernel before.
 template <int MAXB>
-__device__ __forceinline__ void mmv3_entry(MAT_PARAMS(0), MAT_PARAMS(1), MAT_PARAMS(2), int n_mats, int K,
+__device__ __forceinline__ void mmv3_entry(MAT_PARAMS(0), MAT_PARAMS(1), MAT_PARAMS(2), MAT_PARAMS(3), int n_mats,
+                                           int K,
                                            const i8* xq, const float* xd, const float* xs, const float* xf, int B) {
-    MatDesc m0 = {w0, rb0, t0, n0, o0, b0, r0}, m1 = {w1, rb1, t1, n1, o1, b1, r1}, m2 = {w2, rb2, t2, n2, o2, b2, r2};
-    prefetch_rows(m0, m1, m2, n_mats, 1);
+    MatDesc m0 = {w0, rb0, t0, n0, o0, b0, r0}, m1 = {w1, rb1, t1, n1, o1, b1, r1}, m2 = {w2, rb2, t2, n2, o2, b2, r2},
+            m3 = {w3, rb3, t3, n3, o3, b3, r3};
+    prefetch_rows(m0, m1, m2, m3, n_mats, 1);
     pdl_wait();
     pdl_next();
-    mmv3_body<MAXB, 1>(w0, rb0, t0, n0, o0, b0, r0, w1, rb1, t1, n1, o1, b1, r1, w2, rb2, t2, n2, o2, b2, r2, n_mats, K,
+    mmv3_body<MAXB, 1>(MAT_ARGS, n_mats, K,
                        xq, xd, xs, xf, B, warp_group(0, 1));
 }
-#define MMV3(NB) extern "C" __global__ void mmv3_b##NB(MAT_PARAMS(0), MAT_PARAMS(1), MAT_PARAMS(2), int n_mats, \
-    int K, const i8* xq, const float* xd, const float* xs, const float* xf, int B) { \
-    mmv3_entry<NB>(w0, rb0, t0, n0, o0, b0, r0, w1, rb1, t1, n1, o1, b1, r1, w2, rb2, t2, n2, o2, b2, r2, n_mats, K, \
+#define MMV3(NB) extern "C" __global__ void mmv3_b##NB(MAT_PARAMS(0), MAT_PARAMS(1), MAT_PARAMS(2), MAT_PARAMS(3), \
+    int n_mats, int K, const i8* xq, const float* xd, const float* xs, const float* xf, int B) { \
+    mmv3_entry<NB>(MAT_ARGS, n_mats, K, \
                    xq, xd, xs, xf, B); }
 MMV3(1)
 MMV3(2)
@@ -243,7 +256,8 @@ MMV3(8)
 // K <= 8 * NORM_IT * blockDim.
 #define NORM_IT 4
 template <int MAXB>
-__device__ __forceinline__ void mmv3n_body(MAT_PARAMS(0), MAT_PARAMS(1), MAT_PARAMS(2), int n_mats, int K,
+__device__ __forceinline__ void mmv3n_body(MAT_PARAMS(0), MAT_PARAMS(1), MAT_PARAMS(2), MAT_PARAMS(3), int n_mats,
+                                           int K,
                                            const float* __restrict__ x, const float* __restrict__ nw, float eps,
                                            float* __restrict__ y, i8* __restrict__ yq, float* __restrict__ yd,
                                            float* __restrict__ ys, int B, int rpw) {
@@ -254,8 +268,9 @@ __device__ __forceinline__ void mmv3n_body(MAT_PARAMS(0), MAT_PARAMS(1), MAT_PAR
     float* ss = sd + B * (K / 32);                        // [B, K/32]
     float* sc = ss + B * (K / 32);                        // [MAXB]
     {
-        MatDesc m0 = {w0, rb0, t0, n0, o0, b0, r0}, m1 = {w1, rb1, t1, n1, o1, b1, r1}, m2 = {w2, rb2, t2, n2, o2, b2, r2};
-        prefetch_rows(m0, m1, m2, n_mats, rpw);
+        MatDesc m0 = {w0, rb0, t0, n0, o0, b0, r0}, m1 = {w1, rb1, t1, n1, o1, b1, r1}, m2 = {w2, rb2, t2, n2, o2, b2, r2},
+            m3 = {w3, rb3, t3, n3, o3, b3, r3};
+        prefetch_rows(m0, m1, m2, m3, n_mats, rpw);
     }
     pdl_wait();
     pdl_next();
@@ -325,15 +340,15 @@ __device__ __forceinline__ void mmv3n_body(MAT_PARAMS(0), MAT_PARAMS(1), MAT_PAR
         }
     }
     __syncthreads();
-    mmv3_body<MAXB, 1>(w0, rb0, t0, n0, o0, b0, r0, w1, rb1, t1, n1, o1, b1, r1, w2, rb2, t2, n2, o2, b2, r2, n_mats,
+    mmv3_body<MAXB, 1>(MAT_ARGS, n_mats,
                        K, sq, sd, ss, x, B, warp_group(0, rpw), nw, sc);
     if (rpw > 1)
-        mmv3_body<MAXB, 1>(w0, rb0, t0, n0, o0, b0, r0, w1, rb1, t1, n1, o1, b1, r1, w2, rb2, t2, n2, o2, b2, r2, n_mats,
+        mmv3_body<MAXB, 1>(MAT_ARGS, n_mats,
                            K, sq, sd, ss, x, B, warp_group(1, rpw), nw, sc);
 }
-#define MMV3N(NB) extern "C" __global__ void __launch_bounds__(256, 3) mmv3n_b##NB(MAT_PARAMS(0), MAT_PARAMS(1), MAT_PARAMS(2), int n_mats, \
-    int K, const float* x, const float* nw, float eps, float* y, i8* yq, float* yd, float* ys, int B, int rpw) { \
-    mmv3n_body<NB>(w0, rb0, t0, n0, o0, b0, r0, w1, rb1, t1, n1, o1, b1, r1, w2, rb2, t2, n2, o2, b2, r2, n_mats, K, \
+#define MMV3N(NB) extern "C" __global__ void __launch_bounds__(256, 3) mmv3n_b##NB(MAT_PARAMS(0), MAT_PARAMS(1), \
+    MAT_PARAMS(2), MAT_PARAMS(3), int n_mats, int K, const float* x, const float* nw, float eps, float* y, i8* yq, float* yd, float* ys, int B, int rpw) { \
+    mmv3n_body<NB>(MAT_ARGS, n_mats, K, \
                    x, nw, eps, y, yq, yd, ys, B, rpw); }
 MMV3N(1)
 MMV3N(2)

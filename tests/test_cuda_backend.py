@@ -88,11 +88,16 @@ def test_matmul_matches_float64(ops, qt, t):
     assert rel(y, ref) < band, (qt.name, t, rel(y, ref))
 
 
-def test_three_weights_in_one_pass_with_biases(ops):
+@pytest.mark.parametrize("mats", [((Q.Q4_K, 256), (Q.Q6_K, 64), (Q.Q8_0, 64)),
+                                  ((Q.Q4_K, 256), (Q.Q6_K, 64), (Q.Q8_0, 64), (Q.F32, 3)),
+                                  ((Q.Q5_K, 32), (Q.Q6_K, 64), (Q.Q8_0, 64), (Q.Q4_K, 96), (Q.F32, 1))],
+                         ids=["three", "four", "five"])
+def test_several_weights_in_one_pass_with_biases(ops, mats):
+    """matmuls: up to four weights a launch (mmv3), the fifth in the next."""
     import cupy
     rng = np.random.default_rng(3)
     ws, refs, biases = [], [], []
-    for qt, n in ((Q.Q4_K, 256), (Q.Q6_K, 64), (Q.Q8_0, 64)):
+    for qt, n in mats:
         data = random_tensor(qt, n, 512, rng)
         ws.append(ops.weight(int(qt), (512, n), data))
         refs.append(reference(qt, data, n, 512))
@@ -108,7 +113,7 @@ def test_three_weights_in_one_pass_with_biases(ops):
 @pytest.mark.parametrize("mats", [(Q.Q4_K, Q.Q6_K, Q.Q8_0), (Q.F32,), (Q.Q4_K, Q.F16), (Q.Q4_K, Q.Q5_K, Q.F32, Q.F32),
                                   (Q.Q6_K, Q.Q4_K, Q.Q4_K, Q.F32, Q.Q8_0)], ids=["q3", "f32", "mixed", "four", "five"])
 def test_norm_fused_into_the_products(ops, t, mats):
-    """norm_matmuls (mmv3n: the RMSNorm in each block's prologue, with the first three weights, the others
+    """norm_matmuls (mmv3n: the RMSNorm in each block's prologue, with the first four weights, the others
     after on its int8 form, as the qwen35 family's four; 9 rows: the unfused path) equals rms_norm then
     matmuls: the same int8 activation for quantized weights, the norm's scale after the dot for float ones;
     h and its int8 form are left for the kernels after."""

@@ -32,6 +32,7 @@ BLOCKS = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 6: (32, 22), 8: (32, 34
 NAMES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 FLOAT_TYPES = (F32, F16, BF16)
 _NULL = np.uint64(0)
+MMV_MATS = 4                 # weights one mmv3 / mmv3n launch takes (MAT_PARAMS in matvec.cu)
 
 
 def _i32(v) -> np.int32:
@@ -232,13 +233,13 @@ class CudaOps:
             outs = [o if b is None else o + b.vec for o, b in zip(outs, biases)]
             return [o if r is None else o + r for o, r in zip(outs, residuals)]
         outs = []
-        for i in range(0, len(ws), 3):
-            outs += self._mmv(x, ws[i:i + 3], biases[i:i + 3], residuals[i:i + 3])
+        for i in range(0, len(ws), MMV_MATS):
+            outs += self._mmv(x, ws[i:i + MMV_MATS], biases[i:i + MMV_MATS], residuals[i:i + MMV_MATS])
         return outs
 
     def norm_matmuls(self, x, norm: CudaWeight, eps: float, ws, biases):
         """(RMSNorm(x) * norm, [its products with ws (+ biases)]): for decode-sized batches in
-        one launch (mmv3n: the norm in each block's prologue) of the first three weights, the rest
+        one launch (mmv3n: the norm in each block's prologue) of the first four weights, the rest
         reading its int8 form after; else rms_norm, then matmuls."""
         x = cupy.ascontiguousarray(x, dtype=cupy.float32)                         # [T, K]
         t, k = x.shape
@@ -246,9 +247,9 @@ class CudaOps:
         if t > MMV_ROWS or k % 32 or k > 8 * 4 * 256 or smem > 48 << 10:   # NORM_IT in matvec.cu
             h = self.rms_norm(x, norm, eps)
             return h, self.matmuls(h, ws, biases)
-        if len(ws) > 3:
-            y, outs = self.norm_matmuls(x, norm, eps, ws[:3], biases[:3])
-            return y, outs + self.matmuls(y, ws[3:], biases[3:])
+        if len(ws) > MMV_MATS:
+            y, outs = self.norm_matmuls(x, norm, eps, ws[:MMV_MATS], biases[:MMV_MATS])
+            return y, outs + self.matmuls(y, ws[MMV_MATS:], biases[MMV_MATS:])
         for w in ws:
             if w.n_cols != k:
                 raise ValueError(f"matmul: input has {k} columns, the weight's rows are {w.n_cols} long")
@@ -284,7 +285,7 @@ class CudaOps:
             params += [w.data, np.int64(w.row_bytes), _i32(w.ggml_type), _i32(w.n_rows), o,
                        b.vec if b is not None else _NULL,
                        cupy.ascontiguousarray(r, dtype=cupy.float32) if r is not None else _NULL]
-        for _ in range(3 - len(ws)):
+        for _ in range(MMV_MATS - len(ws)):
             params += [_NULL, np.int64(0), _i32(0), _i32(0), _NULL, _NULL, _NULL]
         return outs, params
 

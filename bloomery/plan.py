@@ -31,7 +31,7 @@ from functools import lru_cache
 from bloomery.engine.cpu import sizes as cpu_sizes
 from bloomery.engine.cuda import sizes as cuda_sizes
 from bloomery.engine.cuda.sizes import DECODE_ROWS as CUDA_DECODE_ROWS, SCORE_BYTES as CUDA_SCORE_BYTES, UBATCH as CUDA_UBATCH
-from bloomery.engine.cuda.sizes import DELTA_GROUP_CHUNKS, PLANNED_BK, PLANNED_MAX_EXPERTS, PLANNED_MAX_PAIRS, PLANNED_TYPES
+from bloomery.engine.cuda.sizes import PLANNED_BK, PLANNED_MAX_EXPERTS, PLANNED_MAX_PAIRS, PLANNED_TYPES
 from bloomery import offload
 from bloomery.engine.limits import CTX_CHECKPOINTS
 from bloomery.gguf_file import StringArray
@@ -290,16 +290,13 @@ def cuda_host_pass_rows(facts: ModelFacts) -> int:
 def _cuda_delta_scratch(facts: ModelFacts, rows: int = CUDA_UBATCH) -> int:
     """A hybrid file's linear-attention layer in a cuda prompt pass (an estimate, not yet checked against the
     card): the projections and the conv's output a row (q, k, v fused, z, the window's concatenation, q and
-    k normalised and widened to the value heads), and the chunked delta rule's group of
-    DELTA_GROUP_CHUNKS chunks (cuda/recurrent.delta_chunked): ten [rows, H, S] arrays (the chunks of q, k,
-    v, their scaled forms, U, W, the decayed keys, the output) and six [rows, H, L] ones (the decay, A, the
-    query-key products, the block inverse and its two halves' products). 0 for other files."""
+    k normalised, the delta rule's output, its norm and gate). The delta rule itself runs in place on the
+    state (kernels/recurrent.cu delta_scan); the chunked form of the array code, whose group of chunks took
+    about as much again, runs only where BLOOMERY_CUDA_RECURRENT=array asks for it. 0 for other files."""
     channels, inner, n_v = facts.ssm_widths
     if not channels:
         return 0
-    per_row = 3 * channels + 5 * inner
-    group = DELTA_GROUP_CHUNKS * cpu_sizes.DELTA_CHUNK
-    return 4 * rows * per_row + 4 * group * n_v * (10 * (inner // n_v) + 6 * cpu_sizes.DELTA_CHUNK)
+    return 4 * rows * (3 * channels + 5 * inner)
 
 
 F32 = 4                          # bytes of one float32 activation

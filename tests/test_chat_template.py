@@ -74,6 +74,22 @@ def test_custom_template_goldens(path):
     assert _render_request(tmpl, case["request"]).text == case["response"]["prompt"]
 
 
+@pytest.mark.parametrize("path", _goldens("qwen35_template.jinja"), ids=lambda p: p.stem)
+def test_qwen35_template_goldens(path):
+    """The qwen35 family's own template (llama.cpp's models/templates/Qwen3.5-4B.jinja, as Qwen3.5 and Qwen3.6
+    files carry it): tools in its XML framing, tool calls and their results, reasoning kept in the history,
+    thinking off, as llama-server renders them."""
+    case = json.loads(path.read_text())
+    tmpl = ChatTemplate((GOLDEN / "qwen35_template.jinja").read_text(), "<|endoftext|>", "<|im_end|>")
+    assert case["status"] == 200
+    assert _render_request(tmpl, case["request"]).text == case["response"]["prompt"]
+
+
+def test_qwen35_template_frames_tool_calls_as_qwen3_coder():
+    from bloomery.api.toolcalls.framing import framing_of
+    assert framing_of((GOLDEN / "qwen35_template.jinja").read_text()) == "qwen3_coder"
+
+
 def test_goldens_present():
     assert len(_goldens("model")) >= 10 and len(_goldens("custom_template.jinja")) >= 3
 

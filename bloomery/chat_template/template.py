@@ -1,6 +1,7 @@
 """ChatTemplate: one template compiled once, rendered per request as llama-server does."""
 from __future__ import annotations
 
+import copy
 import os
 import time
 
@@ -21,6 +22,10 @@ CHATML_TEMPLATE = (
     "{%- if add_generation_prompt -%}\n"
     "  {{- '<|im_start|>assistant\\n' -}}\n"
     "{%- endif -%}")
+
+
+# stand-ins for a continued message's reasoning and content (Unicode private use: no template writes them)
+_REASONING_MARK, _CONTENT_MARK = "\ue000reasoning\ue000", "\ue000content\ue000"
 
 
 class ChatTemplate:
@@ -46,19 +51,33 @@ class ChatTemplate:
                **template_kwargs) -> RenderedPrompt:
         """llama-server's prompt for a chat request; a trailing assistant message is continued."""
         msgs = parse_messages(messages)
-        prefill: str | None = None
+        prefill: tuple[str, str] | None = None
         if prefill_assistant and msgs and msgs[-1]["role"] == "assistant":
             prefill = _prefill_text(msgs)   # pops the message: the model's own text, not marked
             add_generation_prompt = False
+        history = copy.deepcopy(msgs) if prefill is not None else None
         msgs = mark_messages(apply_caps(msgs, self.caps, self.source))
         variables = self._variables(msgs, parse_tools(tools), enable_thinking, template_kwargs)
         if prefill is None:
             return rendered_prompt(self._run(variables, add_generation_prompt))
-        # a continued message: the history, the template's assistant opener, then the text
         bare = self._run(variables, False)
+        return rendered_prompt(bare + self._continuation(variables, history, bare, *prefill))
+
+    def _continuation(self, variables: dict, history: list[dict], bare: str, content: str, reasoning: str) -> str:
+        """A continued final message after the history, as llama.cpp builds it (common/chat.cpp, the
+        continuation of chat-auto-parser-generator.cpp). Where the template renders an assistant message's
+        reasoning (found by rendering one with stand-ins for its reasoning and content after the history): the
+        message's text up to its reasoning, the reasoning, and, where there is content, the text between the
+        two then the content. Else the template's assistant opener (what add_generation_prompt adds) and the
+        content."""
+        probe = history + [{"role": "assistant", "content": _CONTENT_MARK, "reasoning_content": _REASONING_MARK}]
+        full = self._run({**variables, "messages": mark_messages(apply_caps(probe, self.caps, self.source))}, False)
+        tail = full[len(bare):] if full.startswith(bare) else ""
+        i, j = tail.find(_REASONING_MARK), tail.find(_CONTENT_MARK)
+        if 0 <= i < j:
+            return tail[:i] + reasoning + (tail[i + len(_REASONING_MARK):j] + content if content else "")
         with_prompt = self._run(variables, True)
-        opener = with_prompt[len(os.path.commonprefix([bare, with_prompt])):]
-        return rendered_prompt(bare + opener + prefill)
+        return with_prompt[len(os.path.commonprefix([bare, with_prompt])):] + content
 
     def _variables(self, msgs, tool_list, enable_thinking, template_kwargs) -> dict:
         variables: dict = {"messages": msgs, "bos_token": self.bos_token, "eos_token": self.eos_token}
@@ -86,8 +105,8 @@ class ChatTemplate:
         return marked
 
 
-def _prefill_text(msgs: list[dict]) -> str | None:
-    """Pop the trailing assistant message and return the text to continue (None: nothing)."""
+def _prefill_text(msgs: list[dict]) -> tuple[str, str] | None:
+    """Pop the trailing assistant message and return its content and reasoning to continue (None: nothing)."""
     n = len(msgs)
     if n >= 2 and msgs[-2]["role"] == "assistant":
         raise TemplateError(f"messages[{n - 2}] and messages[{n - 1}]: cannot have 2 or more "
@@ -98,7 +117,8 @@ def _prefill_text(msgs: list[dict]) -> str | None:
     last = msgs.pop()
     content = last["content"]
     prefill = content if isinstance(content, str) else "\n\n".join(p["text"] for p in content)
-    if not prefill and not last.get("reasoning_content"):
+    reasoning = last.get("reasoning_content") or ""
+    if not prefill and not reasoning:
         return None   # llama.cpp continues nothing: the bare history
-    return prefill
+    return prefill, reasoning
 

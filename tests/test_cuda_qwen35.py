@@ -399,8 +399,7 @@ def test_served_chat_on_the_card(files, capsys):
     from tests.serve_proc import Served
     texts = {}
     for device in ("cpu", "cuda"):
-        with Served("-m", str(files["moe_q4km"]), "--backend", device, "-c", "1024",
-                    env={"BLOOMERY_CUDA_HYBRID": "1"}) as srv:
+        with Served("-m", str(files["moe_q4km"]), "--backend", device, "-c", "1024") as srv:
             texts[device] = _stream_chat(srv.url)
             backend = "numpy" if device == "cpu" else "cuda"
             assert any("loading weights" in line and f"backend={backend}" in line for line in srv.lines), srv.lines

@@ -513,7 +513,7 @@ def test_inconsistent_ssm_sizes_refuse_the_start_by_name(synthetic_dir, tmp_path
     assert "inconsistent SSM sizes: ssm.inner_size 96 is not ssm.state_size 16" in r.stderr, r.stderr[-2000:]
 
 
-def test_the_plan_stage_plans_the_seat_on_either_backend(synthetic_dir, monkeypatch):
+def test_the_plan_stage_plans_the_seat_on_either_backend(synthetic_dir):
     from bloomery.plan import Census
     from bloomery.stages.plan import make as make_stage_plan
     gf = open_gguf(str(make(synthetic_dir, "small", **SMALL)))
@@ -525,14 +525,8 @@ def test_the_plan_stage_plans_the_seat_on_either_backend(synthetic_dir, monkeypa
     assert plan.backend == "numpy" and plan.kv_bytes == 256 * 2 * 2 * 32 * 2 + 33 * facts.state_bytes + rope
     plan, _ = make_stage_plan({"device": "cpu", "ctx_size": 256, "ctx_checkpoints": 0}, gf, card)
     assert plan.kv_bytes == 256 * 2 * 2 * 32 * 2 + facts.state_bytes + rope
-    # on the card: refused by name until the card path is verified, unless asked for by its switch
-    from bloomery.stages.plan import HYBRID_ON_CARD, StageRefusal
-    monkeypatch.delenv(HYBRID_ON_CARD, raising=False)
-    with pytest.raises(StageRefusal, match=f"qwen35moe on the cuda backend is not verified yet .* --backend cpu .* "
-                                           f"{HYBRID_ON_CARD}=1"):
-        make_stage_plan({"device": "cuda", "ctx_size": 256}, gf, card)
-    monkeypatch.setenv(HYBRID_ON_CARD, "1")
-    # then: the state beside the KV there, its checkpoints (host copies) in the host's KV term
+    # on the card (no switch needed since session 16: docs/verify.md): the state beside the KV there, its
+    # checkpoints (host copies) in the host's KV term
     plan, _ = make_stage_plan({"device": "cuda", "ctx_size": 256}, gf, card)
     host, main = plan.placement.devices[0], plan.placement.devices[1]
     assert plan.backend == "cuda" and plan.kv_bytes == 256 * 2 * 2 * 32 * 2 + facts.state_bytes

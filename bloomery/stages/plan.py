@@ -9,18 +9,12 @@ after them) and the facts the engine stage needs, the model facts of
 """
 from __future__ import annotations
 
-import os
-
 from bloomery import records
 from bloomery.messages import codec, stage as sm
 from bloomery.placement_flags import PlacementAsk
 from bloomery.engine.models.registry import ARCHS as SEATS
 from bloomery.stages.common import StageRefusal, import_numpy_one_blas_thread, run_stage
 from bloomery.stages.meta import model_meta
-
-
-# the qwen35 family on the card: refused by name unless this is "1" (its cuda path runs, but is not verified yet)
-HYBRID_ON_CARD = "BLOOMERY_CUDA_HYBRID"
 
 
 def choose_backend(device: str, card_free_bytes: tuple[int, ...], card: int | None = None,
@@ -75,11 +69,6 @@ def make(args: dict, gf, census):
     check_ngl(args.get("ngl"), facts.n_layer)
     backend, why = choose_backend(args.get("device", "auto"), census.card_free_bytes, args.get("card"),
                                   args.get("backend_from", "") if args.get("backend_from") != "default" else "")
-    if backend == "cuda" and facts.state_bytes and os.environ.get(HYBRID_ON_CARD) != "1":
-        raise StageRefusal(f"model file {gf.path}: {facts.arch} on the cuda backend is not verified yet (docs/verify.md: "
-                           "on the card, a decode step after a short prompt parts from the CPU backend's logits by more "
-                           "than the band, cause not found); start it with --backend cpu or -dev none, or set "
-                           f"{HYBRID_ON_CARD}=1 to run the card path as it is")
     parallel = args.get("parallel", 1)
     n_parallel = "auto" if parallel == "auto" else int(parallel)
     ask = codec.build(PlacementAsk, args.get("placement_ask") or {}, "placement_ask")

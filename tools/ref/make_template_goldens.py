@@ -112,10 +112,7 @@ CUSTOM_CASES = {
 # models/templates/Qwen3.5-4B.jinja, saved beside the goldens as qwen35_template.jinja
 QWEN35_TEMPLATE = "Qwen3.5-4B.jinja"
 QWEN35_CASES = {
-    "q35_tools_with_system": {
-        "messages": [{"role": "system", "content": "Answer briefly."},
-                     {"role": "user", "content": "Weather in Oslo?"}],
-        "tools": [WEATHER_TOOL, BARE_TOOL]},
+    "q35_tools_with_system": CASES["tools_with_system"],
     "q35_multi_turn_tool_calls": {
         "messages": [
             {"role": "user", "content": "Weather in Oslo and Rome?"},

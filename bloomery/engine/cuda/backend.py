@@ -80,8 +80,8 @@ class CudaWeight:
 
 
 def _fused_recurrent() -> bool:
-    """BLOOMERY_CUDA_RECURRENT: fused (the default: decode rows of the recurrent layers step in one kernel each,
-    kernels/recurrent.cu) or array (the array code of recurrent.py, as prompt spans take; for comparison)."""
+    """BLOOMERY_CUDA_RECURRENT: fused (the default: the recurrent layers' delta rule, and their conv's decode rows,
+    in one kernel each, kernels/recurrent.cu) or array (the array code of recurrent.py; for comparison)."""
     how = os.environ.get("BLOOMERY_CUDA_RECURRENT", "fused")
     if how not in ("fused", "array"):
         raise ValueError(f"BLOOMERY_CUDA_RECURRENT={how!r}: one of fused, array")
@@ -469,13 +469,10 @@ class CudaOps:
             raise ValueError(f"delta_rule: heads of {size}; the card takes up to 32, or multiples of 32 up to 256")
         scale = np.float32(1) / np.sqrt(np.float32(size))                        # as ggml: in float32
         out = cupy.empty((t, n_v, size), f32)
+        counts = cuda_recurrent.claim(state, cuda_recurrent.DELTA, layer, rows)  # host spans checked and counted
         if cuda_recurrent.decode_rows(rows):                                     # segment b: row b, one step
-            counts = cuda_recurrent.claim(state, cuda_recurrent.DELTA, layer, rows)
-            segs = (rows.slots, rows.positions, _NULL, _NULL)
-            n_seg = t
+            segs, n_seg = (rows.slots, rows.positions, _NULL, _NULL), t
         else:
-            state.take(cuda_recurrent.DELTA, layer, spans)                       # checked and counted on the host
-            counts = False
             segs = tuple(cupy.asarray(np.array(col, np.int32)) for col in zip(*(
                 (sp.slot, sp.pos0, sp.row0, sp.row1 - sp.row0) for sp in spans)))
             n_seg = len(spans)

@@ -151,9 +151,8 @@ def decode_rows(rows) -> bool:
 
 
 def claim(st: RecurrentState, part: int, layer: int, rows) -> bool:
-    """Before a decode-form step of `part` of `layer` run by a kernel that counts on the device: host spans are
-    checked and counted here (False), a captured step's rows are left to the kernel (True: it counts them as
-    take_on_device does)."""
+    """Before a kernel steps `part` of `layer` over these rows: host spans are checked and counted here (False),
+    a captured step's rows are left to the kernel (True: it counts them as take_on_device does)."""
     if rows.spans is not None:
         st.take(part, layer, rows.spans)
         return False

@@ -250,47 +250,50 @@ ATTN_DEC(128, 16)
 ATTN_DEC(256, 4)
 ATTN_DEC(256, 8)
 
-// grid (T, H), block Dh threads: out [T, H*Dh] float, and (oq != 0) its int8-per-32 form.
-// Only the pieces row t reached are read (attn_piece positions each, of n_split).
-extern "C" __global__ void attn_merge(const float* __restrict__ part_m, const float* __restrict__ part_l,
-                                      const float* __restrict__ part_o, const int* __restrict__ pos,
-                                      int n_split, int H, int Dh,
-                                      float* __restrict__ out, i8* __restrict__ oq, float* __restrict__ od,
-                                      float* __restrict__ os) {
+// grid (T, H), block MERGE_THREADS = R groups of Dh threads (R = MERGE_THREADS / Dh): out [T, H*Dh]
+// float, and (oq != 0) its int8-per-32 form. Only the pieces row t reached are read (attn_piece
+// positions each, of n_split); group y adds pieces y, y + R, ... (eight loads in flight a thread),
+// then group 0 adds the R sums in order. (One group of Dh threads walking every piece took about
+// 25 us a layer at 128 pieces: a chain of dependent rounds in 16 blocks.)
+#define MERGE_THREADS 1024
+extern "C" __global__ void __launch_bounds__(MERGE_THREADS)
+attn_merge(const float* __restrict__ part_m, const float* __restrict__ part_l,
+           const float* __restrict__ part_o, const int* __restrict__ pos,
+           int n_split, int H, int Dh,
+           float* __restrict__ out, i8* __restrict__ oq, float* __restrict__ od,
+           float* __restrict__ os) {
     __shared__ float sh[32];
+    __shared__ float red[MERGE_THREADS];
     extern __shared__ float f[];        // [n_used] weight of each split
     pdl_wait();
     pdl_next();
-    int t = blockIdx.x, h = blockIdx.y, i = threadIdx.x;
+    int t = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+    int R = blockDim.x / Dh, i = tid % Dh, y = tid / Dh;
     int n_kv = pos[t] + 1;
     int piece = attn_piece(n_kv, n_split);
     int n_used = (n_kv + piece - 1) / piece;
     i64 base = ((i64)t * H + h) * n_split;
     float M = -3.0e38f;
-    for (int s = i; s < n_used; s += blockDim.x) M = fmaxf(M, part_m[base + s]);
+    for (int s = tid; s < n_used; s += blockDim.x) M = fmaxf(M, part_m[base + s]);
     M = block_max(M, sh);
     float L = 0.f;
-    for (int s = i; s < n_used; s += blockDim.x) {
+    for (int s = tid; s < n_used; s += blockDim.x) {
         float e = __expf(part_m[base + s] - M);
         f[s] = e;
         L += part_l[base + s] * e;
     }
     L = block_sum(L, sh);      // its barriers also publish f[]
     float acc = 0.f;
-#pragma unroll 4
-    for (int s = 0; s < n_used; s++) acc += part_o[(base + s) * Dh + i] * f[s];
+#pragma unroll 8
+    for (int s = y; s < n_used; s += R) acc += part_o[(base + s) * Dh + i] * f[s];
+    red[tid] = acc;
+    __syncthreads();
+    if (y) return;
+    for (int r = 1; r < R; r++) acc += red[r * Dh + i];
     float v = acc / L;
     i64 at = ((i64)t * H + h) * Dh + i;
     out[at] = v;
-    if (oq) {
-        int lane = i % WARP;
-        float amax = warp_max(fabsf(v));
-        float d = amax / 127.f;
-        int qv = amax == 0.f ? 0 : __float2int_rn(v / d);
-        float sum = warp_sum((float)qv) * d;
-        oq[at] = (i8)qv;
-        if (lane == 0) { od[at / 32] = d; os[at / 32] = sum; }
-    }
+    if (oq) store_q8(v, at, oq, od, os);
 }
 
 // Prompt path: s [R, n_kv] float scores (already scaled) -> p [R, n_kv] f16 probabilities,

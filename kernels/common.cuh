@@ -45,6 +45,18 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 // Sum over a block of blockDim.x threads (a multiple of 32, at most 1024); every thread gets it.
+// A warp's 32 values (lane l holds the value at index at, at % 32 == l) in their int8-per-32 form:
+// xq[at] = round(v / d), and lane 0 writes xd = d = max|v| / 127 and xs = d * sum(q) for the block
+// (llama.cpp's block_q8_1, as quantize_q8 writes it). The whole warp calls it.
+__device__ __forceinline__ void store_q8(float v, i64 at, i8* __restrict__ xq, float* __restrict__ xd,
+                                         float* __restrict__ xs) {
+    float amax = warp_max(fabsf(v));
+    float d = amax / 127.f;
+    int q = amax == 0.f ? 0 : __float2int_rn(v / d);
+    float sum = warp_sum((float)q) * d;      // the sum of the values as quantized: offsets cancel exactly
+    xq[at] = (i8)q;
+    if (at % WARP == 0) { xd[at / WARP] = d; xs[at / WARP] = sum; }
+}
 __device__ __forceinline__ float block_sum(float v, float* sh /* [32] */) {
     int lane = threadIdx.x % WARP, w = threadIdx.x / WARP, nw = blockDim.x / WARP;
     v = warp_sum(v);

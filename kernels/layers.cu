@@ -113,6 +113,39 @@ extern "C" __global__ void f32_to_f16(const float* __restrict__ x, i64 n, u16* _
     pdl_next();
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) y[i] = f2h(x[i]);
 }
+// The same for decode-sized rows: out f32 and its int8-per-32 form (n % 32 == 0, whole warps
+// over consecutive blocks of 32), so the product that reads it next quantizes nothing.
+extern "C" __global__ void swiglu_q8(const float* __restrict__ g, const float* __restrict__ u, i64 n,
+                                     float* __restrict__ out, i8* __restrict__ oq, float* __restrict__ od,
+                                     float* __restrict__ os) {
+    pdl_wait();
+    pdl_next();
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        float v = silu(g[i]) * u[i];
+        out[i] = v;
+        store_q8(v, i, oq, od, os);
+    }
+}
+// y = x * sigmoid(gate) (+ plus) (+ residual), each step rounded as its own op (the numpy backend's
+// order: the product, then plus + it, then + residual), over [rows, N]; gate is [rows, ng] with ng = N
+// or 1 (one gate a row). With oq set (N % 32 == 0), y's int8-per-32 form too.
+extern "C" __global__ void sigmoid_gate(const float* __restrict__ x, const float* __restrict__ gate, int ng,
+                                        const float* __restrict__ plus, const float* __restrict__ residual,
+                                        int N, i64 n, float* __restrict__ y, i8* __restrict__ oq,
+                                        float* __restrict__ od, float* __restrict__ os) {
+    pdl_wait();
+    pdl_next();
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        i64 row = i / N;
+        float g = gate[ng == 1 ? row : row * ng + i % N];
+        float s = 1.0f / (1.0f + expf(-g));
+        float v = __fmul_rn(x[i], s);
+        if (plus) v = __fadd_rn(plus[i], v);
+        if (residual) v = __fadd_rn(v, residual[i]);
+        y[i] = v;
+        if (oq) store_q8(v, i, oq, od, os);
+    }
+}
 // act = silu(g) * u over [n] elements; g, u float (f32) -> out f16 (prompt path) or f32.
 extern "C" __global__ void swiglu_f(const float* __restrict__ g, const float* __restrict__ u, i64 n,
                                     float* __restrict__ out32, u16* __restrict__ out16) {

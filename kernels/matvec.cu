@@ -15,13 +15,7 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, int K, int n
     int blk = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     int lane = threadIdx.x % WARP;
     if (blk >= n_blocks) return;
-    float v = x[(i64)blk * 32 + lane];
-    float amax = warp_max(fabsf(v));
-    float d = amax / 127.f;
-    int q = amax == 0.f ? 0 : __float2int_rn(v / d);
-    float sum = warp_sum((float)q) * d;      // the sum of the values as quantized: offsets cancel exactly
-    xq[(i64)blk * 32 + lane] = (i8)q;
-    if (lane == 0) { xd[blk] = d; xs[blk] = sum; }
+    store_q8(x[(i64)blk * 32 + lane], (i64)blk * 32 + lane, xq, xd, xs);
 }
 
 // RMSNorm then quantize: one block per row (blockDim a multiple of 32, K <= 8 * blockDim);

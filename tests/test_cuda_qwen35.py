@@ -100,6 +100,33 @@ def test_elementwise_ops_match_the_numpy_backend(ops):
     np.testing.assert_allclose(got, cpu.l2_norm(x, 1e-6), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows, n, ng", [(1, 2048, 1), (3, 2048, 1), (2, 4096, 4096), (40, 96, 96)])
+def test_the_fused_gate_matches_the_ops_one_by_one(ops, rows, n, ng):
+    """sigmoid_gate (one gate a row as the shared expert's, or one a value as gated attention's; alone,
+    with plus, with plus and residual) equals the numpy backend's mul, add, add to float32 rounding
+    (libm's expf against the card's); on decode-sized rows its int8-per-32 form, and swiglu's, equal
+    what quantize_q8 makes of the output."""
+    import cupy
+    from bloomery.engine.cpu.backend import NumpyOps
+    cpu = NumpyOps()
+    rng = np.random.default_rng(rows + n)
+    x, plus, res = (rng.standard_normal((rows, n)).astype(np.float32) for _ in range(3))
+    gate = (rng.standard_normal((rows, ng)) * 4).astype(np.float32)
+    for kw in ({}, {"plus": plus}, {"plus": plus, "residual": res}):
+        got = ops.sigmoid_gate(cupy.asarray(x), cupy.asarray(gate), **{k: cupy.asarray(v) for k, v in kw.items()})
+        np.testing.assert_allclose(cupy.asnumpy(got), cpu.sigmoid_gate(x, gate, **kw), rtol=2e-6, atol=2e-6)
+        if rows <= 8 and n % 32 == 0:
+            for a, b in zip(ops.q8(got), ops.q8(got.copy())):           # remembered, and made afresh
+                np.testing.assert_array_equal(cupy.asnumpy(a).ravel(), cupy.asnumpy(b).ravel())
+    g3, u3 = (cupy.asarray(rng.standard_normal((rows, 4, n // 4)).astype(np.float32)) for _ in range(2))
+    out = ops.swiglu(g3, u3)
+    np.testing.assert_allclose(cupy.asnumpy(out), cpu.swiglu(cupy.asnumpy(g3), cupy.asnumpy(u3)), rtol=1e-5, atol=1e-6)
+    if rows <= 8:
+        flat = out.reshape(rows, n)                                     # the view the next product reads
+        for a, b in zip(ops.q8(flat), ops.q8(flat.copy())):
+            np.testing.assert_array_equal(cupy.asnumpy(a).ravel(), cupy.asnumpy(b).ravel())
+
+
 @pytest.mark.parametrize("size, n_v, n_k, width", [(128, 32, 16, 4), (64, 4, 2, 4), (16, 4, 1, 3)])
 def test_the_fused_decode_step_matches_the_array_code(ops, monkeypatch, size, n_v, n_k, width):
     """conv_step and delta_rule, the kernels (kernels/recurrent.cu) against the array code of recurrent.py

@@ -112,6 +112,11 @@ class Ops(Protocol):
     def mul(self, a: Array, b: Array | Weight) -> Array:
         """a * b, b broadcast over leading axes (a weight handle is accepted)."""
 
+    def sigmoid_gate(self, x: Array, gate: Array, plus: Array | None = None,
+                     residual: Array | None = None) -> Array:
+        """x [T, N] * sigmoid(gate) (gate [T, N], or [T, 1]: one a row), then plus + that, then
+        + residual, each step rounded as mul, add and add would: one step, so a backend may fuse it."""
+
     def l2_norm(self, x: Array, eps: float) -> Array:
         """x / sqrt(sum(x^2) + eps) over the last axis."""
 

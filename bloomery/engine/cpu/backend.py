@@ -530,6 +530,13 @@ class NumpyOps:
     def mul(self, a, b) -> np.ndarray:
         return _f32(a) * (_vec(b) if isinstance(b, NumpyWeight) else _f32(b))
 
+    def sigmoid_gate(self, x, gate, plus=None, residual=None) -> np.ndarray:
+        """mul(x, sigmoid(gate)), then add(plus, it), then add(it, residual): the ops one by one."""
+        y = self.mul(x, self.sigmoid(gate))
+        if plus is not None:
+            y = self.add(plus, y)
+        return y if residual is None else self.add(y, residual)
+
     def l2_norm(self, x, eps: float) -> np.ndarray:
         """x / sqrt(sum x^2 + eps) over the last axis, as llama.cpp builds it for the delta rule:
         rms_norm with eps/n, then a scale by 1/sqrt(n)."""

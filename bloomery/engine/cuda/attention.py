@@ -21,6 +21,7 @@ from bloomery.engine.cuda.sizes import DECODE_ROWS, SCORE_BYTES
 
 DEC_MAXG = (4, 8, 16)               # query heads per kv head the attn_dec kernels are built for
 DEC_BLOCKS_PER_SM = 2               # attn_dec blocks aimed at per SM (the pieces follow the depth)
+MERGE_THREADS = 1024                # attn_merge's block: groups of Dh threads, each over a share of the pieces
 
 
 def dec_kernel(g: int, dh: int) -> str:
@@ -148,7 +149,7 @@ def _split_path(ops, cache, layer_off, rows, q_rot, n_kv_head: int, scale: float
     oq = cupy.empty((t, n_head * dh), cupy.int8)
     od = cupy.empty((t, n_head * dh // 32), cupy.float32)
     os_ = cupy.empty((t, n_head * dh // 32), cupy.float32)
-    ops.k.attn_merge((t, n_head), (dh,), (part_m, part_l, part_o, rows.positions, np.int32(n_split), np.int32(n_head), np.int32(dh), out, oq, od, os_),
+    ops.k.attn_merge((t, n_head), (MERGE_THREADS // dh * dh,), (part_m, part_l, part_o, rows.positions, np.int32(n_split), np.int32(n_head), np.int32(dh), out, oq, od, os_),
                      shared_mem=4 * n_split)
     ops.remember_q8(out, oq, od, os_)
     return out

@@ -151,7 +151,7 @@ class CudaOps:
     def __init__(self):
         self.k = Kernels()
         self.n_sm = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
-        self._q8: OrderedDict[int, tuple] = OrderedDict()    # id(x) -> (x, xq, xd, xs)
+        self._q8: OrderedDict[tuple, tuple] = OrderedDict()  # (address, size) -> (x, xq, xd, xs)
         self._runners: dict[int, object] = {}
         self.offload = None                                  # experts.Offload once host experts are loaded
         self._occupancy: dict[tuple, int] = {}
@@ -197,17 +197,20 @@ class CudaOps:
 
     # --- the activation's int8 form, made once per activation ---
     def remember_q8(self, x, xq, xd, xs) -> None:
-        self._q8[id(x)] = (x, xq, xd, xs)
+        """x's int8-per-32 form, made by the kernel that wrote x. It is found again for x and for any
+        contiguous view of x's bytes (a reshape of [T, H, S] to [T, H*S]: its blocks of 32 are the same
+        values in the same order); the entry holds x, so its memory is not reused while remembered."""
+        self._q8[(x.data.ptr, x.size)] = (x, xq, xd, xs)
         while len(self._q8) > 8:
             self._q8.popitem(last=False)
 
     def q8(self, x):
-        got = self._q8.get(id(x))
-        if got is not None and got[0] is x:
-            return got[1:]
         t, k = x.shape
         if k % 32:
             raise ValueError(f"a row of {k} values cannot be quantized in blocks of 32")
+        got = self._q8.get((x.data.ptr, x.size)) if x.flags.c_contiguous and x.dtype == cupy.float32 else None
+        if got is not None:
+            return got[1:]
         xq = cupy.empty((t, k), cupy.int8)
         xd = cupy.empty((t, k // 32), cupy.float32)
         xs = cupy.empty((t, k // 32), cupy.float32)
@@ -349,10 +352,41 @@ class CudaOps:
         return y
 
     def swiglu(self, gate, up):
+        """silu(gate) * up; decode-sized rows also get their int8-per-32 form (the next product's input)."""
         out = cupy.empty(gate.shape, cupy.float32)
-        self.k.swiglu_f((min(_grid(gate.size, 256), 4096),), (256,),
-                        (cupy.ascontiguousarray(gate), cupy.ascontiguousarray(up), np.int64(gate.size), out, _NULL))
+        g, u = cupy.ascontiguousarray(gate), cupy.ascontiguousarray(up)
+        grid = (min(_grid(gate.size, 256), 4096),)
+        if gate.ndim >= 2 and gate.shape[0] <= MMV_ROWS and gate.size % 32 == 0:
+            oq, od, os_ = self._q8_arrays(gate.size)
+            self.k.swiglu_q8(grid, (256,), (g, u, np.int64(gate.size), out, oq, od, os_))
+            self.remember_q8(out, oq, od, os_)
+        else:
+            self.k.swiglu_f(grid, (256,), (g, u, np.int64(gate.size), out, _NULL))
         return out
+
+    def sigmoid_gate(self, x, gate, plus=None, residual=None):
+        """x * sigmoid(gate) (+ plus) (+ residual) in one launch, each step rounded as the numpy
+        backend's ops; gate [T, N] or [T, 1]. Decode-sized rows also get their int8-per-32 form."""
+        x = cupy.ascontiguousarray(x, dtype=cupy.float32)
+        t, n = x.shape
+        gate = cupy.ascontiguousarray(gate, dtype=cupy.float32).reshape(t, -1)
+        ng = gate.shape[1]
+        if ng not in (1, n):
+            raise ValueError(f"sigmoid_gate: a gate of {ng} values a row for rows of {n}: it takes 1 or {n}")
+        out = cupy.empty((t, n), cupy.float32)
+        quant = t <= MMV_ROWS and n % 32 == 0
+        oq, od, os_ = self._q8_arrays(x.size) if quant else (_NULL, _NULL, _NULL)
+        self.k.sigmoid_gate((min(_grid(x.size, 256), 4096),), (256,), (
+            x, gate, _i32(ng), _NULL if plus is None else cupy.ascontiguousarray(plus, dtype=cupy.float32),
+            _NULL if residual is None else cupy.ascontiguousarray(residual, dtype=cupy.float32),
+            _i32(n), np.int64(x.size), out, oq, od, os_))
+        if quant:
+            self.remember_q8(out, oq, od, os_)
+        return out
+
+    @staticmethod
+    def _q8_arrays(size: int):
+        return cupy.empty(size, cupy.int8), cupy.empty(size // 32, cupy.float32), cupy.empty(size // 32, cupy.float32)
 
     def sigmoid(self, x):
         """1 / (1 + e^-x) in f32 (expf), as ggml_vec_sigmoid_f32."""

@@ -252,7 +252,7 @@ def gated_attention(m, il: int, x, rows, imrope_sections):
     a = ops.self_attention(m.cache, m.kv_of[il], rows, q, k, v, m.kq_scale, hp.n_rot, hp.freq_base,
                            q_norm=ly["q_norm"], k_norm=ly["k_norm"], eps=hp.rms_eps,
                            imrope_sections=imrope_sections)                      # [T, H*Dh]
-    return ops.matmul(ops.mul(a, ops.sigmoid(gate)), ly["wo"], x)                # [T, D]
+    return ops.matmul(ops.sigmoid_gate(a, gate), ly["wo"], x)                    # [T, D]
 
 
 def delta_net(m, il: int, x, rows):
@@ -267,8 +267,8 @@ def delta_net(m, il: int, x, rows):
                                           [None] * 4)                           # [T, C], [T, H*S], [T, H] x2
     t, s, kd = qkv.shape[0], dn.d_state, dn.key_dim
     conv = ops.conv_step(m.state, m.state_of[il], rows, qkv, ly["conv1d"], silu=True)   # [T, C]
-    q = ops.l2_norm(conv[:, :kd].reshape(t, dn.n_group, s), hp.rms_eps)         # [T, Hk, S]
-    k = ops.l2_norm(conv[:, kd:2 * kd].reshape(t, dn.n_group, s), hp.rms_eps)   # [T, Hk, S]
+    qk = ops.l2_norm(conv[:, :2 * kd].reshape(t, 2 * dn.n_group, s), hp.rms_eps)   # [T, 2*Hk, S]: q's heads, k's
+    q, k = qk[:, :dn.n_group], qk[:, dn.n_group:]                               # [T, Hk, S] each
     v = conv[:, 2 * kd:].reshape(t, dn.dt_rank, s)                               # [T, H, S]
     o = ops.delta_rule(m.state, m.state_of[il], rows, q, k, v, al, b, ly["dt_bias"], ly["ssm_a"])   # [T, H, S]
     o = ops.swiglu(z.reshape(t, dn.dt_rank, s), ops.rms_norm(o, ly["ssm_norm"], hp.rms_eps))   # norm * silu(z)
@@ -285,8 +285,8 @@ def shared_expert_moe_ffn(m, il: int, x):
                                               ly["gate_inp_shexp"]], [None] * 4)   # [T, E], [T, Fs] x2, [T, 1]
     ids, w = ops.moe_route(logits, m.moe.n_expert_used, norm_weights=True)       # [T, A]
     routed = ops.moe_ffn(h, ids, w, ly["gate_exps"], ly["up_exps"], ly["down_exps"])   # [T, D]
-    shared = ops.mul(ops.matmul(ops.swiglu(g, u), ly["down_shexp"]), ops.sigmoid(gs))  # [T, D]
-    return ops.add(ops.add(routed, shared), x)                                   # [T, D]
+    shared = ops.matmul(ops.swiglu(g, u), ly["down_shexp"])                      # [T, D]
+    return ops.sigmoid_gate(shared, gs, plus=routed, residual=x)                 # routed + shared * gate + x
 
 
 def load_hybrid(m, attn_layer: dict, recurrent_layer: dict) -> None:

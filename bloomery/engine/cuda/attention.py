@@ -12,6 +12,7 @@ C = n_ctx_slot, L = layers, S = slots.
 from __future__ import annotations
 
 import math
+import os
 
 import cupy
 import numpy as np
@@ -20,7 +21,7 @@ from bloomery.engine.cuda.gemm import gemm_nn, gemm_nt
 from bloomery.engine.cuda.sizes import DECODE_ROWS, SCORE_BYTES
 
 DEC_MAXG = (4, 8, 16)               # query heads per kv head the attn_dec kernels are built for
-DEC_BLOCKS_PER_SM = 2               # attn_dec blocks aimed at per SM (the pieces follow the depth)
+DEC_BLOCKS_PER_SM = 3               # attn_dec blocks aimed at per SM, at most what fits (the pieces follow the depth)
 MERGE_THREADS = 1024                # attn_merge's block: groups of Dh threads, each over a share of the pieces
 
 
@@ -33,10 +34,24 @@ def dec_kernel(g: int, dh: int) -> str:
     return f"attn_dec_{dh}_{maxg}"
 
 
-def n_pieces(n_ctx_slot: int, n_kv_head: int, rows: int, n_sm: int) -> int:
-    """Pieces the keys of a row are cut into (the grid's x): about DEC_BLOCKS_PER_SM blocks per
-    SM over all rows and kv heads, never more than the context's 32-position chunks."""
-    return max(1, min(-(-n_ctx_slot // 32), DEC_BLOCKS_PER_SM * n_sm // max(1, n_kv_head * rows)))
+def blocks_per_sm() -> int:
+    """attn_dec blocks aimed at per SM: DEC_BLOCKS_PER_SM, or BLOOMERY_CUDA_ATTN_BLOCKS (a lever for
+    measuring; a step's grid is fixed when it is captured)."""
+    raw = os.environ.get("BLOOMERY_CUDA_ATTN_BLOCKS", "")
+    if not raw:
+        return DEC_BLOCKS_PER_SM
+    if not raw.isdigit() or not 1 <= int(raw) <= 64:
+        raise ValueError(f"BLOOMERY_CUDA_ATTN_BLOCKS={raw!r}: a whole number of blocks per SM, 1 to 64")
+    return int(raw)
+
+
+def n_pieces(n_ctx_slot: int, n_kv_head: int, rows: int, n_sm: int, fit: int = DEC_BLOCKS_PER_SM) -> int:
+    """Pieces the keys of a row are cut into (the grid's x): about blocks_per_sm() blocks per SM, and
+    no more than `fit` (the blocks of the kernel that fit an SM at once), over all rows and kv heads,
+    never more than the context's 32-position chunks. (On the H200, qwen3moe's 128 x 8 heads: 3 blocks
+    a SM, where 3 fit, against 2 gave steps of 8 rows 3-6 % shorter and one row's the same.)"""
+    per_sm = max(1, min(blocks_per_sm(), fit))
+    return max(1, min(-(-n_ctx_slot // 32), per_sm * n_sm // max(1, n_kv_head * rows)))
 
 
 _NULL = np.uint64(0)
@@ -138,11 +153,12 @@ def self_attention(ops, cache: KVCacheF16, layer: int, rows, q, k, v, scale: flo
 
 def _split_path(ops, cache, layer_off, rows, q_rot, n_kv_head: int, scale: float):
     t, n_head, dh = q_rot.shape
-    n_split = n_pieces(cache.n_ctx_slot, n_kv_head, t, ops.n_sm)
+    fn = getattr(ops.k, dec_kernel(n_head // n_kv_head, dh))
+    n_split = n_pieces(cache.n_ctx_slot, n_kv_head, t, ops.n_sm, ops.blocks_that_fit(fn, 128, 0))
     part_m = cupy.empty((t, n_head, n_split), cupy.float32)
     part_l = cupy.empty((t, n_head, n_split), cupy.float32)
     part_o = cupy.empty((t, n_head, n_split, dh), cupy.float32)
-    getattr(ops.k, dec_kernel(n_head // n_kv_head, dh))((n_split, n_kv_head, t), (128,), (
+    fn((n_split, n_kv_head, t), (128,), (
         q_rot, cache.k, cache.v, rows.slots, rows.positions, np.int32(n_head), np.int32(n_kv_head), layer_off,
         np.int64(cache.slot_stride), np.int32(cache.n_ctx_slot), np.float32(scale), part_m, part_l, part_o))
     out = cupy.empty((t, n_head * dh), cupy.float32)                      # [T, H*Dh]

@@ -271,14 +271,19 @@ class CudaOps:
         self.remember_q8(y, yq, yd, ys)
         return y, outs
 
-    def _rows_per_warp(self, fn, n_blocks: int, threads: int, smem: int) -> int:
-        """Rows each warp of a one-row-per-warp kernel takes in turn so that its grid fits the
-        card at once (one wave), from the driver's count of blocks per SM."""
+    def blocks_that_fit(self, fn, threads: int, smem: int) -> int:
+        """Blocks of fn (threads each, smem bytes of dynamic shared memory) an SM holds at once, by
+        the driver's count (registers, shared memory)."""
         key = (id(fn), threads, smem)
         per_sm = self._occupancy.get(key)
         if per_sm is None:
             per_sm = self._occupancy[key] = max(1, fn.occupancy(threads, smem))
-        return max(1, -(-n_blocks // (per_sm * self.n_sm)))
+        return per_sm
+
+    def _rows_per_warp(self, fn, n_blocks: int, threads: int, smem: int) -> int:
+        """Rows each warp of a one-row-per-warp kernel takes in turn so that its grid fits the
+        card at once (one wave), from the driver's count of blocks per SM."""
+        return max(1, -(-n_blocks // (self.blocks_that_fit(fn, threads, smem) * self.n_sm)))
 
     def _mat_params(self, t, ws, biases, residuals):
         outs, params = [], []

@@ -177,28 +177,37 @@ def _gemm_path(ops, cache, layer: int, spans, q_rot, n_kv_head: int, scale: floa
     c = cache.n_ctx_slot
     out = cupy.empty((t, n_head * dh), cupy.float32)                      # [T, H*Dh]
     kf, vf = cache.k.view(cupy.float16), cache.v.view(cupy.float16)
+
+    def chunk_rows(sp) -> int:
+        return max(1, min(sp.row1 - sp.row0, SCORE_BYTES // (4 * n_head * (sp.row1 - sp.row0 + sp.pos0))))
+
+    # One score, probability and output buffer a call, each as large as the largest chunk, every chunk a
+    # view of it: chunks whose key counts grow (and the passes of a long prompt) would otherwise ask the
+    # pool for ever larger blocks while the last chunk's are still held, past the SCORE_BYTES the plan counts.
+    n_s = max(n_head * chunk_rows(sp) * (sp.row1 - sp.row0 + sp.pos0) for sp in spans)
+    s_buf, p_buf = cupy.empty(n_s, cupy.float32), cupy.empty(n_s, cupy.float16)
+    o_buf = cupy.empty(max(chunk_rows(sp) for sp in spans) * n_head * dh, cupy.float32)
     for sp in spans:
         n_rows = sp.row1 - sp.row0
-        n_kv = sp.pos0 + n_rows
         qs = (q_rot[sp.row0:sp.row1] * np.float32(scale)).reshape(n_rows, n_kv_head, g, dh)
         q16 = ops.f16(qs.transpose(1, 0, 2, 3))                           # [Hkv, t, G, Dh]
         k0 = kf[layer, sp.slot]                                           # [Hkv, C, Dh]
         v0 = vf[layer, sp.slot]
-        chunk = max(1, min(n_rows, SCORE_BYTES // (4 * n_head * n_kv)))
+        chunk = chunk_rows(sp)
         for c0 in range(0, n_rows, chunk):
             cn = min(chunk, n_rows - c0)
             m = cn * g                                                    # rows per kv head
             nk = sp.pos0 + c0 + cn                                        # keys this chunk's rows can see
             qc = cupy.ascontiguousarray(q16[:, c0:c0 + cn]).reshape(n_kv_head, m, dh)
-            s = cupy.empty((n_kv_head, m, nk), cupy.float32)              # [Hkv, m, nk]
+            s = s_buf[:n_kv_head * m * nk].reshape(n_kv_head, m, nk)      # [Hkv, m, nk]
             gemm_nt(qc, k0, s, batch=n_kv_head, stride_x=m * dh, stride_w=c * dh, stride_out=m * nk,
                     m=m, n=nk, k=dh, ldw=dh)
-            p = cupy.empty((n_kv_head, m, nk), cupy.float16)
+            p = p_buf[:n_kv_head * m * nk].reshape(n_kv_head, m, nk)
             ops.k.softmax_causal((n_kv_head * m,), (256,), (s, np.int32(nk), np.int32(sp.pos0 + c0),
                                                             np.int32(g), np.int32(m), p))
-            o = cupy.empty((n_kv_head, m, dh), cupy.float32)              # [Hkv, m, Dh]
+            o = o_buf[:n_kv_head * m * dh].reshape(n_kv_head, m, dh)      # [Hkv, m, Dh]
             gemm_nn(p, v0, o, batch=n_kv_head, stride_p=m * nk, stride_v=c * dh, stride_out=m * dh,
                     m=m, n=dh, k=nk, ldv=dh)
-            rows = o.reshape(n_kv_head, cn, g, dh).transpose(1, 0, 2, 3).reshape(cn, n_head * dh)
-            out[sp.row0 + c0:sp.row0 + c0 + cn] = rows
+            out[sp.row0 + c0:sp.row0 + c0 + cn].reshape(cn, n_kv_head, g, dh)[...] = \
+                o.reshape(n_kv_head, cn, g, dh).transpose(1, 0, 2, 3)    # into place, no copy between
     return out

@@ -4,8 +4,10 @@ decode; a backend with more paths needs each of them).
 
 - one id through every layer: each weight's first use (the numpy backend's decoded forms; the cuda
   kernels' modules);
-- a backend with a separate prompt path (caps.decode_rows > 0): one pass of decode_rows + 1 ids,
-  which compiles the GEMM and attention kernels of that path;
+- a backend with a separate prompt path (caps.decode_rows > 0): prompts of 2, 4 and 8 ids (the
+  mat-vec kernels of each row count a short prompt takes outside the captured steps), then passes of
+  decode_rows + 1, 64 and 512 ids, which load the GEMM and attention kernels of that path for small
+  and large passes (cuBLAS picks its kernels by shape, and the card loads each on its first launch);
 - a backend with captured decode steps (caps.decode_graphs): one step of every batch size up to the
   slots (the largest the captured steps take), which captures each graph.
 
@@ -29,9 +31,18 @@ def warm_up(model, n_slots: int) -> list[tuple[str, float]]:
 
     caps = model.ops.caps
     timed("first id", lambda: model.prefill(0, np.zeros(1, np.int32), 0))
-    if caps.decode_rows > 0 and model.n_ctx_slot > caps.decode_rows + 1:
-        n = caps.decode_rows + 1
-        timed(f"prompt path ({n} ids)", lambda: model.prefill(0, np.zeros(n, np.int32), 0))
+    if caps.decode_rows > 0:
+        short = [n for n in (2, 4, 8) if n <= caps.decode_rows and n < model.n_ctx_slot]
+        passes = [n for n in (caps.decode_rows + 1, 64, 512)
+                  if caps.decode_rows < n < model.n_ctx_slot and n <= model.n_ubatch]
+
+        def prompts(sizes) -> None:
+            for n in sizes:
+                model.prefill(0, np.zeros(n, np.int32), 0)
+        if short:
+            timed(f"short prompts ({', '.join(map(str, short))} ids)", lambda: prompts(short))
+        if passes:
+            timed(f"prompt path ({', '.join(map(str, passes))} ids)", lambda: prompts(passes))
     if caps.decode_graphs:
         runner = model.ops.decode_runner(model)
         top = min(n_slots, runner.max_batch if runner is not None else 0)

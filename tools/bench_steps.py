@@ -220,8 +220,10 @@ def run(a) -> dict:
         res["prompt_kernels_ms"] = {str(p): got}
         if got:
             top = ", ".join(f"{k} {v[0]:.2f} ({v[1]:.0f})" for k, v in list(got.items())[:10])
+            rate = res["prompt_tok_s"].get(str(p)) or res["prompt_tok_s"].get(f"{p} planned")
+            wall = f"; the pass takes {1e3 * p / rate:.2f} ms unprofiled" if rate else ""
             print(f"kernels of a {p}-id prompt pass (ms (launches) a pass; all {got['all'][0]:.2f} ms in "
-                  f"{got['all'][1]:.0f} launches): {top}", flush=True)
+                  f"{got['all'][1]:.0f} launches{wall}): {top}", flush=True)
     if a.ops:
         model.ops.decode_layers = lambda *args: None                 # every step takes the ops
         res["ops"] = True

@@ -232,7 +232,8 @@ class CudaOps:
             if x.shape[-1] != w.n_cols:
                 raise ValueError(f"matmul: input has {x.shape[-1]} columns, the weight's rows are {w.n_cols} long")
         if x.shape[0] > MMV_ROWS:
-            outs = [self._gemm(x, w) for w in ws]
+            x16 = self.f16(x) if any(w.ggml_type != F32 for w in ws) else None        # once for every weight
+            outs = [self._gemm(x, w, x16) for w in ws]
             outs = [o if b is None else o + b.vec for o, b in zip(outs, biases)]
             return [o if r is None else o + r for o, r in zip(outs, residuals)]
         outs = []
@@ -327,11 +328,13 @@ class CudaOps:
         self.k.f32_to_f16((min(_grid(x.size, 256), 4096),), (256,), (x, np.int64(x.size), out))
         return out
 
-    def _gemm(self, x, w: CudaWeight):
+    def _gemm(self, x, w: CudaWeight, x16=None):
+        """x [T, K] f32 against w: an F32 weight as f32 (the routers), else through f16 copies of both (x16: x's,
+        made once by the caller for several weights)."""
         if w.ggml_type == F32:
             return x @ w.data.view(cupy.float32).reshape(w.n_rows, w.n_cols).T   # [T, N] small (routers)
         out = cupy.empty((x.shape[0], w.n_rows), cupy.float32)                    # [T, N]
-        return gemm_nt(self.f16(x), self.dequant_f16(w), out)
+        return gemm_nt(self.f16(x) if x16 is None else x16, self.dequant_f16(w), out)
 
     # --- elementwise and norms ---
     def add(self, a, b):

@@ -171,6 +171,12 @@ def _split_path(ops, cache, layer_off, rows, q_rot, n_kv_head: int, scale: float
     return out
 
 
+def _pow2_within(n: int, cap: int) -> int:
+    """n rounded up to a power of two where that stays within cap, else n itself."""
+    up = 1 << max(0, n - 1).bit_length()
+    return up if up <= cap else n
+
+
 def _gemm_path(ops, cache, layer: int, spans, q_rot, n_kv_head: int, scale: float):
     t, n_head, dh = q_rot.shape
     g = n_head // n_kv_head
@@ -181,12 +187,14 @@ def _gemm_path(ops, cache, layer: int, spans, q_rot, n_kv_head: int, scale: floa
     def chunk_rows(sp) -> int:
         return max(1, min(sp.row1 - sp.row0, SCORE_BYTES // (4 * n_head * (sp.row1 - sp.row0 + sp.pos0))))
 
-    # One score, probability and output buffer a call, each as large as the largest chunk, every chunk a
-    # view of it: chunks whose key counts grow (and the passes of a long prompt) would otherwise ask the
-    # pool for ever larger blocks while the last chunk's are still held, past the SCORE_BYTES the plan counts.
-    n_s = max(n_head * chunk_rows(sp) * (sp.row1 - sp.row0 + sp.pos0) for sp in spans)
+    # One score, probability and output buffer a call, each as large as the largest chunk (rounded up to a
+    # power of two, within SCORE_BYTES), every chunk a view of it: chunks whose key counts grow (and the passes
+    # of a long prompt) would otherwise ask the pool for ever larger blocks while the last ones are still held,
+    # past the SCORE_BYTES the plan counts. The rounding gives a long prompt's passes one size (a chunk's scores
+    # come to just under SCORE_BYTES at every depth), so the pool's block of the first serves the next.
+    n_s = _pow2_within(max(n_head * chunk_rows(sp) * (sp.row1 - sp.row0 + sp.pos0) for sp in spans), SCORE_BYTES // 4)
     s_buf, p_buf = cupy.empty(n_s, cupy.float32), cupy.empty(n_s, cupy.float16)
-    o_buf = cupy.empty(max(chunk_rows(sp) for sp in spans) * n_head * dh, cupy.float32)
+    o_buf = cupy.empty(_pow2_within(max(chunk_rows(sp) for sp in spans) * n_head * dh, SCORE_BYTES // 4), cupy.float32)
     for sp in spans:
         n_rows = sp.row1 - sp.row0
         qs = (q_rot[sp.row0:sp.row1] * np.float32(scale)).reshape(n_rows, n_kv_head, g, dh)

@@ -51,15 +51,19 @@ def one_start(a, mode: str, work: Path) -> dict:
     t0 = time.perf_counter()
     with Server(argv, port, log, a.ready_timeout_s, env={"CUPY_CACHE_DIR": str(cache), "BLOOMERY_CUDA_KERNELS": mode}) as srv:
         ready_s = time.perf_counter() - t0
-        times = []
+        files_at_ready = sum(1 for _ in cache.iterdir())
+        times, engine = [], []
         for _ in range(10):
             t = time.perf_counter()
-            srv.completion({"prompt": "The cold start of a server", "n_predict": 16, "cache_prompt": False,
-                            "temperature": 0})
+            body = srv.completion({"prompt": "The cold start of a server", "n_predict": 16, "cache_prompt": False,
+                                   "temperature": 0})
             times.append(time.perf_counter() - t)
+            tm = body.get("timings") or {}
+            engine.append((tm.get("prompt_ms"), tm.get("predicted_ms")))
     return {"mode": mode, "ready_s": round(ready_s, 2), "first_request_s": round(times[0], 3),
-            "tenth_request_s": round(times[-1], 3), **records(log.read_text(errors="replace")),
-            "cupy_cache_files": sum(1 for _ in cache.iterdir())}
+            "tenth_request_s": round(times[-1], 3), "first_engine_ms": engine[0], "tenth_engine_ms": engine[-1],
+            **records(log.read_text(errors="replace")),
+            "cupy_cache_files_at_ready": files_at_ready, "cupy_cache_files": sum(1 for _ in cache.iterdir())}
 
 
 def main(argv=None) -> int:
@@ -84,7 +88,9 @@ def main(argv=None) -> int:
         r = one_start(a, mode, work)
         results.append(r)
         print(f"{mode:9s} ready {r['ready_s']:7.2f} s  first request {r['first_request_s']:.3f} s  "
-              f"tenth {r['tenth_request_s']:.3f} s  (CuPy cache: {r['cupy_cache_files']} files)", flush=True)
+              f"tenth {r['tenth_request_s']:.3f} s  (engine prompt/decode ms: first {r['first_engine_ms']}, tenth "
+              f"{r['tenth_engine_ms']}; CuPy cache: {r['cupy_cache_files_at_ready']} files at ready, "
+              f"{r['cupy_cache_files']} after)", flush=True)
         for name in RECORDS:
             if name in r:
                 print(f"          {name}: {r[name]}", flush=True)

@@ -260,11 +260,13 @@ def parse_gen_params(f: Fields, *, n_predict_default: int, n_vocab: int, eog_ids
 
 def read_grammar(f: Fields) -> str:
     """llama-server's `grammar` (GBNF) and `json_schema` fields -> the engine's grammar text ("" for none)."""
-    from bloomery.grammar import GrammarSyntaxError, SchemaError, gbnf_grammar, schema_grammar
     gbnf = f.str("grammar")
     schema = f.raw("json_schema")
     if gbnf and schema is not None:
         raise field_error("grammar", 'Either "json_schema" or "grammar" can be specified, but not both')
+    if not gbnf and schema is None:
+        return ""
+    from bloomery.grammar import GrammarSyntaxError, SchemaError, gbnf_grammar, schema_grammar
     try:
         if schema is not None:
             return schema_grammar(schema[1])

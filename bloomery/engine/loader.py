@@ -105,7 +105,8 @@ def load_model(gguf: "str | GGUFFile", placement: Placement, backend: Ops | None
     if arch not in ARCHS:
         gf.close()
         raise ModelError(f"{gf.path}: architecture {arch!r} is not supported: supported are {', '.join(ARCHS)}")
-    model = model_class(arch)(gf, ops, placement.n_slots, placement.n_ctx_slot, progress, away)
+    with ops.loading():
+        model = model_class(arch)(gf, ops, placement.n_slots, placement.n_ctx_slot, progress, away)
     if placement.n_ubatch:              # the plan counted shorter prompt passes (experts on the host)
         model.n_ubatch = min(model.n_ubatch, placement.n_ubatch)
     if progress is not None:

@@ -13,7 +13,7 @@ length, E = experts, A = experts used per token, V = vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, ContextManager, Protocol, Sequence
 
 Array = Any     # the backend's array type (numpy.ndarray for the numpy backend)
 Weight = Any    # an opaque handle from Ops.weight
@@ -55,6 +55,10 @@ class Ops(Protocol):
     caps: Caps
 
     # --- weights ---
+    def loading(self) -> ContextManager[None]:
+        """Open while a model's weights are handed over (weight, offloaded_weight): a backend may copy
+        them in parallel, with buffers it frees when the load ends."""
+
     def weight(self, ggml_type: int, shape: Sequence[int], data: Any) -> Weight:
         """A handle for a stored tensor; shape in GGUF ne order (shape[0] is the row length)."""
 

@@ -4,6 +4,8 @@ decode; a backend with more paths needs each of them).
 
 - one id through every layer: each weight's first use (the numpy backend's decoded forms; the cuda
   kernels' modules);
+- that position saved to the host and restored, as the prompt cache and the slot files do (the KV's
+  strided copies, and a recurrent model's checkpoint: CuPy compiles its copy kernels on first use);
 - a backend with a separate prompt path (caps.decode_rows > 0): prompts of 2, 4 and 8 ids (the
   mat-vec kernels of each row count a short prompt takes outside the captured steps), then passes of
   decode_rows + 1, 64 and 512 ids, which load the GEMM and attention kernels of that path for small
@@ -31,6 +33,12 @@ def warm_up(model, n_slots: int) -> list[tuple[str, float]]:
 
     caps = model.ops.caps
     timed("first id", lambda: model.prefill(0, np.zeros(1, np.int32), 0))
+
+    def copies() -> None:                # slot 0 holds that one position now
+        model.restore_kv(0, model.save_kv(0, 1), 1)
+        if getattr(model, "checkpoints", False) and getattr(model, "checkpoint_bytes", 0):
+            model.restore_checkpoint(0, model.save_checkpoint(0, 1), 1)
+    timed("prompt cache copies", copies)
     if caps.decode_rows > 0:
         short = [n for n in (2, 4, 8) if n <= caps.decode_rows and n < model.n_ctx_slot]
         passes = [n for n in (caps.decode_rows + 1, 64, 512)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import weakref
+from contextlib import nullcontext
 from typing import Sequence
 
 import numpy as np
@@ -334,6 +335,10 @@ class NumpyOps:
         self._decode_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> _DecodePlan | None
 
     # --- weights ---
+    def loading(self):
+        """The weights stay where the file's mapping has them: nothing to set up for a load."""
+        return nullcontext()
+
     def weight(self, ggml_type: int, shape: Sequence[int], data) -> NumpyWeight:
         return NumpyWeight(ggml_type, shape, np.asarray(data), self.cache_planes)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from contextlib import contextmanager
 from typing import Sequence
 
 import cupy
@@ -47,7 +48,7 @@ class CudaWeight:
     """A tensor on the card: its bytes as stored, plus its 1-D form as f32 for vectors, and a
     device table of each expert's address for stacked [K, N, E] expert tensors."""
 
-    def __init__(self, ggml_type: int, shape: Sequence[int], data: np.ndarray):
+    def __init__(self, ggml_type: int, shape: Sequence[int], data: np.ndarray, to_card=None):
         if ggml_type not in BLOCKS:
             raise ValueError(f"ggml type {ggml_type} is not served by the cuda backend "
                              f"(it reads {', '.join(NAMES.values())})")
@@ -59,7 +60,8 @@ class CudaWeight:
         if self.n_cols % qk:
             raise ValueError(f"a {NAMES[ggml_type]} row of {self.n_cols} values is not whole blocks of {qk}")
         self.row_bytes = self.n_cols // qk * nb
-        self.data = cupy.asarray(np.ascontiguousarray(data).view(np.uint8))      # [n_bytes]
+        raw = np.ascontiguousarray(data).view(np.uint8)
+        self.data = to_card(raw) if to_card is not None else cupy.asarray(raw)   # [n_bytes]
         self.vec = None
         if len(self.shape) == 1:        # norms and biases: f32 on the card
             self.vec = cupy.asarray(_host_vector(ggml_type, np.asarray(data)))
@@ -155,6 +157,7 @@ class CudaOps:
         self._runners: dict[int, object] = {}
         self.offload = None                                  # experts.Offload once host experts are loaded
         self._occupancy: dict[tuple, int] = {}
+        self._uploader = None                                # upload.Uploader while a model loads
 
     def decode_runner(self, model):
         """The model's captured decode steps (cuda_graph.DecodeGraphs), made on first use."""
@@ -164,8 +167,18 @@ class CudaOps:
         return self._runners[id(model)]
 
     # --- weights ---
+    @contextmanager
+    def loading(self):
+        """While a model loads: its weights reach the card through several reader threads (upload.py)."""
+        from bloomery.engine.cuda.upload import Uploader
+        with Uploader() as self._uploader:
+            try:
+                yield
+            finally:
+                self._uploader = None
+
     def weight(self, ggml_type: int, shape: Sequence[int], data) -> CudaWeight:
-        return CudaWeight(ggml_type, shape, data)
+        return CudaWeight(ggml_type, shape, data, self._uploader.to_card if self._uploader is not None else None)
 
     def offload_experts(self, residency: bool, threads: int) -> None:
         from bloomery.engine.cuda.experts import Offload

@@ -11,7 +11,8 @@ decode; a backend with more paths needs each of them).
   decode_rows + 1, 64 and 512 ids, which load the GEMM and attention kernels of that path for small
   and large passes (cuBLAS picks its kernels by shape, and the card loads each on its first launch);
 - a backend with captured decode steps (caps.decode_graphs): one step of every batch size up to the
-  slots (the largest the captured steps take), which captures each graph.
+  slots (the largest the captured steps take), which captures each graph; then the captured passes
+  of short prompts, one a bucket of rows (cuda/graph.py), where the model allows them.
 
 The slots' bookkeeping is made after (engine/core.py), so nothing reuses what this wrote into the KV.
 Returns each part's name and seconds, for the start record.
@@ -62,4 +63,9 @@ def warm_up(model, n_slots: int) -> list[tuple[str, float]]:
                 model.decode_greedy(list(range(b)), np.zeros(b, np.int32), np.ones(b, np.int32))
         if top:
             timed(f"decode steps (batches 1-{top})", steps)
+        if runner is not None and runner.prompt_capturable():
+            buckets: list[int] = []
+            timed("prompt graphs", lambda: buckets.extend(runner.capture_prompts()))
+            name, took = parts.pop()
+            parts.append((f"{name} ({', '.join(map(str, buckets))} rows)", took))
     return parts

@@ -8,6 +8,19 @@ own memory pool, which nothing else uses, so the buffers it captured stay its ow
 The kernels are captured with programmatic dependent launch (cuda_kernels.Launcher), so each
 one's blocks start, and read their weights, while the kernel before it drains.
 BLOOMERY_CUDA_PDL=0 captures plain launches instead (the same kernels, serialized).
+
+Short prompts of one slot are captured too, one graph per bucket of rows (PROMPT_BUCKETS): uncaptured,
+a pass of 16 ids cost 33 ms on the H200 whatever its size, almost all of it Python launching some 770
+kernels, 290 cuBLAS calls and 1,500 allocations (session 18). A prompt of n ids runs in the smallest
+bucket b >= n: its ids, then b - n rows of padding at the positions after it in the same slot, whose
+K and V land past the prompt's end (each row attends only to positions up to its own, and a later id
+writes its own position before it reads it), and only the last real row's logits come out. The
+rows carry their own slots and positions, as a decode step's do, so attention takes the decode
+kernels (a row over the keys up to its position); the products of more than DECODE_ROWS rows take
+cuBLAS (gemm.py calls it through ctypes while capturing). The warm-up captures them; not captured: a
+model with a recurrent state (padding would advance it), host experts (the offload counts and streams
+what a pass routes), a prompt whose bucket would run past the slot's end, a pass of several slots'
+prompts, a start without the warm-up, and BLOOMERY_CUDA_PROMPT_GRAPHS=0.
 """
 from __future__ import annotations
 
@@ -21,6 +34,7 @@ from bloomery.engine.cuda.sizes import DECODE_ROWS
 from bloomery.engine.ops import Rows
 
 MAX_BATCH = DECODE_ROWS
+PROMPT_BUCKETS = (8, 16, 32, 64)     # rows of the captured prompt passes
 
 
 def pdl_enabled() -> bool:
@@ -39,6 +53,20 @@ class _Graph:
     posts: int = 0      # host jobs the step posts to the offload's bell (armed before each launch)
 
 
+def prompt_graphs_enabled() -> bool:
+    return os.environ.get("BLOOMERY_CUDA_PROMPT_GRAPHS", "1") != "0"
+
+
+@dataclass
+class _PromptGraph:
+    graph: object
+    stream: object
+    pool: object
+    io: object          # [4, B] int32 on the card: ids, slots, positions, and the last real row at [3, 0]
+    host_io: object
+    logits: object      # [1, V]
+
+
 def _capture_mode():
     rt = cupy.cuda.runtime
     return getattr(rt, "streamCaptureModeRelaxed", 2)
@@ -48,6 +76,7 @@ class DecodeGraphs:
     def __init__(self, model, max_batch: int = MAX_BATCH):
         self.model, self.max_batch = model, max_batch
         self._graphs: dict[int, _Graph] = {}
+        self._prompts: dict[int, _PromptGraph] = {}
 
     def _dry_run(self, b: int) -> None:
         """The step of b rows once outside the capture, where something it meets would otherwise first be
@@ -129,3 +158,87 @@ class DecodeGraphs:
         out = (g.logits if want_logits else g.picked).get(stream=g.stream)
         g.stream.synchronize()
         return out
+
+    # --- short prompts of one slot ---
+    def prompt_capturable(self) -> bool:
+        """Whether this model's short prompts may be captured (the module's legend says when not)."""
+        model = self.model
+        state = getattr(model, "state", None)
+        return (prompt_graphs_enabled() and not (state is not None and hasattr(state, "held"))
+                and getattr(model.ops, "offload", None) is None)
+
+    def prompt_bucket(self, n: int, pos0: int) -> int | None:
+        """The bucket a prompt of n ids at pos0 runs in, or None (the uncaptured path)."""
+        if n < 1 or not self.prompt_capturable():
+            return None
+        for b in PROMPT_BUCKETS:
+            if n <= b:
+                return b if pos0 + b <= self.model.n_ctx_slot else None
+        return None
+
+    def capture_prompts(self) -> list[int]:
+        """Every bucket's graph that fits the slot, in order; [] where none may be. The warm-up calls this
+        last: its own prompts before took the uncaptured paths, which passes of several slots still take."""
+        done = []
+        for b in PROMPT_BUCKETS:
+            if self.prompt_bucket(b, 0) == b:
+                if b not in self._prompts:
+                    self._prompts[b] = self._capture_prompt(b)
+                done.append(b)
+        return done
+
+    def prompt_pool_bytes(self) -> int:
+        """Card bytes the prompt graphs' own pools hold."""
+        return sum(int(g.pool.total_bytes()) for g in self._prompts.values())
+
+    def _prompt_pass(self, io):
+        model = self.model
+        x = model.embed(io[0])                                                  # [B, D]
+        x = model.layers_forward(x, Rows(None, io[1], io[2]))
+        return model.head(x[io[3, :1]])                                         # [1, V]
+
+    def _capture_prompt(self, b: int) -> _PromptGraph:
+        """The bucket's graph, after one uncaptured pass of it (cuBLAS loads its kernels for these shapes outside
+        the capture), which writes slot 0's K and V at positions 0 .. b-1: the warm-up's, before any request."""
+        model, ops = self.model, self.model.ops
+        ops.k.compile_all()                         # no module loads inside a capture
+        host_io = np.frombuffer(cupy.cuda.alloc_pinned_memory(4 * b * 4), np.int32, 4 * b).reshape(4, b)
+        host_io[:] = 0
+        host_io[2] = np.arange(b)
+        host_io[3, 0] = b - 1
+        self._prompt_pass(cupy.asarray(host_io))
+        cupy.cuda.get_current_stream().synchronize()
+        pool = cupy.cuda.MemoryPool()
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with cupy.cuda.using_allocator(pool.malloc), stream:
+            io = cupy.asarray(host_io)
+            stream.synchronize()
+            ops.k.pdl = pdl_enabled()
+            stream.begin_capture(_capture_mode())
+            try:
+                logits = self._prompt_pass(io)
+            finally:
+                graph = stream.end_capture()
+                ops.k.pdl = False
+        return _PromptGraph(graph, stream, pool, io, host_io, logits)
+
+    def prompt(self, slot: int, ids, pos0: int) -> np.ndarray | None:
+        """The last id's logits [V] of a prompt of one slot run as its bucket's graph (the slot's KV filled at
+        pos0 .. pos0+n-1, and padding past it), or None where it is not captured (prompt_bucket)."""
+        n = len(ids)
+        b = self.prompt_bucket(n, pos0)
+        if b is None:
+            return None
+        g = self._prompts.get(b)
+        if g is None:                               # the warm-up captures them; without it (--no-warmup), none
+            return None
+        g.host_io[0, :n] = ids
+        g.host_io[0, n:] = 0
+        g.host_io[1] = slot
+        g.host_io[2] = np.arange(pos0, pos0 + b)
+        g.host_io[3, 0] = n - 1
+        g.io.set(g.host_io, stream=g.stream)
+        g.graph.launch(g.stream)
+        out = g.logits.get(stream=g.stream)
+        g.stream.synchronize()
+        return out[0]

@@ -188,6 +188,12 @@ class CausalLM(EngineModel):
         slots = [slot for slot, _, _ in checked]
         if len(set(slots)) != len(slots):
             raise ModelError(f"prefill_slots got slot(s) more than once: {slots}")
+        if len(checked) == 1:                   # a short prompt of one slot: its bucket's captured pass
+            runner = self._graphs()
+            got = runner.prompt(*checked[0]) if runner is not None else None
+            if got is not None:
+                self.ops.after_step(decode=False)
+                return got[None]
         out = [None] * len(checked)
         ids_p, pos_p, spans, lasts = [], [], [], []                       # the pass being filled
         n_rows, big = 0, False

@@ -1,0 +1,87 @@
+"""The captured passes of short prompts (engine/cuda/graph.py, DecodeGraphs.prompt): a prompt of n ids runs
+in its bucket's graph, padded past its end in the same slot; it gives the uncaptured pass's logits and KV
+(within the band between the decode kernels' attention and the GEMM path's), the padding is never read,
+and what may not be captured is not."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.conftest import load_tool
+
+pytestmark = pytest.mark.gpu
+SHAPE = dict(n_layer=2, n_embd=512, n_head=8, n_head_kv=2, head_dim=128, n_expert=16, n_expert_used=4, n_ff_exp=256)
+
+
+@pytest.fixture(scope="module")
+def warmed(gpu, tokenizer_source, synthetic_dir):
+    from bloomery.engine.loader import load_model
+    from bloomery.engine.warmup import warm_up
+    from bloomery.placement import whole
+    path = load_tool("make_synthetic").write_synthetic(synthetic_dir / "graphs-qwen3moe.gguf", arch="qwen3moe",
+                                                        mode="blocks", mix="q4_k_m", seed=7,
+                                                        tokenizer_from=str(tokenizer_source), **SHAPE)
+    model = load_model(str(path), whole("cuda", 3, 256))
+    parts = dict(warm_up(model, 3))
+    assert "prompt graphs (8, 16, 32, 64 rows)" in parts, parts
+    return model
+
+
+def _uncaptured(model, fn):
+    """fn() with the prompt graphs set aside (the pass as a several-slot prefill takes it)."""
+    runner = model.ops.decode_runner(model)
+    kept, runner._prompts = runner._prompts, {}
+    try:
+        return fn()
+    finally:
+        runner._prompts = kept
+
+
+def _close(got, ref):
+    np.testing.assert_allclose(got, ref, rtol=2e-2, atol=3e-2)
+    assert got[int(ref.argmax())] >= got.max() - 0.05          # the pick, up to a near tie
+
+
+@pytest.mark.parametrize("n,pos0", [(1, 0), (5, 0), (8, 0), (13, 0), (16, 7), (40, 100), (64, 0), (64, 190)])
+def test_a_captured_prompt_gives_the_uncaptured_logits_and_kv(warmed, n, pos0):
+    model = warmed
+    runner = model.ops.decode_runner(model)
+    ids = np.random.default_rng(n + pos0).integers(10, 30000, n).astype(np.int32)
+    head = np.arange(500, 500 + pos0, dtype=np.int32)
+    if pos0:
+        model.prefill(1, head, 0)
+    ref = _uncaptured(model, lambda: model.prefill(1, ids, pos0))
+    ref_next = model.decode([1], [7], [pos0 + n])[0]
+    if pos0:
+        model.prefill(1, head, 0)
+    before = runner._prompts[runner.prompt_bucket(n, pos0)].graph
+    got = model.prefill(1, ids, pos0)
+    assert runner._prompts[runner.prompt_bucket(n, pos0)].graph is before     # replayed, not captured again
+    _close(got, ref)
+    _close(model.decode([1], [7], [pos0 + n])[0], ref_next)                  # the KV it left reads the same
+
+
+def test_the_padding_is_never_read(warmed):
+    """A 5-id prompt runs in the bucket of 8: positions 5-7 of the slot get padding; the next ids write there
+    before anything reads them, so a decode after it equals one after an uncaptured prompt."""
+    model = warmed
+    ids = np.array([11, 12, 13, 14, 15], np.int32)
+    model.prefill(2, np.arange(900, 908, dtype=np.int32), 0)                  # something else at 0..7 first
+    _uncaptured(model, lambda: model.prefill(2, ids, 0))
+    ref = [model.decode([2], [t], [5 + i])[0] for i, t in enumerate((3, 4, 5))]
+    model.prefill(2, np.arange(900, 908, dtype=np.int32), 0)
+    model.prefill(2, ids, 0)
+    for i, t in enumerate((3, 4, 5)):
+        _close(model.decode([2], [t], [5 + i])[0], ref[i])
+
+
+def test_what_may_not_be_captured_is_not(warmed, monkeypatch):
+    model = warmed
+    runner = model.ops.decode_runner(model)
+    assert runner.prompt_bucket(65, 0) is None                     # past the largest bucket
+    assert runner.prompt_bucket(10, 256 - 16) == 16
+    assert runner.prompt_bucket(10, 256 - 15) is None              # the bucket would run past the slot's end
+    assert runner.prompt(0, np.arange(10, 20, dtype=np.int32), 256 - 15) is None
+    monkeypatch.setenv("BLOOMERY_CUDA_PROMPT_GRAPHS", "0")
+    assert runner.prompt_bucket(10, 0) is None
+    assert runner.prompt(0, np.arange(10, 20, dtype=np.int32), 0) is None

@@ -238,8 +238,9 @@ class _PiecesRunner:
     """Stands in for a backend's captured decode steps of at most max_batch rows: each call runs
     the model's uncaptured step on its rows and records its width."""
 
-    def __init__(self, model, max_batch: int):
+    def __init__(self, model, max_batch: int, prompt_rows: int = 0):
         self.model, self.max_batch, self.widths = model, max_batch, []
+        self.prompt_rows, self.prompts = prompt_rows, []     # "captured" prompts of at most prompt_rows ids
 
     def _x(self, slots, ids, positions):
         from bloomery.engine.ops import AttnSpan
@@ -254,6 +255,37 @@ class _PiecesRunner:
 
     def run_topk(self, slots, ids, positions, k):
         return tuple(self.model.head_topk(self._x(slots, ids, positions), k))
+
+    def prompt(self, slot, ids, pos0):
+        from bloomery.engine.ops import AttnSpan
+        if len(ids) > self.prompt_rows:
+            return None
+        self.prompts.append((slot, len(ids), pos0))
+        x = self.model._run(np.asarray(ids, np.int32), np.arange(pos0, pos0 + len(ids), dtype=np.int32),
+                            [AttnSpan(slot, pos0, 0, len(ids))])
+        return self.model.head(x[-1:])[0]
+
+
+def test_a_prompt_of_one_slot_asks_the_captured_passes_first(synth):
+    """prefill_slots hands a prompt of one slot to the backend's captured prompt passes (runner.prompt), which
+    may decline it (None: the uncaptured passes run it); prompts of several slots in one call take the
+    uncaptured passes. Either way the logits and the KV are the same."""
+    import dataclasses
+    plain = _load(synth["qwen3moe"], n_slots=2, n_ctx_slot=64)
+    graphed = _load(synth["qwen3moe"], n_slots=2, n_ctx_slot=64)
+    runner = _PiecesRunner(graphed, 2, prompt_rows=8)
+    graphed.ops.caps = dataclasses.replace(graphed.ops.caps, decode_graphs=True)
+    graphed.ops.decode_runner = lambda model: runner
+    short, long_ = np.array([11, 42, 7], np.int32), np.arange(100, 120, dtype=np.int32)
+    np.testing.assert_allclose(graphed.prefill(0, short, 0), plain.prefill(0, short, 0), rtol=1e-5, atol=1e-5)
+    assert runner.prompts == [(0, 3, 0)]
+    np.testing.assert_allclose(graphed.prefill(1, long_, 0), plain.prefill(1, long_, 0), rtol=1e-5, atol=1e-5)
+    assert runner.prompts == [(0, 3, 0)]                                       # declined: 20 ids > 8
+    both = [(0, np.array([5, 6], np.int32), 3), (1, np.array([9], np.int32), 20)]
+    np.testing.assert_allclose(graphed.prefill_slots(both), plain.prefill_slots(both), rtol=1e-5, atol=1e-5)
+    assert runner.prompts == [(0, 3, 0)]                                       # two slots: uncaptured
+    np.testing.assert_allclose(graphed.decode([0, 1], [3, 4], [5, 21]), plain.decode([0, 1], [3, 4], [5, 21]),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_a_decode_batch_wider_than_the_captured_graphs_replays_them_in_pieces(synth):

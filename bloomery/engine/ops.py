@@ -144,7 +144,9 @@ class Ops(Protocol):
         """caps.fused_head: argmax(matmul(x, w)) in one step."""
 
     def decode_runner(self, model: Any) -> Any:
-        """caps.decode_graphs: the model's captured decode steps (run, run_topk, max_batch), or None."""
+        """caps.decode_graphs: the model's captured decode steps (run, run_topk, max_batch), or None; its
+        prompt(slot, ids, pos0) runs a prompt of one slot as a captured pass where it has one (the last
+        id's logits [V]), else returns None."""
 
     def release_scratch(self) -> None:
         """caps.prompt_scratch: hand back the buffers a prompt pass grew."""

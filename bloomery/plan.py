@@ -32,6 +32,7 @@ from bloomery.engine.cpu import sizes as cpu_sizes
 from bloomery.engine.cuda import sizes as cuda_sizes
 from bloomery.engine.cuda.sizes import DECODE_ROWS as CUDA_DECODE_ROWS, SCORE_BYTES as CUDA_SCORE_BYTES, UBATCH as CUDA_UBATCH
 from bloomery.engine.cuda.sizes import PLANNED_BK, PLANNED_MAX_EXPERTS, PLANNED_MAX_PAIRS, PLANNED_TYPES
+from bloomery.engine.cuda.sizes import PROMPT_BUCKETS as CUDA_PROMPT_BUCKETS
 from bloomery import offload
 from bloomery.engine.limits import CTX_CHECKPOINTS
 from bloomery.gguf_file import StringArray
@@ -226,7 +227,7 @@ def kv_bytes_for(facts: ModelFacts, n_ctx: int, bytes_per_elem: int) -> int:
 
 
 def scratch_bytes_for(facts: ModelFacts, n_ctx_slot: int, backend: str = "numpy", n_slots: int = 1,
-                      rows: int = 0) -> int:
+                      rows: int = 0, graphs: bool = False) -> int:
     """Transient bytes at the peak of one prompt pass or decode step (what is allocated during it and
     handed back after).
 
@@ -237,7 +238,9 @@ def scratch_bytes_for(facts: ModelFacts, n_ctx_slot: int, backend: str = "numpy"
     of up to three weights at once that the GEMM path makes: the largest tensor where the pass may take
     the grouped expert path (MoE gate, up and down stacks) or the head; where every routed layer takes
     the planned path at `rows` rows and at most DECODE_ROWS slots finish in a pass (so the head stays on
-    the mat-vec kernels), the largest other tensor (cuda_host_pass_rows).
+    the mat-vec kernels), the largest other tensor (cuda_host_pass_rows). With `graphs` (the whole card:
+    no host experts), also the pools of the captured short prompts (_cuda_prompt_graph_bytes), which the
+    warm-up makes and which stay.
     """
     if backend == "cuda":
         rows = min(rows or CUDA_UBATCH, facts.ubatch or CUDA_UBATCH)
@@ -248,8 +251,8 @@ def scratch_bytes_for(facts: ModelFacts, n_ctx_slot: int, backend: str = "numpy"
         if _planned_experts(facts) and rows * facts.n_expert_used <= PLANNED_MAX_PAIRS and n_slots <= CUDA_DECODE_ROWS:
             copied = max((math.prod(shape) for name, _, shape in facts.tensors
                           if "_exps." not in name and not name.startswith(("token_embd.", "output."))), default=0)
-        return (3 * 2 * copied + 4 * rows * per_row
-                + CUDA_SCORE_BYTES * 3 // 2 + 4 * facts.n_vocab + _cuda_delta_scratch(facts, rows))
+        return (3 * 2 * copied + 4 * rows * per_row + CUDA_SCORE_BYTES * 3 // 2 + 4 * facts.n_vocab
+                + _cuda_delta_scratch(facts, rows) + (_cuda_prompt_graph_bytes(facts, per_row) if graphs else 0))
     return _numpy_scratch(facts, n_ctx_slot, n_slots)
 
 
@@ -285,6 +288,21 @@ def cuda_host_pass_rows(facts: ModelFacts) -> int:
     if not _planned_experts(facts):
         return own
     return min(own, max(CUDA_DECODE_ROWS + 1, PLANNED_MAX_PAIRS // facts.n_expert_used))
+
+
+def _cuda_prompt_graph_bytes(facts: ModelFacts, per_row: int) -> int:
+    """The pools of the captured passes of short prompts (engine/cuda/graph.py), one a bucket of rows, each
+    holding what its pass allocates: past DECODE_ROWS rows the f16 copies of two dense weights at once
+    (cuBLAS's operands), and every bucket its rows' activations and 4 MiB beside (the head's row, the
+    int8 forms). Measured on the H200 (session 18, the 30B-shaped file): 3.6, 32.6, 33.2 and 34.4 MiB for
+    8, 16, 32 and 64 rows, 104 MiB in all, where this counts about 125. 0 for a model with a recurrent
+    state, whose prompts are not captured."""
+    if facts.ssm_widths[0]:
+        return 0
+    dense = max((math.prod(shape) for name, _, shape in facts.tensors
+                 if "_exps." not in name and not name.startswith(("token_embd.", "output."))), default=0)
+    return sum((2 * 2 * dense if b > CUDA_DECODE_ROWS else 0) + 4 * b * per_row + 4 * MIB
+               for b in CUDA_PROMPT_BUCKETS)
 
 
 def _cuda_delta_scratch(facts: ModelFacts, rows: int = CUDA_UBATCH) -> int:
@@ -720,7 +738,7 @@ def _terms(facts: ModelFacts, backend: str, n_slots: int, n_ctx_slot: int) -> di
             "kv": (kv_bytes_for(facts, n_slots * n_ctx_slot, KV_BYTES_PER_ELEM[backend])
                    + n_slots * facts.state_bytes + host_checkpoint_bytes(facts, backend, n_slots, "numpy")
                    + rope_bytes_for(facts, n_ctx_slot, backend)),
-            "scratch": scratch_bytes_for(facts, n_ctx_slot, backend, n_slots)}
+            "scratch": scratch_bytes_for(facts, n_ctx_slot, backend, n_slots, graphs=backend == "cuda")}
 
 
 def host_checkpoint_bytes(facts: ModelFacts, backend: str, n_slots: int, where: str) -> int:

@@ -38,11 +38,14 @@ def _uncaptured(model, fn):
 
 
 def _close(got, ref):
-    np.testing.assert_allclose(got, ref, rtol=2e-2, atol=3e-2)
+    # the captured rows' attention runs in f32 (the decode kernels), the uncaptured pass's through f16
+    # probabilities (cuBLAS): up to 0.048 apart on this file's 151,936 logits (H200, session 18)
+    np.testing.assert_allclose(got, ref, rtol=2e-2, atol=8e-2)
     assert got[int(ref.argmax())] >= got.max() - 0.05          # the pick, up to a near tie
 
 
-@pytest.mark.parametrize("n,pos0", [(1, 0), (5, 0), (8, 0), (13, 0), (16, 7), (40, 100), (64, 0), (64, 190)])
+@pytest.mark.parametrize("n,pos0", [(1, 0), (5, 0), (8, 0), (13, 0), (16, 7), (16, 200), (40, 100), (64, 0),
+                                    (64, 190)])
 def test_a_captured_prompt_gives_the_uncaptured_logits_and_kv(warmed, n, pos0):
     model = warmed
     runner = model.ops.decode_runner(model)
@@ -81,6 +84,10 @@ def test_what_may_not_be_captured_is_not(warmed, monkeypatch):
     assert runner.prompt_bucket(65, 0) is None                     # past the largest bucket
     assert runner.prompt_bucket(10, 256 - 16) == 16
     assert runner.prompt_bucket(10, 256 - 15) is None              # the bucket would run past the slot's end
+    from bloomery.engine.cuda import graph
+    monkeypatch.setitem(graph.PROMPT_DEPTH, 64, 128)                # the wider buckets stop at their depth
+    assert runner.prompt_bucket(40, 64) == 64 and runner.prompt_bucket(40, 65) is None
+    assert runner.prompt_bucket(16, 200) == 16
     assert runner.prompt(0, np.arange(10, 20, dtype=np.int32), 256 - 15) is None
     monkeypatch.setenv("BLOOMERY_CUDA_PROMPT_GRAPHS", "0")
     assert runner.prompt_bucket(10, 0) is None

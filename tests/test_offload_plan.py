@@ -44,7 +44,8 @@ FACTS = moe_facts()
 DENSE = 32 * MIB + L * 4 * MIB            # everything but the routed experts
 EXPERTS = L * E * EXPERT
 KV = kv_bytes_for(FACTS, 4096, 2)
-SCRATCH = scratch_bytes_for(FACTS, 4096, "cuda")
+SCRATCH = scratch_bytes_for(FACTS, 4096, "cuda")                      # with host experts
+SCRATCH_WHOLE = scratch_bytes_for(FACTS, 4096, "cuda", graphs=True)     # the whole card's: captured short prompts too
 MARGIN = 1024 * MIB
 HOST = 64 * GIB
 
@@ -59,17 +60,18 @@ def card(p, i=0):
 
 
 def test_a_model_that_fits_goes_whole_on_the_card():
-    p = plan(DENSE + EXPERTS + KV + SCRATCH + MARGIN)
+    p = plan(DENSE + EXPERTS + KV + SCRATCH_WHOLE + MARGIN)
     pl = p.placement
     assert (pl.case, pl.tensors, pl.experts_on_card, p.ctx_rule) == ("whole", (), (E,) * L, "target")
+    assert card(p).terms.scratch == SCRATCH_WHOLE > SCRATCH
     assert card(p).terms.weights == DENSE + EXPERTS and card(p).terms.pinned == 0
     assert pl.device("host").terms.weights == 0
 
 
 def test_over_the_card_the_context_shrinks_first_as_llama_server_fits():
     """At the trained 4096 it does not fit; at the 1024-step below it, with -fitc 2048 as the floor, it does."""
-    need_at = {c: DENSE + EXPERTS + kv_bytes_for(FACTS, c, 2) + scratch_bytes_for(FACTS, c, "cuda") + MARGIN
-               for c in (3072, 4096)}
+    need_at = {c: DENSE + EXPERTS + kv_bytes_for(FACTS, c, 2) + scratch_bytes_for(FACTS, c, "cuda", graphs=True)
+               + MARGIN for c in (3072, 4096)}
     p = plan(need_at[3072], PlacementAsk(fit_ctx=2048))
     assert (p.placement.case, p.n_ctx_slot, p.ctx_rule) == ("whole", 3072, "fitted")
 
@@ -138,9 +140,10 @@ def test_with_host_experts_prompt_passes_shorten_and_the_freed_scratch_holds_exp
     assert any("prompt passes of at most 2048 ids" in text for _, text, _ in p.explain())
     # counted with the full pass's scratch, the same card would hold fewer experts
     assert sum(plan_full(facts, free)) < 3 * L
-    # a model that fits keeps the full pass
+    # a model that fits keeps the full pass, and captures its short prompts
     whole = make_plan(facts, Census(HOST, (100 * GIB,)), "cuda")
-    assert (whole.placement.case, whole.placement.n_ubatch, whole.scratch_bytes) == ("whole", 0, full)
+    assert (whole.placement.case, whole.placement.n_ubatch, whole.scratch_bytes) == (
+        "whole", 0, scratch_bytes_for(facts, 4096, "cuda", graphs=True))
     # flags that put experts on the host take the short pass too
     flags = make_plan(facts, Census(HOST, (100 * GIB,)), "cuda", ask=PlacementAsk(n_cpu_moe=1))
     assert (flags.placement.n_ubatch, card(flags).terms.scratch) == (2048, short)
@@ -424,7 +427,7 @@ def test_ubatch_size_sets_the_pass_the_plan_counts():
     big = make_plan(facts, Census(HOST, (100 * GIB,)), "cuda")
     small = make_plan(facts, Census(HOST, (100 * GIB,)), "cuda", n_ubatch=512)
     assert (big.placement.n_ubatch, small.placement.n_ubatch) == (0, 512)
-    assert small.scratch_bytes == scratch_bytes_for(facts, 4096, "cuda", rows=512) < big.scratch_bytes
+    assert small.scratch_bytes == scratch_bytes_for(facts, 4096, "cuda", rows=512, graphs=True) < big.scratch_bytes
     assert any("prompt passes of at most 512 ids: -ub 512 set it" in text for _, text, _ in small.explain())
     host = make_plan(facts, Census(HOST, (100 * GIB,)), "cuda", ask=PlacementAsk(n_cpu_moe=1), n_ubatch=1024)
     assert host.placement.n_ubatch == 1024

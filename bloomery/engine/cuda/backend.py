@@ -344,9 +344,9 @@ class CudaOps:
     def _gemm(self, x, w: CudaWeight, x16=None):
         """x [T, K] f32 against w: an F32 weight as f32 (the routers), else through f16 copies of both (x16: x's,
         made once by the caller for several weights)."""
-        if w.ggml_type == F32:
-            return x @ w.data.view(cupy.float32).reshape(w.n_rows, w.n_cols).T   # [T, N] small (routers)
         out = cupy.empty((x.shape[0], w.n_rows), cupy.float32)                    # [T, N]
+        if w.ggml_type == F32:                                                    # small (routers): f32 through
+            return gemm_nt(cupy.ascontiguousarray(x), w.data.view(cupy.float32).reshape(w.n_rows, w.n_cols), out)
         return gemm_nt(self.f16(x) if x16 is None else x16, self.dequant_f16(w), out)
 
     # --- elementwise and norms ---

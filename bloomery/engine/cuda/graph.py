@@ -9,9 +9,10 @@ The kernels are captured with programmatic dependent launch (cuda_kernels.Launch
 one's blocks start, and read their weights, while the kernel before it drains.
 BLOOMERY_CUDA_PDL=0 captures plain launches instead (the same kernels, serialized).
 
-Short prompts of one slot are captured too, one graph per bucket of rows (PROMPT_BUCKETS): uncaptured,
-a pass of 16 ids cost 33 ms on the H200 whatever its size, almost all of it Python launching some 770
-kernels, 290 cuBLAS calls and 1,500 allocations (session 18). A prompt of n ids runs in the smallest
+Short prompts of one slot are captured too, one graph per bucket of rows (PROMPT_BUCKETS). Uncaptured, a
+pass launches some 770 kernels, 290 cuBLAS calls and 1,500 allocations from Python: on the H200 (session
+18, the 30B-shaped file) 6 ids took 14 ms and 16 ids 37 ms; captured, 9 and 25 ms (what is left is the
+card's own time, most of it the expert kernels at few rows an expert). A prompt of n ids runs in the smallest
 bucket b >= n: its ids, then b - n rows of padding at the positions after it in the same slot, whose
 K and V land past the prompt's end (each row attends only to positions up to its own, and a later id
 writes its own position before it reads it), and only the last real row's logits come out. The
@@ -19,8 +20,9 @@ rows carry their own slots and positions, as a decode step's do, so attention ta
 kernels (a row over the keys up to its position); the products of more than DECODE_ROWS rows take
 cuBLAS (gemm.py calls it through ctypes while capturing). The warm-up captures them; not captured: a
 model with a recurrent state (padding would advance it), host experts (the offload counts and streams
-what a pass routes), a prompt whose bucket would run past the slot's end, a pass of several slots'
-prompts, a start without the warm-up, and BLOOMERY_CUDA_PROMPT_GRAPHS=0.
+what a pass routes), a prompt whose bucket would run past the slot's end or, for the wider buckets,
+past PROMPT_DEPTH, a pass of several slots' prompts, a start without the warm-up, and
+BLOOMERY_CUDA_PROMPT_GRAPHS=0.
 """
 from __future__ import annotations
 
@@ -30,11 +32,15 @@ from dataclasses import dataclass
 import cupy
 import numpy as np
 
-from bloomery.engine.cuda.sizes import DECODE_ROWS
+from bloomery.engine.cuda.sizes import DECODE_ROWS, PROMPT_BUCKETS
 from bloomery.engine.ops import Rows
 
 MAX_BATCH = DECODE_ROWS
-PROMPT_BUCKETS = (8, 16, 32, 64)     # rows of the captured prompt passes
+# The deepest position the wider buckets' last row may reach. A captured row attends through the decode kernels
+# over every key up to its position: on the H200 (session 18, the 30B-shaped file) 40 ids took 34 ms captured
+# against 44 ms uncaptured at position 0, but 52 against 39 at position 4,000, and 64 ids 37 against 40 at 0,
+# 54 against 43 at 4,000; 16 ids won at both (25 against 37, 29 against 37).
+PROMPT_DEPTH = {32: 512, 64: 512}
 
 
 def pdl_enabled() -> bool:
@@ -173,7 +179,8 @@ class DecodeGraphs:
             return None
         for b in PROMPT_BUCKETS:
             if n <= b:
-                return b if pos0 + b <= self.model.n_ctx_slot else None
+                end = pos0 + b
+                return b if end <= self.model.n_ctx_slot and end <= PROMPT_DEPTH.get(b, end) else None
         return None
 
     def capture_prompts(self) -> list[int]:
@@ -181,7 +188,7 @@ class DecodeGraphs:
         last: its own prompts before took the uncaptured paths, which passes of several slots still take."""
         done = []
         for b in PROMPT_BUCKETS:
-            if self.prompt_bucket(b, 0) == b:
+            if self.prompt_bucket(b, 0) == b:       # fits the slot
                 if b not in self._prompts:
                     self._prompts[b] = self._capture_prompt(b)
                 done.append(b)

@@ -295,7 +295,7 @@ def _cuda_prompt_graph_bytes(facts: ModelFacts, per_row: int) -> int:
     holding what its pass allocates: past DECODE_ROWS rows the f16 copies of two dense weights at once
     (cuBLAS's operands), and every bucket its rows' activations and 4 MiB beside (the head's row, the
     int8 forms). Measured on the H200 (session 18, the 30B-shaped file): 3.6, 32.6, 33.2 and 34.4 MiB for
-    8, 16, 32 and 64 rows, 104 MiB in all, where this counts about 125. 0 for a model with a recurrent
+    8, 16, 32 and 64 rows, 104 MiB in all, where this counts 126.5. 0 for a model with a recurrent
     state, whose prompts are not captured."""
     if facts.ssm_widths[0]:
         return 0

@@ -5,7 +5,7 @@ decode; a backend with more paths needs each of them).
 - one id through every layer: each weight's first use (the numpy backend's decoded forms; the cuda
   kernels' modules);
 - that position saved to the host and restored, as the prompt cache and the slot files do (the KV's
-  strided copies, and a recurrent model's checkpoint: CuPy compiles its copy kernels on first use);
+  copies, and a recurrent model's checkpoint, whose strided copies CuPy compiles a kernel for on first use);
 - a backend with a separate prompt path (caps.decode_rows > 0): prompts of 2, 4 and 8 ids (the
   mat-vec kernels of each row count a short prompt takes outside the captured steps), then passes of
   decode_rows + 1, 64 and 512 ids, which load the GEMM and attention kernels of that path for small

@@ -18,6 +18,7 @@ import cupy
 import numpy as np
 
 from bloomery.engine.cuda.gemm import gemm_nn, gemm_nt
+from bloomery.engine.cuda.kv_copies import span_copies
 from bloomery.engine.cuda.sizes import DECODE_ROWS, SCORE_BYTES
 
 DEC_MAXG = (4, 8, 16)               # query heads per kv head the attn_dec kernels are built for
@@ -57,6 +58,19 @@ def n_pieces(n_ctx_slot: int, n_kv_head: int, rows: int, n_sm: int, fit: int = D
 _NULL = np.uint64(0)
 
 
+def _copy_2d(dev, host: np.ndarray, copies, to_host: bool, stream) -> None:
+    """kv_copies' 2-D copies between the card array `dev` and the C-contiguous host array `host`, on `stream`."""
+    rt = cupy.cuda.runtime
+    d, h = int(dev.data.ptr), int(host.ctypes.data)
+    for c in copies:
+        if to_host:
+            rt.memcpy2DAsync(h + c.host, c.host_pitch, d + c.dev, c.dev_pitch, c.width, c.height,
+                             rt.memcpyDeviceToHost, stream.ptr)
+        else:
+            rt.memcpy2DAsync(d + c.dev, c.dev_pitch, h + c.host, c.host_pitch, c.width, c.height,
+                             rt.memcpyHostToDevice, stream.ptr)
+
+
 class KVCacheF16:
     """K and V as f16 [L, S, Hkv, C, Dh]: each (slot, kv head) is contiguous over positions."""
 
@@ -74,17 +88,17 @@ class KVCacheF16:
 
     def save_state(self, slot: int, n: int, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """Host copies of the slot's positions start .. n-1: K and V [L, Hkv, n - start, Dh] f16 (the prompt
-        cache). A layer at a time: the slice is strided, and a copy of all of it at once would first gather
-        it on the card, a transient the size of the saved state that the plan does not count."""
+        cache). One 2-D copy a layer straight from the cache (kv_copies.py), no gather on the card first."""
         self._check_span(slot, n)
         if not 0 <= start < n:
             raise ValueError(f"start {start}: a save of {n} positions starts at 0 .. {n - 1}")
+        stream = cupy.cuda.get_current_stream()
         out = []
         for a in (self.k, self.v):
             host = np.empty((a.shape[0], self.n_head_kv, n - start, self.head_dim), np.float16)
-            for layer in range(a.shape[0]):
-                host[layer] = cupy.asnumpy(a[layer, slot, :, start:n])
+            _copy_2d(a, host, span_copies(a.shape, a.itemsize, slot, start, n - start, 0, n - start), True, stream)
             out.append(host)
+        stream.synchronize()
         return out[0], out[1]
 
     def restore_state(self, slot: int, state: tuple[np.ndarray, np.ndarray], n: int, keep: int = 0,
@@ -97,14 +111,17 @@ class KVCacheF16:
                              "what the slot holds and copies from a state starting at or before that")
         k, v = state
         if (k.shape[2] < n - offset or k.shape[:2] != (self.k.shape[0], self.n_head_kv)
-                or k.shape[3] != self.head_dim):
+                or k.shape[3] != self.head_dim or v.shape != k.shape):
             raise ValueError(f"a saved state of shape {k.shape} from position {offset} cannot fill {n} positions "
                              f"of a cache shaped {self.k.shape}")
-        for a, host in ((self.k, k), (self.v, v)):        # a layer at a time, as save_state
-            for layer in range(a.shape[0]):
-                a[layer, slot, :, keep:n] = cupy.asarray(host[layer, :, keep - offset:n - offset])   # [Hkv, n - keep, Dh]
-        # the captured decode steps run on their own non-blocking stream: done here, before any of them
-        cupy.cuda.get_current_stream().synchronize()
+        stream = cupy.cuda.get_current_stream()
+        hosts = [np.ascontiguousarray(k, dtype=np.float16), np.ascontiguousarray(v, dtype=np.float16)]
+        for a, host in zip((self.k, self.v), hosts):
+            _copy_2d(a, host, span_copies(a.shape, a.itemsize, slot, keep, host.shape[2], keep - offset, n - keep),
+                     False, stream)
+        # the captured decode steps run on their own non-blocking stream: done here, before any of them (and
+        # `hosts` holds the host arrays until the copies that read them are done)
+        stream.synchronize()
 
     def _check_span(self, slot: int, n: int) -> None:
         if not 0 <= slot < self.k.shape[1]:

@@ -38,6 +38,16 @@ def records(log: str) -> dict[str, str]:
     return out
 
 
+def kernel_names(cache: Path) -> list[str]:
+    """The kernels CuPy compiled into its cache (the names each cubin's symbol strings hold: CuPy's own
+    cupy_* kernels, the mangled _Z names of templates), sorted; NVRTC's time on a fresh machine."""
+    names = set()
+    for f in cache.rglob("*"):
+        if f.is_file():
+            names.update(n.decode() for n in re.findall(rb"(?:cupy_|_Z)[A-Za-z0-9_]{4,}", f.read_bytes()))
+    return sorted(names)
+
+
 def one_start(a, mode: str, work: Path) -> dict:
     cache = Path(tempfile.mkdtemp(prefix=f"cupy-{mode}-", dir=work))      # empty: nothing compiled yet
     port = free_port()
@@ -52,6 +62,7 @@ def one_start(a, mode: str, work: Path) -> dict:
     with Server(argv, port, log, a.ready_timeout_s, env={"CUPY_CACHE_DIR": str(cache), "BLOOMERY_CUDA_KERNELS": mode}) as srv:
         ready_s = time.perf_counter() - t0
         files_at_ready = sum(1 for _ in cache.iterdir())
+        compiled_at_start = kernel_names(cache)
         times, engine = [], []
         for _ in range(10):
             t = time.perf_counter()
@@ -63,7 +74,8 @@ def one_start(a, mode: str, work: Path) -> dict:
     return {"mode": mode, "ready_s": round(ready_s, 2), "first_request_s": round(times[0], 3),
             "tenth_request_s": round(times[-1], 3), "first_engine_ms": engine[0], "tenth_engine_ms": engine[-1],
             **records(log.read_text(errors="replace")),
-            "cupy_cache_files_at_ready": files_at_ready, "cupy_cache_files": sum(1 for _ in cache.iterdir())}
+            "cupy_cache_files_at_ready": files_at_ready, "cupy_cache_files": sum(1 for _ in cache.iterdir()),
+            "compiled_at_start": compiled_at_start}
 
 
 def main(argv=None) -> int:
@@ -94,6 +106,8 @@ def main(argv=None) -> int:
         for name in RECORDS:
             if name in r:
                 print(f"          {name}: {r[name]}", flush=True)
+        if r["compiled_at_start"]:
+            print(f"          compiled by NVRTC before ready: {', '.join(r['compiled_at_start'])}", flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps(results, indent=1) + "\n")
     return 0

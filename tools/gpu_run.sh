@@ -38,6 +38,9 @@
 #                        media, benches, tools/ui/src and tests, tools/server/tests, gguf-py, conversion and the
 #                        other ggml backends (about 5.5 MB); for llama-build
 #   (any of these may be carried as NAME.xz: it is unpacked first)
+#   llama/part00, part01 llama-server's xz split in two (the tree and it must pass the 64 MiB a call carries: move
+#                        tests/golden aside for that call); joined into llama/llama-server at the start
+#   ssl-libs.tar.xz      libssl.so.3 and libcrypto.so.3 of the machine that built it, where the device lacks them
 #   llama/llama-bench    llama.cpp's CUDA llama-bench (tools/ref/build-llama.sh --cuda-static),
 #                        linked against libcublas.so.13, which the device has in its CUDA wheels
 #   llama/llama-server   the same way: BLOOMERY_REF_TARGETS=llama-server tools/ref/build-llama.sh --cuda-static
@@ -57,6 +60,18 @@ has() { case "$steps" in *" $1 "*) return 0;; esac; return 1; }
 for z in "$dev"/*.xz "$dev"/*/*.xz; do      # carried compressed to fit the 64 MiB the tree may take
   [ -f "$z" ] && [ ! -e "${z%.xz}" ] && xz -dc "$z" > "${z%.xz}"
 done
+if [ -f "$dev/llama/part00" ] && [ ! -x "$dev/llama/llama-server" ]; then   # carried as xz parts (64 MiB a call)
+  cat "$dev"/llama/part* | xz -dc > "$dev/llama/llama-server" && chmod +x "$dev/llama/llama-server"
+fi
+if [ -x "$dev/llama/llama-server" ]; then   # its CUDA libraries from the device's wheels; libssl/libcrypto if carried
+  for lib in libcublas.so.13 libcublasLt.so.13 libcudart.so.13; do
+    at=$(find / -name "$lib" -not -path '/proc/*' 2>/dev/null | head -n 1)
+    [ -n "$at" ] && export LD_LIBRARY_PATH=$(dirname "$at")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  done
+  if [ -f "$dev/ssl-libs.tar.xz" ]; then
+    mkdir -p /tmp/ssl && tar -C /tmp/ssl -xJf "$dev/ssl-libs.tar.xz" && export LD_LIBRARY_PATH=$LD_LIBRARY_PATH:/tmp/ssl
+  fi
+fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
   "$dev"/whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 BLOOMERY_TOKENIZER_GGUF=$PWD/$dev/tokenizer.gguf

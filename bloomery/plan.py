@@ -249,8 +249,7 @@ def scratch_bytes_for(facts: ModelFacts, n_ctx_slot: int, backend: str = "numpy"
         per_row = 6 * facts.n_embd + 2 * q_width + 6 * facts.n_ff
         copied = facts.max_tensor_elems
         if _planned_experts(facts) and rows * facts.n_expert_used <= PLANNED_MAX_PAIRS and n_slots <= CUDA_DECODE_ROWS:
-            copied = max((math.prod(shape) for name, _, shape in facts.tensors
-                          if "_exps." not in name and not name.startswith(("token_embd.", "output."))), default=0)
+            copied = _largest_dense_elems(facts)
         return (3 * 2 * copied + 4 * rows * per_row + CUDA_SCORE_BYTES * 3 // 2 + 4 * facts.n_vocab
                 + _cuda_delta_scratch(facts, rows) + (_cuda_prompt_graph_bytes(facts, per_row) if graphs else 0))
     return _numpy_scratch(facts, n_ctx_slot, n_slots)
@@ -299,10 +298,16 @@ def _cuda_prompt_graph_bytes(facts: ModelFacts, per_row: int) -> int:
     state, whose prompts are not captured."""
     if facts.ssm_widths[0]:
         return 0
-    dense = max((math.prod(shape) for name, _, shape in facts.tensors
-                 if "_exps." not in name and not name.startswith(("token_embd.", "output."))), default=0)
+    dense = _largest_dense_elems(facts)
     return sum((2 * 2 * dense if b > CUDA_DECODE_ROWS else 0) + 4 * b * per_row + 4 * MIB
                for b in CUDA_PROMPT_BUCKETS)
+
+
+def _largest_dense_elems(facts: ModelFacts) -> int:
+    """Elements of the largest tensor that is neither a routed expert stack, the embedding nor the head: the
+    largest weight a pass past DECODE_ROWS rows copies to f16 when its experts take the planned kernels."""
+    return max((math.prod(shape) for name, _, shape in facts.tensors
+                if "_exps." not in name and not name.startswith(("token_embd.", "output."))), default=0)
 
 
 def _cuda_delta_scratch(facts: ModelFacts, rows: int = CUDA_UBATCH) -> int:

@@ -65,7 +65,6 @@ def test_a_served_request_compiles_nothing_after_ready(gpu, small_moe, tmp_path)
     sends (a short prompt and a long one, greedy and sampled with n_probs, a JSON-schema chat, two streams at once)
     add no file to it: each kernel they run was compiled, or loaded prebuilt, by the warm-up."""
     import json
-    import re
     import threading
     import urllib.request
 
@@ -81,10 +80,7 @@ def test_a_served_request_compiles_nothing_after_ready(gpu, small_moe, tmp_path)
     def files():
         return {p.name: p for p in cache.rglob("*") if p.is_file()}
 
-    def names(path) -> list[str]:
-        """The kernel names a cubin holds (its symbol strings: CuPy's cupy_* kernels, mangled _Z names)."""
-        found = re.findall(rb"(?:cupy_|_Z)[A-Za-z0-9_]{4,}", path.read_bytes())
-        return sorted({n.decode() for n in found})
+    kernel_names = load_tool("bench_start").kernel_names      # the names a cubin's symbol strings hold
 
     with Served("-m", str(small_moe), "--backend", "cuda", "-c", "2048", "-np", "2",
                 env={"CUPY_CACHE_DIR": str(cache)}) as srv:
@@ -115,6 +111,6 @@ def test_a_served_request_compiles_nothing_after_ready(gpu, small_moe, tmp_path)
             now = files()
             new = sorted(set(now) - set(before))
             if new:
-                compiled[what] = [names(now[n]) for n in new]
+                compiled[what] = kernel_names(now[n] for n in new)
             before = now
     assert not compiled, f"compiled after ready: {compiled}"

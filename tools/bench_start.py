@@ -38,13 +38,12 @@ def records(log: str) -> dict[str, str]:
     return out
 
 
-def kernel_names(cache: Path) -> list[str]:
-    """The kernels CuPy compiled into its cache (the names each cubin's symbol strings hold: CuPy's own
-    cupy_* kernels, the mangled _Z names of templates), sorted; NVRTC's time on a fresh machine."""
+def kernel_names(files) -> list[str]:
+    """The kernels CuPy compiled into these files of its cache (the names each cubin's symbol strings hold:
+    CuPy's own cupy_* kernels, the mangled _Z names of templates), sorted; NVRTC's time on a fresh machine."""
     names = set()
-    for f in cache.rglob("*"):
-        if f.is_file():
-            names.update(n.decode() for n in re.findall(rb"(?:cupy_|_Z)[A-Za-z0-9_]{4,}", f.read_bytes()))
+    for f in files:
+        names.update(n.decode() for n in re.findall(rb"(?:cupy_|_Z)[A-Za-z0-9_]{4,}", Path(f).read_bytes()))
     return sorted(names)
 
 
@@ -62,7 +61,7 @@ def one_start(a, mode: str, work: Path) -> dict:
     with Server(argv, port, log, a.ready_timeout_s, env={"CUPY_CACHE_DIR": str(cache), "BLOOMERY_CUDA_KERNELS": mode}) as srv:
         ready_s = time.perf_counter() - t0
         files_at_ready = sum(1 for _ in cache.iterdir())
-        compiled_at_start = kernel_names(cache)
+        compiled_at_start = kernel_names(f for f in cache.rglob("*") if f.is_file())
         times, engine = [], []
         for _ in range(10):
             t = time.perf_counter()

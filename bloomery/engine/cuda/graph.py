@@ -52,10 +52,10 @@ class _Graph:
     graph: object
     stream: object
     pool: object
-    io: object          # [3, B] int32 on the card: ids, slots, positions
+    io: object          # int32 on the card: ids, slots, positions [3, B] (a prompt's: and its last row at [3, 0])
     host_io: object     # the same in pinned host memory
-    logits: object
-    picked: object
+    logits: object      # [B, V] (a prompt's: [1, V])
+    picked: object = None   # [B] (decode steps)
     posts: int = 0      # host jobs the step posts to the offload's bell (armed before each launch)
 
 
@@ -63,26 +63,47 @@ def prompt_graphs_enabled() -> bool:
     return os.environ.get("BLOOMERY_CUDA_PROMPT_GRAPHS", "1") != "0"
 
 
-@dataclass
-class _PromptGraph:
-    graph: object
-    stream: object
-    pool: object
-    io: object          # [4, B] int32 on the card: ids, slots, positions, and the last real row at [3, 0]
-    host_io: object
-    logits: object      # [1, V]
-
-
 def _capture_mode():
     rt = cupy.cuda.runtime
     return getattr(rt, "streamCaptureModeRelaxed", 2)
+
+
+def _recurrent_state(model):
+    """The model's recurrent state (cuda/recurrent.py), or None for a model without one."""
+    state = getattr(model, "state", None)
+    return state if state is not None and hasattr(state, "held") else None
+
+
+def _pinned_io(rows: int, b: int) -> np.ndarray:
+    """[rows, b] int32 zeros in pinned host memory: a graph's inputs, copied in before each launch."""
+    io = np.frombuffer(cupy.cuda.alloc_pinned_memory(rows * b * 4), np.int32, rows * b).reshape(rows, b)
+    io[:] = 0
+    return io
+
+
+def _record(ops, host_io: np.ndarray, body):
+    """body(io) captured as one graph on a stream and a memory pool of its own, io being host_io's copy on the
+    card (from that pool): (graph, stream, pool, io, what body returned)."""
+    pool = cupy.cuda.MemoryPool()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with cupy.cuda.using_allocator(pool.malloc), stream:
+        io = cupy.asarray(host_io)
+        stream.synchronize()
+        ops.k.pdl = pdl_enabled()
+        stream.begin_capture(_capture_mode())
+        try:
+            out = body(io)
+        finally:
+            graph = stream.end_capture()
+            ops.k.pdl = False
+    return graph, stream, pool, io, out
 
 
 class DecodeGraphs:
     def __init__(self, model, max_batch: int = MAX_BATCH):
         self.model, self.max_batch = model, max_batch
         self._graphs: dict[int, _Graph] = {}
-        self._prompts: dict[int, _PromptGraph] = {}
+        self._prompts: dict[int, _Graph] = {}
 
     def _dry_run(self, b: int) -> None:
         """The step of b rows once outside the capture, where something it meets would otherwise first be
@@ -93,8 +114,8 @@ class DecodeGraphs:
         0 .. b-1: what it writes there (K and V at position 0, the recurrent state and its counts) is put
         back after."""
         model = self.model
-        state = getattr(model, "state", None)
-        recurrent = state is not None and hasattr(state, "held")
+        state = _recurrent_state(model)
+        recurrent = state is not None
         offload = getattr(model.ops, "offload", None)
         if not recurrent and (offload is None or offload.layers):
             return
@@ -114,26 +135,16 @@ class DecodeGraphs:
         model, ops = self.model, self.model.ops
         ops.k.compile_all()                         # no module loads inside a capture
         self._dry_run(b)
-        pool = cupy.cuda.MemoryPool()
-        stream = cupy.cuda.Stream(non_blocking=True)
-        mem = cupy.cuda.alloc_pinned_memory(3 * b * 4)
-        host_io = np.frombuffer(mem, np.int32, 3 * b).reshape(3, b)
         offload = getattr(ops, "offload", None)
         posts0 = offload.posts if offload is not None else 0
-        with cupy.cuda.using_allocator(pool.malloc), stream:
-            io = cupy.zeros((3, b), cupy.int32)
-            ids, slots, positions = io[0], io[1], io[2]
-            stream.synchronize()
-            ops.k.pdl = pdl_enabled()
-            stream.begin_capture(_capture_mode())
-            try:
-                x = model.embed(ids)                                                # [B, D]
-                x = model.layers_forward(x, Rows(None, slots, positions))
-                logits = model.head(x)                                              # [B, V]
-                picked = ops.argmax(logits)                                         # [B]
-            finally:
-                graph = stream.end_capture()
-                ops.k.pdl = False
+
+        def step(io):
+            x = model.embed(io[0])                                                  # [B, D]
+            x = model.layers_forward(x, Rows(None, io[1], io[2]))
+            logits = model.head(x)                                                  # [B, V]
+            return logits, ops.argmax(logits)                                       # [B]
+        host_io = _pinned_io(3, b)
+        graph, stream, pool, io, (logits, picked) = _record(ops, host_io, step)
         posts = offload.posts - posts0 if offload is not None else 0
         return _Graph(graph, stream, pool, io, host_io, logits, picked, posts)
 
@@ -168,10 +179,8 @@ class DecodeGraphs:
     # --- short prompts of one slot ---
     def prompt_capturable(self) -> bool:
         """Whether this model's short prompts may be captured (the module's legend says when not)."""
-        model = self.model
-        state = getattr(model, "state", None)
-        return (prompt_graphs_enabled() and not (state is not None and hasattr(state, "held"))
-                and getattr(model.ops, "offload", None) is None)
+        return (prompt_graphs_enabled() and _recurrent_state(self.model) is None
+                and getattr(self.model.ops, "offload", None) is None)
 
     def prompt_bucket(self, n: int, pos0: int) -> int | None:
         """The bucket a prompt of n ids at pos0 runs in, or None (the uncaptured path)."""
@@ -194,40 +203,24 @@ class DecodeGraphs:
                 done.append(b)
         return done
 
-    def prompt_pool_bytes(self) -> int:
-        """Card bytes the prompt graphs' own pools hold."""
-        return sum(int(g.pool.total_bytes()) for g in self._prompts.values())
-
     def _prompt_pass(self, io):
         model = self.model
         x = model.embed(io[0])                                                  # [B, D]
         x = model.layers_forward(x, Rows(None, io[1], io[2]))
         return model.head(x[io[3, :1]])                                         # [1, V]
 
-    def _capture_prompt(self, b: int) -> _PromptGraph:
+    def _capture_prompt(self, b: int) -> _Graph:
         """The bucket's graph, after one uncaptured pass of it (cuBLAS loads its kernels for these shapes outside
         the capture), which writes slot 0's K and V at positions 0 .. b-1: the warm-up's, before any request."""
-        model, ops = self.model, self.model.ops
+        ops = self.model.ops
         ops.k.compile_all()                         # no module loads inside a capture
-        host_io = np.frombuffer(cupy.cuda.alloc_pinned_memory(4 * b * 4), np.int32, 4 * b).reshape(4, b)
-        host_io[:] = 0
+        host_io = _pinned_io(4, b)
         host_io[2] = np.arange(b)
         host_io[3, 0] = b - 1
         self._prompt_pass(cupy.asarray(host_io))
         cupy.cuda.get_current_stream().synchronize()
-        pool = cupy.cuda.MemoryPool()
-        stream = cupy.cuda.Stream(non_blocking=True)
-        with cupy.cuda.using_allocator(pool.malloc), stream:
-            io = cupy.asarray(host_io)
-            stream.synchronize()
-            ops.k.pdl = pdl_enabled()
-            stream.begin_capture(_capture_mode())
-            try:
-                logits = self._prompt_pass(io)
-            finally:
-                graph = stream.end_capture()
-                ops.k.pdl = False
-        return _PromptGraph(graph, stream, pool, io, host_io, logits)
+        graph, stream, pool, io, logits = _record(ops, host_io, self._prompt_pass)
+        return _Graph(graph, stream, pool, io, host_io, logits)
 
     def prompt(self, slot: int, ids, pos0: int) -> np.ndarray | None:
         """The last id's logits [V] of a prompt of one slot run as its bucket's graph (the slot's KV filled at

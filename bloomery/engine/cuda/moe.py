@@ -79,18 +79,11 @@ def _check(gate, up, down, d: int):
                          f"(the expert width must be a multiple of 32, the hidden size of {DOWN_R})")
 
 
-def matvec_rows() -> int:
-    """Rows up to which a pass's routed experts take the decode kernels (each (token, expert) pair reading its
-    expert: moe_gate_up_s, moe_down_s) rather than the planned tiles; BLOOMERY_CUDA_MOE_MATVEC_ROWS sets it,
-    for measuring (read at each call)."""
-    return int(os.environ.get("BLOOMERY_CUDA_MOE_MATVEC_ROWS", DECODE_ROWS))
-
-
 def ffn(ops, x, ids, wts, gate, up, down, residual=None):
     x = cupy.ascontiguousarray(x, dtype=cupy.float32)                     # [T, D]
     t, d = x.shape
     _check(gate, up, down, d)
-    if t > DECODE_ROWS and (t > matvec_rows() or ops.offload is not None):
+    if t > DECODE_ROWS:
         if planned_fits(gate, up, down, d) and _planned_wanted(t * ids.shape[1]):
             layer = ops.offload.layer(gate, up, down, ids.shape[1]) if ops.offload is not None else None
             if layer is None:

@@ -40,7 +40,6 @@ class Uploader:
         self.device = cupy.cuda.Device().id
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="bloomery-upload")
         self._lanes: dict[int, tuple] = {}       # lane -> (pinned [2*CHUNK], stream, (event, event))
-        self.bytes = 0
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -59,7 +58,6 @@ class Uploader:
         """A new card array [n] (uint8) holding `host`'s bytes; returns once they are all on the card."""
         src = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
         n = int(src.size)
-        self.bytes += n
         if n <= SMALL or self.threads == 1:
             return cupy.asarray(src)
         dev = cupy.empty(n, np.uint8)

@@ -251,7 +251,7 @@ def scratch_bytes_for(facts: ModelFacts, n_ctx_slot: int, backend: str = "numpy"
         if _planned_experts(facts) and rows * facts.n_expert_used <= PLANNED_MAX_PAIRS and n_slots <= CUDA_DECODE_ROWS:
             copied = _largest_dense_elems(facts)
         return (3 * 2 * copied + 4 * rows * per_row + CUDA_SCORE_BYTES * 3 // 2 + 4 * facts.n_vocab
-                + _cuda_delta_scratch(facts, rows) + (_cuda_prompt_graph_bytes(facts, per_row) if graphs else 0))
+                + _cuda_delta_scratch(facts, rows) + (_cuda_prompt_graph_bytes(facts, per_row, n_ctx_slot) if graphs else 0))
     return _numpy_scratch(facts, n_ctx_slot, n_slots)
 
 
@@ -289,18 +289,22 @@ def cuda_host_pass_rows(facts: ModelFacts) -> int:
     return min(own, max(CUDA_DECODE_ROWS + 1, PLANNED_MAX_PAIRS // facts.n_expert_used))
 
 
-def _cuda_prompt_graph_bytes(facts: ModelFacts, per_row: int) -> int:
-    """The pools of the captured passes of short prompts (engine/cuda/graph.py), one a bucket of rows, each
-    holding what its pass allocates: past DECODE_ROWS rows the f16 copies of two dense weights at once
-    (cuBLAS's operands), and every bucket its rows' activations and 4 MiB beside (the head's row, the
-    int8 forms). Measured on the H200 (session 18, the 30B-shaped file): 3.6, 32.6, 33.2 and 34.4 MiB for
-    8, 16, 32 and 64 rows, 104 MiB in all, where this counts 126.5. 0 for a model with a recurrent
+def _cuda_prompt_graph_bytes(facts: ModelFacts, per_row: int, n_ctx_slot: int) -> int:
+    """The pool the captured passes of short prompts share (engine/cuda/graph.py), one graph a bucket of rows:
+    the most one pass allocates, past DECODE_ROWS rows the f16 copies of two dense weights at once
+    (cuBLAS's operands), its rows' activations and 4 MiB beside (the head's row, the int8 forms), and each
+    graph's own inputs and logits row; the buckets a slot of n_ctx_slot positions holds (graph.py captures
+    no other). Measured on the H200 (session 18, the 30B-shaped file, a pool a
+    graph then): 3.6, 32.6, 33.2 and 34.4 MiB for 8, 16, 32 and 64 rows. 0 for a model with a recurrent
     state, whose prompts are not captured."""
     if facts.ssm_widths[0]:
         return 0
+    buckets = [b for b in CUDA_PROMPT_BUCKETS if b <= n_ctx_slot]
+    if not buckets:
+        return 0
     dense = _largest_dense_elems(facts)
-    return sum((2 * 2 * dense if b > CUDA_DECODE_ROWS else 0) + 4 * b * per_row + 4 * MIB
-               for b in CUDA_PROMPT_BUCKETS)
+    widest = max((2 * 2 * dense if b > CUDA_DECODE_ROWS else 0) + 4 * b * per_row + 4 * MIB for b in buckets)
+    return widest + len(buckets) * (4 * facts.n_vocab + 2 * MIB)
 
 
 def _largest_dense_elems(facts: ModelFacts) -> int:

@@ -79,79 +79,164 @@ __device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// The tile's rows [MM_BM, MM_BK] from column k0 into xs as f16, rows past `rows` zero: row i is
-// x[rowmap[r0 + i]] of x f32 [*, K] (gate and up's input; down's is prefetched by XPre).
-__device__ __forceinline__ void mm_load_x(const float* __restrict__ x, const int* __restrict__ rowmap, int r0, int rows,
-                                          int K, int k0, u16* __restrict__ xs) {
-    for (int i = threadIdx.x; i < MM_BM * (MM_BK / 4); i += blockDim.x) {
-        int r = i / (MM_BK / 4), c = (i % (MM_BK / 4)) * 4;
-        uint2 v = make_uint2(0u, 0u);
-        if (r < rows) {
-            float4 f = *(const float4*)(x + (i64)rowmap[r0 + r] * K + k0 + c);
-            v = make_uint2(pack2(f.x, f.y), pack2(f.z, f.w));
-        }
-        *(uint2*)(xs + r * MM_LD + c) = v;
-    }
+// f16x2 arithmetic on packed words (NVRTC here has no cuda_fp16.h). The weights reach shared
+// memory through these: a block's values as f16 1024 + q (q its bits, by byte permutes with
+// 0x64 as the high byte, exact for q < 1024), less 1024 (exact), times the sub-block's scale
+// (and less its min) in one rounding. No int or float conversion a value: those run at a
+// sixteenth of the ALU rate and bounded the kernels before (8,863 tok/s at 512 ids).
+__device__ __forceinline__ u32 hsub2(u32 a, u32 b) { u32 r; asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b)); return r; }
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) { u32 r; asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b)); return r; }
+__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
+    u32 r;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+__device__ __forceinline__ u32 splat(float v) { return pack2(v, v); }
+#define H1024 0x64006400u             // f16x2 (1024, 1024)
+#define BYTES_AS_F16(w, sel) __byte_perm((w), 0x64646464u, (sel))   // two bytes b as f16 1024 + b
+
+// 32 bytes from a 2-aligned address as 8 words: three aligned 16-byte loads (the window never passes
+// p + 34, inside a Q6_K block for the parts read here), the words picked and shifted into place.
+__device__ __forceinline__ void ld32_b2_wide(const u8* p, u32* out) {
+    const uint4* a = (const uint4*)((u64)p & ~(u64)15);
+    uint4 v0 = a[0], v1 = a[1], v2 = a[2];
+    u32 w[12] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w, v2.x, v2.y, v2.z, v2.w};
+    int o = ((u32)(u64)p & 15u) >> 2;
+    u32 sh = ((u32)(u64)p & 2u) * 8u, t[9];
+#pragma unroll
+    for (int k = 0; k < 9; k++) t[k] = o == 0 ? w[k] : o == 1 ? w[k + 1] : o == 2 ? w[k + 2] : w[k + 3];
+#pragma unroll
+    for (int k = 0; k < 8; k++) out[k] = __funnelshift_r(t[k], t[k + 1], sh);
 }
 
-// Weight rows n0 .. n0 + MM_BN of one expert (row_bytes apart from w), values k0 .. k0 + MM_BK,
-// dequantized into ws as f16; rows at or past N zero.
-template <class T>
-__device__ __forceinline__ void mm_load_w(const u8* __restrict__ w, i64 row_bytes, int N, int n0, int k0,
-                                          u16* __restrict__ ws) {
-    const int per_row = MM_BK / T::IV;
-    for (int i = threadIdx.x; i < MM_BN * per_row; i += blockDim.x) {
-        int r = i / per_row, it = k0 / T::IV + i % per_row;
-        uint4* o = (uint4*)(ws + r * MM_LD + (it * T::IV - k0));
-        if (n0 + r < N) {
-            float v[T::IV];
-            T q;
-            q.deq(w + (i64)(n0 + r) * row_bytes, it, v);
-            store_f16<T::IV>(o, v);
-        } else {
-            store_f16<T::IV>(o, nullptr);
+// One item of a block format held between its load and its expansion into shared memory as f16
+// (o[IV / 8]): generic through floats; Q4_K and Q6_K, the formats of the K-quant mixes' experts,
+// keep their scales as f16x2 words and expand in f16x2 arithmetic.
+template <class T> struct Item {
+    enum { IV = T::IV };
+    T q;
+    __device__ __forceinline__ void load(const u8* row, int item) { q.load(row, item); }
+    __device__ __forceinline__ void expand_h(uint4* o) const {
+        float v[IV];
+        q.expand(v);
+        store_f16<IV>(o, v);
+    }
+};
+// A block's thread reads a row of its own, so each load instruction touches as many lines as the warp has
+// threads: the items below load in as few (16-byte) instructions as their alignment lets.
+template <> struct Item<Q4K> {
+    enum { IV = Q4K::IV };
+    int q[8];
+    u32 s[2], m[2];                               // values 0-31 (low nibbles) and 32-63 (high): scale, -min
+    __device__ __forceinline__ void load(const u8* row, int item) {
+        const u8* b = row + (i64)(item >> 2) * Q4K::BYTES;         // 16-aligned (144-byte blocks)
+        int g = item & 3, sc0, m0, sc1, m1;
+        uint4 h = *(const uint4*)b;                                // d, dmin, the 12 bytes of scales
+        const int4* p = (const int4*)(b + 16 + 32 * g);
+        int4 x = p[0], y = p[1];
+        q[0] = x.x; q[1] = x.y; q[2] = x.z; q[3] = x.w; q[4] = y.x; q[5] = y.y; q[6] = y.z; q[7] = y.w;
+        kscale(h.y, h.z, h.w, 2 * g, sc0, m0);
+        kscale(h.y, h.z, h.w, 2 * g + 1, sc1, m1);
+        float d = h2f((u16)(h.x & 0xffff)), dmin = h2f((u16)(h.x >> 16));
+        s[0] = splat(d * (float)sc0); s[1] = splat(d * (float)sc1);
+        m[0] = splat(-dmin * (float)m0); m[1] = splat(-dmin * (float)m1);
+    }
+    __device__ __forceinline__ void expand_h(uint4* o) const {
+#pragma unroll
+        for (int half = 0; half < 2; half++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                u32 w0 = ((u32)q[2 * c] >> (4 * half)) & 0x0F0F0F0Fu, w1 = ((u32)q[2 * c + 1] >> (4 * half)) & 0x0F0F0F0Fu;
+                o[4 * half + c] = make_uint4(hfma2(hsub2(BYTES_AS_F16(w0, 0x4140), H1024), s[half], m[half]),
+                                             hfma2(hsub2(BYTES_AS_F16(w0, 0x4342), H1024), s[half], m[half]),
+                                             hfma2(hsub2(BYTES_AS_F16(w1, 0x4140), H1024), s[half], m[half]),
+                                             hfma2(hsub2(BYTES_AS_F16(w1, 0x4342), H1024), s[half], m[half]));
+            }
+    }
+};
+template <> struct Item<Q6K> {
+    enum { IV = Q6K::IV };
+    int q[8];                                     // 6-bit values 0-63, four a word
+    u32 s[2];                                     // values 0-15, 16-31: d times the sub-block's scale
+    __device__ __forceinline__ void load(const u8* row, int item) {  // Q6K::load's values, wider loads
+        const u8* b = row + (i64)(item >> 3) * Q6K::BYTES;         // 2-aligned (210-byte blocks)
+        int h = (item >> 2) & 1, j = item & 3, sl = (j >> 1) * 4, sh = 2 * j;
+        u32 lw[8], hw[8];
+        ld32_b2_wide(b + 64 * h + (j & 1) * 32, lw);
+        ld32_b2_wide(b + 128 + 32 * h, hw);
+        u32 sc = ld_h(b + 192 + 8 * h + 2 * j);
+        float d = h2f(ld_h(b + 208));
+#pragma unroll
+        for (int k = 0; k < 8; k++) q[k] = (int)(((lw[k] >> sl) & 0x0F0F0F0Fu) | (((hw[k] >> sh) & 0x03030303u) << 4));
+        s[0] = splat(d * (float)(int)(i8)(sc & 0xff)); s[1] = splat(d * (float)(int)(i8)(sc >> 8));
+    }
+    __device__ __forceinline__ void expand_h(uint4* o) const {
+        const u32 bias = 0x64206420u;             // (1056, 1056): 1024 + the format's offset 32
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            u32 w0 = (u32)q[2 * c], w1 = (u32)q[2 * c + 1], sc = s[c >> 1];
+            o[c] = make_uint4(hmul2(hsub2(BYTES_AS_F16(w0, 0x4140), bias), sc),
+                              hmul2(hsub2(BYTES_AS_F16(w0, 0x4342), bias), sc),
+                              hmul2(hsub2(BYTES_AS_F16(w1, 0x4140), bias), sc),
+                              hmul2(hsub2(BYTES_AS_F16(w1, 0x4342), bias), sc));
         }
     }
-}
+};
 
-// One MM_BK step of a warp's 32 x 32 part of the tile (warp w: rows 32 (w & 1), columns 32 (w >> 1)):
-// acc[mt][nt][4] += xs[rows] . ws[cols]. Fragment layouts as PTX's mma.m16n8k16 (.row.col).
-__device__ __forceinline__ void mm_step(const u16* __restrict__ xs, const u16* __restrict__ ws, float (*acc)[4][4]) {
-    int lane = threadIdx.x % WARP, w = threadIdx.x / WARP, g = lane >> 2, q = lane & 3;
-    int m0 = (w & 1) * 32, c0 = (w >> 1) * 32;
+// A warp's 32 x 32 part of the tile: warp w takes rows 32 (w >> 2), columns 32 (w & 3), so that each of
+// the SM's four schedulers (warp w % 4) holds one warp of each half of the rows.
+__device__ __forceinline__ int warp_m0() { return (threadIdx.x / WARP >> 2) * 32; }
+__device__ __forceinline__ int warp_c0() { return (threadIdx.x / WARP & 3) * 32; }
+
+// One MM_BK step of the warp's part: acc[mt][nt][4] += xs[rows] . ws[cols], fragment layouts as PTX's
+// mma.m16n8k16 (.row.col). A 16-row slice wholly past the tile's rows is skipped: an expert's tile is
+// often part full (a 512-id prompt gives an expert about 32 rows of a tile's 64, a 64-id one about 4).
+__device__ __forceinline__ void mm_step(const u16* __restrict__ xs, const u16* __restrict__ ws, float (*acc)[4][4],
+                                        int rows) {
+    int lane = threadIdx.x % WARP, g = lane >> 2, q = lane & 3;
+    int m0 = warp_m0(), c0 = warp_c0();
+    if (m0 >= rows) return;
+    bool two = m0 + 16 < rows;
 #pragma unroll
     for (int kk = 0; kk < MM_BK; kk += 16) {
         u32 a[2][4];
 #pragma unroll
         for (int mt = 0; mt < 2; mt++) {
             const u16* p = xs + (m0 + mt * 16 + g) * MM_LD + kk + 2 * q;
-            a[mt][0] = lds32(p);
-            a[mt][1] = lds32(p + 8 * MM_LD);
-            a[mt][2] = lds32(p + 8);
-            a[mt][3] = lds32(p + 8 * MM_LD + 8);
+            if (mt == 0 || two) {
+                a[mt][0] = lds32(p);
+                a[mt][1] = lds32(p + 8 * MM_LD);
+                a[mt][2] = lds32(p + 8);
+                a[mt][3] = lds32(p + 8 * MM_LD + 8);
+            }
         }
 #pragma unroll
         for (int nt = 0; nt < 4; nt++) {
             const u16* p = ws + (c0 + nt * 8 + g) * MM_LD + kk + 2 * q;
             u32 b0 = lds32(p), b1 = lds32(p + 8);
-#pragma unroll
-            for (int mt = 0; mt < 2; mt++) mma16816(acc[mt][nt], a[mt], b0, b1);
+            mma16816(acc[0][nt], a[0], b0, b1);
+            if (two) mma16816(acc[1][nt], a[1], b0, b1);
         }
     }
 }
 
-// Down's next step held in registers while this step multiplies (256 threads): the tile's slice of h
-// (f16 rows h[r0 + i], 2 uint4 a thread) and of the weight (its blocks' registers, one item a thread
-// at most: item i is row i / per_row, part i % per_row of the step).
+// The next step held in registers while this step multiplies (256 threads). The tile's slice of
+// the f16 input (rows x[rowmap[r0 + i]], or x[r0 + i] without a map; 2 uint4 a thread) ...
 struct XPre {
     enum { N = MM_BM * MM_BK / 8 / 256 };
+    const u16* src[N];
     uint4 v[N];
-    __device__ __forceinline__ void load(const u16* __restrict__ x, int r0, int rows, int K, int k0) {
+    __device__ __forceinline__ void init(const u16* __restrict__ x, const int* __restrict__ rowmap, int r0, int rows,
+                                         int K) {
 #pragma unroll
         for (int j = 0; j < N; j++) {
             int i = threadIdx.x + 256 * j, r = i / (MM_BK / 8), c = (i % (MM_BK / 8)) * 8;
-            v[j] = r < rows ? *(const uint4*)(x + (i64)(r0 + r) * K + k0 + c) : make_uint4(0u, 0u, 0u, 0u);
+            src[j] = r < rows ? x + (i64)(rowmap ? rowmap[r0 + r] : r0 + r) * K + c : nullptr;
         }
+    }
+    __device__ __forceinline__ void load(int k0) {
+#pragma unroll
+        for (int j = 0; j < N; j++) v[j] = src[j] ? *(const uint4*)(src[j] + k0) : make_uint4(0u, 0u, 0u, 0u);
     }
     __device__ __forceinline__ void store(u16* __restrict__ xs) const {
 #pragma unroll
@@ -161,30 +246,27 @@ struct XPre {
         }
     }
 };
-template <class T> struct WPre {
-    enum { PER_ROW = MM_BK / T::IV, ITEMS = MM_BN * PER_ROW, N = (ITEMS + 255) / 256 };
-    T q[N];
-    __device__ __forceinline__ void load(const u8* w, i64 rb, int rows_w, int n0, int k0) {
+// ... and of one weight matrix, by TPM threads (t: the thread's place among them): its blocks'
+// registers, item i being row i / PER_ROW, part i % PER_ROW of the step.
+template <class T, int TPM> struct WPre {
+    enum { PER_ROW = MM_BK / T::IV, ITEMS = MM_BN * PER_ROW, N = (ITEMS + TPM - 1) / TPM };
+    Item<T> q[N];
+    __device__ __forceinline__ void load(const u8* w, i64 rb, int rows_w, int n0, int k0, int t) {
 #pragma unroll
         for (int j = 0; j < N; j++) {
-            int i = threadIdx.x + 256 * j, r = i / PER_ROW;
+            int i = t + TPM * j, r = i / PER_ROW;
             if (i >= ITEMS) break;
             if (n0 + r < rows_w) q[j].load(w + (i64)(n0 + r) * rb, k0 / T::IV + i % PER_ROW);
         }
     }
-    __device__ __forceinline__ void store(u16* ws, int rows_w, int n0) const {
+    __device__ __forceinline__ void store(u16* ws, int rows_w, int n0, int t) const {
 #pragma unroll
         for (int j = 0; j < N; j++) {
-            int i = threadIdx.x + 256 * j, r = i / PER_ROW;
+            int i = t + TPM * j, r = i / PER_ROW;
             if (i >= ITEMS) break;
             uint4* o = (uint4*)(ws + r * MM_LD + (i % PER_ROW) * T::IV);
-            if (n0 + r < rows_w) {
-                float v[T::IV];
-                q[j].expand(v);
-                store_f16<T::IV>(o, v);
-            } else {
-                store_f16<T::IV>(o, nullptr);
-            }
+            if (n0 + r < rows_w) q[j].expand_h(o);
+            else store_f16<T::IV>(o, nullptr);
         }
     }
 };
@@ -202,8 +284,8 @@ __device__ __forceinline__ void zero_acc(float (*acc)[4][4]) {
 template <bool GU>
 __device__ __forceinline__ void mm_store(const float (*a)[4][4], const float (*b)[4][4], int rows, int r0, int n0, int N,
                                          void* __restrict__ out) {
-    int lane = threadIdx.x % WARP, w = threadIdx.x / WARP, g = lane >> 2, q = lane & 3;
-    int m0 = (w & 1) * 32, c0 = (w >> 1) * 32;
+    int lane = threadIdx.x % WARP, g = lane >> 2, q = lane & 3;
+    int m0 = warp_m0(), c0 = warp_c0();
 #pragma unroll
     for (int mt = 0; mt < 2; mt++)
 #pragma unroll
@@ -226,17 +308,18 @@ __device__ __forceinline__ void mm_store(const float (*a)[4][4], const float (*b
         }
 }
 
-// gate and up (GU: x f32 [T, K] through sorted_tok, out h f16 [n_pairs, N]) or down (x = h f16, out
+// gate and up (GU: x f16 [T, K] through sorted_tok, out h f16 [n_pairs, N]) or down (x = h f16, out
 // y f32 [n_pairs, N]) over one tile and MM_BN outputs. grid (ceil(N / MM_BN), max_tiles), block 256.
-// Down loads its next step's slices into registers while this step's products run (its loop is short
-// enough to hold them: 13,475 against 13,190 tok/s at 4096 ids, 8,863 against 6,611 at 512,
-// docs/performance.md run M); gate and up load each step after the last step's products (prefetching
-// them too took 196 registers, one block an SM, and was no faster).
+// Each step's slices are loaded into registers while the step before multiplies. Gate and up split
+// the block: threads 0-127 load and expand gate's rows, 128-255 up's, so that every thread expands
+// one matrix's share and holds one step of it (before, each thread expanded both, half the block
+// idle, and holding both in registers did not fit two blocks an SM).
 template <class T, bool GU>
 __device__ __forceinline__ void mm_tile(const u64* __restrict__ tab0, const u64* __restrict__ tab1, i64 rb0, i64 rb1,
-                                        int N, int K, const void* __restrict__ x, const int* __restrict__ sorted_tok,
+                                        int N, int K, const u16* __restrict__ x, const int* __restrict__ rowmap,
                                         const int* __restrict__ tiles, int max_tiles, const int* __restrict__ n_tiles,
                                         void* __restrict__ out) {
+    constexpr int TPM = GU ? 128 : 256;           // threads a weight matrix
     __shared__ __align__(16) u16 xs[MM_BM * MM_LD];
     __shared__ __align__(16) u16 s0[MM_BN * MM_LD];
     __shared__ __align__(16) u16 s1[GU ? MM_BN * MM_LD : 8];
@@ -246,49 +329,42 @@ __device__ __forceinline__ void mm_tile(const u64* __restrict__ tab0, const u64*
     if (tile >= *n_tiles) return;
     int e = tiles[tile], r0 = tiles[max_tiles + tile], rows = tiles[2 * max_tiles + tile];
     int n0 = blockIdx.x * MM_BN;
-    const u8* w0 = (const u8*)tab0[e];
-    const u8* w1 = GU ? (const u8*)tab1[e] : w0;
+    int mat = GU ? threadIdx.x / TPM : 0, t = threadIdx.x % TPM;
+    const u8* w = (const u8*)(mat ? tab1[e] : tab0[e]);
+    i64 rb = mat ? rb1 : rb0;
+    u16* ws = mat ? s1 : s0;
     float a0[2][4][4], a1[GU ? 2 : 1][4][4];
     zero_acc(a0);
     if (GU) zero_acc(a1);
-    if constexpr (GU) {
-        for (int k0 = 0; k0 < K; k0 += MM_BK) {
-            __syncthreads();
-            mm_load_x((const float*)x, sorted_tok, r0, rows, K, k0, xs);
-            mm_load_w<T>(w0, rb0, N, n0, k0, s0);
-            mm_load_w<T>(w1, rb1, N, n0, k0, s1);
-            __syncthreads();
-            mm_step(xs, s0, a0);
-            mm_step(xs, s1, a1);
+    XPre xp;
+    WPre<T, TPM> wp;
+    xp.init(x, rowmap, r0, rows, K);
+    if (!GU) xp.load(0);
+    wp.load(w, rb, N, n0, 0, t);
+    for (int k0 = 0; k0 < K; k0 += MM_BK) {
+        __syncthreads();
+        if (GU) xp.load(k0);
+        xp.store(xs);
+        wp.store(ws, N, n0, t);
+        __syncthreads();
+        if (k0 + MM_BK < K) {
+            if (!GU) xp.load(k0 + MM_BK);
+            wp.load(w, rb, N, n0, k0 + MM_BK, t);
         }
-    } else {
-        XPre xp;
-        WPre<T> wp;
-        xp.load((const u16*)x, r0, rows, K, 0);
-        wp.load(w0, rb0, N, n0, 0);
-        for (int k0 = 0; k0 < K; k0 += MM_BK) {
-            __syncthreads();
-            xp.store(xs);
-            wp.store(s0, N, n0);
-            __syncthreads();
-            if (k0 + MM_BK < K) {
-                xp.load((const u16*)x, r0, rows, K, k0 + MM_BK);
-                wp.load(w0, rb0, N, n0, k0 + MM_BK);
-            }
-            mm_step(xs, s0, a0);
-        }
+        mm_step(xs, s0, a0, rows);
+        if constexpr (GU) mm_step(xs, s1, a1, rows);
     }
     mm_store<GU>(a0, a1, rows, r0, n0, N, out);
 }
 
 // One pair of kernels per block format (moe.py's MM_TYPES names them by ggml type).
 #define MOE_MM(T, name)                                                                                        \
-    extern "C" __global__ void __launch_bounds__(256) moe_mm_gu_##name(                                       \
-        const u64* tab_g, const u64* tab_u, i64 rbg, i64 rbu, int F, int K, const float* x, const int* sorted_tok, \
+    extern "C" __global__ void __launch_bounds__(256, 2) moe_mm_gu_##name(                                    \
+        const u64* tab_g, const u64* tab_u, i64 rbg, i64 rbu, int F, int K, const u16* x, const int* sorted_tok, \
         const int* tiles, int max_tiles, const int* n_tiles, u16* h) {                                         \
         mm_tile<T, true>(tab_g, tab_u, rbg, rbu, F, K, x, sorted_tok, tiles, max_tiles, n_tiles, h);     \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(256) moe_mm_dn_##name(                                       \
+    extern "C" __global__ void __launch_bounds__(256, 2) moe_mm_dn_##name(                                       \
         const u64* tab_d, i64 rbd, int D, int F, const u16* h, const int* tiles, int max_tiles, const int* n_tiles, \
         float* y) {                                                                                            \
         mm_tile<T, false>(tab_d, tab_d, rbd, rbd, D, F, h, nullptr, tiles, max_tiles, n_tiles, y);        \

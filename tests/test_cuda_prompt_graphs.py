@@ -23,7 +23,7 @@ def warmed(gpu, tokenizer_source, synthetic_dir):
                                                         tokenizer_from=str(tokenizer_source), **SHAPE)
     model = load_model(str(path), whole("cuda", 3, 256))
     parts = dict(warm_up(model, 3))
-    assert "prompt graphs (8, 16, 32, 64 rows)" in parts, parts
+    assert "prompt graphs (8, 16, 32, 64, 128 rows)" in parts, parts
     return model
 
 
@@ -45,7 +45,7 @@ def _close(got, ref):
 
 
 @pytest.mark.parametrize("n,pos0", [(1, 0), (5, 0), (8, 0), (13, 0), (16, 7), (16, 200), (40, 100), (64, 0),
-                                    (64, 190)])
+                                    (64, 190), (100, 0), (128, 120)])
 def test_a_captured_prompt_gives_the_uncaptured_logits_and_kv(warmed, n, pos0):
     model = warmed
     runner = model.ops.decode_runner(model)
@@ -81,7 +81,8 @@ def test_the_padding_is_never_read(warmed):
 def test_what_may_not_be_captured_is_not(warmed, monkeypatch):
     model = warmed
     runner = model.ops.decode_runner(model)
-    assert runner.prompt_bucket(65, 0) is None                     # past the largest bucket
+    assert runner.prompt_bucket(65, 0) == 128
+    assert runner.prompt_bucket(129, 0) is None                    # past the largest bucket
     assert runner.prompt_bucket(10, 256 - 16) == 16
     assert runner.prompt_bucket(10, 256 - 15) is None              # the bucket would run past the slot's end
     from bloomery.engine.cuda import graph
@@ -92,3 +93,18 @@ def test_what_may_not_be_captured_is_not(warmed, monkeypatch):
     monkeypatch.setenv("BLOOMERY_CUDA_PROMPT_GRAPHS", "0")
     assert runner.prompt_bucket(10, 0) is None
     assert runner.prompt(0, np.arange(10, 20, dtype=np.int32), 0) is None
+
+
+def test_the_prompt_graphs_share_one_pool_the_plan_counts(warmed):
+    """Every bucket's graph allocates from one pool (they never run at once), which holds no more than the plan
+    counts for it: the scratch of the whole card's plan less that of a plan without the captured prompts."""
+    from bloomery.plan import model_facts, scratch_bytes_for
+    model = warmed
+    runner = model.ops.decode_runner(model)
+    pools = {id(g.pool) for g in runner._prompts.values()}
+    assert len(pools) == 1 and len(runner._prompts) == 5
+    facts = model_facts(model.gf)
+    counted = (scratch_bytes_for(facts, model.n_ctx_slot, "cuda", 3, graphs=True)
+               - scratch_bytes_for(facts, model.n_ctx_slot, "cuda", 3))
+    held = runner._prompt_pool.total_bytes()
+    assert 0 < held <= counted, (held, counted)

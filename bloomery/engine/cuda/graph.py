@@ -2,14 +2,16 @@
 
 A step reads its ids, slots and positions from one device buffer the graph owns, so a replay
 needs no host values and no Python per layer: one copy of B ids, slots and positions in (from
-pinned memory), launch, copy B ids (or B rows of logits) out. Each graph allocates from its
-own memory pool, which nothing else uses, so the buffers it captured stay its own.
+pinned memory), launch, copy B ids (or B rows of logits) out. Each decode graph allocates from its
+own memory pool, which nothing else uses, so the buffers it captured stay its own. The prompt
+graphs share one pool and one stream: they never run at once, each launch waits for its logits,
+and each one's inputs and logits stay held, so only their scratch is shared.
 
 The kernels are captured with programmatic dependent launch (cuda_kernels.Launcher), so each
 one's blocks start, and read their weights, while the kernel before it drains.
 BLOOMERY_CUDA_PDL=0 captures plain launches instead (the same kernels, serialized).
 
-Short prompts of one slot are captured too, one graph per bucket of rows (PROMPT_BUCKETS). Uncaptured, a
+Prompts of up to 128 ids in one slot are captured too, one graph per bucket of rows (PROMPT_BUCKETS). Uncaptured, a
 pass launches some 770 kernels, 290 cuBLAS calls and 1,500 allocations from Python: on the H200 (session
 18, the 30B-shaped file) 6 ids took 14 ms and 16 ids 37 ms; captured, 9 and 25 ms (what is left is the
 card's own time, most of it the expert kernels at few rows an expert). A prompt of n ids runs in the smallest
@@ -40,7 +42,7 @@ MAX_BATCH = DECODE_ROWS
 # over every key up to its position: on the H200 (session 18, the 30B-shaped file) 40 ids took 34 ms captured
 # against 44 ms uncaptured at position 0, but 52 against 39 at position 4,000, and 64 ids 37 against 40 at 0,
 # 54 against 43 at 4,000; 16 ids won at both (25 against 37, 29 against 37).
-PROMPT_DEPTH = {32: 512, 64: 512}
+PROMPT_DEPTH = {32: 512, 64: 512, 128: 512}
 
 
 def pdl_enabled() -> bool:
@@ -81,11 +83,12 @@ def _pinned_io(rows: int, b: int) -> np.ndarray:
     return io
 
 
-def _record(ops, host_io: np.ndarray, body):
-    """body(io) captured as one graph on a stream and a memory pool of its own, io being host_io's copy on the
-    card (from that pool): (graph, stream, pool, io, what body returned)."""
-    pool = cupy.cuda.MemoryPool()
-    stream = cupy.cuda.Stream(non_blocking=True)
+def _record(ops, host_io: np.ndarray, body, pool=None, stream=None):
+    """body(io) captured as one graph on a stream and a memory pool of its own (or the ones given, which graphs
+    that never run at once may share), io being host_io's copy on the card (from that pool): (graph, stream,
+    pool, io, what body returned)."""
+    pool = pool if pool is not None else cupy.cuda.MemoryPool()
+    stream = stream if stream is not None else cupy.cuda.Stream(non_blocking=True)
     with cupy.cuda.using_allocator(pool.malloc), stream:
         io = cupy.asarray(host_io)
         stream.synchronize()
@@ -104,6 +107,7 @@ class DecodeGraphs:
         self.model, self.max_batch = model, max_batch
         self._graphs: dict[int, _Graph] = {}
         self._prompts: dict[int, _Graph] = {}
+        self._prompt_pool = self._prompt_stream = None     # shared by the prompt graphs (capture_prompts)
 
     def _dry_run(self, b: int) -> None:
         """The step of b rows once outside the capture, where something it meets would otherwise first be
@@ -196,12 +200,12 @@ class DecodeGraphs:
         """Every bucket's graph that fits the slot, in order; [] where none may be. The warm-up calls this
         last: its own prompts before took the uncaptured paths, which passes of several slots still take."""
         done = []
-        for b in PROMPT_BUCKETS:
+        for b in sorted(PROMPT_BUCKETS, reverse=True):     # the widest first: the smaller ones reuse its blocks
             if self.prompt_bucket(b, 0) == b:       # fits the slot
                 if b not in self._prompts:
                     self._prompts[b] = self._capture_prompt(b)
                 done.append(b)
-        return done
+        return sorted(done)
 
     def _prompt_pass(self, io):
         model = self.model
@@ -219,7 +223,10 @@ class DecodeGraphs:
         host_io[3, 0] = b - 1
         self._prompt_pass(cupy.asarray(host_io))
         cupy.cuda.get_current_stream().synchronize()
-        graph, stream, pool, io, logits = _record(ops, host_io, self._prompt_pass)
+        if self._prompt_pool is None:
+            self._prompt_pool, self._prompt_stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+        graph, stream, pool, io, logits = _record(ops, host_io, self._prompt_pass, self._prompt_pool,
+                                                  self._prompt_stream)
         return _Graph(graph, stream, pool, io, host_io, logits)
 
     def prompt(self, slot: int, ids, pos0: int) -> np.ndarray | None:

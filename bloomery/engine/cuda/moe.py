@@ -172,16 +172,17 @@ def _planned(ops, x, ids, wts, gate, up, down, residual, tables=None):
     n_tiles = cupy.empty(1, cupy.int32)
     ops.k.moe_plan((1,), (1024,), (flat, np.int32(n_pairs), np.int32(n_used), np.int32(n_expert), pos_of,
                                    sorted_tok, tiles, np.int32(max_tiles), n_tiles), shared_mem=8 * n_expert)
+    x16 = ops.f16(x)                                                      # [T, D]: read by every block of a row
     h = cupy.empty((n_pairs, f), cupy.float16)                            # [T*A, F], expert order
     getattr(ops.k, f"moe_mm_gu_{MM_TYPES[gate.ggml_type]}")(
         (-(-f // MM_BN), max_tiles), (256,),
-        (tab_g, tab_u, np.int64(gate.row_bytes), np.int64(up.row_bytes), np.int32(f), np.int32(d), x,
+        (tab_g, tab_u, np.int64(gate.row_bytes), np.int64(up.row_bytes), np.int32(f), np.int32(d), x16,
          sorted_tok, tiles, np.int32(max_tiles), n_tiles, h))
     y = cupy.empty((n_pairs, d), cupy.float32)                            # [T*A, D], expert order
     getattr(ops.k, f"moe_mm_dn_{MM_TYPES[down.ggml_type]}")(
         (-(-d // MM_BN), max_tiles), (256,),
         (tab_d, np.int64(down.row_bytes), np.int32(d), np.int32(f), h, tiles, np.int32(max_tiles), n_tiles, y))
-    del h
+    del h, x16
     return _combine(ops, y, pos_of, wts, residual, t)
 
 

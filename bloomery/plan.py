@@ -31,7 +31,7 @@ from functools import lru_cache
 from bloomery.engine.cpu import sizes as cpu_sizes
 from bloomery.engine.cuda import sizes as cuda_sizes
 from bloomery.engine.cuda.sizes import DECODE_ROWS as CUDA_DECODE_ROWS, SCORE_BYTES as CUDA_SCORE_BYTES, UBATCH as CUDA_UBATCH
-from bloomery.engine.cuda.sizes import PLANNED_BK, PLANNED_MAX_EXPERTS, PLANNED_MAX_PAIRS, PLANNED_TYPES
+from bloomery.engine.cuda.sizes import HOST_PASS_PAIRS, PLANNED_BK, PLANNED_MAX_EXPERTS, PLANNED_MAX_PAIRS, PLANNED_TYPES
 from bloomery.engine.cuda.sizes import PROMPT_BUCKETS as CUDA_PROMPT_BUCKETS
 from bloomery import offload
 from bloomery.engine.limits import CTX_CHECKPOINTS
@@ -280,13 +280,13 @@ def _planned_experts(facts: ModelFacts) -> bool:
 
 def cuda_host_pass_rows(facts: ModelFacts) -> int:
     """Rows of a cuda prompt pass when routed experts live in host RAM: as many as keep every routed
-    layer on the planned expert path (PLANNED_MAX_PAIRS (token, expert) pairs; 2,048 ids at 8 experts a
-    token), so the pass makes no f16 copy of an expert stack and its activations are smaller; the card
-    bytes this frees hold routed experts instead. CUDA_UBATCH where the planned path does not apply."""
+    layer on the planned expert path and its activations small (HOST_PASS_PAIRS (token, expert) pairs; 2,048
+    ids at 8 experts a token), so the pass makes no f16 copy of an expert stack; the card bytes this frees
+    hold routed experts instead. CUDA_UBATCH where the planned path does not apply."""
     own = min(CUDA_UBATCH, facts.ubatch or CUDA_UBATCH)
     if not _planned_experts(facts):
         return own
-    return min(own, max(CUDA_DECODE_ROWS + 1, PLANNED_MAX_PAIRS // facts.n_expert_used))
+    return min(own, max(CUDA_DECODE_ROWS + 1, HOST_PASS_PAIRS // facts.n_expert_used))
 
 
 def _cuda_prompt_graph_bytes(facts: ModelFacts, per_row: int, n_ctx_slot: int) -> int:

@@ -120,16 +120,20 @@ def planned_facts(gate_type: int = 12, n_used: int = 8) -> ModelFacts:
 
 
 def test_with_host_experts_prompt_passes_shorten_and_the_freed_scratch_holds_experts():
-    """Experts on the host: a prompt pass takes at most 16,384 (token, expert) pairs (2,048 ids at 8 a token),
-    so every layer takes the planned kernels: no f16 copy of an expert stack or of the head, smaller
-    activations. The card counts that pass's scratch, and the bytes it frees hold routed experts."""
+    """Experts on the host: a prompt pass takes at most 16,384 (token, expert) pairs (2,048 ids at 8 a token):
+    smaller activations (a whole-card pass of 4,096 ids takes the planned kernels too, 32,768 pairs, so neither
+    counts an f16 copy of an expert stack). The card counts that pass's scratch, and the bytes it frees hold
+    routed experts."""
     facts = planned_facts()
     full = scratch_bytes_for(facts, 4096, "cuda")
     short = scratch_bytes_for(facts, 4096, "cuda", rows=2048)
     assert cuda_host_pass_rows(facts) == 2048
-    # activations of 2,048 rows fewer (a row: 6 x 64 hidden, 2 x 128 q/k/v, 6 x 512 FFN, f32), and the f16 copies
-    # of three of the largest non-expert, non-head weight (128 x 64) instead of an expert stack (128 x 64 x 8)
-    assert full - short == 4 * 2048 * (6 * 64 + 2 * 128 + 6 * 512) + 3 * 2 * (128 * 64 * E - 128 * 64)
+    # activations of 2,048 rows fewer (a row: 6 x 64 hidden, 2 x 128 q/k/v, 6 x 512 FFN, f32)
+    assert full - short == 4 * 2048 * (6 * 64 + 2 * 128 + 6 * 512)
+    # past PLANNED_MAX_PAIRS (a ubatch of 8,192 here) a pass takes the grouped path: f16 copies of three expert
+    # stacks (128 x 64 x 8) instead of the largest non-expert, non-head weight (128 x 64)
+    wide = scratch_bytes_for(dataclasses.replace(facts, ubatch=8192), 8192, "cuda", rows=8192)
+    assert wide - full == 4 * 4096 * (6 * 64 + 2 * 128 + 6 * 512) + 3 * 2 * (128 * 64 * E - 128 * 64)
     kv = kv_bytes_for(facts, 4096, 2)
     stage = (E - 3 + 1) * EXPERT
     free = DENSE + kv + short + MARGIN + 3 * L * EXPERT + stage

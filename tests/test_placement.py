@@ -313,3 +313,51 @@ def test_cuda_offload_scratch_counts_the_prompt_pass_peak(gpu, tokenizer_source,
           f"{card.terms.scratch}, pinned staging {card.terms.pinned}")
     assert 0 < grew <= card.terms.scratch + card.terms.pinned, (grew, card.terms)
     assert grew_held <= card.terms.scratch + card.terms.pinned, (grew_held, card.terms)
+
+
+@pytest.mark.gpu
+def test_cuda_whole_card_scratch_counts_a_planned_ubatch_pass(gpu, tokenizer_source, tmp_path):
+    """The whole card at 8 experts a token: a 4,096-id prompt is one pass whose experts take the planned kernels
+    (32,768 pairs, PLANNED_MAX_PAIRS), so the plan counts no f16 copy of an expert stack; the most CuPy's pool
+    holds during it, above what it held before, stays within the card's scratch term."""
+    cupy = pytest.importorskip("cupy")
+    import numpy as np
+    from cupy.cuda import memory_hook
+    from bloomery.census import take_census
+    from bloomery.engine.loader import load_model
+    from bloomery.gguf_file import open_gguf
+    from bloomery.plan import make_plan, model_facts
+    from tests.conftest import load_tool
+
+    path = load_tool("make_synthetic").write_synthetic(tmp_path / "planned.gguf", arch="qwen3moe", mode="blocks",
+                                                         mix="q4_k_m", seed=5, tokenizer_from=str(tokenizer_source),
+                                                         **{**CARD_SHAPES["qwen3moe"], "n_expert_used": 8})
+    gf = open_gguf(str(path))
+    census = take_census()
+    if not census.card_free_bytes:
+        pytest.skip("no card in the census")
+    plan = make_plan(model_facts(gf), census, "cuda", ctx_size=8192)
+    card = plan.placement.device(plan.placement.default_device)
+    assert plan.placement.case == "whole"
+    gc.collect()
+    pool = cupy.get_default_memory_pool()
+    model = load_model(gf, plan.placement)
+    model.decode_greedy([0], [5], [0])
+    cupy.cuda.Device().synchronize()
+    base, base_held = pool.used_bytes(), pool.total_bytes()
+
+    class Peak(memory_hook.MemoryHook):
+        name = "peak"
+        top = held = 0
+
+        def malloc_postprocess(self, device_id, size, mem_size, mem_ptr, pmem_id):
+            Peak.top = max(Peak.top, pool.used_bytes())
+            Peak.held = max(Peak.held, pool.total_bytes())
+
+    with Peak():
+        model.prefill(0, np.random.default_rng(3).integers(100, 5000, 4096).tolist(), 0)
+        cupy.cuda.Device().synchronize()
+    grew, grew_held = Peak.top - base, Peak.held - base_held
+    print(f"4,096 ids: live arrays grew {grew} bytes, the pool's hold {grew_held}; scratch counted {card.terms.scratch}")
+    assert 0 < grew <= card.terms.scratch, (grew, card.terms)
+    assert grew_held <= card.terms.scratch, (grew_held, card.terms)

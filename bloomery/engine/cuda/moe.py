@@ -9,7 +9,7 @@ the ones the pass uses to the card, after one sync for the counts); else
 they sort their rows by expert into a padded buffer laid out by moe_buckets (experts of one
 padded size side by side) and run three strided-batched tensor-core GEMMs per size over the
 chosen experts, dequantized (_grouped: one sync a layer for the counts).
-Above PLANNED_MAX_PAIRS (token, expert) pairs the grouped path is the faster; BLOOMERY_CUDA_MOE_PROMPT
+Above PLANNED_MAX_PAIRS (token, expert) pairs the grouped path takes them; BLOOMERY_CUDA_MOE_PROMPT
 =planned or =grouped takes one everywhere (for comparison).
 
 Legend: T = tokens, A = experts per token, E = experts, F = expert FFN size, D = hidden.
@@ -30,9 +30,9 @@ DOWN_R = 8                          # rows per block in moe_down (DOWN_R in moe.
 MM_BM, MM_BN, MM_BK = 64, 128, PLANNED_BK   # moe_mm.cu's tile: rows, weight rows, inner step
 MM_TYPES = {12: "q4_k", 13: "q5_k", 14: "q6_k", 8: "q8_0", 2: "q4_0", 6: "q5_0"}   # ggml type -> kernel suffix
 PLAN_MAX_EXPERTS = PLANNED_MAX_EXPERTS   # moe_plan keeps two ints an expert in shared memory
-# PLANNED_MAX_PAIRS (sizes.py): above this many (token, expert) pairs cuBLAS on the dequantized experts is as
-# fast or faster (H200, 30B-A3B shape, 2026-12-02: planned / grouped tok/s 8,514 / 3,466 at 512 ids, 13,055 /
-# 10,257 at 2048, 13,087 / 13,927 at 4096; docs/performance.md, run M)
+# PLANNED_MAX_PAIRS (sizes.py): the planned path up to this many (token, expert) pairs (H200, 30B-A3B shape,
+# planned / grouped tok/s: 2026-12-02, run M, 8,514 / 3,466 at 512 ids, 13,087 / 13,927 at 4096; 2026-12-03,
+# session 19's kernels, 16,760 / 10,179 at 2,048, 16,272 / 13,782 at 4,096)
 SMEM_MAX = 227 << 10                # shared memory one block may opt in to (sm_90)
 
 

@@ -11,7 +11,9 @@ KV_BYTES = 2                   # bytes per K or V element: f16 (attention.KVCach
 # The prompt's planned expert path (kernels/moe_mm.cu, cuda/moe.py _planned): up to this many (token, expert)
 # pairs a pass, for experts of these ggml types (q4_0, q5_0, q8_0, q4_k, q5_k, q6_k) whose inner sizes are whole
 # PLANNED_BK steps, at most PLANNED_MAX_EXPERTS a layer. Above it the grouped path dequantizes the experts to f16.
-PLANNED_MAX_PAIRS = 16384
+PLANNED_MAX_PAIRS = 32768      # a whole UBATCH pass at 8 experts a token (H200, session 19: 16.3k tok/s at 4,096 ids,
+                               # the grouped path 13.8k)
+HOST_PASS_PAIRS = 16384        # pairs of a prompt pass where routed experts live in host RAM (plan.cuda_host_pass_rows)
 PLANNED_TYPES = frozenset({2, 6, 8, 12, 13, 14})
 PLANNED_BK = 64
 PLANNED_MAX_EXPERTS = 4096

@@ -11,6 +11,14 @@ Finishing follows llama-server's process_token: the context check (prompt ids +
 sampled ids reach n_ctx_slot -> "length"), then n_predict ("length"), then a stop
 id ("stop", reported in the same output, winning over the other two).
 
+Greedy steps launched ahead (a model with greedy_ahead: captured steps on a card): when every slot of
+a decode step goes on with a plain greedy pick, the next step is launched before the round returns, so
+the card computes it while the host sends this round's ids and reads its inbox; the next round waits
+for it first, before anything else touches the card, and takes its ids when it decodes the same slots
+with the same ids at the same positions (else it runs its own step; the launched one's write at each
+slot's next position is past what the slot holds, and the next id written there replaces it).
+settle() waits for it where something outside step() touches the model (a slot's file, a swap).
+
 add / cancel / slots / has_work may be called from another thread while step()
 runs: the bookkeeping sits behind a lock that is never held across a model call.
 Every TokenOut names the slot that ran its request (-1 for one that never had one).
@@ -113,6 +121,11 @@ class Engine:
         # per slot, its current or last request's counts (llama-server's /slots keeps task_prev too)
         self._last: dict[int, dict] = {}
         self._grammar_vocab: Vocab | None = None     # the vocabulary's bytes, built on the first grammar request
+        # the next greedy step, launched at the end of a step whose slots all go on (model.greedy_ahead): ((slot
+        # ids, ids, positions) it ran, its handle); the next step takes its ids when its slots are those
+        self._ahead: tuple[tuple, object] | None = None
+        self.ahead_steps = 0        # decode steps whose ids came from a step launched ahead
+        self.ahead_dropped = 0      # ... launched and not used (the batch changed)
 
     # -- called from any thread ------------------------------------------------
     def add(self, req: EngineRequest) -> None:
@@ -150,9 +163,20 @@ class Engine:
                 out.append(entry)
             return out
 
+    def settle(self) -> None:
+        """Wait for a step launched ahead, its ids kept for the next step: called on the engine thread before
+        anything touches the model's device state outside step() (a slot's file, a residency change, a swap)."""
+        if self._ahead is not None:
+            try:
+                self._ahead[1].wait()
+            except Exception:        # the next step runs its own, which says what failed
+                self._ahead = None
+
     def swap_model(self, model: EngineModel | None) -> None:
         """--sleep-idle-seconds: None frees the model (its weights and KV) while the engine is idle; a freshly
         loaded model wakes it. Either way the slots' cached prompts are gone with the old KV."""
+        self.settle()
+        self._ahead = None
         with self._lock:
             if model is None and self.scheduler.has_work():
                 raise RuntimeError("the engine has work: it cannot sleep now")
@@ -168,6 +192,8 @@ class Engine:
 
     def abort_all(self, message: str) -> list[TokenOut]:
         """Finish every queued and running request with "error" (after a fault in step)."""
+        self.settle()
+        self._ahead = None
         with self._lock:
             outs = [TokenOut(r.req_id, None, "error", error=message) for r in self.scheduler.waiting]
             for req in list(self.scheduler.waiting):
@@ -183,6 +209,12 @@ class Engine:
     # -- the engine thread -----------------------------------------------------
     def step(self) -> list[TokenOut]:
         outs: list[TokenOut] = []
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:        # ended before this round touches the device (admissions, prompts, copies)
+            try:
+                ahead = (ahead[0], ahead[1].wait())
+            except Exception:
+                ahead = None
         with self._lock:
             cancels, self._cancels = self._cancels, []
             for req_id in cancels:
@@ -224,7 +256,9 @@ class Engine:
         elif prefilling:
             outs.extend(self._prefill_round(prefilling, outs))
         if decoding:
-            outs.extend(self._decode(decoding))
+            outs.extend(self._decode(decoding, ahead))
+        elif ahead is not None:
+            self.ahead_dropped += 1
         return outs
 
     def _report(self, slot: Slot, progress: list[TokenOut]) -> None:
@@ -452,20 +486,55 @@ class Engine:
             self.scheduler.prefilled(slot)
         return self._sample(slot, logits, first=True)
 
-    def _decode(self, slots: list[Slot]) -> list[TokenOut]:
+    def _decode(self, slots: list[Slot], ahead: tuple | None = None) -> list[TokenOut]:
         ids = np.array([s.next_id for s in slots], dtype=np.int32)               # [B]
         positions = np.array([s.n_past for s in slots], dtype=np.int32)          # [B]
-        try:
-            picks = self._model_step(slots, ids, positions)
-        except Exception as e:
-            if len(slots) == 1:
-                return [self._fail(slots[0], e)]
-            # the batch failed: run each slot alone so only the faulty request fails
-            return [out for s in slots for out in self._decode([s])]
+        key = self._step_key(slots, ids, positions)
+        if ahead is not None and ahead[0] == key and all(s.state.sampler.plain_greedy for s in slots):
+            picks = [dict(token=int(t)) for t in np.asarray(ahead[1]).reshape(-1)]
+            self.ahead_steps += 1
+        else:
+            if ahead is not None:
+                self.ahead_dropped += 1
+            try:
+                picks = self._model_step(slots, ids, positions)
+            except Exception as e:
+                if len(slots) == 1:
+                    return [self._fail(slots[0], e)]
+                # the batch failed: run each slot alone so only the faulty request fails
+                return [out for s in slots for out in self._decode([s])]
         with self._lock:
             for slot in slots:
                 self.scheduler.fed(slot)
-        return [self._sample(slot, first=False, **pick) for slot, pick in zip(slots, picks)]
+        outs = [self._sample(slot, first=False, **pick) for slot, pick in zip(slots, picks)]
+        self._launch_ahead(slots, outs)
+        return outs
+
+    @staticmethod
+    def _step_key(slots: list[Slot], ids, positions) -> tuple:
+        return tuple(s.id for s in slots), tuple(int(i) for i in ids), tuple(int(p) for p in positions)
+
+    def _launch_ahead(self, slots: list[Slot], outs: list[TokenOut]) -> None:
+        """Every slot of this step goes on, each a plain greedy pick, nothing to cancel: the next step launched
+        now (model.decode_greedy_begin), so the device computes it while this step's ids travel to their
+        clients; the next round takes its ids when it decodes the same slots (step())."""
+        if not getattr(self.model, "greedy_ahead", False) or any(o.finish is not None or o.token is None for o in outs):
+            return
+        with self._lock:
+            if self._cancels or any(s.req is None or s.next_id is None for s in slots):
+                return
+            ids = np.array([s.next_id for s in slots], dtype=np.int32)
+            positions = np.array([s.n_past for s in slots], dtype=np.int32)
+        if not all(s.state.sampler.plain_greedy for s in slots):
+            return
+        if any(p >= self.n_ctx_slot for p in positions):
+            return
+        try:
+            handle = self.model.decode_greedy_begin([s.id for s in slots], ids, positions)
+        except Exception:            # the next step runs its own, which says what failed
+            return
+        if handle is not None:
+            self._ahead = (self._step_key(slots, ids, positions), handle)
 
     def _model_step(self, slots: list[Slot], ids: np.ndarray, positions: np.ndarray) -> list[dict]:
         """One batched step through the narrowest model call the slots' samplers allow, as each

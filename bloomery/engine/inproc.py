@@ -146,6 +146,8 @@ class InProcessEngineClient:
                 if self._closed:
                     return
                 between, self._between = self._between, []
+            if between:
+                self.engine.settle()     # a step launched ahead ends before fn touches the model
             for fn, loop, fut in between:
                 self._hand(loop, fut, fn)
             if not self.engine.has_work():

@@ -32,6 +32,10 @@ class EngineModel:
     checkpoints: bool = False
     checkpoint_bytes: int = 0        # what one checkpoint holds (a slot's recurrent state)
     picks_on_device: bool = False    # decode_greedy: each slot's argmax picked where the logits are
+    # decode_greedy_begin: a greedy step launched now and waited for later (.wait() gives the ids [B]), so the
+    # host's work between steps runs while the device computes; the model's state may take the step's write
+    # though its ids are never used (a request that ended meanwhile), so only a state that rewinds may
+    greedy_ahead: bool = False
     topk_max: int = 0                # decode_topk takes k in 1..topk_max; 0: whole rows of logits only
     saves_kv: bool = False           # save_kv / restore_kv copy a slot's state out and back (the prompt cache)
     kv_bytes_per_position: int = 0   # what a saved state costs per id (0: not known)
@@ -57,6 +61,11 @@ class EngineModel:
     def decode_greedy(self, slots: Sequence[int], ids, positions) -> np.ndarray:
         """One id per slot, each slot's next id by argmax (the first largest logit): ids [B]."""
         raise self._lacks("decode_greedy", "picks_on_device", self.picks_on_device)
+
+    def decode_greedy_begin(self, slots: Sequence[int], ids, positions):
+        """decode_greedy launched: a handle whose wait() gives the ids [B] (None: this batch cannot be launched
+        ahead). Nothing else may touch the device before wait() returns."""
+        raise self._lacks("decode_greedy_begin", "greedy_ahead", self.greedy_ahead)
 
     def decode_topk(self, slots: Sequence[int], ids, positions, k: int):
         """One id per slot; of each row only the k largest logits (descending, ties to the lower

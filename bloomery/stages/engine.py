@@ -168,13 +168,16 @@ def serve(engine, inbox: queue.Queue, push: zmq.Socket, ppid: int, load=None) ->
             elif isinstance(msg, em.Shutdown):
                 return f"shutdown: {msg.reason}"
             elif isinstance(msg, em.Residency):
+                engine.settle()                        # a step launched ahead ends first (core.Engine.settle)
                 push.send(em.encode(set_residency(engine, msg, load)))
             elif isinstance(msg, em.ExpertsQuery):     # between steps: a reset rewrites the kernels' tables
+                engine.settle()
                 ans = experts_query.answer(engine.model, msg.reset)
                 if msg.reset and not ans.error:
                     records.record("serve", "routed experts back to the load's placement", component="engine")
                 push.send(em.encode(em.ExpertsReply(msg.query_id, ans.report, ans.error, ans.kind)))
             elif isinstance(msg, em.SlotAction):       # between steps: the slot's KV is copied out or in
+                engine.settle()
                 got = slot_file.answer(engine, msg.action, msg.id_slot, msg.path, msg.filename, msg.model_name)
                 push.send(em.encode(em.SlotActionReply(msg.query_id, got.status, got.body, got.error)))
         if not parent_alive(ppid):

@@ -174,6 +174,16 @@ class DecodeGraphs:
         g.stream.synchronize()
         return out
 
+    def begin(self, slots, ids, positions):
+        """The greedy step launched (at most max_batch rows): a function that waits for it and returns its ids."""
+        g = self._launch(slots, ids, positions)
+
+        def fetch() -> np.ndarray:
+            out = g.picked.get(stream=g.stream)
+            g.stream.synchronize()
+            return out
+        return fetch
+
     def run(self, slots, ids, positions, want_logits: bool) -> np.ndarray:
         g = self._launch(slots, ids, positions)
         out = (g.logits if want_logits else g.picked).get(stream=g.stream)

@@ -9,6 +9,7 @@ Legend: T = tokens, B = slots in a decode batch, D = hidden, V = vocabulary.
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable, Sequence
 
 import numpy as np
@@ -286,6 +287,24 @@ class CausalLM(EngineModel):
         return self._step(slots, ids, positions, want_logits=False)
 
     @property
+    def greedy_ahead(self) -> bool:
+        """Whether decode_greedy_begin launches a step and returns before it ends: captured steps, a state that
+        rewinds (a step whose ids go unused leaves a write past the slot's end, which the next id overwrites;
+        a recurrent state would keep it), and no host experts (the offload's residency runs between steps).
+        BLOOMERY_GREEDY_AHEAD=0 turns it off (for comparison)."""
+        return (self.ops.caps.decode_graphs and self.rewinds and getattr(self.ops, "offload", None) is None
+                and os.environ.get("BLOOMERY_GREEDY_AHEAD", "1") != "0" and self.ops.decode_runner(self) is not None)
+
+    def decode_greedy_begin(self, slots: Sequence[int], ids, positions):
+        """decode_greedy launched on the captured step of its batch, the ids fetched by the handle's wait();
+        None where it cannot be (greedy_ahead false, or more slots than one graph takes: the pieces of a wider
+        batch replay one graph in turn)."""
+        slots, ids, positions = self._decode_args(slots, ids, positions)
+        if not self.greedy_ahead or len(slots) > self._graphs().max_batch:
+            return None
+        return _Ahead(self._graphs().begin(slots, ids, positions), self.ops)
+
+    @property
     def topk_max(self) -> int:
         """The largest k decode_topk takes (0: this backend hands over whole rows of logits)."""
         return self.ops.topk_max(self.n_vocab)
@@ -318,6 +337,19 @@ class CausalLM(EngineModel):
             out = self.ops.to_host(self.head(x) if want_logits else self.head_argmax(x))   # [B, V] or [B]
         self.ops.after_step(decode=True)
         return out
+
+
+class _Ahead:
+    """A captured step launched and not waited for: wait() fetches its ids (once) and ends the step as _step does."""
+
+    def __init__(self, fetch, ops):
+        self._fetch, self._ops, self._ids = fetch, ops, None
+
+    def wait(self) -> np.ndarray:
+        if self._ids is None:
+            self._ids = self._fetch()
+            self._ops.after_step(decode=True)
+        return self._ids
 
 
 class RecurrentLM(CausalLM):

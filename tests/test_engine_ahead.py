@@ -1,0 +1,209 @@
+"""Greedy steps launched ahead (core.Engine._launch_ahead, model.decode_greedy_begin): when every slot of a step
+goes on with a plain greedy pick, the next step is launched before the step's ids go out, and the next round takes
+its ids when it decodes the same slots. A stand-in model plays the card: the launch writes the slots' next
+positions at once, the ids are computed then and handed over by wait(), and any other model call while a
+launched step is not waited for fails the test (nothing may touch the device under a step in flight)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bloomery.engine.core import Engine
+from bloomery.engine.types import SamplingParams
+from tests.test_engine_core import PicksOnDevice, drain, greq
+
+
+class Ahead(PicksOnDevice):
+    greedy_ahead = True
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.in_flight = None
+        self.launched = 0
+
+    def _idle(self, what: str) -> None:
+        if self.in_flight is not None:
+            raise AssertionError(f"{what} while a launched step is not waited for")
+
+    def prefill(self, slot, ids, pos0):
+        self._idle("prefill")
+        return super().prefill(slot, ids, pos0)
+
+    def decode(self, slots, ids, positions):
+        self._idle("decode")
+        return super().decode(slots, ids, positions)
+
+    def decode_greedy(self, slots, ids, positions):
+        self._idle("decode_greedy")
+        return super().decode_greedy(slots, ids, positions)
+
+    def decode_greedy_begin(self, slots, ids, positions):
+        self._idle("decode_greedy_begin")
+        picks = PicksOnDevice.decode_greedy(self, slots, ids, positions)
+        self.calls[-1] = ("begin", tuple(slots))
+        self.launched += 1
+        model = self
+
+        class Handle:
+            def wait(self):
+                if model.in_flight is self:
+                    model.in_flight = None
+                return picks
+        self.in_flight = Handle()
+        return self.in_flight
+
+
+def run(model, n_slots, reqs, max_steps=500):
+    engine = Engine(model, n_slots, 64)
+    for r in reqs:
+        engine.add(r)
+    return engine, drain(engine, max_steps)
+
+
+def test_one_stream_takes_its_ids_from_the_steps_launched_ahead():
+    model = Ahead(1, 64)
+    engine, outs = run(model, 1, [greq("a", [1, 2, 3], n_predict=12)])
+    assert [o.token for o in outs["a"]] == model.reference([1, 2, 3], 12)
+    # the prompt's pick, one decode step run in place, then each later step launched at the end of the one before;
+    # the last step (the 12th id ends the request) is not launched
+    assert engine.ahead_steps == 10 and engine.ahead_dropped == 0 and model.launched == 10
+    assert [c[0] for c in model.calls] == ["prefill", "decode_greedy"] + ["begin"] * 10
+
+
+def test_several_streams_and_arrivals_give_the_reference_ids():
+    model = Ahead(3, 64)
+    engine = Engine(model, 3, 64)
+    prompts = {"a": [1, 2, 3], "b": [4, 5, 6, 7], "c": [9, 10], "d": [11, 12, 13]}
+    engine.add(greq("a", prompts["a"], n_predict=9))
+    engine.add(greq("b", prompts["b"], n_predict=5))
+    outs: dict = {}
+    for i in range(200):
+        if i == 3:
+            engine.add(greq("c", prompts["c"], n_predict=7))    # admitted while a and b decode, a step launched
+        if i == 6:
+            engine.add(greq("d", prompts["d"], n_predict=4))
+        if not engine.has_work():
+            break
+        for o in engine.step():
+            outs.setdefault(o.req_id, []).append(o)
+    n = {"a": 9, "b": 5, "c": 7, "d": 4}
+    for rid, p in prompts.items():
+        assert [o.token for o in outs[rid]] == model.reference(p, n[rid]), rid
+    assert engine.ahead_steps > 0
+    assert model.in_flight is None
+
+
+def test_a_cancel_drops_the_launched_step_and_the_other_stream_goes_on():
+    model = Ahead(2, 64)
+    engine = Engine(model, 2, 64)
+    engine.add(greq("a", [1, 2, 3], n_predict=20))
+    engine.add(greq("b", [4, 5], n_predict=20))
+    outs: dict = {}
+    for _ in range(5):
+        for o in engine.step():
+            outs.setdefault(o.req_id, []).append(o)
+    assert model.in_flight is not None                  # the next step of both is on the device
+    engine.cancel("a")
+    for rid, got in drain(engine).items():
+        outs.setdefault(rid, []).extend(got)
+    assert outs["a"][-1].finish == "cancel"
+    assert [o.token for o in outs["b"]] == model.reference([4, 5], 20)
+    assert engine.ahead_dropped >= 1
+
+
+def test_a_request_ending_on_a_stop_id_launches_nothing_after_it():
+    model = Ahead(1, 64)
+    ref = model.reference([3, 1, 4], 12)
+    k = next(i for i in range(3, 12) if ref[i] not in ref[:i])
+    engine, outs = run(model, 1, [greq("a", [3, 1, 4], n_predict=50, stop_ids=(ref[k],))])
+    assert [o.token for o in outs["a"]] == ref[:k + 1] and outs["a"][-1].finish == "stop"
+    assert engine.ahead_dropped == 0 and model.launched == k - 1 and model.in_flight is None
+
+
+def test_the_write_of_a_dropped_step_is_past_what_the_slot_keeps():
+    """A cancel while a step is launched: that step wrote the slot's next position, which the slot does not count
+    as held, so a later prompt reusing the slot's prefix rewrites it and reads the reference ids."""
+    model = Ahead(1, 64)
+    engine = Engine(model, 1, 64)
+    engine.add(greq("a", [3, 1, 4], n_predict=50))
+    got = []
+    for _ in range(5):
+        got += [o.token for o in engine.step()]
+    assert model.in_flight is not None
+    engine.cancel("a")
+    drain(engine)
+    follow = [3, 1, 4] + got + [7, 7]
+    engine.add(greq("b", follow, n_predict=6))
+    out_b = drain(engine)["b"]
+    assert out_b[0].n_cached > 0
+    assert [o.token for o in out_b] == model.reference(follow, 6)
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0, n_probs=2),
+                                      SamplingParams(temperature=0.8, seed=3)])
+def test_nothing_is_launched_ahead_for_a_pick_that_needs_the_logits(sampling):
+    model = Ahead(1, 64)
+    engine, outs = run(model, 1, [greq("p", [1, 2], n_predict=6, sampling=sampling)])
+    assert len(outs["p"]) == 6
+    assert model.launched == 0 and engine.ahead_steps == 0
+
+
+def test_settle_ends_the_launched_step_and_keeps_its_ids():
+    model = Ahead(1, 64)
+    engine = Engine(model, 1, 64)
+    engine.add(greq("a", [1, 2, 3], n_predict=8))
+    outs = []
+    for _ in range(3):
+        outs += engine.step()
+    assert model.in_flight is not None
+    engine.settle()
+    assert model.in_flight is None
+    outs += drain(engine)["a"]
+    assert [o.token for o in outs] == model.reference([1, 2, 3], 8)
+    assert engine.ahead_dropped == 0
+
+
+def test_a_model_without_the_ability_is_never_asked():
+    model = PicksOnDevice(1, 64)
+    engine, outs = run(model, 1, [greq("a", [1, 2, 3], n_predict=6)])
+    assert [o.token for o in outs["a"]] == model.reference([1, 2, 3], 6)
+    assert engine.ahead_steps == 0 and not any(c[0] == "begin" for c in model.calls)
+
+
+@pytest.mark.gpu
+def test_on_the_card_the_launched_steps_give_the_ids_of_steps_run_in_place(gpu, tokenizer_source, synthetic_dir,
+                                                                            monkeypatch):
+    """A synthetic qwen3moe on the cuda backend, three greedy streams (two start together, one joins): the same ids
+    with steps launched ahead as with every step run in place."""
+    from bloomery.engine.loader import load_model
+    from bloomery.engine.models.base import CausalLM
+    from bloomery.placement import whole
+    from tests.conftest import load_tool
+    path = load_tool("make_synthetic").write_synthetic(synthetic_dir / "ahead-qwen3moe.gguf", arch="qwen3moe",
+                                                        mode="blocks", mix="q4_k_m", seed=11,
+                                                        tokenizer_from=str(tokenizer_source), n_layer=2, n_embd=512,
+                                                        n_head=8, n_head_kv=2, head_dim=128, n_expert=16,
+                                                        n_expert_used=4, n_ff_exp=256)
+    model = load_model(str(path), whole("cuda", 3, 256))
+    assert model.greedy_ahead
+
+    def serve() -> tuple[dict, Engine]:
+        engine = Engine(model, 3, 256)
+        engine.add(greq("a", [100, 200, 300, 400], n_predict=24))
+        engine.add(greq("b", [500, 600], n_predict=16))
+        outs: dict = {}
+        for i in range(400):
+            if i == 5:
+                engine.add(greq("c", [700, 800, 900], n_predict=12))
+            if not engine.has_work():
+                break
+            for o in engine.step():
+                outs.setdefault(o.req_id, []).append(o.token)
+        return outs, engine
+
+    ahead, engine = serve()
+    assert engine.ahead_steps > 20
+    monkeypatch.setattr(CausalLM, "greedy_ahead", property(lambda self: False))
+    in_place, engine = serve()
+    assert engine.ahead_steps == 0
+    assert ahead == in_place

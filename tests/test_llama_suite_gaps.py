@@ -27,6 +27,8 @@ def test_prompt_forms_split_as_llama_server():
     assert read_prompts(tok, [5, "a"]) == [[5, 97]]                  # a later string gets no BOS
     assert read_prompts(tok, [[5], "a", {"prompt_string": "b"}]) == [[5], [1, 97], [1, 98]]
     assert read_prompts(tok, ["a"]) == [[1, 97]]
+    long = [i % 1000 for i in range(5000)]
+    assert read_prompts(tok, long) == [long]
 
 
 @pytest.mark.parametrize("value, says", [
@@ -35,6 +37,8 @@ def test_prompt_forms_split_as_llama_server():
     ({"text": "a"}, "prompt_string"),
     ([5, 1.5], "prompt[1]"),
     ([5, 5000], "outside 0..999"),
+    ([5, True], "prompt[1]"),
+    (list(range(999)) + [-1], "prompt[999]: token id -1 is outside 0..999"),
 ])
 def test_bad_prompts_are_named(value, says):
     with pytest.raises(Exception) as e:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -96,6 +97,11 @@ def wire(tag, **fields) -> bytes:
     (wire("Generate", req={"req_id": "r", "prompt_ids": [1, "2"], "n_predict": 1}),
      r"Generate.req.prompt_ids\[1\]: want int, got str '2'"),
     (wire("Generate", req={"req_id": "r", "prompt_ids": [1], "n_predict": True}), "Generate.req.n_predict: want int"),
+    # a long run of ids takes the fast path only when every one is a plain int
+    (wire("Generate", req={"req_id": "r", "prompt_ids": list(range(5000)) + [True], "n_predict": 1}),
+     r"Generate.req.prompt_ids\[5000\]: want int, got bool True"),
+    (wire("Generate", req={"req_id": "r", "prompt_ids": list(range(5000)) + [7.0], "n_predict": 1}),
+     r"Generate.req.prompt_ids\[5000\]: want int, got float 7.0"),
     (wire("Generate", req={"req_id": "r", "prompt_ids": [1], "n_predict": 1, "sampling": {"top_k": 1.5}}),
      "Generate.req.sampling.top_k: want int, got float"),
     (wire("Generate", req={"req_id": "r", "prompt_ids": [1], "n_predict": 1,
@@ -144,3 +150,10 @@ def test_generate_round_trip_property(req_id, ids, n_predict, temp, top_k, bias)
     req = EngineRequest(req_id, tuple(ids), n_predict, SamplingParams(temperature=temp, top_k=top_k,
                                                                       logit_bias=tuple(bias)))
     assert em.decode_to_engine(em.encode(em.Generate(req))).req == req
+
+
+def test_a_long_prompt_crosses_whole_and_as_a_tuple_of_ints():
+    ids = tuple(int(i) for i in np.random.default_rng(1).integers(0, 150_000, 8192))
+    back = em.decode_to_engine(em.encode(em.Generate(EngineRequest("r", ids, 4))))
+    assert back.req.prompt_ids == ids and type(back.req.prompt_ids) is tuple
+    assert all(type(i) is int for i in back.req.prompt_ids)

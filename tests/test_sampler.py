@@ -293,3 +293,18 @@ def test_post_sampling_probs_are_the_chains_candidates():
 def test_post_sampling_probs_greedy_is_one_candidate():
     got = sampler(temperature=0.0, n_probs=5, post_sampling_probs=True).sample(row(4))
     assert [(t.token, t.prob) for t in got.top] == [(got.token, 1.0)] and got.logprob == 0.0
+
+
+@pytest.mark.parametrize("last_n,n_prompt", [(64, 4096), (64, 10), (0, 100), (-1, 300), (5, 5), (1, 3)])
+def test_the_prompt_fills_the_penalty_window_as_accepting_each_id_would(last_n, n_prompt):
+    """Sampler(prompt_ids=...) takes the prompt's last ids at once: the same window and counts as feeding the
+    prompt one id at a time (llama-server's accept over the prompt)."""
+    rng = np.random.default_rng(n_prompt)
+    prompt = [int(t) for t in rng.integers(0, 9, n_prompt)]
+    params = SamplingParams(repeat_last_n=last_n, repeat_penalty=1.1)
+    at_once = Sampler(params, 16, 512, prompt)
+    one_by_one = Sampler(params, 16, 512)
+    for t in prompt:
+        one_by_one.accept(t)
+    assert list(at_once._window) == list(one_by_one._window)
+    assert dict(at_once._counts) == dict(one_by_one._counts)

@@ -1,6 +1,8 @@
 """POST /completion (llama-server's shape) and POST /v1/completions (OpenAI's text_completion)."""
 from __future__ import annotations
 
+import asyncio
+
 import time
 from contextlib import aclosing
 from dataclasses import replace
@@ -94,22 +96,33 @@ async def handle_completion(app: "App", req: Request) -> Response | StreamRespon
     if len(all_ids) > choices.MAX_CHOICES:   # they go to the engine together, as n choices do
         raise field_error("prompt", f"{len(all_ids)} prompts in one request; at most {choices.MAX_CHOICES}")
     prompt = raw[1]
-    # the prompt echoed back: the string as sent, else the ids decoded (one per prompt)
-    texts = [prompt] * len(all_ids) if isinstance(prompt, str) else \
-        await workpool.run(lambda: [app.tok.decode(ids) for ids in all_ids])
-    return await answer_llama(app, req, f, all_ids, texts)
+    # the prompt echoed back: the string as sent, else the ids decoded (one per prompt; answer_llama decodes them)
+    return await answer_llama(app, req, f, all_ids, [prompt] * len(all_ids) if isinstance(prompt, str) else None)
 
 
 async def answer_llama(app: "App", req: Request, f: Fields, all_ids: list[list[int]],
-                       texts: list[str]) -> Response | StreamResponse:
-    """/completion's answer (also /infill's) for prompts already made into ids; texts are echoed as `prompt`."""
+                       texts: list[str] | None) -> Response | StreamResponse:
+    """/completion's answer (also /infill's) for prompts already made into ids; texts are echoed as `prompt`
+    (None: the ids decoded, after the engine has the request unless a think-span watch reads the text first)."""
     p = parse_gen_params(f, **app.gen_defaults())
     fields = response_fields(f)
     rs = read_reasoning(f)       # reasoning_budget / reasoning_loop over the raw prompt's <think> span
-    gens = [app.start(req.path, ids, with_think(app, p, rs, texts[i])) for i, ids in enumerate(all_ids)]
+
+    def decode() -> list[str]:
+        return [app.tok.decode(ids) for ids in all_ids]
+    if texts is None and (rs.budget >= 0 or rs.loop):
+        texts = await workpool.run(decode)
+    gens = [app.start(req.path, ids, with_think(app, p, rs, texts[i]) if texts is not None else p)
+            for i, ids in enumerate(all_ids)]
+    # with_think answers p without a budget or loop check (think_spec), so the text waits: decoded beside the
+    # engine's work, needed only by the last chunk
+    echo = asyncio.ensure_future(workpool.run(decode)) if texts is None else None
     several = len(gens) > 1
     if not p.stream:
-        outs = await choices.run_all(gens)
+        try:
+            outs = await choices.run_all(gens)
+        finally:
+            texts = texts if echo is None else await echo
         bodies = [pick_fields(fields, {**llama_final(app, o, p, texts[i], streamed=False), "index": i})
                   for i, o in enumerate(outs)]
         # as llama-server: one prompt answers an object, several an array in prompt order
@@ -134,8 +147,9 @@ async def answer_llama(app: "App", req: Request, f: Fields, all_ids: list[list[i
                     if piece.progress is not None:
                         chunk["prompt_progress"] = piece.progress
                     yield await heavy_sse(chunk, p.n_probs)
+            said = texts if echo is None else await echo
             for i, g in enumerate(gens):
-                yield await heavy_sse(pick_fields(fields, {**llama_final(app, g.outcome, p, texts[i], streamed=True),
+                yield await heavy_sse(pick_fields(fields, {**llama_final(app, g.outcome, p, said[i], streamed=True),
                                                            "index": i}), p.n_probs)
         except ApiError as e:
             yield sse(e.body())

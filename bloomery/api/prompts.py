@@ -49,6 +49,8 @@ def _one(tok: Tokenizer, v: object, where: str) -> list[int]:
     if isinstance(v, str):
         return tok.encode(v, add_special=True, parse_special=True)
     if isinstance(v, list):
+        if v and set(map(type, v)) == {int} and 0 <= min(v) and max(v) < tok.n_vocab:
+            return list(v)                  # ids alone, every one in range: the loop below would keep each
         ids: list[int] = []
         for i, x in enumerate(v):
             if isinstance(x, str):

@@ -141,7 +141,7 @@ class Sampler:
         self.seed = params.seed & 0xFFFFFFFF
         if self.seed == LLAMA_DEFAULT_SEED:
             self.seed = secrets.randbits(32)
-        self.rng = MT19937(self.seed)
+        self._rng: MT19937 | None = None  # made on the first draw (a greedy chain never draws)
         self._post: tuple[np.ndarray, np.ndarray] | None = None   # (ids, p) the chain's dist stage saw last
         if not self.greedy:
             self.rng.skip_uniforms(params.n_drawn)
@@ -150,15 +150,23 @@ class Sampler:
         self.penalties_on = n_last != 0 and not (
             np.float32(params.repeat_penalty) == 1.0 and params.frequency_penalty == 0.0
             and params.presence_penalty == 0.0)
-        self._window: collections.deque[int] = collections.deque()
-        self._counts: collections.Counter[int] = collections.Counter()
+        # llama-server feeds the prompt to the penalty window too: what that leaves is its last n_last ids
+        tail = [int(t) for t in prompt_ids[len(prompt_ids) - n_last:]] if n_last > 0 and len(prompt_ids) > n_last \
+            else ([int(t) for t in prompt_ids] if n_last != 0 else [])
+        self._window: collections.deque[int] = collections.deque(tail)
+        self._counts: collections.Counter[int] = collections.Counter(tail)
         if params.logit_bias:
             self._bias_ids = np.array([i for i, _ in params.logit_bias], dtype=np.int64)
             self._bias = np.array([b for _, b in params.logit_bias], dtype=np.float32)
         else:
             self._bias_ids = None
-        for tok in prompt_ids:   # llama-server feeds the prompt to the penalty window too
-            self.accept(tok)
+
+    @property
+    def rng(self) -> MT19937:
+        """The request's random stream, seeded on first use (624 words made in Python: 0.4 ms a request)."""
+        if self._rng is None:
+            self._rng = MT19937(self.seed)
+        return self._rng
 
     def accept(self, token: int) -> None:
         if self.penalty_last_n == 0:

@@ -24,11 +24,18 @@ class MessageError(ValueError):
     """A message that does not decode; the text names the tag, the field and the value."""
 
 
+def _all_ints(seq) -> bool:
+    """Every item a plain int (not a bool, not a subclass): a list of ids, checked at C speed."""
+    return set(map(type, seq)) <= {int}
+
+
 def to_plain(obj: object) -> object:
     """Dataclasses -> dicts, tuples -> lists; JSON scalars pass through."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, (list, tuple)):
+        if _all_ints(obj):                # a prompt's ids: thousands of them, each already plain
+            return list(obj)
         return [to_plain(v) for v in obj]
     if isinstance(obj, dict):
         return {str(k): to_plain(v) for k, v in obj.items()}
@@ -99,6 +106,8 @@ def from_plain(value: object, hint: object, where: str) -> object:
             items = [from_plain(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args))]
         else:
             item = args[0] if args else object
+            if item is int and _all_ints(value):     # a prompt's ids: each is what the check below would keep
+                return tuple(value) if origin is tuple else list(value)
             items = [from_plain(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
     if origin is dict:

@@ -1,13 +1,14 @@
 // The prompt path's routed experts grouped on the card: no expert counts go to the host, no
-// expert is dequantized to a whole f16 copy, and a layer's experts take five launches whatever
-// the router chose (engine/cuda/moe.py, _planned).
+// expert is dequantized to a whole f16 copy, and a layer's experts take six launches whatever
+// the router chose (engine/cuda/moe.py, _planned: the input's f16 copy, then the four below and
+// combine_rows).
 //
 //   moe_plan       one block: the (token, expert) pairs counted per expert, each pair's row in
 //                  expert order (pos_of), the token of each row (sorted_tok), and the tiles: runs
 //                  of at most MM_BM rows of one expert (tile e, first row, rows), n_tiles of them.
-//   moe_mm_gu_<t>  h[row] = silu(x[tok] . Wg[e]) * (x[tok] . Wu[e]) for every row of every tile,
-//                  gate and up of type t dequantized into shared memory a slice at a time, the
-//                  products on the tensor cores (mma m16n8k16, f16 in, f32 sums); h in f16.
+//   moe_mm_gu_<t>  h[row] = silu(x[tok] . Wg[e]) * (x[tok] . Wu[e]) for every row of every tile
+//                  (x in f16), gate and up of type t expanded into shared memory a slice at a time,
+//                  the products on the tensor cores (mma m16n8k16, f16 in, f32 sums); h in f16.
 //   moe_mm_dn_<t>  y[row] = h[row] . Wd[e], f32.
 //   combine_rows   (moe.cu) each token's rows weighted and added in rank order.
 //

@@ -29,10 +29,23 @@ def _all_ints(seq) -> bool:
     return set(map(type, seq)) <= {int}
 
 
+_PLAIN = frozenset({str, int, bool, type(None)})     # passed through as they are
+
+
+@lru_cache(maxsize=None)
+def _names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
 def to_plain(obj: object) -> object:
     """Dataclasses -> dicts, tuples -> lists; JSON scalars pass through."""
+    t = type(obj)
+    if t in _PLAIN:                       # most values: checked first (a step's outputs cross every step)
+        return obj
+    if t is float:
+        return obj if math.isfinite(obj) else _NONFINITE_OUT[str(obj)]   # JSON has no inf: "-Infinity"
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {name: to_plain(getattr(obj, name)) for name in _names(t)}
     if isinstance(obj, (list, tuple)):
         if _all_ints(obj):                # a prompt's ids: thousands of them, each already plain
             return list(obj)
@@ -61,10 +74,17 @@ def _short(v: object) -> str:
     return r if len(r) <= 60 else r[:57] + "..."
 
 
+@lru_cache(maxsize=None)
+def _shape(hint: object) -> tuple[object, tuple]:
+    return typing.get_origin(hint), typing.get_args(hint)
+
+
 def from_plain(value: object, hint: object, where: str) -> object:
     """Check `value` against the type `hint` and build it; MessageError names `where`."""
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
+    t = type(value)
+    if hint is t and t in _PLAIN:        # the common case first: an int for an int, a str for a str
+        return value
+    origin, args = _shape(hint)
     if hint is object or hint is typing.Any:
         return value                               # free JSON (facts); already plain
     if origin in (typing.Union, types.UnionType):
@@ -122,19 +142,27 @@ def from_plain(value: object, hint: object, where: str) -> object:
     raise MessageError(f"{where}: no decoder for {hint!r}")   # a message declared a type we do not carry
 
 
-def build(cls: type, obj: dict, where: str) -> object:
+@lru_cache(maxsize=None)
+def _fields(cls: type) -> tuple[frozenset, tuple[tuple[str, object, bool], ...]]:
+    """The class's field names, and per field (name, type hint, whether it must be given)."""
     hints = _hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    extra = sorted(set(obj) - set(fields))
-    if extra:
-        raise MessageError(f"{where}: unknown field {extra[0]!r}")
+    fs = dataclasses.fields(cls)
+    return frozenset(f.name for f in fs), tuple(
+        (f.name, hints[f.name], f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+        for f in fs)
+
+
+def build(cls: type, obj: dict, where: str) -> object:
+    names, fields = _fields(cls)
+    if not names.issuperset(obj):
+        raise MessageError(f"{where}: unknown field {sorted(set(obj) - names)[0]!r}")
     kwargs = {}
-    for name, f in fields.items():
+    for name, hint, required in fields:
         if name not in obj:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            if required:
                 raise MessageError(f"{where}: missing field {name!r}")
             continue
-        kwargs[name] = from_plain(obj[name], hints[name], f"{where}.{name}")
+        kwargs[name] = from_plain(obj[name], hint, f"{where}.{name}")
     return cls(**kwargs)
 
 

@@ -90,6 +90,8 @@ def test_several_streams_and_arrivals_give_the_reference_ids():
     for rid, p in prompts.items():
         assert [o.token for o in outs[rid]] == model.reference(p, n[rid]), rid
     assert engine.ahead_steps > 0
+    # no step is launched for a batch that a slot finishing its prompt is about to join, or after a last id
+    assert engine.ahead_dropped == 0
     assert model.in_flight is None
 
 

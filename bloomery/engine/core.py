@@ -515,13 +515,16 @@ class Engine:
         return tuple(s.id for s in slots), tuple(int(i) for i in ids), tuple(int(p) for p in positions)
 
     def _launch_ahead(self, slots: list[Slot], outs: list[TokenOut]) -> None:
-        """Every slot of this step goes on, each a plain greedy pick, nothing to cancel: the next step launched
-        now (model.decode_greedy_begin), so the device computes it while this step's ids travel to their
-        clients; the next round takes its ids when it decodes the same slots (step())."""
+        """Every slot of this step goes on, each a plain greedy pick, no other slot joins, nothing to cancel: the
+        next step launched now (model.decode_greedy_begin), so the device computes it while this step's ids
+        travel to their clients; the next round takes its ids when it decodes the same slots (step())."""
         if not getattr(self.model, "greedy_ahead", False) or any(o.finish is not None or o.token is None for o in outs):
             return
         with self._lock:
             if self._cancels or any(s.req is None or s.next_id is None for s in slots):
+                return
+            # a slot whose prompt ended this round decodes next round too: a step without it would be dropped
+            if {s.id for s in self.scheduler.busy() if s.next_id is not None} != {s.id for s in slots}:
                 return
             ids = np.array([s.next_id for s in slots], dtype=np.int32)
             positions = np.array([s.n_past for s in slots], dtype=np.int32)

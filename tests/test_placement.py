@@ -272,26 +272,13 @@ def test_cuda_offload_placement_counts_what_the_load_holds(gpu, tokenizer_source
     assert abs(held - counted) <= 0.03 * counted, (held, card.terms)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("n_ids", [2048, 4096])
-def test_cuda_offload_scratch_counts_the_prompt_pass_peak(gpu, tokenizer_source, tmp_path, n_ids):
-    """With routed experts on the host the plan shortens a prompt pass (plan.cuda_host_pass_rows: 2,048 ids at 8
-    experts a token) and counts that pass's scratch: the most CuPy's pool holds during a prompt of that many ids
-    (4,096: two passes, the second's attention over twice the keys), above what it held before, stays within the
-    card's scratch and pinned terms; both what live arrays use and what the pool keeps from the card (its cached
-    blocks too, which nvidia-smi counts: session 17 saw a 4,096-id prompt take 0.53 GB more than the budget)."""
-    cupy = pytest.importorskip("cupy")
+def _prompt_peak(model, n_ids: int) -> tuple[int, int]:
+    """How far a prompt of n_ids random ids into slot 0 takes CuPy's pool above where it stood after what ran
+    before: (the most its live arrays used, the most it held from the card, its cached blocks too)."""
+    import cupy
+    import numpy as np
     from cupy.cuda import memory_hook
-    from bloomery.engine.loader import load_model
-    gf, plan = _ncmoe4_plan(tmp_path, tokenizer_source, 8192, n_expert_used=8)
-    pl = plan.placement
-    card = pl.device(pl.default_device)
-    assert pl.n_ubatch == 2048
-    gc.collect()
     pool = cupy.get_default_memory_pool()
-    model = load_model(gf, pl, threads=2)
-    assert model.n_ubatch == 2048
-    model.decode_greedy([0], [5], [0])
     cupy.cuda.Device().synchronize()
     base, base_held = pool.used_bytes(), pool.total_bytes()
 
@@ -303,12 +290,31 @@ def test_cuda_offload_scratch_counts_the_prompt_pass_peak(gpu, tokenizer_source,
             Peak.top = max(Peak.top, pool.used_bytes())
             Peak.held = max(Peak.held, pool.total_bytes())
 
-    import numpy as np
-    rng = np.random.default_rng(3)
     with Peak():
-        model.prefill(0, rng.integers(100, 5000, n_ids).tolist(), 0)
+        model.prefill(0, np.random.default_rng(3).integers(100, 5000, n_ids).tolist(), 0)
         cupy.cuda.Device().synchronize()
-    grew, grew_held = Peak.top - base, Peak.held - base_held
+    return Peak.top - base, Peak.held - base_held
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_ids", [2048, 4096])
+def test_cuda_offload_scratch_counts_the_prompt_pass_peak(gpu, tokenizer_source, tmp_path, n_ids):
+    """With routed experts on the host the plan shortens a prompt pass (plan.cuda_host_pass_rows: 2,048 ids at 8
+    experts a token) and counts that pass's scratch: the most CuPy's pool holds during a prompt of that many ids
+    (4,096: two passes, the second's attention over twice the keys), above what it held before, stays within the
+    card's scratch and pinned terms; both what live arrays use and what the pool keeps from the card (its cached
+    blocks too, which nvidia-smi counts: session 17 saw a 4,096-id prompt take 0.53 GB more than the budget)."""
+    pytest.importorskip("cupy")
+    from bloomery.engine.loader import load_model
+    gf, plan = _ncmoe4_plan(tmp_path, tokenizer_source, 8192, n_expert_used=8)
+    pl = plan.placement
+    card = pl.device(pl.default_device)
+    assert pl.n_ubatch == 2048
+    gc.collect()
+    model = load_model(gf, pl, threads=2)
+    assert model.n_ubatch == 2048
+    model.decode_greedy([0], [5], [0])
+    grew, grew_held = _prompt_peak(model, n_ids)
     print(f"prompt of {n_ids} ids: live arrays grew {grew} bytes, the pool's hold {grew_held}; scratch counted "
           f"{card.terms.scratch}, pinned staging {card.terms.pinned}")
     assert 0 < grew <= card.terms.scratch + card.terms.pinned, (grew, card.terms)
@@ -320,9 +326,7 @@ def test_cuda_whole_card_scratch_counts_a_planned_ubatch_pass(gpu, tokenizer_sou
     """The whole card at 8 experts a token: a 4,096-id prompt is one pass whose experts take the planned kernels
     (32,768 pairs, PLANNED_MAX_PAIRS), so the plan counts no f16 copy of an expert stack; the most CuPy's pool
     holds during it, above what it held before, stays within the card's scratch term."""
-    cupy = pytest.importorskip("cupy")
-    import numpy as np
-    from cupy.cuda import memory_hook
+    pytest.importorskip("cupy")
     from bloomery.census import take_census
     from bloomery.engine.loader import load_model
     from bloomery.gguf_file import open_gguf
@@ -340,24 +344,9 @@ def test_cuda_whole_card_scratch_counts_a_planned_ubatch_pass(gpu, tokenizer_sou
     card = plan.placement.device(plan.placement.default_device)
     assert plan.placement.case == "whole"
     gc.collect()
-    pool = cupy.get_default_memory_pool()
     model = load_model(gf, plan.placement)
     model.decode_greedy([0], [5], [0])
-    cupy.cuda.Device().synchronize()
-    base, base_held = pool.used_bytes(), pool.total_bytes()
-
-    class Peak(memory_hook.MemoryHook):
-        name = "peak"
-        top = held = 0
-
-        def malloc_postprocess(self, device_id, size, mem_size, mem_ptr, pmem_id):
-            Peak.top = max(Peak.top, pool.used_bytes())
-            Peak.held = max(Peak.held, pool.total_bytes())
-
-    with Peak():
-        model.prefill(0, np.random.default_rng(3).integers(100, 5000, 4096).tolist(), 0)
-        cupy.cuda.Device().synchronize()
-    grew, grew_held = Peak.top - base, Peak.held - base_held
+    grew, grew_held = _prompt_peak(model, 4096)
     print(f"4,096 ids: live arrays grew {grew} bytes, the pool's hold {grew_held}; scratch counted {card.terms.scratch}")
     assert 0 < grew <= card.terms.scratch, (grew, card.terms)
     assert grew_held <= card.terms.scratch, (grew_held, card.terms)

@@ -151,8 +151,7 @@ class Sampler:
             np.float32(params.repeat_penalty) == 1.0 and params.frequency_penalty == 0.0
             and params.presence_penalty == 0.0)
         # llama-server feeds the prompt to the penalty window too: what that leaves is its last n_last ids
-        tail = [int(t) for t in prompt_ids[len(prompt_ids) - n_last:]] if n_last > 0 and len(prompt_ids) > n_last \
-            else ([int(t) for t in prompt_ids] if n_last != 0 else [])
+        tail = list(prompt_ids[-n_last:]) if n_last > 0 else []
         self._window: collections.deque[int] = collections.deque(tail)
         self._counts: collections.Counter[int] = collections.Counter(tail)
         if params.logit_bias:

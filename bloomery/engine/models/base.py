@@ -292,8 +292,8 @@ class CausalLM(EngineModel):
         rewinds (a step whose ids go unused leaves a write past the slot's end, which the next id overwrites;
         a recurrent state would keep it), and no host experts (the offload's residency runs between steps).
         BLOOMERY_GREEDY_AHEAD=0 turns it off (for comparison)."""
-        return (self.ops.caps.decode_graphs and self.rewinds and getattr(self.ops, "offload", None) is None
-                and os.environ.get("BLOOMERY_GREEDY_AHEAD", "1") != "0" and self.ops.decode_runner(self) is not None)
+        return (self.rewinds and getattr(self.ops, "offload", None) is None
+                and os.environ.get("BLOOMERY_GREEDY_AHEAD", "1") != "0" and self._graphs() is not None)
 
     def decode_greedy_begin(self, slots: Sequence[int], ids, positions):
         """decode_greedy launched on the captured step of its batch, the ids fetched by the handle's wait();

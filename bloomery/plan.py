@@ -294,9 +294,9 @@ def _cuda_prompt_graph_bytes(facts: ModelFacts, per_row: int, n_ctx_slot: int) -
     the most one pass allocates, past DECODE_ROWS rows the f16 copies of two dense weights at once
     (cuBLAS's operands), its rows' activations and 4 MiB beside (the head's row, the int8 forms), and each
     graph's own inputs and logits row; the buckets a slot of n_ctx_slot positions holds (graph.py captures
-    no other). Measured on the H200 (session 18, the 30B-shaped file, a pool a
-    graph then): 3.6, 32.6, 33.2 and 34.4 MiB for 8, 16, 32 and 64 rows. 0 for a model with a recurrent
-    state, whose prompts are not captured."""
+    no other). Measured on the H200 (the 30B-shaped file): session 18, a pool a graph, 3.6, 32.6, 33.2 and 34.4
+    MiB for 8, 16, 32 and 64 rows; session 19, one pool for 8-128 rows, 52 MiB where this counts 77. 0 for a
+    model with a recurrent state, whose prompts are not captured."""
     if facts.ssm_widths[0]:
         return 0
     buckets = [b for b in CUDA_PROMPT_BUCKETS if b <= n_ctx_slot]

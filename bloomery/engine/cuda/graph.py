@@ -174,21 +174,21 @@ class DecodeGraphs:
         g.stream.synchronize()
         return out
 
+    @staticmethod
+    def _fetch(g: _Graph, a) -> np.ndarray:
+        """a (the graph's logits or picks) on the host once the step has run."""
+        out = a.get(stream=g.stream)
+        g.stream.synchronize()
+        return out
+
     def begin(self, slots, ids, positions):
         """The greedy step launched (at most max_batch rows): a function that waits for it and returns its ids."""
         g = self._launch(slots, ids, positions)
-
-        def fetch() -> np.ndarray:
-            out = g.picked.get(stream=g.stream)
-            g.stream.synchronize()
-            return out
-        return fetch
+        return lambda: self._fetch(g, g.picked)
 
     def run(self, slots, ids, positions, want_logits: bool) -> np.ndarray:
         g = self._launch(slots, ids, positions)
-        out = (g.logits if want_logits else g.picked).get(stream=g.stream)
-        g.stream.synchronize()
-        return out
+        return self._fetch(g, g.logits if want_logits else g.picked)
 
     # --- short prompts of one slot ---
     def prompt_capturable(self) -> bool:

@@ -3,6 +3,7 @@
 // llama.cpp's CUDA mmvq does, so the inner loop is dp4a on packed nibbles.
 #include "common.cuh"
 #include "blocks.cuh"
+#include "mt.cuh"
 
 
 // x [rows, K] float -> xq int8 [rows, K], xd [rows, K/32] scale, xs [rows, K/32] = xd * sum(xq).
@@ -19,10 +20,11 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, int K, int n
 }
 
 // RMSNorm then quantize: one block per row (blockDim a multiple of 32, K <= 8 * blockDim);
-// writes y (float) and, when yq is set (K % 32 == 0), its int8-per-32 form.
+// writes y (float), when yq is set (K % 32 == 0) its int8-per-32 form, and when yh is set its f16
+// form (mmt's input).
 extern "C" __global__ void rms_norm_q8(const float* __restrict__ x, const float* __restrict__ w, int K, float eps,
                                        float* __restrict__ y, i8* __restrict__ yq, float* __restrict__ yd,
-                                       float* __restrict__ ys) {
+                                       float* __restrict__ ys, u16* __restrict__ yh) {
     __shared__ float sh[32];
     pdl_wait();
     pdl_next();
@@ -45,6 +47,7 @@ extern "C" __global__ void rms_norm_q8(const float* __restrict__ x, const float*
         float o = i < K ? v[j] * scale * w[i] : 0.f;
         i64 at = (i64)blockIdx.x * K + i;
         if (i < K) y[at] = o;
+        if (yh && i < K) yh[at] = f2h(o);
         if (yq) {                                 // a warp covers one q8 block (K % 32 == 0)
             float amax = warp_max(fabsf(o));
             float d = amax / 127.f;
@@ -348,6 +351,47 @@ MMV3N(1)
 MMV3N(2)
 MMV3N(4)
 MMV3N(8)
+
+// ---- dense decode products on the tensor cores (mt.cuh) ----
+// mmt: out_i[b, n] = x[b] . W_i[n] (+ bias_i[n]) (+ res_i[b, n]) for B <= 16 rows of an f16 x and Q4_K
+// or Q6_K weights (the K-quant mixes' dense matrices). mmv3 spends per row and per weight value; at
+// 8 rows it took 3.5-3.9x one row's time. A block (32 min(MT_KS, K / 256) threads) takes 16 weight
+// rows of one weight (pick_rows): two n-tiles.
+#define MMT_NT 2
+template <class T>
+__device__ __forceinline__ void mmt_run(const MatDesc& m, int n0, int K, const u16* __restrict__ x, int B,
+                                        float* __restrict__ red) {
+    int lane = threadIdx.x % WARP, g = lane >> 2;
+    const u8* rows[MMT_NT];
+#pragma unroll
+    for (int nt = 0; nt < MMT_NT; nt++) rows[nt] = m.w + (i64)min(n0 + nt * 8 + g, m.n_rows - 1) * m.row_bytes;
+    float acc[MMT_NT][4];
+    mt_sum<T, MMT_NT>(rows, threadIdx.x / WARP, K / 256, g < B ? x + (i64)g * K : nullptr,
+                      g + 8 < B ? x + (i64)(g + 8) * K : nullptr, acc, true);
+    mt_reduce<MMT_NT>(acc, red, [&](int nt, int j, int l, float v) {
+        int b = (l >> 2) + (j >> 1) * 8, n = n0 + nt * 8 + 2 * (l & 3) + (j & 1);
+        if (b < B && n < m.n_rows) {
+            if (m.bias) v += m.bias[n];
+            if (m.res) v += m.res[(i64)b * m.n_rows + n];
+            m.out[(i64)b * m.n_rows + n] = v;
+        }
+    });
+}
+
+// Grid: the weights' tiles of 16 rows (each weight's start a new one); x [B, K] f16, K % 256 == 0,
+// B <= 16; every weight Q4_K or Q6_K (the launch sends others to mmv3).
+extern "C" __global__ void __launch_bounds__(128) mmt(MAT_PARAMS(0), MAT_PARAMS(1), MAT_PARAMS(2), MAT_PARAMS(3),
+                                                      int n_mats, int K, const u16* __restrict__ x, int B) {
+    __shared__ float red[MT_KS * MMT_NT * 4 * WARP];
+    MatDesc m0 = {w0, rb0, t0, n0, o0, b0, r0}, m1 = {w1, rb1, t1, n1, o1, b1, r1}, m2 = {w2, rb2, t2, n2, o2, b2, r2},
+            m3 = {w3, rb3, t3, n3, o3, b3, r3};
+    MatDesc m;
+    int row;
+    bool on = pick_rows(m0, m1, m2, m3, n_mats, MMT_NT * 8, blockIdx.x, m, row);
+    if (on && m.type == T_Q4_K) mmt_run<MtQ4K>(m, row, K, x, B, red);
+    else if (on && m.type == T_Q6_K) mmt_run<MtQ6K>(m, row, K, x, B, red);
+    else { pdl_wait(); pdl_next(); }
+}
 
 // Greedy pick: the first index of the largest logit per row (numpy's argmax tie rule), in two
 // passes: argmax_part, grid (NP, B), block 256: block p's best of row b's piece p (8 values a

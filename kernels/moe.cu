@@ -365,7 +365,8 @@ extern "C" __global__ void gather_rows(const float* __restrict__ x, const int* _
     u16* o = out_f16 + (i64)dst[j] * D;
     for (int i = threadIdx.x; i < D; i += blockDim.x) o[i] = f2h(r[i]);
 }
-// pos_of[t*A + a] = row of (token t, rank a) in the expert-ordered output y [n, D].
+// pos_of[t*A + a] = row of (token t, rank a) in the expert-ordered output y [n, D]; null: y's rows are
+// the pairs themselves (row t*A + a).
 extern "C" __global__ void combine_rows(const float* __restrict__ y, const int* __restrict__ pos_of,
                                         const float* __restrict__ wts, int A, int D,
                                         const float* __restrict__ res, float* __restrict__ out) {
@@ -374,7 +375,10 @@ extern "C" __global__ void combine_rows(const float* __restrict__ y, const int* 
     int t = blockIdx.x;
     for (int i = threadIdx.x; i < D; i += blockDim.x) {
         float acc = 0.f;
-        for (int a = 0; a < A; a++) acc += wts[(i64)t * A + a] * y[(i64)pos_of[(i64)t * A + a] * D + i];
+        for (int a = 0; a < A; a++) {
+            i64 r = pos_of ? pos_of[(i64)t * A + a] : (i64)t * A + a;
+            acc += wts[(i64)t * A + a] * y[r * D + i];
+        }
         out[(i64)t * D + i] = (res ? res[(i64)t * D + i] : 0.f) + acc;
     }
 }

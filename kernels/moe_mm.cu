@@ -17,6 +17,8 @@
 // no result depend on timing.
 #include "common.cuh"
 #include "blocks.cuh"
+#include "f16x2.cuh"
+#include "mt.cuh"
 
 #define MM_BM 64                      // rows (tokens) of a tile
 #define MM_BN 128                     // weight rows (outputs) of a block
@@ -61,7 +63,6 @@ extern "C" __global__ void moe_plan(const int* __restrict__ ids, int n_pairs, in
     }
 }
 
-__device__ __forceinline__ u32 pack2(float a, float b) { return (u32)f2h(a) | ((u32)f2h(b) << 16); }
 __device__ __forceinline__ u32 lds32(const u16* p) { return *(const u32*)p; }
 // IV floats into shared memory as f16 (16-byte stores), or IV zeros where v is null
 template <int IV>
@@ -71,43 +72,6 @@ __device__ __forceinline__ void store_f16(uint4* o, const float* v) {
         o[c] = v ? make_uint4(pack2(v[8 * c], v[8 * c + 1]), pack2(v[8 * c + 2], v[8 * c + 3]),
                               pack2(v[8 * c + 4], v[8 * c + 5]), pack2(v[8 * c + 6], v[8 * c + 7]))
                  : make_uint4(0u, 0u, 0u, 0u);
-}
-
-__device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// f16x2 arithmetic on packed words (NVRTC here has no cuda_fp16.h). The weights reach shared
-// memory through these: a block's values as f16 1024 + q (q its bits, by byte permutes with
-// 0x64 as the high byte, exact for q < 1024), less 1024 (exact), times the sub-block's scale
-// (and less its min) in one rounding. No int or float conversion a value: those run at a
-// sixteenth of the ALU rate and bounded the kernels before (8,863 tok/s at 512 ids).
-__device__ __forceinline__ u32 hsub2(u32 a, u32 b) { u32 r; asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b)); return r; }
-__device__ __forceinline__ u32 hmul2(u32 a, u32 b) { u32 r; asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b)); return r; }
-__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
-    u32 r;
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
-    return r;
-}
-__device__ __forceinline__ u32 splat(float v) { return pack2(v, v); }
-#define H1024 0x64006400u             // f16x2 (1024, 1024)
-#define BYTES_AS_F16(w, sel) __byte_perm((w), 0x64646464u, (sel))   // two bytes b as f16 1024 + b
-
-// 32 bytes from a 2-aligned address as 8 words: three aligned 16-byte loads (the window never passes
-// p + 34, inside a Q6_K block for the parts read here), the words picked and shifted into place.
-__device__ __forceinline__ void ld32_b2_wide(const u8* p, u32* out) {
-    const uint4* a = (const uint4*)((u64)p & ~(u64)15);
-    uint4 v0 = a[0], v1 = a[1], v2 = a[2];
-    u32 w[12] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w, v2.x, v2.y, v2.z, v2.w};
-    int o = ((u32)(u64)p & 15u) >> 2;
-    u32 sh = ((u32)(u64)p & 2u) * 8u, t[9];
-#pragma unroll
-    for (int k = 0; k < 9; k++) t[k] = o == 0 ? w[k] : o == 1 ? w[k + 1] : o == 2 ? w[k + 2] : w[k + 3];
-#pragma unroll
-    for (int k = 0; k < 8; k++) out[k] = __funnelshift_r(t[k], t[k + 1], sh);
 }
 
 // One item of a block format held between its load and its expansion into shared memory as f16
@@ -376,3 +340,129 @@ MOE_MM(Q6K, q6_k)
 MOE_MM(Q8_0, q8_0)
 MOE_MM(Q4_0, q4_0)
 MOE_MM(Q5_0, q5_0)
+
+// ---- a decode step's experts on the tensor cores (mt.cuh) ----
+// The step's (token, expert) pairs grouped by expert on the card, then each expert's weights read
+// once for all the rows that chose it (the per-pair kernels of moe.cu read an expert once a pair):
+//   moe_dplan   one block: groups [G][MT_G] (expert, rows, its pairs), n_groups;
+//   moe_mt_gu   act[pair] = silu(x[tok] . Wg[e]) * (x[tok] . Wu[e]) in f16, grid (F / 8, G): block
+//               (f, j) takes rows f .. f + 7 of gate (n-tile 0) and of up (n-tile 1) for group j;
+//   moe_mt_dn   y[pair] = act[pair] . Wd[e], f32, grid (D / 16, G);
+//   combine_rows (moe.cu) each token's pairs weighted and added in rank order.
+// G = min(E, pairs) blocks a column, those past n_groups return at once (a captured step's grid is
+// fixed). A pair's place in its group does not change its sums (an mma's rows are independent), so
+// the plan's atomics make no result depend on timing.
+#define MT_G (2 + MT_ROWS)            // a group: expert, rows, then up to MT_ROWS pairs (a token picks an expert once)
+
+// ids [P] (token-major), P <= blockDim; shared memory 8 E bytes.
+extern "C" __global__ void moe_dplan(const int* __restrict__ ids, int P, int E, int* __restrict__ groups,
+                                     int* __restrict__ n_groups) {
+    extern __shared__ int dplan_sm[];
+    int* first = dplan_sm;            // [E]: the expert's first pair
+    int* slot = dplan_sm + E;         // [E]: its group, then
+    __shared__ int wc[32], cnt[1024];
+    pdl_wait();
+    pdl_next();
+    int p = threadIdx.x, lane = p % WARP, w = p / WARP;
+    for (int e = p; e < E; e += blockDim.x) first[e] = P;
+    for (int i = p; i < P; i += blockDim.x) cnt[i] = 0;
+    __syncthreads();
+    int e = p < P ? ids[p] : 0;
+    if (p < P) atomicMin(&first[e], p);
+    __syncthreads();
+    bool lead = p < P && first[e] == p;
+    unsigned m = __ballot_sync(0xffffffffu, lead);
+    if (lane == 0) wc[w] = __popc(m);
+    __syncthreads();
+    int gi = __popc(m & ((1u << lane) - 1u));
+    for (int k = 0; k < w; k++) gi += wc[k];
+    if (lead) {
+        slot[e] = gi;
+        groups[gi * MT_G] = e;
+    }
+    if (p == 0) {
+        int n = 0;
+        for (int k = 0; k < (int)(blockDim.x / WARP); k++) n += wc[k];
+        *n_groups = n;
+    }
+    __syncthreads();
+    if (p < P) {
+        int g = slot[e], r = atomicAdd(&cnt[g], 1);
+        groups[g * MT_G + 2 + r] = p;
+    }
+    __syncthreads();
+    if (lead) groups[gi * MT_G + 1] = cnt[gi];
+}
+
+template <class T>
+__device__ __forceinline__ void moe_mt_gu_run(const u8* wg, const u8* wu, i64 rbg, i64 rbu, int F, int D,
+                                              const u16* __restrict__ x16, const int* __restrict__ grp, int n, int A,
+                                              u16* __restrict__ act, float* __restrict__ red) {
+    int lane = threadIdx.x % WARP, g = lane >> 2, f0 = blockIdx.x * 8;
+    const u8* rows[2] = {wg + (i64)(f0 + g) * rbg, wu + (i64)(f0 + g) * rbu};
+    float acc[2][4];
+    mt_sum<T, 2>(rows, threadIdx.x / WARP, D / 256, g < n ? x16 + (i64)(grp[g] / A) * D : nullptr,
+                 g + 8 < n ? x16 + (i64)(grp[g + 8] / A) * D : nullptr, acc, false);
+    // n-tile 0 (gate) and 1 (up) of the same place: the reduction's first half holds gate, the second up
+    mt_reduce<2>(acc, red, [&](int nt, int j, int l, float v) {
+        if (nt == 1) red[(MT_KS * 2 * 4 + j) * WARP + l] = v;       // up, beside the warps' parts
+    });
+    __syncthreads();
+    int nw = blockDim.x / WARP;
+    for (int i = threadIdx.x; i < 4 * WARP; i += blockDim.x) {
+        int j = i / WARP, l = i % WARP;
+        float gate = 0.f;
+        for (int k = 0; k < nw; k++) gate += red[k * 2 * 4 * WARP + i];
+        int r = (l >> 2) + (j >> 1) * 8;
+        if (r < n) act[(i64)grp[r] * F + f0 + 2 * (l & 3) + (j & 1)] = f2h(silu(gate) * red[(MT_KS * 2 * 4 + j) * WARP + l]);
+    }
+}
+
+// x16 [T, D] f16, act [P, F] f16; D % 256 == 0, F % 8 == 0; gate and up of one type, Q4_K or Q6_K.
+// Block 32 min(MT_KS, D / 256).
+extern "C" __global__ void __launch_bounds__(128) moe_mt_gu(const u64* __restrict__ tab_g, const u64* __restrict__ tab_u,
+                                                            int type, i64 rbg, i64 rbu, int F, int D,
+                                                            const u16* __restrict__ x16, const int* __restrict__ groups,
+                                                            const int* __restrict__ n_groups, int A, u16* __restrict__ act) {
+    __shared__ float red[(MT_KS * 2 + 1) * 4 * WARP];
+    pdl_wait();
+    pdl_next();
+    int j = blockIdx.y;
+    if (j >= *n_groups) return;
+    const int* gr = groups + j * MT_G;
+    int e = gr[0], n = gr[1];
+    const u8* wg = (const u8*)tab_g[e];
+    const u8* wu = (const u8*)tab_u[e];
+    if (type == T_Q4_K) moe_mt_gu_run<MtQ4K>(wg, wu, rbg, rbu, F, D, x16, gr + 2, n, A, act, red);
+    else moe_mt_gu_run<MtQ6K>(wg, wu, rbg, rbu, F, D, x16, gr + 2, n, A, act, red);
+}
+
+template <class T>
+__device__ __forceinline__ void moe_mt_dn_run(const u8* wd, i64 rbd, int D, int F, const u16* __restrict__ act,
+                                              const int* __restrict__ grp, int n, float* __restrict__ y,
+                                              float* __restrict__ red) {
+    int lane = threadIdx.x % WARP, g = lane >> 2, d0 = blockIdx.x * 16;
+    const u8* rows[2] = {wd + (i64)min(d0 + g, D - 1) * rbd, wd + (i64)min(d0 + 8 + g, D - 1) * rbd};
+    float acc[2][4];
+    mt_sum<T, 2>(rows, threadIdx.x / WARP, F / 256, g < n ? act + (i64)grp[g] * F : nullptr,
+                 g + 8 < n ? act + (i64)grp[g + 8] * F : nullptr, acc, false);
+    mt_reduce<2>(acc, red, [&](int nt, int j, int l, float v) {
+        int r = (l >> 2) + (j >> 1) * 8, d = d0 + nt * 8 + 2 * (l & 3) + (j & 1);
+        if (r < n && d < D) y[(i64)grp[r] * D + d] = v;
+    });
+}
+
+// act [P, F] f16, y [P, D] f32; F % 256 == 0. Block 32 min(MT_KS, F / 256).
+extern "C" __global__ void __launch_bounds__(128) moe_mt_dn(const u64* __restrict__ tab_d, int type, i64 rbd, int D, int F,
+                                                            const u16* __restrict__ act, const int* __restrict__ groups,
+                                                            const int* __restrict__ n_groups, float* __restrict__ y) {
+    __shared__ float red[MT_KS * 2 * 4 * WARP];
+    pdl_wait();
+    pdl_next();
+    int j = blockIdx.y;
+    if (j >= *n_groups) return;
+    const int* gr = groups + j * MT_G;
+    const u8* wd = (const u8*)tab_d[gr[0]];
+    if (type == T_Q4_K) moe_mt_dn_run<MtQ4K>(wd, rbd, D, F, act, gr + 2, gr[1], y, red);
+    else moe_mt_dn_run<MtQ6K>(wd, rbd, D, F, act, gr + 2, gr[1], y, red);
+}

@@ -138,10 +138,13 @@ def test_norm_fused_into_the_products(ops, t, mats):
 
 
 @pytest.mark.parametrize("t", [2, 5, 8])
-def test_norm_fused_rows_in_a_batch_equal_each_alone(ops, t):
-    """mmv3n with several rows (each warp normalizes its own rows) gives each row the bits it gets
-    alone (the block-wide norm): the sum of squares is added in the same order."""
+@pytest.mark.parametrize("mmt", [True, False], ids=["mmt", "int8"])
+def test_norm_fused_rows_in_a_batch_equal_each_alone(ops, t, mmt, monkeypatch):
+    """Several rows give each row the bits it gets beside another row: with mmt (the norm on its own, then
+    the tensor cores for Q4_K / Q6_K, mmv3 for the rest); and with mmv3n for every row (BLOOMERY_MMT=0)
+    the bits it gets alone, the block-wide norm adding the sum of squares in the same order."""
     import cupy
+    monkeypatch.setattr(ops, "mmt", mmt)
     rng = np.random.default_rng(30 + t)
     k = 2048
     mats = (Q.Q4_K, Q.Q6_K, Q.F16)
@@ -149,11 +152,68 @@ def test_norm_fused_rows_in_a_batch_equal_each_alone(ops, t):
     nw = ops.weight(int(Q.F32), (k,), rng.uniform(0.5, 1.5, k).astype(np.float32).view(np.uint8))
     x = cupy.asarray(rng.standard_normal((t, k)).astype(np.float32) * 3)
     h, outs = ops.norm_matmuls(x, nw, 1e-6, ws, [None] * len(ws))
+    other = cupy.asarray(rng.standard_normal((1, k)).astype(np.float32))
     for b in range(t):
-        hb, ob = ops.norm_matmuls(x[b:b + 1], nw, 1e-6, ws, [None] * len(ws))
-        np.testing.assert_array_equal(cupy.asnumpy(h[b]), cupy.asnumpy(hb[0]))
+        hb, ob = ops.norm_matmuls(cupy.concatenate([other, x[b:b + 1]]) if mmt else x[b:b + 1], nw, 1e-6, ws,
+                                  [None] * len(ws))
+        at = 1 if mmt else 0
+        np.testing.assert_array_equal(cupy.asnumpy(h[b]), cupy.asnumpy(hb[at]))
         for o, r in zip(outs, ob):
-            np.testing.assert_array_equal(cupy.asnumpy(o[b]), cupy.asnumpy(r[0]))
+            np.testing.assert_array_equal(cupy.asnumpy(o[b]), cupy.asnumpy(r[at]))
+
+
+@pytest.mark.parametrize("qt", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("t", [2, 5, 8, 12, 16])
+@pytest.mark.parametrize("k", [768, 4096])
+def test_tensor_core_products_match_float64(ops, qt, t, k):
+    """mmt (Q4_K and Q6_K expanded to f16 onto the tensor cores, 2 to 16 rows: past 8 is the kernel's
+    reach ahead of the decode batch's) against float64, with a bias and a residual, over rows that are not
+    a multiple of its 16 and K of 3 super-blocks (3 warps; Q6_K rows only 2-aligned) or 16; and each row's
+    result is the bits it gets beside another row."""
+    import cupy
+    rng = np.random.default_rng([int(qt), t, k])
+    n_rows = 200
+    data = random_tensor(qt, n_rows, k, rng)
+    ref_w = reference(qt, data, n_rows, k)
+    w = ops.weight(int(qt), (k, n_rows), data)
+    assert ops._mmt_takes(w, t)
+    b = rng.standard_normal(n_rows).astype(np.float32)
+    bias = ops.weight(int(Q.F32), (n_rows,), b.view(np.uint8))
+    x = rng.standard_normal((t, k)).astype(np.float32)
+    res = rng.standard_normal((t, n_rows)).astype(np.float32)
+    (y,) = ops._mat_vecs(cupy.asarray(x), [w], [bias], [cupy.asarray(res)])
+    y = cupy.asnumpy(y)
+    ref = x.astype(np.float64) @ ref_w.T + b + res
+    assert rel(y, ref) < 4e-3, rel(y, ref)
+    other = rng.standard_normal((1, k)).astype(np.float32)
+    for r in {0, t // 2, t - 1}:
+        (two,) = ops._mat_vecs(cupy.asarray(np.concatenate([other, x[r:r + 1]])), [w], [bias],
+                               [cupy.asarray(np.concatenate([res[r:r + 1], res[r:r + 1]]))])
+        np.testing.assert_array_equal(y[r], cupy.asnumpy(two)[1])
+
+
+@pytest.mark.parametrize("t", [1, 4])
+def test_tensor_core_products_beside_int8_ones(ops, t, monkeypatch):
+    """One call with Q4_K, Q6_K, F32 and Q8_0 weights: the first two through mmt, the others through mmv3, each
+    output in its place; with mmt off (BLOOMERY_MMT=0) every weight takes mmv3 and the products agree within
+    the int8 activation's band."""
+    import cupy
+    rng = np.random.default_rng(40 + t)
+    k = 2048
+    mats = ((Q.Q8_0, 64), (Q.Q4_K, 4096), (Q.F32, 128), (Q.Q6_K, 520), (Q.Q4_K, 512))
+    ws, refs = [], []
+    for qt, n in mats:
+        data = random_tensor(qt, n, k, rng)
+        ws.append(ops.weight(int(qt), (k, n), data))
+        refs.append(reference(qt, data, n, k))
+    x = rng.standard_normal((t, k)).astype(np.float32)
+    on = [cupy.asnumpy(o) for o in ops.matmuls(cupy.asarray(x), ws, [None] * len(ws))]
+    monkeypatch.setattr(ops, "mmt", False)
+    off = [cupy.asnumpy(o) for o in ops.matmuls(cupy.asarray(x), ws, [None] * len(ws))]
+    for (qt, n), a, b, r in zip(mats, on, off, refs):
+        assert a.shape == (t, n)
+        assert rel(a, x @ r.T) < (4e-3 if qt in (Q.Q4_K, Q.Q6_K) else 1.5e-2), qt.name
+        assert rel(a, b) < 1.5e-2, qt.name
 
 
 def test_rms_norm_and_argmax(ops):
@@ -210,6 +270,7 @@ def test_norm_fused_two_rows_per_warp(ops, monkeypatch):
     ws = [ops.weight(int(qt), (k, n), random_tensor(qt, n, k, rng)) for qt, n in mats]
     nw = ops.weight(int(Q.F32), (k,), rng.uniform(0.5, 1.5, k).astype(np.float32).view(np.uint8))
     x = cupy.asarray(rng.standard_normal((1, k)).astype(np.float32))
+    monkeypatch.setattr(ops, "mmt", False)                      # these types go to mmt otherwise
     picked = []
     real = type(ops)._rows_per_warp
     monkeypatch.setattr(type(ops), "_rows_per_warp", lambda self, *a: picked.append(real(self, *a)) or 1)
@@ -339,6 +400,53 @@ def test_planned_takes_only_what_it_reads(ops):
     assert not moe.planned_fits(mk(Q.F16, (d, f, e)), mk(Q.F16, (d, f, e)), mk(Q.F16, (f, d, e)), d)
 
 
+@pytest.mark.parametrize("t,n_expert,n_used,d,f,types,skew", [
+    (2, 128, 8, 2048, 768, (Q.Q4_K, Q.Q4_K, Q.Q6_K), False),       # the 30B-A3B shape
+    (8, 128, 8, 2048, 768, (Q.Q4_K, Q.Q4_K, Q.Q6_K), False),
+    (16, 32, 8, 2048, 768, (Q.Q4_K, Q.Q4_K, Q.Q6_K), True),        # 16 rows on the same 8 experts
+    (5, 16, 4, 512, 256, (Q.Q6_K, Q.Q6_K, Q.Q4_K), False),          # one super-block of F: one warp in down
+], ids=["30b-t2", "30b-t8", "t16-skew", "q6k-f256"])
+def test_decode_experts_on_the_tensor_cores(ops, t, n_expert, n_used, d, f, types, skew, monkeypatch):
+    """A decode step's experts grouped on the card (moe_dplan, moe_mt_gu, moe_mt_dn) against float64 on the
+    dequantized experts (the input and the activation rounded to f16 on the way, as the kernels do), the
+    same bits twice, and near the per-pair int8 kernels (BLOOMERY_MMT=0)."""
+    import cupy
+    from bloomery.engine.cuda import moe
+    rng = np.random.default_rng(60 + t)
+    tg, tu, td = types
+    data = [random_tensor(tg, n_expert * f, d, rng), random_tensor(tu, n_expert * f, d, rng),
+            random_tensor(td, n_expert * d, f, rng)]
+    shapes = [(d, f, n_expert), (d, f, n_expert), (f, d, n_expert)]
+    gate, up, down = (ops.weight(int(q), sh, a) for q, sh, a in zip(types, shapes, data))
+    assert moe.mt_fits(ops, t, n_used, gate, up, down, d)
+    x = (0.1 * rng.standard_normal((t, d))).astype(np.float32)
+    res = rng.standard_normal((t, d)).astype(np.float32)
+    logits = rng.standard_normal((t, n_expert)).astype(np.float32)
+    if skew:
+        logits[:, :n_used] += 20.0
+    ids, wts = ops.moe_route(cupy.asarray(logits), n_used, True)
+    run = lambda: cupy.asnumpy(moe._decode_mt(ops, cupy.asarray(x), ids, wts, gate, up, down,  # noqa: E731
+                                              cupy.asarray(res)))
+    got, again = run(), run()
+    np.testing.assert_array_equal(got, again)
+    wg, wu = (reference(q, a, n_expert * f, d).reshape(n_expert, f, d) for q, a in zip(types[:2], data[:2]))
+    wd = reference(td, data[2], n_expert * d, f).reshape(n_expert, d, f)
+    ids_h, wts_h = cupy.asnumpy(ids), cupy.asnumpy(wts).astype(np.float64)
+    x16 = x.astype(np.float16).astype(np.float64)
+    ref = res.astype(np.float64)
+    for i in range(t):
+        for a in range(n_used):
+            e = ids_h[i, a]
+            g, u = wg[e] @ x16[i], wu[e] @ x16[i]
+            act = (g / (1 + np.exp(-g)) * u).astype(np.float16).astype(np.float64)
+            ref[i] += wts_h[i, a] * (wd[e] @ act)
+    assert rel(got - res, ref - res) < 5e-3, rel(got - res, ref - res)
+    if t <= 8:                                         # the per-pair kernels take at most the decode batch
+        monkeypatch.setattr(ops, "mmt", False)
+        pairs = cupy.asnumpy(ops.moe_ffn(cupy.asarray(x), ids, wts, gate, up, down, residual=cupy.asarray(res)))
+        assert rel(got - res, pairs - res) < 3e-2
+
+
 @pytest.mark.parametrize("t,n_used,types", [(1, 8, (Q.Q4_K, Q.Q4_K, Q.Q6_K)), (3, 8, (Q.Q4_K, Q.Q4_K, Q.Q6_K)),
                                            (8, 10, (Q.Q4_K, Q.Q4_K, Q.Q6_K)), (2, 4, (Q.Q4_K, Q.Q5_K, Q.Q8_0))],
                          ids=["t1", "t3", "t8-a10", "mixed"])
@@ -356,6 +464,7 @@ def test_staged_expert_kernels_equal_direct(ops, t, n_used, types, monkeypatch):
     x = cupy.asarray((0.1 * rng.standard_normal((t, d))).astype(np.float32))
     res = cupy.asarray(rng.standard_normal((t, d)).astype(np.float32))
     ids, wts = ops.moe_route(cupy.asarray(rng.standard_normal((t, n_expert)).astype(np.float32)), n_used, True)
+    monkeypatch.setattr(ops, "mmt", False)             # 2 rows and more take moe_mt_* otherwise
     outs = {}
     for mode in ("staged", "direct"):
         monkeypatch.setenv("BLOOMERY_CUDA_MOE", mode)

@@ -33,7 +33,14 @@ BLOCKS = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 6: (32, 22), 8: (32, 34
 NAMES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 FLOAT_TYPES = (F32, F16, BF16)
 _NULL = np.uint64(0)
-MMV_MATS = 4                 # weights one mmv3 / mmv3n launch takes (MAT_PARAMS in matvec.cu)
+MMV_MATS = 4                 # weights one mmv3 / mmv3n / mmt launch takes (MAT_PARAMS in matvec.cu)
+MMT_TYPES = (12, 14)         # Q4_K, Q6_K: the dense weights mmt expands onto the tensor cores (matvec.cu)
+MMT_ROWS = 16                # mmt's most rows (an mma's 16), and the weight rows of its block (MMT_NT * 8)
+# A lone row stays on mmv3 / mmv3n: there mmt measured slower (H200, 2026-12-03, the 30B-A3B-shaped
+# file: a decode step of 1 row 3.27 ms with mmt, 2.50 without; 8 rows 8.63 against 9.47). So a row's
+# results are the same bits in any batch of 2 to 16 rows, and a lone row's differ in the last places,
+# as llama.cpp's CUDA backend switches kernels by batch size too.
+MMT_MIN_ROWS = 2
 
 
 def _i32(v) -> np.int32:
@@ -154,10 +161,14 @@ class CudaOps:
         self.k = Kernels()
         self.n_sm = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
         self._q8: OrderedDict[tuple, tuple] = OrderedDict()  # (address, size) -> (x, xq, xd, xs)
+        self._h: OrderedDict[tuple, tuple] = OrderedDict()   # (address, size) -> (x, its f16 form)
         self._runners: dict[int, object] = {}
         self.offload = None                                  # experts.Offload once host experts are loaded
         self._occupancy: dict[tuple, int] = {}
         self._uploader = None                                # upload.Uploader while a model loads
+        # decode-sized products of Q4_K / Q6_K weights on the tensor cores (mmt); BLOOMERY_MMT=0 keeps
+        # them on the int8 mat-vec kernels (mmv3, mmv3n), for comparing the two
+        self.mmt = os.environ.get("BLOOMERY_MMT", "1") != "0"
 
     def decode_runner(self, model):
         """The model's captured decode steps (cuda_graph.DecodeGraphs), made on first use."""
@@ -217,6 +228,12 @@ class CudaOps:
         while len(self._q8) > 8:
             self._q8.popitem(last=False)
 
+    def remember_f16(self, x, xh) -> None:
+        """x's f16 form, made by the kernel that wrote x; found again by f16() as remember_q8's are by q8()."""
+        self._h[(x.data.ptr, x.size)] = (x, xh)
+        while len(self._h) > 8:
+            self._h.popitem(last=False)
+
     def q8(self, x):
         t, k = x.shape
         if k % 32:
@@ -249,9 +266,35 @@ class CudaOps:
             outs = [self._gemm(x, w, x16) for w in ws]
             outs = [o if b is None else o + b.vec for o, b in zip(outs, biases)]
             return [o if r is None else o + r for o, r in zip(outs, residuals)]
-        outs = []
-        for i in range(0, len(ws), MMV_MATS):
-            outs += self._mmv(x, ws[i:i + MMV_MATS], biases[i:i + MMV_MATS], residuals[i:i + MMV_MATS])
+        return self._mat_vecs(x, ws, biases, residuals)
+
+    def _mmt_takes(self, w: CudaWeight, t: int) -> bool:
+        """Whether mmt (the tensor cores) makes w's products with t rows, rather than mmv3."""
+        return (self.mmt and MMT_MIN_ROWS <= t <= MMT_ROWS and w.ggml_type in MMT_TYPES and w.n_expert == 1
+                and w.n_cols % 256 == 0)
+
+    def _mat_vecs(self, x, ws, biases, residuals, x16=None):
+        """Decode-sized products, four weights a launch: the weights mmt takes from x's f16 form (x16, or
+        made here once), the others through mmv3 from its int8 form."""
+        t = x.shape[0]
+        tc = [i for i, w in enumerate(ws) if self._mmt_takes(w, t)]
+        rest = [i for i in range(len(ws)) if i not in tc]
+        outs = [None] * len(ws)
+        if tc and x16 is None:
+            x16 = self.f16(x)
+        for idx, run in ((tc, lambda *a: self._mmt(x16, *a)), (rest, lambda *a: self._mmv(x, *a))):
+            for j in range(0, len(idx), MMV_MATS):
+                part = idx[j:j + MMV_MATS]
+                got = run([ws[i] for i in part], [biases[i] for i in part], [residuals[i] for i in part])
+                for i, o in zip(part, got):
+                    outs[i] = o
+        return outs
+
+    def _mmt(self, x16, ws, biases, residuals):
+        t, k = x16.shape
+        outs, params = self._mat_params(t, ws, biases, residuals)
+        n_tiles = sum(-(-w.n_rows // MMT_ROWS) for w in ws)
+        self.k.mmt((n_tiles,), (32 * min(4, k // 256),), (*params, _i32(len(ws)), _i32(k), x16, _i32(t)))
         return outs
 
     def norm_matmuls(self, x, norm: CudaWeight, eps: float, ws, biases):
@@ -264,6 +307,14 @@ class CudaOps:
         if t > MMV_ROWS or k % 32 or k > 8 * 4 * 256 or smem > 48 << 10:   # NORM_IT in matvec.cu
             h = self.rms_norm(x, norm, eps)
             return h, self.matmuls(h, ws, biases)
+        if self.mmt and t >= MMT_MIN_ROWS:
+            # the norm on its own (mmv3n's prologue normalizes every row in every block: at 8 rows its
+            # launch of the router alone took 21 us), leaving y's int8 and f16 forms for the products
+            for w in ws:
+                if w.n_cols != k:
+                    raise ValueError(f"matmul: input has {k} columns, the weight's rows are {w.n_cols} long")
+            y, yh = self._rms_norm(x, norm, eps, f16=True)
+            return y, self._mat_vecs(y, ws, biases, [None] * len(ws), x16=yh)
         if len(ws) > MMV_MATS:
             y, outs = self.norm_matmuls(x, norm, eps, ws[:MMV_MATS], biases[:MMV_MATS])
             return y, outs + self.matmuls(y, ws[MMV_MATS:], biases[MMV_MATS:])
@@ -336,7 +387,11 @@ class CudaOps:
         return out
 
     def f16(self, x):
+        """x as f16: the form the kernel that wrote x also made (remember_f16), else converted now."""
         x = cupy.ascontiguousarray(x, dtype=cupy.float32)
+        got = self._h.get((x.data.ptr, x.size))
+        if got is not None:
+            return got[1].reshape(x.shape)
         out = cupy.empty(x.shape, cupy.float16)
         self.k.f32_to_f16((min(_grid(x.size, 256), 4096),), (256,), (x, np.int64(x.size), out))
         return out
@@ -354,6 +409,10 @@ class CudaOps:
         return a + (b.vec if isinstance(b, CudaWeight) else b)
 
     def rms_norm(self, x, w: CudaWeight, eps: float):
+        return self._rms_norm(x, w, eps)[0]
+
+    def _rms_norm(self, x, w: CudaWeight, eps: float, f16: bool = False):
+        """(RMSNorm(x) * w, its f16 form when f16 is set (2-D x), else None)."""
         shape = x.shape
         x2 = cupy.ascontiguousarray(x, dtype=cupy.float32).reshape(-1, shape[-1])  # [R, K]
         r, k = x2.shape
@@ -365,12 +424,16 @@ class CudaOps:
         if k > 8192:
             raise ValueError(f"rms_norm: rows of {k} values are longer than the kernel's 8192")
         threads = min(1024, max(32, -(-k // 4 // 32) * 32))
+        yh = cupy.empty((r, k), cupy.float16) if f16 else None
         self.k.rms_norm_q8((r,), (threads,), (x2, w.vec, _i32(k), np.float32(eps), y,
-                                          yq if quant else _NULL, yd if quant else _NULL, ys if quant else _NULL))
+                                          yq if quant else _NULL, yd if quant else _NULL, ys if quant else _NULL,
+                                          yh if f16 else _NULL))
         y = y.reshape(shape)
         if quant:
             self.remember_q8(y, yq, yd, ys)
-        return y
+        if f16:
+            self.remember_f16(y, yh)
+        return y, yh
 
     def swiglu(self, gate, up):
         """silu(gate) * up; decode-sized rows also get their int8-per-32 form (the next product's input)."""

@@ -34,6 +34,8 @@ PLAN_MAX_EXPERTS = PLANNED_MAX_EXPERTS   # moe_plan keeps two ints an expert in 
 # planned / grouped tok/s: 2026-12-02, run M, 8,514 / 3,466 at 512 ids, 13,087 / 13,927 at 4096; 2026-12-03,
 # session 19's kernels, 16,760 / 10,179 at 2,048, 16,272 / 13,782 at 4,096)
 SMEM_MAX = 227 << 10                # shared memory one block may opt in to (sm_90)
+MT_G = 18                           # moe_dplan's group: expert, rows, up to 16 pairs (MT_G in moe_mm.cu)
+DPLAN_MAX_PAIRS = 1024              # moe_dplan: a thread a pair, one block
 
 
 def staged() -> bool:
@@ -96,6 +98,8 @@ def ffn(ops, x, ids, wts, gate, up, down, residual=None):
     ids = cupy.ascontiguousarray(ids, dtype=cupy.int32)
     wts = cupy.ascontiguousarray(wts, dtype=cupy.float32)
     layer = ops.offload.layer(gate, up, down, n_used) if ops.offload is not None else None
+    if layer is None and mt_fits(ops, t, n_used, gate, up, down, d):
+        return _decode_mt(ops, x, ids, wts, gate, up, down, residual)
     host = None
     if layer is not None:          # host experts: summed on the host meanwhile (experts.py), added below
         ops.offload.count(layer, ids)
@@ -126,6 +130,39 @@ def ffn(ops, x, ids, wts, gate, up, down, residual=None):
     if host is not None:
         ops.offload.host_finish(host, out)
     return out
+
+
+def mt_fits(ops, t: int, n_used: int, gate, up, down, d: int) -> bool:
+    """Whether a decode step's experts take the tensor cores (moe_mt_*): 2 to MT_ROWS rows (a lone row stays on
+    the per-pair kernels, as the dense products stay on mmv3, backend.MMT_MIN_ROWS), gate and up of one
+    type, every type one mt.cuh expands, whole super-blocks, the pairs one moe_dplan block."""
+    from bloomery.engine.cuda.backend import MMT_MIN_ROWS, MMT_ROWS, MMT_TYPES
+    return (ops.mmt and MMT_MIN_ROWS <= t <= MMT_ROWS and t * n_used <= DPLAN_MAX_PAIRS
+            and gate.ggml_type == up.ggml_type and gate.ggml_type in MMT_TYPES and down.ggml_type in MMT_TYPES
+            and d % 256 == 0 and gate.n_rows % 256 == 0)
+
+
+def _decode_mt(ops, x, ids, wts, gate, up, down, residual):
+    """A decode step's experts grouped on the card (moe_mm.cu, moe_dplan then moe_mt_gu, moe_mt_dn): each chosen
+    expert's weights read once for all the rows that chose it, then each token's pairs added in rank order."""
+    t, d = x.shape
+    n_used, n_expert, f = ids.shape[1], gate.n_expert, gate.n_rows
+    n_pairs = t * n_used
+    n_groups_max = min(n_expert, n_pairs)
+    groups = cupy.empty((n_groups_max, MT_G), cupy.int32)                # expert, rows, pairs
+    n_groups = cupy.empty(1, cupy.int32)
+    ops.k.moe_dplan((1,), (-(-n_pairs // 32) * 32,), (ids, np.int32(n_pairs), np.int32(n_expert), groups, n_groups),
+                    shared_mem=8 * n_expert)
+    x16 = ops.f16(x)                                                      # the norm's own f16 form, where it made one
+    act = cupy.empty((n_pairs, f), cupy.float16)                          # [T*A, F]
+    ops.k.moe_mt_gu((f // 8, n_groups_max), (32 * min(4, d // 256),), (
+        gate.table, up.table, np.int32(gate.ggml_type), np.int64(gate.row_bytes), np.int64(up.row_bytes),
+        np.int32(f), np.int32(d), x16, groups, n_groups, np.int32(n_used), act))
+    y = cupy.empty((n_pairs, d), cupy.float32)                            # [T*A, D]
+    ops.k.moe_mt_dn((-(-d // 16), n_groups_max), (32 * min(4, f // 256),), (
+        down.table, np.int32(down.ggml_type), np.int64(down.row_bytes), np.int32(d), np.int32(f), act, groups,
+        n_groups, y))
+    return _combine(ops, y, None, wts, residual, t)
 
 
 def planned_fits(gate, up, down, d: int) -> bool:
@@ -187,11 +224,12 @@ def _planned(ops, x, ids, wts, gate, up, down, residual, tables=None):
 
 
 def _combine(ops, y, pos_of, wts, residual, t: int):
-    """out [T, D] = residual + each token's rows of y (in expert order, pos_of) weighted and added in rank order."""
+    """out [T, D] = residual + each token's rows of y (in expert order, pos_of; None: y's rows are the pairs)
+    weighted and added in rank order."""
     d, n_used = y.shape[1], wts.shape[1]
     out = cupy.empty((t, d), cupy.float32)
     res = cupy.ascontiguousarray(residual, dtype=cupy.float32) if residual is not None else _NULL
-    ops.k.combine_rows((t,), (256,), (y, pos_of, cupy.ascontiguousarray(wts, dtype=cupy.float32),
+    ops.k.combine_rows((t,), (256,), (y, _NULL if pos_of is None else pos_of, cupy.ascontiguousarray(wts, dtype=cupy.float32),
                                       np.int32(n_used), np.int32(d), res, out))
     return out
 

@@ -145,6 +145,7 @@ def test_norm_fused_rows_in_a_batch_equal_each_alone(ops, t, mmt, monkeypatch):
     the bits it gets alone, the block-wide norm adding the sum of squares in the same order."""
     import cupy
     monkeypatch.setattr(ops, "mmt", mmt)
+    monkeypatch.setattr(ops, "mmt_min", 2)               # so that a batch of 2 takes the same kernels
     rng = np.random.default_rng(30 + t)
     k = 2048
     mats = (Q.Q4_K, Q.Q6_K, Q.F16)
@@ -165,12 +166,13 @@ def test_norm_fused_rows_in_a_batch_equal_each_alone(ops, t, mmt, monkeypatch):
 @pytest.mark.parametrize("qt", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("t", [2, 5, 8, 12, 16])
 @pytest.mark.parametrize("k", [768, 4096])
-def test_tensor_core_products_match_float64(ops, qt, t, k):
+def test_tensor_core_products_match_float64(ops, qt, t, k, monkeypatch):
     """mmt (Q4_K and Q6_K expanded to f16 onto the tensor cores, 2 to 16 rows: past 8 is the kernel's
     reach ahead of the decode batch's) against float64, with a bias and a residual, over rows that are not
     a multiple of its 16 and K of 3 super-blocks (3 warps; Q6_K rows only 2-aligned) or 16; and each row's
     result is the bits it gets beside another row."""
     import cupy
+    monkeypatch.setattr(ops, "mmt_min", 2)               # the kernel's reach, whatever rows it starts at
     rng = np.random.default_rng([int(qt), t, k])
     n_rows = 200
     data = random_tensor(qt, n_rows, k, rng)
@@ -194,9 +196,9 @@ def test_tensor_core_products_match_float64(ops, qt, t, k):
 
 @pytest.mark.parametrize("t", [1, 4])
 def test_tensor_core_products_beside_int8_ones(ops, t, monkeypatch):
-    """One call with Q4_K, Q6_K, F32 and Q8_0 weights: the first two through mmt, the others through mmv3, each
-    output in its place; with mmt off (BLOOMERY_MMT=0) every weight takes mmv3 and the products agree within
-    the int8 activation's band."""
+    """One call with Q4_K, Q6_K, F32 and Q8_0 weights: at 4 rows the first two through mmt, the others through
+    mmv3, each output in its place (a lone row: all through mmv3); with mmt off (BLOOMERY_MMT=0) every weight
+    takes mmv3 and the products agree within the int8 activation's band."""
     import cupy
     rng = np.random.default_rng(40 + t)
     k = 2048
@@ -210,9 +212,10 @@ def test_tensor_core_products_beside_int8_ones(ops, t, monkeypatch):
     on = [cupy.asnumpy(o) for o in ops.matmuls(cupy.asarray(x), ws, [None] * len(ws))]
     monkeypatch.setattr(ops, "mmt", False)
     off = [cupy.asnumpy(o) for o in ops.matmuls(cupy.asarray(x), ws, [None] * len(ws))]
-    for (qt, n), a, b, r in zip(mats, on, off, refs):
+    for (qt, n), w, a, b, r in zip(mats, ws, on, off, refs):
         assert a.shape == (t, n)
-        assert rel(a, x @ r.T) < (4e-3 if qt in (Q.Q4_K, Q.Q6_K) else 1.5e-2), qt.name
+        monkeypatch.setattr(ops, "mmt", True)
+        assert rel(a, x @ r.T) < (4e-3 if ops._mmt_takes(w, t) else 1.5e-2), qt.name
         assert rel(a, b) < 1.5e-2, qt.name
 
 
@@ -418,6 +421,7 @@ def test_decode_experts_on_the_tensor_cores(ops, t, n_expert, n_used, d, f, type
             random_tensor(td, n_expert * d, f, rng)]
     shapes = [(d, f, n_expert), (d, f, n_expert), (f, d, n_expert)]
     gate, up, down = (ops.weight(int(q), sh, a) for q, sh, a in zip(types, shapes, data))
+    monkeypatch.setenv("BLOOMERY_CUDA_MOE_MT_MIN", "2")     # whatever rows the default starts at
     assert moe.mt_fits(ops, t, n_used, gate, up, down, d)
     x = (0.1 * rng.standard_normal((t, d))).astype(np.float32)
     res = rng.standard_normal((t, d)).astype(np.float32)

@@ -205,7 +205,9 @@ def test_two_slots_prompts_in_one_pass_as_each_alone(files):
     alone = np.stack([model.prefill(0, a, 0), model.prefill(1, b, 0)])
     nxt_alone = model.decode([0, 1], [5, 6], [a.size, b.size])
     together = model.prefill_slots([(0, a, 0), (1, b, 0)])
-    np.testing.assert_allclose(together, alone, rtol=2e-2, atol=2e-2)
+    # the head's two rows take the tensor cores' f16 products (mmt), each alone the int8 mat-vec: a few of 300k
+    # logits move by 0.02-0.03
+    np.testing.assert_allclose(together, alone, rtol=2e-2, atol=3e-2)
     assert (together.argmax(-1) == alone.argmax(-1)).all()
     # the next step's logits: the f16 GEMM inputs of the two prompt passes grouped the experts' rows in other
     # batches (cuBLAS sums in another order), which shows in a few of 300k logits at 0.02-0.03

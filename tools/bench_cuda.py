@@ -255,7 +255,9 @@ def decode_bytes(model, depth: int) -> int:
 
 def kernel_profile(model, depth: int, rows: int = 1) -> dict:
     """Per-kernel GPU time (ms per decode step of `rows` slots, 0 .. rows-1) of the captured step, through
-    torch's CUPTI profiler; the 25 largest."""
+    torch's CUPTI profiler; the 25 largest. Each step is fed the ids the last one picked, from distinct ids, so
+    the rows route as a served decode's do (the same id in every row, as before session 20, made every row
+    pick the same experts)."""
     try:
         import torch
         from torch.profiler import ProfilerActivity, profile
@@ -263,9 +265,10 @@ def kernel_profile(model, depth: int, rows: int = 1) -> dict:
         return {}
     torch.cuda.init()
     n, slots = 20, list(range(rows))
+    ids = [1 + 101 * r for r in slots]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for i in range(n):
-            model.decode_greedy(slots, [1] * rows, [depth + i] * rows)
+            ids = [int(x) for x in model.decode_greedy(slots, ids, [depth + i] * rows)]
     out = {}
     for ev in prof.key_averages():
         t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)

@@ -36,11 +36,16 @@ _NULL = np.uint64(0)
 MMV_MATS = 4                 # weights one mmv3 / mmv3n / mmt launch takes (MAT_PARAMS in matvec.cu)
 MMT_TYPES = (12, 14)         # Q4_K, Q6_K: the dense weights mmt expands onto the tensor cores (matvec.cu)
 MMT_ROWS = 16                # mmt's most rows (an mma's 16), and the weight rows of its block (MMT_NT * 8)
-# A lone row stays on mmv3 / mmv3n: there mmt measured slower (H200, 2026-12-03, the 30B-A3B-shaped
-# file: a decode step of 1 row 3.27 ms with mmt, 2.50 without; 8 rows 8.63 against 9.47). So a row's
-# results are the same bits in any batch of 2 to 16 rows, and a lone row's differ in the last places,
-# as llama.cpp's CUDA backend switches kernels by batch size too.
-MMT_MIN_ROWS = 2
+# Fewer rows stay on mmv3 / mmv3n, where mmt measured slower. H200, 2026-12-03 (session 20), the
+# 30B-A3B-shaped file, a decode step of B greedy rows (tools/bench_steps.py), in one lease, ms:
+#   B            1     2     4     8
+#   int8 only    -   4.04  5.97  9.60   (BLOOMERY_MMT=0; again 4.09 6.04 9.77)
+#   mmt from 2   -   4.30  5.47  8.14
+#   (an earlier lease: mmt at 1 row too, 3.27 against 2.50)
+# So a row's results are the same bits in any batch of MMT_MIN_ROWS to 16 rows, and in any batch of fewer
+# (mmv3n's own rows are batch-independent), but differ between the two in the last places, as llama.cpp's
+# CUDA backend switches kernels by batch size too.
+MMT_MIN_ROWS = 4
 
 
 def _i32(v) -> np.int32:
@@ -169,6 +174,7 @@ class CudaOps:
         # decode-sized products of Q4_K / Q6_K weights on the tensor cores (mmt); BLOOMERY_MMT=0 keeps
         # them on the int8 mat-vec kernels (mmv3, mmv3n), for comparing the two
         self.mmt = os.environ.get("BLOOMERY_MMT", "1") != "0"
+        self.mmt_min = int(os.environ.get("BLOOMERY_MMT_MIN", MMT_MIN_ROWS))    # for measuring where mmt starts to pay
 
     def decode_runner(self, model):
         """The model's captured decode steps (cuda_graph.DecodeGraphs), made on first use."""
@@ -270,7 +276,7 @@ class CudaOps:
 
     def _mmt_takes(self, w: CudaWeight, t: int) -> bool:
         """Whether mmt (the tensor cores) makes w's products with t rows, rather than mmv3."""
-        return (self.mmt and MMT_MIN_ROWS <= t <= MMT_ROWS and w.ggml_type in MMT_TYPES and w.n_expert == 1
+        return (self.mmt and self.mmt_min <= t <= MMT_ROWS and w.ggml_type in MMT_TYPES and w.n_expert == 1
                 and w.n_cols % 256 == 0)
 
     def _mat_vecs(self, x, ws, biases, residuals, x16=None):
@@ -307,7 +313,7 @@ class CudaOps:
         if t > MMV_ROWS or k % 32 or k > 8 * 4 * 256 or smem > 48 << 10:   # NORM_IT in matvec.cu
             h = self.rms_norm(x, norm, eps)
             return h, self.matmuls(h, ws, biases)
-        if self.mmt and t >= MMT_MIN_ROWS:
+        if self.mmt and t >= self.mmt_min:
             # the norm on its own (mmv3n's prologue normalizes every row in every block: at 8 rows its
             # launch of the router alone took 21 us), leaving y's int8 and f16 forms for the products
             for w in ws:

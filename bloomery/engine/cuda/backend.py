@@ -24,7 +24,7 @@ from bloomery.engine.cuda import recurrent as cuda_recurrent
 from bloomery.engine.cuda.gemm import gemm_nt
 from bloomery.engine.cuda.kernels import Kernels
 from bloomery.engine.ops import Caps, Rows, delta_gates
-from bloomery.engine.cuda.sizes import DECODE_ROWS as MMV_ROWS, UBATCH
+from bloomery.engine.cuda.sizes import DECODE_ROWS as MMV_ROWS, MMT_MIN_ROWS, MMT_ROWS, MMT_TYPES, UBATCH
 
 TOPK_MAX, TOPK_SPAN = 64, 4096     # topk's largest k, and the values one block sorts (matvec.cu)
 F32, F16, BF16 = 0, 1, 30
@@ -34,18 +34,6 @@ NAMES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 6: "Q5_0", 8: "Q8_0", 12: "Q
 FLOAT_TYPES = (F32, F16, BF16)
 _NULL = np.uint64(0)
 MMV_MATS = 4                 # weights one mmv3 / mmv3n / mmt launch takes (MAT_PARAMS in matvec.cu)
-MMT_TYPES = (12, 14)         # Q4_K, Q6_K: the dense weights mmt expands onto the tensor cores (matvec.cu)
-MMT_ROWS = 16                # mmt's most rows (an mma's 16), and the weight rows of its block (MMT_NT * 8)
-# Fewer rows stay on mmv3 / mmv3n, where mmt measured slower. H200, 2026-12-03 (session 20), the
-# 30B-A3B-shaped file, a decode step of B greedy rows (tools/bench_steps.py), in one lease, ms:
-#   B            1     2     4     8
-#   int8 only    -   4.04  5.97  9.60   (BLOOMERY_MMT=0; again 4.09 6.04 9.77)
-#   mmt from 2   -   4.30  5.47  8.14
-#   (an earlier lease: mmt at 1 row too, 3.27 against 2.50)
-# So a row's results are the same bits in any batch of MMT_MIN_ROWS to 16 rows, and in any batch of fewer
-# (mmv3n's own rows are batch-independent), but differ between the two in the last places, as llama.cpp's
-# CUDA backend switches kernels by batch size too.
-MMT_MIN_ROWS = 4
 
 
 def _i32(v) -> np.int32:

@@ -23,7 +23,8 @@ import numpy as np
 
 from bloomery.engine.cuda import moe_buckets
 from bloomery.engine.cuda.gemm import gemm_nt
-from bloomery.engine.cuda.sizes import DECODE_ROWS, PLANNED_BK, PLANNED_MAX_EXPERTS, PLANNED_MAX_PAIRS
+from bloomery.engine.cuda.sizes import (DECODE_ROWS, MMT_ROWS, MMT_TYPES, PLANNED_BK, PLANNED_MAX_EXPERTS,
+                                       PLANNED_MAX_PAIRS)
 
 _NULL = np.uint64(0)
 DOWN_R = 8                          # rows per block in moe_down (DOWN_R in moe.cu)
@@ -35,7 +36,7 @@ PLAN_MAX_EXPERTS = PLANNED_MAX_EXPERTS   # moe_plan keeps two ints an expert in 
 # session 19's kernels, 16,760 / 10,179 at 2,048, 16,272 / 13,782 at 4,096)
 SMEM_MAX = 227 << 10                # shared memory one block may opt in to (sm_90)
 # Decode rows from which the experts take moe_mt_* (grouped by expert on the tensor cores): none yet, they
-# measured slower than the per-pair kernels (same lease as backend.MMT_MIN_ROWS, ms a step at 2 / 4 / 8
+# measured slower than the per-pair kernels (same lease as sizes.MMT_MIN_ROWS, ms a step at 2 / 4 / 8
 # rows: per-pair 4.04 / 5.97 / 9.60, moe_mt 4.87 / 7.16 / 11.20; with mmt too 4.83 / 6.36 / 9.33 against
 # mmt alone 4.30 / 5.47 / 8.14). BLOOMERY_CUDA_MOE_MT_MIN=n turns them on from n rows, for measuring.
 MT_MIN_ROWS = 17
@@ -141,7 +142,6 @@ def mt_fits(ops, t: int, n_used: int, gate, up, down, d: int) -> bool:
     """Whether a decode step's experts take the tensor cores (moe_mt_*): MT_MIN_ROWS (none by default) to 16
     rows, gate and up of one type, every type one mt.cuh expands, whole super-blocks, the pairs one moe_dplan
     block."""
-    from bloomery.engine.cuda.backend import MMT_ROWS, MMT_TYPES
     least = int(os.environ.get("BLOOMERY_CUDA_MOE_MT_MIN", MT_MIN_ROWS))   # for measuring where it starts to pay
     return (ops.mmt and least <= t <= MMT_ROWS and t * n_used <= DPLAN_MAX_PAIRS
             and gate.ggml_type == up.ggml_type and gate.ggml_type in MMT_TYPES and down.ggml_type in MMT_TYPES

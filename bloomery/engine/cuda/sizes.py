@@ -19,3 +19,16 @@ PLANNED_BK = 64
 PLANNED_MAX_EXPERTS = 4096
 DELTA_GROUP_CHUNKS = 16        # chunks of the delta rule's chunked form prepared at once (recurrent.py): its scratch
                                # grows with them, its count of small launches shrinks
+# The decode products on the tensor cores (kernels/mt.cuh; backend.py mmt, moe.py moe_mt_*):
+MMT_TYPES = (12, 14)         # Q4_K, Q6_K: the dense weights mmt expands onto the tensor cores (matvec.cu)
+MMT_ROWS = 16                # mmt's most rows (an mma's 16), and the weight rows of its block (MMT_NT * 8)
+# Fewer rows stay on mmv3 / mmv3n, where mmt measured slower. H200, 2026-12-03 (session 20), the
+# 30B-A3B-shaped file, a decode step of B greedy rows (tools/bench_steps.py), in one lease, ms:
+#   B            1     2     4     8
+#   int8 only    -   4.04  5.97  9.60   (BLOOMERY_MMT=0; again 4.09 6.04 9.77)
+#   mmt from 2   -   4.30  5.47  8.14
+#   (an earlier lease: mmt at 1 row too, 3.27 against 2.50)
+# So a row's results are the same bits in any batch of MMT_MIN_ROWS to 16 rows, and in any batch of fewer
+# (mmv3n's own rows are batch-independent), but differ between the two in the last places, as llama.cpp's
+# CUDA backend switches kernels by batch size too.
+MMT_MIN_ROWS = 4

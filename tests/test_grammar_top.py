@@ -169,3 +169,67 @@ def test_nan_or_no_finite_allowed_logit_ends_as_whole_rows_end(bad):
             got += [(o.token, o.finish, o.error and o.error.splitlines()[0]) for o in engine.step()]
         outs.append(got)
     assert outs[0] == outs[1] and outs[1][-1][1] == "error", outs[1]
+
+
+@pytest.mark.parametrize("schema", [None, SCHEMAS[0]], ids=["free", "schema"])
+def test_greedy_with_bans_reads_the_largest_logits(schema):
+    """A greedy request whose bias only bans ids (ignore_eos bans the stop ids so, at -inf) takes the row's
+    largest logits, not the whole row: the first one not banned (and allowed by a schema) is the whole row's
+    pick, also where the banned ids are the largest; a finite bias still takes whole rows."""
+    class Banned(RowModel):
+        def _row(self, slot, pos, tok):
+            row = super()._row(slot, pos, tok)
+            row[[3, 7, 70]] += np.float32(50.0)          # the banned ids on top of every row
+            return row
+
+    def run(bias, top_k):
+        model = Banned()
+        engine = Engine(model, n_slots=2, n_ctx_slot=512)
+        engine.greedy_top_k, model.engine, engine._grammar_vocab = top_k, engine, VOCAB
+        grammar = schema_grammar(schema) if schema is not None else None
+        for i in range(2):
+            engine.add(EngineRequest(f"r{i}", [65 + i, 66], 30, SamplingParams(temperature=0.0, logit_bias=bias,
+                                                                               grammar=grammar)))
+        out = {}
+        while engine.has_work():
+            for o in engine.step():
+                out.setdefault(o.req_id, []).append((o.token, o.finish, o.error))
+        return out, engine, model
+
+    bans = [(3, -np.inf), (7, -np.inf), (70, -np.inf)]
+    whole, _, _ = run(bans, 0)
+    top, engine, model = run(bans, 64)
+    assert top == whole
+    assert not {t for ids in top.values() for t, _, _ in ids} & {3, 7, 70}
+    assert engine.top_steps > 0
+    if schema is None:        # (a schema allowing one or two ids may miss the 64, and then mostly takes whole rows)
+        assert engine.top_misses == 0 and model.calls["decode"] == 0
+    finite, engine, model = run(bans[:2] + [(70, -5.0)], 64)
+    assert engine.top_steps == 0 and model.calls["decode_topk"] == 0 and model.calls["decode"] > 0
+
+
+
+def test_bans_from_the_largest_logits_equal_the_whole_row():
+    """Sampler.pick_from_top with bans against sample() on random rows (the banned ids often the largest,
+    ties), and where it cannot settle: a banned id at +inf (the biased row holds a NaN there), every
+    candidate banned, the first left at -inf."""
+    from bloomery.engine.sampler import Sampler
+    rng = np.random.default_rng(4)
+    bans = [(5, -np.inf), (9, -np.inf), (5, -np.inf)]          # a duplicate adds -inf again
+    s = Sampler(SamplingParams(temperature=0.0, logit_bias=bans), 64, 512)
+    assert s.greedy_from_top and not s.plain_greedy and s.top_settles == 3
+    for _ in range(200):
+        row = np.round(rng.standard_normal(64).astype(np.float32) * 2)
+        row[[5, 9]] = np.float32(rng.choice([9.0, 1.0, -9.0]))
+        top = sorted_top(row, 8)
+        assert s.pick_from_top(top, row[top]) == s.sample(row).token
+    row = np.zeros(64, np.float32)
+    row[5] = np.inf
+    top = sorted_top(row, 8)
+    assert s.pick_from_top(top, row[top]) is None
+    row = np.full(64, -np.inf, np.float32)
+    row[[5, 9]] = 1.0
+    assert s.pick_from_top(np.array([5, 9]), row[[5, 9]]) is None
+    top = sorted_top(row, 3)
+    assert s.pick_from_top(top, row[top]) is None and s.sample(row).token == 0
+    assert not Sampler(SamplingParams(temperature=0.0, logit_bias=[(5, -np.inf), (6, 2.0)]), 64, 512).greedy_from_top

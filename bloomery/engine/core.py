@@ -558,8 +558,9 @@ class Engine:
             if not g:
                 s.state.top_miss *= self.TOP_MISS_EASE
         if k_max and all(0 < kb <= k_max or g for kb, g in zip(ks, from_top)):
-            # a greedy slot with no mask needs the largest alone
-            k = max(ks + [k_greedy if s.state.sampler.matcher is not None else 1 for s, g in zip(slots, from_top) if g])
+            # a greedy slot with no mask needs the largest alone, or one more than its bans
+            k = max(ks + [k_greedy if s.state.sampler.matcher is not None else min(k_greedy, s.state.sampler.top_settles)
+                          for s, g in zip(slots, from_top) if g])
             top = self.model.decode_topk(b_ids, ids, positions, k)
             c_ids, c_vals, n_nan = (np.asarray(a) for a in top)                  # [B, k] x2, [B]
             if c_ids.shape != (n, k) or c_vals.shape != c_ids.shape or n_nan.shape != (n,):

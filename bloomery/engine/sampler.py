@@ -159,6 +159,10 @@ class Sampler:
             self._bias = np.array([b for _, b in params.logit_bias], dtype=np.float32)
         else:
             self._bias_ids = None
+        # a bias of only bans (-inf: ignore_eos's stop ids, or a client's): a greedy pick is then the first
+        # largest logit not banned, which a row's largest logits can settle (pick_from_top)
+        self._bans = (np.unique(self._bias_ids) if self._bias_ids is not None and bool(np.all(self._bias == -np.inf))
+                      else None)
 
     @property
     def rng(self) -> MT19937:
@@ -221,32 +225,44 @@ class Sampler:
 
     @property
     def greedy_from_top(self) -> bool:
-        """A greedy pick that a row's largest logits can settle (no bias, penalties or probabilities
-        asked; a schema mask may be): pick_from_top, else the whole row."""
-        return (self.greedy and self._bias_ids is None and not self.penalties_on
+        """A greedy pick that a row's largest logits can settle (no penalties or probabilities asked, no
+        bias but bans; a schema mask may be): pick_from_top, else the whole row."""
+        return (self.greedy and (self._bias_ids is None or self._bans is not None) and not self.penalties_on
                 and self.params.n_probs <= 0)
+
+    @property
+    def top_settles(self) -> int:
+        """Without a schema: how many of a row's largest logits always settle a greedy pick (one more than
+        the bans: one of them is not banned)."""
+        return 1 + (0 if self._bans is None else int(self._bans.shape[0]))
 
     def pick_from_top(self, ids: np.ndarray, values: np.ndarray, n_nan: int = 0) -> int | None:
         """The id sample() takes from the whole row, read off the row's k largest logits (descending,
-        ties to the lower id): the first the schema allows (the masked row's first largest). None
-        where they cannot settle it: no candidate allowed, a NaN in the row (sample() refuses it),
-        or the pick's logit is -inf (the masked row's argmax is then id 0, allowed or not)."""
+        ties to the lower id): the first neither banned nor refused by the schema (the biased, masked
+        row's first largest). None where they cannot settle it: no candidate left, a NaN in the row
+        (sample() refuses it), a banned candidate at +inf (the biased row holds a NaN there), or the
+        pick's logit is -inf (the row's argmax is then id 0, allowed or not)."""
         if n_nan:
             return None
         ids = np.asarray(ids).reshape(-1)
         values = np.asarray(values, dtype=np.float32).reshape(-1)
         if not ids.shape[0] or ids.shape != values.shape or ids.min() < 0 or ids.max() >= self.n_vocab:
             return None
-        if self.matcher is None:
-            first = 0
-        else:
+        ok = np.ones(ids.shape[0], dtype=bool)
+        if self._bans is not None:
+            banned = np.isin(ids, self._bans)
+            if np.any(values[banned] == np.inf):
+                return None
+            ok &= ~banned
+        if self.matcher is not None:
             try:
-                hit = np.flatnonzero(self.matcher.allowed()[ids])
+                ok &= self.matcher.allowed()[ids]
             except GrammarError:
                 return None            # the whole row's pick raises it, by name
-            if not hit.shape[0]:
-                return None
-            first = int(hit[0])
+        hit = np.flatnonzero(ok)
+        if not hit.shape[0]:
+            return None
+        first = int(hit[0])
         if values[first] == -np.inf:
             return None
         return int(ids[first])

@@ -209,3 +209,40 @@ def test_on_the_card_the_launched_steps_give_the_ids_of_steps_run_in_place(gpu, 
     in_place, engine = serve()
     assert engine.ahead_steps == 0
     assert ahead == in_place
+
+
+@pytest.mark.gpu
+def test_on_the_card_greedy_with_bans_picks_from_the_largest_logits(gpu, tokenizer_source, synthetic_dir):
+    """ignore_eos's bans (-inf biases) on a synthetic qwen3moe on the cuda backend: three greedy streams pick from
+    each row's largest logits on the card (the top-k step), with the same ids as from whole rows on the host, and
+    never a banned id, though the bans are the ids whole rows would pick first."""
+    from bloomery.engine.loader import load_model
+    from bloomery.placement import whole
+    from tests.conftest import load_tool
+    path = load_tool("make_synthetic").write_synthetic(synthetic_dir / "bans-qwen3moe.gguf", arch="qwen3moe",
+                                                        mode="blocks", mix="q4_k_m", seed=12,
+                                                        tokenizer_from=str(tokenizer_source), n_layer=2, n_embd=512,
+                                                        n_head=8, n_head_kv=2, head_dim=128, n_expert=16,
+                                                        n_expert_used=4, n_ff_exp=256)
+    model = load_model(str(path), whole("cuda", 3, 256))
+    prompts = {"a": [100, 200, 300, 400], "b": [500, 600], "c": [700, 800, 900]}
+
+    def serve(bias, top_k: int):
+        engine = Engine(model, 3, 256)
+        engine.greedy_top_k = top_k
+        for rid, p in prompts.items():
+            engine.add(greq(rid, p, n_predict=16, sampling=SamplingParams(temperature=0.0, logit_bias=bias)))
+        outs: dict = {}
+        while engine.has_work():
+            for o in engine.step():
+                outs.setdefault(o.req_id, []).append(o.token)
+        return outs, engine
+
+    free, _ = serve([], 64)
+    banned = sorted({t for ids in free.values() for t in ids[:4]})      # the ids the streams pick first
+    bias = [(t, -np.inf) for t in banned]
+    whole_rows, _ = serve(bias, 0)
+    top, engine = serve(bias, 64)
+    assert top == whole_rows
+    assert not {t for ids in top.values() for t in ids} & set(banned)
+    assert engine.top_steps > 0 and engine.top_misses == 0

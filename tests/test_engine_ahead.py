@@ -53,6 +53,48 @@ class Ahead(PicksOnDevice):
         return self.in_flight
 
 
+class AheadTop(Ahead):
+    """The stand-in card handing over each row's k largest logits too (decode_topk), also launched ahead."""
+    topk_max = 16
+
+    def decode_topk(self, slots, ids, positions, k):
+        self._idle("decode_topk")
+        return self._topk(slots, ids, positions, k, "decode_topk")
+
+    def _topk(self, slots, ids, positions, k, name):
+        from bloomery.engine.sampler import sorted_top
+        self.calls.append((name, tuple(slots)))
+        for s, i, p in zip(slots, ids, positions):
+            self._write(s, [int(i)], int(p))
+        rows = np.stack([self._logits(self.kv[s]) for s in slots])                       # [B, V]
+        top = np.stack([sorted_top(r, k) for r in rows]).astype(np.int32)
+        return top, np.take_along_axis(rows, top, axis=1), np.zeros(len(slots), np.int32)
+
+    def decode_topk_begin(self, slots, ids, positions, k):
+        self._idle("decode_topk_begin")
+        got = self._topk(slots, ids, positions, k, "begin_topk")
+        self.launched += 1
+        model = self
+
+        class Handle:
+            def wait(self):
+                if model.in_flight is self:
+                    model.in_flight = None
+                return got
+        self.in_flight = Handle()
+        return self.in_flight
+
+    def banned_reference(self, prompt, n: int, banned) -> list[int]:
+        """Greedy ids from a fresh recomputation per step, never a banned id."""
+        ids, out = list(prompt), []
+        for _ in range(n):
+            row = self._logits(ids)
+            row[list(banned)] = -np.inf
+            out.append(int(np.argmax(row)))
+            ids.append(out[-1])
+        return out
+
+
 def run(model, n_slots, reqs, max_steps=500):
     engine = Engine(model, n_slots, 64)
     for r in reqs:
@@ -214,8 +256,8 @@ def test_on_the_card_the_launched_steps_give_the_ids_of_steps_run_in_place(gpu, 
 @pytest.mark.gpu
 def test_on_the_card_greedy_with_bans_picks_from_the_largest_logits(gpu, tokenizer_source, synthetic_dir):
     """ignore_eos's bans (-inf biases) on a synthetic qwen3moe on the cuda backend: three greedy streams pick from
-    each row's largest logits on the card (the top-k step), with the same ids as from whole rows on the host, and
-    never a banned id, though the bans are the ids whole rows would pick first."""
+    each row's largest logits on the card (the top-k step, launched ahead), with the same ids as from whole rows
+    on the host, and never a banned id, though the bans are the ids whole rows would pick first."""
     from bloomery.engine.loader import load_model
     from bloomery.placement import whole
     from tests.conftest import load_tool
@@ -246,3 +288,30 @@ def test_on_the_card_greedy_with_bans_picks_from_the_largest_logits(gpu, tokeniz
     assert top == whole_rows
     assert not {t for ids in top.values() for t in ids} & set(banned)
     assert engine.top_steps > 0 and engine.top_misses == 0
+    assert engine.ahead_steps > 0                  # the largest logits launched ahead (graph.begin_topk)
+
+
+def test_greedy_with_bans_launches_the_largest_logits_ahead():
+    """Two streams whose bias only bans ids (as ignore_eos's), the ids the plain chain picks first among them: the
+    next step's rows' largest logits are launched ahead (decode_topk_begin, one more than the bans), each pick
+    the first not banned, the ids those of a recomputation that never picks a banned id; a plain greedy stream
+    beside them goes the same way."""
+    model = AheadTop(3, 64)
+    banned = sorted(set(model.reference([1, 2, 3], 6)[:3]) | set(model.reference([4, 5], 6)[:2]))
+    bias = SamplingParams(temperature=0.0, logit_bias=[(t, -np.inf) for t in banned])
+    engine, outs = run(model, 3, [greq("a", [1, 2, 3], n_predict=10, sampling=bias),
+                                  greq("b", [4, 5], n_predict=8, sampling=bias), greq("c", [6, 7], n_predict=9)])
+    assert [o.token for o in outs["a"]] == model.banned_reference([1, 2, 3], 10, banned)
+    assert [o.token for o in outs["b"]] == model.banned_reference([4, 5], 8, banned)
+    assert [o.token for o in outs["c"]] == model.reference([6, 7], 9)
+    assert engine.ahead_steps >= 5 and engine.top_misses == 0
+    assert {c[0] for c in model.calls} >= {"begin_topk"} and "begin" not in {c[0] for c in model.calls}
+    assert not any(c[0] == "decode" for c in model.calls)          # no whole rows
+
+
+def test_a_finite_bias_is_not_launched_ahead():
+    model = AheadTop(1, 64)
+    bias = SamplingParams(temperature=0.0, logit_bias=[(5, -np.inf), (9, 1.5)])
+    engine, outs = run(model, 1, [greq("a", [1, 2, 3], n_predict=8, sampling=bias)])
+    assert engine.ahead_steps == 0 and not any(c[0].startswith("begin") for c in model.calls)
+

@@ -12,7 +12,8 @@ sampled ids reach n_ctx_slot -> "length"), then n_predict ("length"), then a sto
 id ("stop", reported in the same output, winning over the other two).
 
 Greedy steps launched ahead (a model with greedy_ahead: captured steps on a card): when every slot of
-a decode step goes on with a plain greedy pick, the next step is launched before the round returns, so
+a decode step goes on with a greedy pick the device can make (a plain one: the argmax; one whose bias only
+bans ids, as ignore_eos's: from the row's largest logits), the next step is launched before the round returns, so
 the card computes it while the host sends this round's ids and reads its inbox; the next round waits
 for it first, before anything else touches the card, and takes its ids when it decodes the same slots
 with the same ids at the same positions (else it runs its own step; the launched one's write at each
@@ -122,8 +123,9 @@ class Engine:
         self._last: dict[int, dict] = {}
         self._grammar_vocab: Vocab | None = None     # the vocabulary's bytes, built on the first grammar request
         # the next greedy step, launched at the end of a step whose slots all go on (model.greedy_ahead): ((slot
-        # ids, ids, positions) it ran, its handle); the next step takes its ids when its slots are those
-        self._ahead: tuple[tuple, object] | None = None
+        # ids, ids, positions) it ran, its handle, k: 0 for its ids, else its rows' k largest logits); the next
+        # step takes it when its slots are those
+        self._ahead: tuple[tuple, object, int] | None = None
         self.ahead_steps = 0        # decode steps whose ids came from a step launched ahead
         self.ahead_dropped = 0      # ... launched and not used (the batch changed)
 
@@ -212,7 +214,7 @@ class Engine:
         ahead, self._ahead = self._ahead, None
         if ahead is not None:        # ended before this round touches the device (admissions, prompts, copies)
             try:
-                ahead = (ahead[0], ahead[1].wait())
+                ahead = (ahead[0], ahead[1].wait(), ahead[2])
             except Exception:
                 ahead = None
         with self._lock:
@@ -490,8 +492,8 @@ class Engine:
         ids = np.array([s.next_id for s in slots], dtype=np.int32)               # [B]
         positions = np.array([s.n_past for s in slots], dtype=np.int32)          # [B]
         key = self._step_key(slots, ids, positions)
-        if ahead is not None and ahead[0] == key and all(s.state.sampler.plain_greedy for s in slots):
-            picks = [dict(token=int(t)) for t in np.asarray(ahead[1]).reshape(-1)]
+        picks = self._ahead_picks(slots, ahead) if ahead is not None and ahead[0] == key else None
+        if picks is not None:
             self.ahead_steps += 1
         else:
             if ahead is not None:
@@ -514,10 +516,44 @@ class Engine:
     def _step_key(slots: list[Slot], ids, positions) -> tuple:
         return tuple(s.id for s in slots), tuple(int(i) for i in ids), tuple(int(p) for p in positions)
 
+    def _ahead_top_k(self, slots: list[Slot]) -> int:
+        """The k of a step launched ahead through decode_topk_begin: every slot greedy with no schema, no bias but
+        bans and not missing often (greedy_from_top), so that a row's largest logits settle each pick (one more
+        than its bans); 0 where they cannot."""
+        k_greedy = min(self.greedy_top_k, getattr(self.model, "topk_max", 0))
+        if k_greedy <= 0 or not all(s.state.sampler.greedy_from_top and s.state.sampler.matcher is None
+                                    and s.state.top_miss < self.TOP_MISS_MAX for s in slots):
+            return 0
+        return min(k_greedy, max(s.state.sampler.top_settles for s in slots))
+
+    def _ahead_picks(self, slots: list[Slot], ahead: tuple) -> list[dict] | None:
+        """The step launched ahead for these slots as their picks: its ids, or each row's pick from its largest
+        logits; None where the slots' samplers no longer take it or a row's largest cannot settle its pick (a
+        miss, as in _model_step: the step runs again in place)."""
+        _, got, k = ahead
+        if k == 0:
+            if not all(s.state.sampler.plain_greedy for s in slots):
+                return None
+            return [dict(token=int(t)) for t in np.asarray(got).reshape(-1)]
+        if self._ahead_top_k(slots) == 0:
+            return None
+        c_ids, c_vals, n_nan = (np.asarray(a) for a in got)
+        picks = []
+        for b, slot in enumerate(slots):
+            token = slot.state.sampler.pick_from_top(c_ids[b], c_vals[b], int(n_nan[b]))
+            slot.state.top_miss += self.TOP_MISS_RATE * ((token is None) - slot.state.top_miss)
+            if token is None:
+                self.top_misses += 1
+                return None
+            picks.append(dict(token=token))
+        self.top_steps += 1
+        return picks
+
     def _launch_ahead(self, slots: list[Slot], outs: list[TokenOut]) -> None:
-        """Every slot of this step goes on, each a plain greedy pick, no other slot joins, nothing to cancel: the
-        next step launched now (model.decode_greedy_begin), so the device computes it while this step's ids
-        travel to their clients; the next round takes its ids when it decodes the same slots (step())."""
+        """Every slot of this step goes on, each a greedy pick the device can make (plain: its argmax; with bans:
+        from its largest logits), no other slot joins, nothing to cancel: the next step launched now
+        (model.decode_greedy_begin, decode_topk_begin), so the device computes it while this step's ids travel
+        to their clients; the next round takes it when it decodes the same slots (step())."""
         if not getattr(self.model, "greedy_ahead", False) or any(o.finish is not None or o.token is None for o in outs):
             return
         with self._lock:
@@ -528,16 +564,19 @@ class Engine:
                 return
             ids = np.array([s.next_id for s in slots], dtype=np.int32)
             positions = np.array([s.n_past for s in slots], dtype=np.int32)
-        if not all(s.state.sampler.plain_greedy for s in slots):
+        k = 0 if all(s.state.sampler.plain_greedy for s in slots) else self._ahead_top_k(slots)
+        if k == 0 and not all(s.state.sampler.plain_greedy for s in slots):
             return
         if any(p >= self.n_ctx_slot for p in positions):
             return
         try:
-            handle = self.model.decode_greedy_begin([s.id for s in slots], ids, positions)
+            b_ids = [s.id for s in slots]
+            handle = (self.model.decode_greedy_begin(b_ids, ids, positions) if k == 0
+                      else self.model.decode_topk_begin(b_ids, ids, positions, k))
         except Exception:            # the next step runs its own, which says what failed
             return
         if handle is not None:
-            self._ahead = (self._step_key(slots, ids, positions), handle)
+            self._ahead = (self._step_key(slots, ids, positions), handle, k)
 
     def _model_step(self, slots: list[Slot], ids: np.ndarray, positions: np.ndarray) -> list[dict]:
         """One batched step through the narrowest model call the slots' samplers allow, as each

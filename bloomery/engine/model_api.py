@@ -72,6 +72,11 @@ class EngineModel:
         id): (ids [B, k] int32, values [B, k] float32, NaN count [B])."""
         raise self._lacks("decode_topk", "topk_max", self.topk_max)
 
+    def decode_topk_begin(self, slots: Sequence[int], ids, positions, k: int):
+        """decode_topk launched, as decode_greedy_begin: a handle whose wait() gives its three arrays (None: this
+        batch cannot be launched ahead). Needs greedy_ahead and topk_max."""
+        raise self._lacks("decode_topk_begin", "greedy_ahead", self.greedy_ahead and self.topk_max > 0)
+
     def prefill_slots(self, parts: Sequence[tuple[int, object, int]]) -> np.ndarray:
         """Several slots' prompt ids (slot, ids, pos0) in shared passes: each part's last logits [n, V]."""
         raise self._lacks("prefill_slots", "shares_passes", self.shares_passes)

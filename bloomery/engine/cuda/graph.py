@@ -186,6 +186,19 @@ class DecodeGraphs:
         g = self._launch(slots, ids, positions)
         return lambda: self._fetch(g, g.picked)
 
+    def begin_topk(self, slots, ids, positions, k: int):
+        """The step and its rows' k largest logits launched (run_topk's work, not waited for): a function that
+        waits for them and returns them."""
+        g = self._launch(slots, ids, positions)
+        with g.stream:
+            got = self.model.ops.topk(g.logits, k)
+
+        def fetch():
+            out = tuple(a.get(stream=g.stream) for a in got)
+            g.stream.synchronize()
+            return out
+        return fetch
+
     def run(self, slots, ids, positions, want_logits: bool) -> np.ndarray:
         g = self._launch(slots, ids, positions)
         return self._fetch(g, g.logits if want_logits else g.picked)

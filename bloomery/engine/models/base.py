@@ -304,6 +304,14 @@ class CausalLM(EngineModel):
             return None
         return _Ahead(self._graphs().begin(slots, ids, positions), self.ops)
 
+    def decode_topk_begin(self, slots: Sequence[int], ids, positions, k: int):
+        """decode_topk launched on the captured step of its batch, as decode_greedy_begin (None where that
+        cannot be, or k is out of range); the handle's wait() gives (ids, values, NaN count)."""
+        slots, ids, positions = self._decode_args(slots, ids, positions)
+        if not self.greedy_ahead or len(slots) > self._graphs().max_batch or not 1 <= k <= self.topk_max:
+            return None
+        return _Ahead(self._graphs().begin_topk(slots, ids, positions, k), self.ops)
+
     @property
     def topk_max(self) -> int:
         """The largest k decode_topk takes (0: this backend hands over whole rows of logits)."""
@@ -340,16 +348,17 @@ class CausalLM(EngineModel):
 
 
 class _Ahead:
-    """A captured step launched and not waited for: wait() fetches its ids (once) and ends the step as _step does."""
+    """A captured step launched and not waited for: wait() fetches what it hands over (once: its ids, or its rows'
+    largest logits) and ends the step as _step does."""
 
     def __init__(self, fetch, ops):
-        self._fetch, self._ops, self._ids = fetch, ops, None
+        self._fetch, self._ops, self._got = fetch, ops, None
 
-    def wait(self) -> np.ndarray:
-        if self._ids is None:
-            self._ids = self._fetch()
+    def wait(self):
+        if self._got is None:
+            self._got = self._fetch()
             self._ops.after_step(decode=True)
-        return self._ids
+        return self._got
 
 
 class RecurrentLM(CausalLM):

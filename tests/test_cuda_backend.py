@@ -421,7 +421,7 @@ def test_decode_experts_on_the_tensor_cores(ops, t, n_expert, n_used, d, f, type
             random_tensor(td, n_expert * d, f, rng)]
     shapes = [(d, f, n_expert), (d, f, n_expert), (f, d, n_expert)]
     gate, up, down = (ops.weight(int(q), sh, a) for q, sh, a in zip(types, shapes, data))
-    monkeypatch.setenv("BLOOMERY_CUDA_MOE_MT_MIN", "2")     # whatever rows the default starts at
+    monkeypatch.setattr(ops, "moe_mt_min", 2)             # whatever rows the default starts at
     assert moe.mt_fits(ops, t, n_used, gate, up, down, d)
     x = (0.1 * rng.standard_normal((t, d))).astype(np.float32)
     res = rng.standard_normal((t, d)).astype(np.float32)

@@ -41,6 +41,10 @@ class Ahead(PicksOnDevice):
         self._idle("decode_greedy_begin")
         picks = PicksOnDevice.decode_greedy(self, slots, ids, positions)
         self.calls[-1] = ("begin", tuple(slots))
+        return self._hold(picks)
+
+    def _hold(self, got):
+        """A launched step's handle: it is in flight until its wait() hands over got."""
         self.launched += 1
         model = self
 
@@ -48,7 +52,7 @@ class Ahead(PicksOnDevice):
             def wait(self):
                 if model.in_flight is self:
                     model.in_flight = None
-                return picks
+                return got
         self.in_flight = Handle()
         return self.in_flight
 
@@ -72,17 +76,7 @@ class AheadTop(Ahead):
 
     def decode_topk_begin(self, slots, ids, positions, k):
         self._idle("decode_topk_begin")
-        got = self._topk(slots, ids, positions, k, "begin_topk")
-        self.launched += 1
-        model = self
-
-        class Handle:
-            def wait(self):
-                if model.in_flight is self:
-                    model.in_flight = None
-                return got
-        self.in_flight = Handle()
-        return self.in_flight
+        return self._hold(self._topk(slots, ids, positions, k, "begin_topk"))
 
     def banned_reference(self, prompt, n: int, banned) -> list[int]:
         """Greedy ids from a fresh recomputation per step, never a banned id."""

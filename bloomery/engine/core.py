@@ -540,14 +540,20 @@ class Engine:
         c_ids, c_vals, n_nan = (np.asarray(a) for a in got)
         picks = []
         for b, slot in enumerate(slots):
-            token = slot.state.sampler.pick_from_top(c_ids[b], c_vals[b], int(n_nan[b]))
-            slot.state.top_miss += self.TOP_MISS_RATE * ((token is None) - slot.state.top_miss)
+            token = self._top_pick(slot, c_ids[b], c_vals[b], n_nan[b])
             if token is None:
                 self.top_misses += 1
                 return None
             picks.append(dict(token=token))
         self.top_steps += 1
         return picks
+
+    def _top_pick(self, slot: Slot, c_ids, c_vals, n_nan) -> int | None:
+        """A greedy slot's pick from its row's largest logits (None: they cannot settle it), kept in its
+        running miss share."""
+        token = slot.state.sampler.pick_from_top(c_ids, c_vals, int(n_nan))
+        slot.state.top_miss += self.TOP_MISS_RATE * ((token is None) - slot.state.top_miss)
+        return token
 
     def _launch_ahead(self, slots: list[Slot], outs: list[TokenOut]) -> None:
         """Every slot of this step goes on, each a greedy pick the device can make (plain: its argmax; with bans:
@@ -564,8 +570,9 @@ class Engine:
                 return
             ids = np.array([s.next_id for s in slots], dtype=np.int32)
             positions = np.array([s.n_past for s in slots], dtype=np.int32)
-        k = 0 if all(s.state.sampler.plain_greedy for s in slots) else self._ahead_top_k(slots)
-        if k == 0 and not all(s.state.sampler.plain_greedy for s in slots):
+        plain = all(s.state.sampler.plain_greedy for s in slots)
+        k = 0 if plain else self._ahead_top_k(slots)
+        if not plain and k == 0:
             return
         if any(p >= self.n_ctx_slot for p in positions):
             return
@@ -607,9 +614,7 @@ class Engine:
                                  f"expected ({n}, {k}) twice and ({n},)")
             picks = []
             for b, (slot, kb, g) in enumerate(zip(slots, ks, from_top)):
-                token = slot.state.sampler.pick_from_top(c_ids[b], c_vals[b], int(n_nan[b])) if g else None
-                if g:
-                    slot.state.top_miss += self.TOP_MISS_RATE * ((token is None) - slot.state.top_miss)
+                token = self._top_pick(slot, c_ids[b], c_vals[b], n_nan[b]) if g else None
                 if g and token is None:
                     break
                 picks.append(dict(token=token) if g else dict(candidates=(c_ids[b, :kb], c_vals[b, :kb], int(n_nan[b]))))

@@ -163,6 +163,8 @@ class CudaOps:
         # them on the int8 mat-vec kernels (mmv3, mmv3n), for comparing the two
         self.mmt = os.environ.get("BLOOMERY_MMT", "1") != "0"
         self.mmt_min = int(os.environ.get("BLOOMERY_MMT_MIN", MMT_MIN_ROWS))    # for measuring where mmt starts to pay
+        # decode rows from which the experts take moe_mt_* (moe.MT_MIN_ROWS: none by default), for measuring
+        self.moe_mt_min = int(os.environ.get("BLOOMERY_CUDA_MOE_MT_MIN", cuda_moe.MT_MIN_ROWS))
 
     def decode_runner(self, model):
         """The model's captured decode steps (cuda_graph.DecodeGraphs), made on first use."""
@@ -301,20 +303,17 @@ class CudaOps:
         if t > MMV_ROWS or k % 32 or k > 8 * 4 * 256 or smem > 48 << 10:   # NORM_IT in matvec.cu
             h = self.rms_norm(x, norm, eps)
             return h, self.matmuls(h, ws, biases)
+        for w in ws:
+            if w.n_cols != k:
+                raise ValueError(f"matmul: input has {k} columns, the weight's rows are {w.n_cols} long")
         if self.mmt and t >= self.mmt_min:
             # the norm on its own (mmv3n's prologue normalizes every row in every block: at 8 rows its
             # launch of the router alone took 21 us), leaving y's int8 and f16 forms for the products
-            for w in ws:
-                if w.n_cols != k:
-                    raise ValueError(f"matmul: input has {k} columns, the weight's rows are {w.n_cols} long")
             y, yh = self._rms_norm(x, norm, eps, f16=True)
             return y, self._mat_vecs(y, ws, biases, [None] * len(ws), x16=yh)
         if len(ws) > MMV_MATS:
             y, outs = self.norm_matmuls(x, norm, eps, ws[:MMV_MATS], biases[:MMV_MATS])
             return y, outs + self.matmuls(y, ws[MMV_MATS:], biases[MMV_MATS:])
-        for w in ws:
-            if w.n_cols != k:
-                raise ValueError(f"matmul: input has {k} columns, the weight's rows are {w.n_cols} long")
         y = cupy.empty((t, k), cupy.float32)
         yq = cupy.empty((t, k), cupy.int8)
         yd = cupy.empty((t, k // 32), cupy.float32)

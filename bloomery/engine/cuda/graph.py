@@ -167,12 +167,7 @@ class DecodeGraphs:
     def run_topk(self, slots, ids, positions, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The step, then the k largest logits of each row on the card (ops.topk, after the graph
         on its stream): only k ids and values a row come back."""
-        g = self._launch(slots, ids, positions)
-        with g.stream:
-            got = self.model.ops.topk(g.logits, k)
-            out = tuple(a.get(stream=g.stream) for a in got)
-        g.stream.synchronize()
-        return out
+        return self.begin_topk(slots, ids, positions, k)()
 
     @staticmethod
     def _fetch(g: _Graph, a) -> np.ndarray:

@@ -139,11 +139,10 @@ def ffn(ops, x, ids, wts, gate, up, down, residual=None):
 
 
 def mt_fits(ops, t: int, n_used: int, gate, up, down, d: int) -> bool:
-    """Whether a decode step's experts take the tensor cores (moe_mt_*): MT_MIN_ROWS (none by default) to 16
+    """Whether a decode step's experts take the tensor cores (moe_mt_*): ops.moe_mt_min (none by default) to 16
     rows, gate and up of one type, every type one mt.cuh expands, whole super-blocks, the pairs one moe_dplan
     block."""
-    least = int(os.environ.get("BLOOMERY_CUDA_MOE_MT_MIN", MT_MIN_ROWS))   # for measuring where it starts to pay
-    return (ops.mmt and least <= t <= MMT_ROWS and t * n_used <= DPLAN_MAX_PAIRS
+    return (ops.mmt and ops.moe_mt_min <= t <= MMT_ROWS and t * n_used <= DPLAN_MAX_PAIRS
             and gate.ggml_type == up.ggml_type and gate.ggml_type in MMT_TYPES and down.ggml_type in MMT_TYPES
             and d % 256 == 0 and gate.n_rows % 256 == 0)
 

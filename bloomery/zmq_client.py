@@ -46,7 +46,7 @@ class ZmqEngineClient:
         self._routes: dict[str, asyncio.Queue] = {}
         self._queries: dict[str, asyncio.Future] = {}
         self._slots: list[dict] | None = None
-        self._prompt_cache: dict[str, int | float] = {}    # as the engine's latest slots reply gave it
+        self._stats: dict[str, int | float] = {}    # as the engine's latest slots reply gave it
         self._query_ids = itertools.count()
         self._hello = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -89,7 +89,7 @@ class ZmqEngineClient:
                         q.put_nowait(out)
             elif isinstance(msg, em.SlotsReply):
                 self._slots = [dict(s) for s in msg.slots]
-                self._prompt_cache = dict(msg.prompt_cache)
+                self._stats = dict(msg.stats)
                 fut = self._queries.pop(msg.query_id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(self._slots)
@@ -141,10 +141,10 @@ class ZmqEngineClient:
         n_ctx = self.info.n_ctx_slot if self.info else 0
         return [{"id": i, "n_ctx": n_ctx, "speculative": False, "is_processing": False} for i in range(n_slots)]
 
-    def prompt_cache_stats(self) -> dict[str, int | float]:
-        """The prompt cache's bytes, entries, budget_bytes and restore_seconds as of the latest slots reply
-        (/metrics asks for the slots first, so they are that fresh)."""
-        return dict(self._prompt_cache)
+    def engine_stats(self) -> dict[str, int | float]:
+        """Engine.engine_stats() as of the latest slots reply (/metrics asks for the slots first, so they are that
+        fresh)."""
+        return dict(self._stats)
 
     async def _ask(self, prefix: str, make, timeout_s: float):
         """Send make(query_id) and wait for the reply of that query_id (what _read_outputs hands on)."""

@@ -393,6 +393,20 @@ extern "C" __global__ void __launch_bounds__(128) mmt(MAT_PARAMS(0), MAT_PARAMS(
     else { pdl_wait(); pdl_next(); }
 }
 
+// Banned ids before a greedy pick (a request whose only logit bias is -inf on some ids, as ignore_eos bans
+// the stop ids): grid B, block 32; ban [NB, B] int32 (a graph's input rows, -1: none), each id in range set
+// to -inf in its row of x [B, n], as the sampler's bias makes it (argmax_* then pick the first largest of
+// what is left).
+extern "C" __global__ void ban_ids(float* __restrict__ x, int n, const int* __restrict__ ban, int nb) {
+    pdl_wait();
+    pdl_next();
+    int b = blockIdx.x, nrow = gridDim.x;
+    for (int j = threadIdx.x; j < nb; j += blockDim.x) {
+        int id = ban[(i64)j * nrow + b];
+        if (id >= 0 && id < n) x[(i64)b * n + id] = -INFINITY;
+    }
+}
+
 // Greedy pick: the first index of the largest logit per row (numpy's argmax tie rule), in two
 // passes: argmax_part, grid (NP, B), block 256: block p's best of row b's piece p (8 values a
 // thread, four loads in flight) into part_v/part_i [B, NP]; argmax_final, grid B, block 32:

@@ -340,7 +340,7 @@ def test_the_prompt_cache_saves_the_recurrent_state_and_checkpoints_and_restores
     ids, cached = run(eng, a2)
     assert cached == len(SYSTEM) and eng.prompt_cache.n_restored == 1
     assert ids == run(engine(small), a2)[0]
-    assert eng.prompt_cache_stats()["restore_seconds"] > 0
+    assert eng.engine_stats()["restore_seconds"] > 0
     # A continued (its answer and a next question): restored at A's end, after a2 and then b's save
     more = list(entry.ids) + [E, NL] + message(872, 7000, 7001) + ASSISTANT
     ids, cached = run(eng, more)

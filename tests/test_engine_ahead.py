@@ -89,6 +89,33 @@ class AheadTop(Ahead):
         return out
 
 
+class AheadBans(AheadTop):
+    """The stand-in card banning up to greedy_bans ids a row before its argmax (decode_greedy's bans, as the
+    captured step's ban_ids kernel), launched ahead too."""
+    greedy_bans = 4
+
+    def _banned_greedy(self, slots, ids, positions, bans, name):
+        self.calls.append((name, tuple(slots), None if bans is None else tuple(map(tuple, bans))))
+        for s, i, p in zip(slots, ids, positions):
+            self._write(s, [int(i)], int(p))
+        out = []
+        for b, s in enumerate(slots):
+            row = self._logits(self.kv[s])
+            if bans is not None:
+                assert len(bans[b]) <= self.greedy_bans
+                row[list(bans[b])] = -np.inf
+            out.append(int(np.argmax(row)))
+        return np.array(out, np.int32)
+
+    def decode_greedy(self, slots, ids, positions, bans=None):
+        self._idle("decode_greedy")
+        return self._banned_greedy(slots, ids, positions, bans, "decode_greedy")
+
+    def decode_greedy_begin(self, slots, ids, positions, bans=None):
+        self._idle("decode_greedy_begin")
+        return self._hold(self._banned_greedy(slots, ids, positions, bans, "begin"))
+
+
 def run(model, n_slots, reqs, max_steps=500):
     engine = Engine(model, n_slots, 64)
     for r in reqs:
@@ -248,11 +275,13 @@ def test_on_the_card_the_launched_steps_give_the_ids_of_steps_run_in_place(gpu, 
 
 
 @pytest.mark.gpu
-def test_on_the_card_greedy_with_bans_picks_from_the_largest_logits(gpu, tokenizer_source, synthetic_dir):
+def test_on_the_card_greedy_with_bans_picks_from_the_largest_logits(gpu, tokenizer_source, synthetic_dir,
+                                                                    monkeypatch):
     """ignore_eos's bans (-inf biases) on a synthetic qwen3moe on the cuda backend: three greedy streams pick from
     each row's largest logits on the card (the top-k step, launched ahead), with the same ids as from whole rows
     on the host, and never a banned id, though the bans are the ids whole rows would pick first."""
     from bloomery.engine.loader import load_model
+    from bloomery.engine.models.base import CausalLM
     from bloomery.placement import whole
     from tests.conftest import load_tool
     path = load_tool("make_synthetic").write_synthetic(synthetic_dir / "bans-qwen3moe.gguf", arch="qwen3moe",
@@ -261,6 +290,7 @@ def test_on_the_card_greedy_with_bans_picks_from_the_largest_logits(gpu, tokeniz
                                                         n_head=8, n_head_kv=2, head_dim=128, n_expert=16,
                                                         n_expert_used=4, n_ff_exp=256)
     model = load_model(str(path), whole("cuda", 3, 256))
+    monkeypatch.setattr(CausalLM, "greedy_bans", property(lambda self: 0))   # bans not in the greedy step itself
     prompts = {"a": [100, 200, 300, 400], "b": [500, 600], "c": [700, 800, 900]}
 
     def serve(bias, top_k: int):
@@ -309,3 +339,121 @@ def test_a_finite_bias_is_not_launched_ahead():
     engine, outs = run(model, 1, [greq("a", [1, 2, 3], n_predict=8, sampling=bias)])
     assert engine.ahead_steps == 0 and not any(c[0].startswith("begin") for c in model.calls)
 
+
+
+def test_greedy_with_bans_picks_on_the_device_when_the_model_bans_there():
+    """A model that bans ids before its argmax (greedy_bans): ignore_eos-like bans go with the greedy step itself,
+    launched ahead, never through the largest logits or whole rows; the ids those of a recomputation that never
+    picks a banned id, a plain stream beside them unchanged (its row bans nothing)."""
+    model = AheadBans(3, 64)
+    banned = sorted(set(model.reference([1, 2, 3], 6)[:2]) | set(model.reference([4, 5], 6)[:2]))
+    assert len(banned) <= model.greedy_bans
+    bias = SamplingParams(temperature=0.0, logit_bias=[(t, -np.inf) for t in banned])
+    engine, outs = run(model, 3, [greq("a", [1, 2, 3], n_predict=10, sampling=bias),
+                                  greq("b", [4, 5], n_predict=8, sampling=bias), greq("c", [6, 7], n_predict=9)])
+    assert [o.token for o in outs["a"]] == model.banned_reference([1, 2, 3], 10, banned)
+    assert [o.token for o in outs["b"]] == model.banned_reference([4, 5], 8, banned)
+    assert [o.token for o in outs["c"]] == model.reference([6, 7], 9)
+    assert engine.ahead_steps >= 5 and engine.top_steps == 0
+    names = {c[0] for c in model.calls}
+    assert "begin" in names and not names & {"begin_topk", "decode_topk", "decode"}
+    for c in model.calls:
+        if c[0] in ("begin", "decode_greedy") and c[2] is not None:     # a step with the banning slots in it
+            assert all(row in (tuple(banned), ()) for row in c[2])
+    # steps of the three together: the plain stream's row bans nothing
+    assert any(c[2] is not None and sorted(c[2]) == [(), tuple(banned), tuple(banned)] for c in model.calls
+               if c[0] == "begin")
+
+
+def test_more_bans_than_the_model_takes_go_through_the_largest_logits():
+    model = AheadBans(1, 64)
+    banned = list(range(20, 20 + model.greedy_bans + 1))
+    bias = SamplingParams(temperature=0.0, logit_bias=[(t, -np.inf) for t in banned])
+    engine, outs = run(model, 1, [greq("a", [1, 2, 3], n_predict=8, sampling=bias)])
+    assert [o.token for o in outs["a"]] == model.banned_reference([1, 2, 3], 8, banned)
+    assert engine.top_steps > 0 and "begin_topk" in {c[0] for c in model.calls}
+    assert not any(c[0] in ("begin", "decode_greedy") for c in model.calls)
+
+
+def _banned_greedy_checks(model, n_rows: int) -> None:
+    """decode_greedy with bans against decode()'s rows with those ids at -inf, on slots 0 .. n_rows-1 (each holding
+    a prompt): the bans are each row's own argmax and the next two largest, so the pick must move."""
+    rng = np.random.default_rng(3)
+    slots = list(range(n_rows))
+    for s in slots:
+        model.prefill(s, rng.integers(100, 5000, 5 + s).astype(np.int32), 0)
+    ids = rng.integers(100, 5000, n_rows).astype(np.int32)
+    positions = np.array([5 + s for s in slots], np.int32)
+    rows = np.asarray(model.decode(slots, ids, positions), np.float32)                       # [B, V]
+    bans = [tuple(int(i) for i in np.argsort(-r, kind="stable")[:3]) if b % 2 == 0 else () for b, r in enumerate(rows)]
+    want = []
+    for r, ban in zip(rows, bans):
+        r = r.copy()
+        r[list(ban)] = -np.inf
+        want.append(int(np.argmax(r)))
+    assert [int(t) for t in model.decode_greedy(slots, ids, positions, bans=bans)] == want
+    assert [int(t) for t in model.decode_greedy(slots, ids, positions)] == [int(np.argmax(r)) for r in rows]
+    handle = model.decode_greedy_begin(slots, ids, positions, bans=bans)
+    if handle is not None:
+        assert [int(t) for t in handle.wait()] == want
+    with pytest.raises(Exception, match="bans at most"):
+        model.decode_greedy(slots, ids, positions, bans=[tuple(range(model.greedy_bans + 1))] * n_rows)
+
+
+def test_the_greedy_step_bans_ids_on_the_numpy_backend_when_it_takes_bans(tokenizer_source, synthetic_dir):
+    """models/base._step's uncaptured path with bans (head, ops.ban, argmax), on the numpy backend given the
+    capability (its own caps take none: its fused head picks without whole rows)."""
+    import dataclasses
+    from bloomery.engine.loader import load_model
+    from bloomery.placement import whole
+    from tests.conftest import load_tool
+    path = load_tool("make_synthetic").write_synthetic(synthetic_dir / "bans-qwen3.gguf", arch="qwen3", mode="blocks",
+                                                        mix="q4_k_m", seed=6, tokenizer_from=str(tokenizer_source),
+                                                        n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=64,
+                                                        n_ff=512)
+    model = load_model(str(path), whole("numpy", 3, 64))
+    assert model.greedy_bans == 0
+    model.ops.caps = dataclasses.replace(model.ops.caps, greedy_bans=4)
+    _banned_greedy_checks(model, 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_rows", [3, 11])           # one captured step; two (8 + 3 rows)
+def test_on_the_card_the_greedy_step_bans_ids_itself(gpu, tokenizer_source, synthetic_dir, n_rows):
+    """The captured step's ban_ids before its argmax (graph.py, the graph's ban rows), on a synthetic qwen3moe: the
+    argmax of decode()'s rows with the bans at -inf, launched or not; then three engine streams under bans pick
+    with the greedy step itself (no largest logits, no whole rows), launched ahead, the ids of whole rows'."""
+    from bloomery.engine.loader import load_model
+    from bloomery.placement import whole
+    from tests.conftest import load_tool
+    path = load_tool("make_synthetic").write_synthetic(synthetic_dir / "devbans-qwen3moe.gguf", arch="qwen3moe",
+                                                        mode="blocks", mix="q4_k_m", seed=13,
+                                                        tokenizer_from=str(tokenizer_source), n_layer=2, n_embd=512,
+                                                        n_head=8, n_head_kv=2, head_dim=128, n_expert=16,
+                                                        n_expert_used=4, n_ff_exp=256)
+    model = load_model(str(path), whole("cuda", n_rows, 256))
+    assert model.greedy_bans == 8
+    _banned_greedy_checks(model, n_rows)
+    prompts = {"a": [100, 200, 300, 400], "b": [500, 600], "c": [700, 800, 900]}
+
+    def serve(bias, device: bool):
+        engine = Engine(model, 3, 256)
+        if not device:
+            engine.greedy_top_k = 0
+            engine._device_bans = lambda slots: None        # whole rows on the host
+        for rid, p in prompts.items():
+            engine.add(greq(rid, p, n_predict=16, sampling=SamplingParams(temperature=0.0, logit_bias=bias)))
+        outs: dict = {}
+        while engine.has_work():
+            for o in engine.step():
+                outs.setdefault(o.req_id, []).append(o.token)
+        return outs, engine
+
+    free, _ = serve([], True)
+    banned = sorted({t for ids in free.values() for t in ids[:2]})[:8]
+    bias = [(t, -np.inf) for t in banned]
+    whole_rows, _ = serve(bias, False)
+    on_card, engine = serve(bias, True)
+    assert on_card == whole_rows
+    assert not {t for ids in on_card.values() for t in ids} & set(banned)
+    assert engine.top_steps == 0 and engine.ahead_steps > 0

@@ -233,3 +233,26 @@ def test_bans_from_the_largest_logits_equal_the_whole_row():
     top = sorted_top(row, 3)
     assert s.pick_from_top(top, row[top]) is None and s.sample(row).token == 0
     assert not Sampler(SamplingParams(temperature=0.0, logit_bias=[(5, -np.inf), (6, 2.0)]), 64, 512).greedy_from_top
+
+
+def test_device_bans_are_the_argmax_after_the_bans_and_only_for_a_bans_only_greedy_pick():
+    """Sampler.device_bans: () for a plain greedy pick, the sorted banned ids for a greedy pick whose bias only bans
+    (the argmax of the row with those at -inf is then sample()'s pick, ties to the lower id), None for anything a
+    banned argmax cannot make (a finite bias, penalties, probabilities asked, sampling)."""
+    from bloomery.engine.sampler import Sampler
+    plain = Sampler(SamplingParams(temperature=0.0), 64, 512)
+    assert plain.device_bans == ()
+    s = Sampler(SamplingParams(temperature=0.0, logit_bias=[(9, -np.inf), (5, -np.inf), (9, -np.inf)]), 64, 512)
+    assert s.device_bans == (5, 9)
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        row = np.round(rng.standard_normal(64).astype(np.float32) * 2)
+        row[[5, 9]] = np.float32(rng.choice([9.0, 1.0, -9.0]))
+        banned = row.copy()
+        banned[list(s.device_bans)] = -np.inf
+        assert int(np.argmax(banned)) == s.sample(row).token
+    for params in (SamplingParams(temperature=0.0, logit_bias=[(5, -np.inf), (6, 2.0)]),
+                   SamplingParams(temperature=0.0, logit_bias=[(5, -np.inf)], repeat_penalty=1.3),
+                   SamplingParams(temperature=0.0, logit_bias=[(5, -np.inf)], n_probs=2),
+                   SamplingParams(temperature=0.8, logit_bias=[(5, -np.inf)], seed=1)):
+        assert Sampler(params, 64, 512).device_bans is None, params

@@ -133,7 +133,7 @@ def test_prompts_a_b_a_on_one_slot_restore_a_and_give_the_same_ids():
     assert again[0].n_cached == len(a) - 1                     # all but the one id run for the logits
     assert ("restore", 0, len(a) - 1) in model.calls and model.calls[-6] == ("prefill", 0, 1, len(a) - 1)
     assert [o.token for o in again] == [o.token for o in first] == model.reference(a, 6)
-    assert engine.prompt_cache_stats()["restore_seconds"] > 0
+    assert engine.engine_stats()["restore_seconds"] > 0
     assert engine.slots()[0]["n_prompt_tokens_cache"] == len(a) - 1
 
 

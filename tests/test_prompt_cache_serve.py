@@ -27,7 +27,8 @@ def complete(url: str, prompt: str, **kw) -> dict:
 
 def metrics(url: str) -> dict[str, float]:
     r = requests.get(url + "/metrics", timeout=30)
-    return {ln.split()[0]: float(ln.split()[1]) for ln in r.text.splitlines() if ln.startswith("llamacpp:")}
+    return {ln.split()[0]: float(ln.split()[1]) for ln in r.text.splitlines()
+            if ln.startswith(("llamacpp:", "bloomery:"))}
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +55,10 @@ def test_a_b_a_restores_a_with_the_ids_of_a_cold_run(real_model_path):
     assert m["llamacpp:prompt_cache_bytes"] == KV_BYTES_PER_POS * (n_a + 7 + n_b + 7)
     assert m["llamacpp:prompt_cache_seconds_total"] > 0
     assert m["llamacpp:prompt_cache_budget_bytes"] > 0       # the plan's default
+    # bloomery's own: four requests of 8 ids, the first of each from its prompt pass, 7 decode steps each, each a
+    # greedy pick under ignore_eos's bans taken from the row's largest logits; the CPU backend launches none ahead
+    assert m["bloomery:decode_steps_total"] == m["bloomery:decode_steps_top_total"] == 4 * 7
+    assert m["bloomery:decode_steps_ahead_total"] == m["bloomery:decode_steps_top_missed_total"] == 0
 
 
 def test_cram_0_is_off_and_a_small_budget_is_kept(tiny_model):

@@ -194,6 +194,18 @@ def body(ids: list[int], n_gen: int, cache_prompt: bool) -> dict:
             "cache_prompt": cache_prompt}
 
 
+def own_metrics(url: str) -> dict[str, float]:
+    """bloomery's own counters on /metrics (bloomery:*_total; llama-server has none: {})."""
+    import urllib.request
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    return {ln.split()[0].removeprefix("bloomery:"): float(ln.split()[1]) for ln in text.splitlines()
+            if ln.startswith("bloomery:") and ln.split()[0].endswith("_total")}
+
+
 def concurrent_round(srv: Server, bodies: Sequence[dict]) -> list[Streamed]:
     """Every body streamed at once, one client thread each, released together."""
     gate = threading.Barrier(len(bodies))
@@ -226,7 +238,7 @@ class Bench:
         return d / f"{name.replace('/', '-')}.log"
 
     def argv(self, engine: str, port: int, n_par: int, ctx: int, cram0: bool) -> list[str]:
-        common = ["-m", self.a.model, "--port", str(port), "-c", str(ctx * n_par), "-np", str(n_par)]
+        common = ["-m", self.a.model, "--port", str(port), "-c", str(ctx * n_par), "-np", str(n_par), "--metrics"]
         if self.a.threads:
             common += ["-t", str(self.a.threads)]
         if cram0:
@@ -262,8 +274,12 @@ class Bench:
                 group["ready_s"] = time.perf_counter() - t0
                 for c in todo:
                     t = time.perf_counter()
+                    before = own_metrics(srv.url)
                     r = self.replay(srv) if replay else self.concurrent(srv, c)
                     r["wall_s"] = time.perf_counter() - t
+                    after = own_metrics(srv.url)
+                    if after:                # bloomery's: how its decode steps went in this cell
+                        r["steps"] = {k: v - before.get(k, 0.0) for k, v in after.items()}
                     self.result["cells"][c.name] = r
                     print(f"{c.name}: {cell_line(r)}", flush=True)
                     write_json(self.out, self.result)
@@ -302,8 +318,12 @@ def cell_line(r: dict) -> str:
     if "turns" in r:
         return (f"median TTFT {fmt_s(r['ttft_median_s'])} (turns after the first {fmt_s(r['ttft_median_later_s'])}, "
                 f"cache_n {fmt(r['cache_n_median'])})")
+    st = r.get("steps") or {}
+    steps = (f"; {st['decode_steps_total']:.0f} decode steps, {st.get('decode_steps_ahead_total', 0):.0f} launched "
+             f"ahead ({st.get('decode_steps_ahead_dropped_total', 0):.0f} dropped), "
+             f"{st.get('decode_steps_top_total', 0):.0f} from the largest logits") if st.get("decode_steps_total") else ""
     return (f"aggregate {fmt(r['aggregate_decode_tok_s'])} tok/s, per stream {fmt(r['stream_decode_tok_s'])}, "
-            f"TTFT p50 {fmt_s(r['ttft_p50_s'])} p99 {fmt_s(r['ttft_p99_s'])}")
+            f"TTFT p50 {fmt_s(r['ttft_p50_s'])} p99 {fmt_s(r['ttft_p99_s'])}{steps}")
 
 
 def fmt_s(x: float | None) -> str:

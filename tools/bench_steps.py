@@ -6,6 +6,12 @@
            the experts (BLOOMERY_CUDA_MOE_PROMPT=planned, then grouped: engine/cuda/moe.py)
   decode   B slots each holding --depth ids, one id a slot a step (model.decode_greedy: the captured
            steps where the backend has them), the mean over --steps steps, for each of --batches
+  engine   (--engine) B requests at once through the engine itself (core.Engine.step, as the engine process
+           runs them, without its socket): each a --prompts-long random prompt, then --steps greedy ids,
+           with the stop ids banned (as ignore_eos does, the way tools/bench_serve.py asks) and without
+           bans, and with the step launched ahead and without (BLOOMERY_GREEDY_AHEAD=0): the ids a second
+           once every slot decodes, and how the engine's steps went (launched ahead, from the largest
+           logits, whole rows)
   kernels  (--kernels, cuda) each kernel's time a decode step at the smallest and the largest batch (the
            25 largest), and a pass of the smallest prompt (with its launches), through torch's profiler
            (bench_cuda.kernel_profile, prompt_kernels), with programmatic dependent launch off so that
@@ -135,6 +141,43 @@ def step_ms(model, b: int, depth: int, steps: int) -> tuple[float, float]:
     return took / steps * 1e3, spent[0] / steps * 1e3
 
 
+STOP_BANS = (151643, 151645)      # what ignore_eos bans on the Qwen vocabularies (<|endoftext|>, <|im_end|>)
+
+
+def engine_rate(model, b: int, prompt: int, n_gen: int, bans: bool, ahead: bool, rng) -> dict:
+    """b requests through core.Engine at once (n_gen greedy ids each after a prompt of `prompt` random ids):
+    the ids a second from the round every slot decodes to the last, and the engine's step counters."""
+    from bloomery.engine.core import Engine
+    from bloomery.engine.types import EngineRequest, SamplingParams
+    bias = tuple((i, float("-inf")) for i in STOP_BANS if i < model.n_vocab) if bans else ()
+    sampling = SamplingParams(temperature=0.0, logit_bias=bias)
+    saved = os.environ.get("BLOOMERY_GREEDY_AHEAD")
+    os.environ["BLOOMERY_GREEDY_AHEAD"] = "1" if ahead else "0"
+    try:
+        eng = Engine(model, b, model.n_ctx_slot)
+        for r in range(b):
+            ids = rng.integers(100, model.n_vocab - 1, prompt, dtype=np.int32)
+            eng.add(EngineRequest(f"r{r}", tuple(int(i) for i in ids), n_gen, sampling=sampling))
+        t0, n_ids, started = None, 0, set()
+        while eng.has_work():
+            outs = eng.step()
+            if t0 is None:
+                started.update(o.req_id for o in outs if o.token is not None)
+                if len(started) == b:
+                    _sync(model)
+                    t0 = time.perf_counter()
+            else:
+                n_ids += sum(1 for o in outs if o.token is not None)
+        took = time.perf_counter() - t0
+    finally:
+        if saved is None:
+            os.environ.pop("BLOOMERY_GREEDY_AHEAD", None)
+        else:
+            os.environ["BLOOMERY_GREEDY_AHEAD"] = saved
+    return {"tok_s": round(n_ids / took, 1), "ids": n_ids, "ahead_steps": eng.ahead_steps,
+            "ahead_dropped": eng.ahead_dropped, "top_steps": eng.top_steps, "top_misses": eng.top_misses}
+
+
 def placing(a) -> bool:
     return bool(a.cpu_moe or a.n_cpu_moe is not None or a.fit_target is not None)
 
@@ -254,6 +297,17 @@ def run(a) -> dict:
             line += (f"; host function {got['host_ms_step']:.3f} ms a step, card hits {got['hits']:.1%}, "
                      f"{got['moved_experts']} experts moved")
         print(line, flush=True)
+    if a.engine:
+        res["engine"] = {}
+        for b in batches:
+            for bans, ahead in ((True, True), (True, False), (False, True), (False, False)):
+                name = f"{b} {'bans' if bans else 'plain'} {'ahead' if ahead else 'no-ahead'}"
+                got = engine_rate(model, b, min(prompts), a.steps, bans, ahead, rng)
+                res["engine"][name] = got
+                print(f"engine, {b:>3} requests, greedy{' with bans' if bans else ''}, "
+                      f"{'launched ahead' if ahead else 'BLOOMERY_GREEDY_AHEAD=0'}: {got['tok_s']:,.1f} tok/s "
+                      f"({b * 1e3 / got['tok_s']:.3f} ms a step); {got['ahead_steps']} steps launched ahead, "
+                      f"{got['ahead_dropped']} dropped, {got['top_steps']} from the largest logits", flush=True)
     if a.kernels:
         res["kernels_ms"] = {}
         from bench_cuda import kernel_profile
@@ -276,6 +330,8 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--steps", type=int, default=40, help="decode steps timed a batch size")
     ap.add_argument("--reps", type=int, default=3, help="prompt passes a size (the median is kept)")
     ap.add_argument("--kernels", action="store_true", help="each kernel's time a step (cuda, torch's profiler)")
+    ap.add_argument("--engine", action="store_true",
+                    help="also B requests at once through core.Engine (bans or not, launched ahead or not)")
     ap.add_argument("--threads-sweep", default="", metavar="N,N,...",
                     help="with host experts: the decode step of the fewest rows again at each of these host thread counts")
     ap.add_argument("--out", default=None, help="the JSON")

@@ -44,6 +44,19 @@ PROMPT_CACHE_METRICS = (
     ("prompt_cache_budget_bytes", "gauge", "The prompt cache's budget in bytes (--cache-ram; 0: off)", "budget_bytes"),
 )
 
+# bloomery's own (llama-server has none of these): the engine's decode steps by the path they took
+ENGINE_STEP_METRICS = (
+    ("decode_steps_total", "counter", "Batched decode steps run", "steps_decode"),
+    ("decode_steps_ahead_total", "counter",
+     "Decode steps whose ids came from a step launched before the last step's ids went out", "steps_ahead"),
+    ("decode_steps_ahead_dropped_total", "counter",
+     "Steps launched ahead and not used (a slot ended or joined)", "steps_ahead_dropped"),
+    ("decode_steps_top_total", "counter",
+     "Decode steps whose greedy picks came from each row's largest logits on the card", "steps_top"),
+    ("decode_steps_top_missed_total", "counter",
+     "Of those, steps run again with whole rows (no candidate settled a pick)", "steps_top_missed"),
+)
+
 
 @dataclass
 class _Bucket:
@@ -94,9 +107,9 @@ class Metrics:
         b.n_gen += out.n_gen
         b.gen_s += out.predicted_ms / 1e3
 
-    def render(self, n_processing: int, n_deferred: int, prompt_cache: dict | None = None) -> str:
-        """The Prometheus text; reads and resets the gauges' window. prompt_cache: the engine's prompt cache
-        stats (bytes, entries, budget_bytes, restore_seconds); none known reads as zeros."""
+    def render(self, n_processing: int, n_deferred: int, stats: dict | None = None) -> str:
+        """The Prometheus text; reads and resets the gauges' window. stats: Engine.engine_stats() (the prompt
+        cache's bytes, entries, budget_bytes, restore_seconds; the decode steps by path); none known reads as 0."""
         b, self.bucket = self.bucket, _Bucket()
         values = dict(self.totals)
         values["n_tokens_max"] = self.n_tokens_max
@@ -105,12 +118,15 @@ class Metrics:
         values["requests_processing"] = n_processing
         values["requests_deferred"] = n_deferred
         values["n_busy_slots_per_decode"] = b.n_busy_sum / b.n_ids if b.n_ids else 0.0
-        pc = prompt_cache or {}
+        pc = stats or {}
         values.update({name: pc.get(key, 0) for name, _, _, key in PROMPT_CACHE_METRICS})
         lines = []
         for name, kind, help_ in (*METRICS, *((n, k, h) for n, k, h, _ in PROMPT_CACHE_METRICS)):
             lines += [f"# HELP llamacpp:{name} {help_}", f"# TYPE llamacpp:{name} {kind}",
                       f"llamacpp:{name} {_num(values[name])}"]
+        for name, kind, help_, key in ENGINE_STEP_METRICS:
+            lines += [f"# HELP bloomery:{name} {help_}", f"# TYPE bloomery:{name} {kind}",
+                      f"bloomery:{name} {_num(pc.get(key, 0))}"]
         return "\n".join(lines) + "\n"
 
 

@@ -75,7 +75,7 @@ async def handle_metrics(app: "App", req: Request) -> Response:
     n_processing = sum(1 for e in table if e.get("is_processing"))
     # requests sent to the engine that no slot holds yet wait in its queue (llama-server's deferred)
     n_in_flight = app.recent.n_in_flight()
-    stats = getattr(app.client, "prompt_cache_stats", None)
+    stats = getattr(app.client, "engine_stats", None)
     body = (app.metrics.render(n_processing, max(n_in_flight - n_processing, 0), stats() if stats else {})
             + await experts.metrics_text(app))
     return Response(200, body.encode("utf-8"), [("content-type", "text/plain; version=0.0.4"),

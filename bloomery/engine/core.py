@@ -13,7 +13,8 @@ id ("stop", reported in the same output, winning over the other two).
 
 Greedy steps launched ahead (a model with greedy_ahead: captured steps on a card): when every slot of
 a decode step goes on with a greedy pick the device can make (a plain one: the argmax; one whose bias only
-bans ids, as ignore_eos's: from the row's largest logits), the next step is launched before the round returns, so
+bans ids, as ignore_eos's: the argmax after the bans where the model takes them (greedy_bans), else from the row's
+largest logits), the next step is launched before the round returns, so
 the card computes it while the host sends this round's ids and reads its inbox; the next round waits
 for it first, before anything else touches the card, and takes its ids when it decodes the same slots
 with the same ids at the same positions (else it runs its own step; the launched one's write at each
@@ -123,9 +124,10 @@ class Engine:
         self._last: dict[int, dict] = {}
         self._grammar_vocab: Vocab | None = None     # the vocabulary's bytes, built on the first grammar request
         # the next greedy step, launched at the end of a step whose slots all go on (model.greedy_ahead): ((slot
-        # ids, ids, positions) it ran, its handle, k: 0 for its ids, else its rows' k largest logits); the next
-        # step takes it when its slots are those
-        self._ahead: tuple[tuple, object, int] | None = None
+        # ids, ids, positions) it ran, its handle, k: 0 for its ids, else its rows' k largest logits, the rows'
+        # bans it ran with when k is 0); the next step takes it when its slots are those
+        self._ahead: tuple[tuple, object, int, list | None] | None = None
+        self.decode_steps = 0       # batched decode steps run (each one row a decoding slot)
         self.ahead_steps = 0        # decode steps whose ids came from a step launched ahead
         self.ahead_dropped = 0      # ... launched and not used (the batch changed)
 
@@ -187,10 +189,13 @@ class Engine:
                 self.scheduler.forget(slot)
             self.prompt_cache.clear()     # its host RAM is freed with the rest
 
-    def prompt_cache_stats(self) -> dict[str, float]:
-        """The prompt cache's bytes, entries, budget and restore time (what /metrics shows)."""
+    def engine_stats(self) -> dict[str, float]:
+        """What /metrics shows of the engine: the prompt cache's bytes, entries, budget and restore time, and its
+        decode steps by path (launched ahead, dropped, from the largest logits, of those run again)."""
         with self._lock:
-            return self.prompt_cache.stats()
+            return {**self.prompt_cache.stats(), "steps_decode": self.decode_steps, "steps_ahead": self.ahead_steps,
+                    "steps_ahead_dropped": self.ahead_dropped, "steps_top": self.top_steps,
+                    "steps_top_missed": self.top_misses}
 
     def abort_all(self, message: str) -> list[TokenOut]:
         """Finish every queued and running request with "error" (after a fault in step)."""
@@ -214,7 +219,7 @@ class Engine:
         ahead, self._ahead = self._ahead, None
         if ahead is not None:        # ended before this round touches the device (admissions, prompts, copies)
             try:
-                ahead = (ahead[0], ahead[1].wait(), ahead[2])
+                ahead = (ahead[0], ahead[1].wait(), *ahead[2:])
             except Exception:
                 ahead = None
         with self._lock:
@@ -492,6 +497,7 @@ class Engine:
         ids = np.array([s.next_id for s in slots], dtype=np.int32)               # [B]
         positions = np.array([s.n_past for s in slots], dtype=np.int32)          # [B]
         key = self._step_key(slots, ids, positions)
+        self.decode_steps += 1
         picks = self._ahead_picks(slots, ahead) if ahead is not None and ahead[0] == key else None
         if picks is not None:
             self.ahead_steps += 1
@@ -526,13 +532,24 @@ class Engine:
             return 0
         return min(k_greedy, max(s.state.sampler.top_settles for s in slots))
 
+    def _device_bans(self, slots: list[Slot]) -> list[tuple[int, ...]] | None:
+        """Each slot's bans when every slot's greedy pick can be made on the model's device (decode_greedy: ()
+        for a plain argmax, else the ids it bans, as many as the model takes); None where not."""
+        if not self.model.picks_on_device:
+            return None
+        bans = [s.state.sampler.device_bans for s in slots]
+        most = getattr(self.model, "greedy_bans", 0)
+        if any(b is None or len(b) > most for b in bans):
+            return None
+        return bans
+
     def _ahead_picks(self, slots: list[Slot], ahead: tuple) -> list[dict] | None:
         """The step launched ahead for these slots as their picks: its ids, or each row's pick from its largest
         logits; None where the slots' samplers no longer take it or a row's largest cannot settle its pick (a
         miss, as in _model_step: the step runs again in place)."""
-        _, got, k = ahead
+        _, got, k, bans = ahead
         if k == 0:
-            if not all(s.state.sampler.plain_greedy for s in slots):
+            if self._device_bans(slots) != bans:
                 return None
             return [dict(token=int(t)) for t in np.asarray(got).reshape(-1)]
         if self._ahead_top_k(slots) == 0:
@@ -570,28 +587,35 @@ class Engine:
                 return
             ids = np.array([s.next_id for s in slots], dtype=np.int32)
             positions = np.array([s.n_past for s in slots], dtype=np.int32)
-        plain = all(s.state.sampler.plain_greedy for s in slots)
-        k = 0 if plain else self._ahead_top_k(slots)
-        if not plain and k == 0:
+        bans = self._device_bans(slots)
+        k = 0 if bans is not None else self._ahead_top_k(slots)
+        if bans is None and k == 0:
             return
         if any(p >= self.n_ctx_slot for p in positions):
             return
         try:
             b_ids = [s.id for s in slots]
-            handle = (self.model.decode_greedy_begin(b_ids, ids, positions) if k == 0
+            handle = (self._greedy_call(self.model.decode_greedy_begin, b_ids, ids, positions, bans) if k == 0
                       else self.model.decode_topk_begin(b_ids, ids, positions, k))
         except Exception:            # the next step runs its own, which says what failed
             return
         if handle is not None:
-            self._ahead = (self._step_key(slots, ids, positions), handle, k)
+            self._ahead = (self._step_key(slots, ids, positions), handle, k, bans)
+
+    @staticmethod
+    def _greedy_call(call, b_ids, ids, positions, bans):
+        """model.decode_greedy(_begin) with the rows' bans, given only where a row bans anything (a model that
+        takes none is never asked)."""
+        return call(b_ids, ids, positions, bans=bans) if any(bans) else call(b_ids, ids, positions)
 
     def _model_step(self, slots: list[Slot], ids: np.ndarray, positions: np.ndarray) -> list[dict]:
         """One batched step through the narrowest model call the slots' samplers allow, as each
         slot's _sample arguments: the model's own greedy ids (every slot plain greedy), each row's
         top_k candidates (every slot's chain needs no more), or whole rows of logits."""
         b_ids, n = [s.id for s in slots], len(slots)
-        if self.model.picks_on_device and all(s.state.sampler.plain_greedy for s in slots):
-            picks = np.asarray(self.model.decode_greedy(b_ids, ids, positions)).reshape(-1)   # [B]
+        bans = self._device_bans(slots)
+        if bans is not None:
+            picks = np.asarray(self._greedy_call(self.model.decode_greedy, b_ids, ids, positions, bans)).reshape(-1)
             if picks.shape != (n,):
                 raise ValueError(f"model.decode_greedy returned shape {picks.shape}, expected ({n},)")
             return [dict(token=int(t)) for t in picks]

@@ -72,8 +72,8 @@ class InProcessEngineClient:
         self.engine.swap_model(None if sleep else self.reload())
         return time.monotonic() - t0
 
-    def prompt_cache_stats(self) -> dict[str, int | float]:
-        return self.engine.prompt_cache_stats()
+    def engine_stats(self) -> dict[str, int | float]:
+        return self.engine.engine_stats()
 
     async def query_slots(self, timeout_s: float = 5.0) -> list[dict]:
         """The same as slots() (the table is in this process); the zmq client asks the engine process."""

@@ -37,6 +37,7 @@ class EngineModel:
     # though its ids are never used (a request that ended meanwhile), so only a state that rewinds may
     greedy_ahead: bool = False
     topk_max: int = 0                # decode_topk takes k in 1..topk_max; 0: whole rows of logits only
+    greedy_bans: int = 0             # decode_greedy(bans=...): ids a row's pick may ban (0: bans take decode_topk)
     saves_kv: bool = False           # save_kv / restore_kv copy a slot's state out and back (the prompt cache)
     kv_bytes_per_position: int = 0   # what a saved state costs per id (0: not known)
     n_ubatch: int = 0                # the most ids one prompt pass computes at once (0: no bound of its own)
@@ -58,13 +59,14 @@ class EngineModel:
         """One id per slot, batched: logits [B, V]."""
         raise NotImplementedError(f"{type(self).__name__} has no decode")
 
-    def decode_greedy(self, slots: Sequence[int], ids, positions) -> np.ndarray:
-        """One id per slot, each slot's next id by argmax (the first largest logit): ids [B]."""
+    def decode_greedy(self, slots: Sequence[int], ids, positions, bans=None) -> np.ndarray:
+        """One id per slot, each slot's next id by argmax (the first largest logit): ids [B]. bans (given only to a
+        model whose greedy_bans > 0): per row, up to greedy_bans ids its pick skips, as a -inf logit bias."""
         raise self._lacks("decode_greedy", "picks_on_device", self.picks_on_device)
 
-    def decode_greedy_begin(self, slots: Sequence[int], ids, positions):
-        """decode_greedy launched: a handle whose wait() gives the ids [B] (None: this batch cannot be launched
-        ahead). Nothing else may touch the device before wait() returns."""
+    def decode_greedy_begin(self, slots: Sequence[int], ids, positions, bans=None):
+        """decode_greedy launched (bans as there): a handle whose wait() gives the ids [B] (None: this batch cannot
+        be launched ahead). Nothing else may touch the device before wait() returns."""
         raise self._lacks("decode_greedy_begin", "greedy_ahead", self.greedy_ahead)
 
     def decode_topk(self, slots: Sequence[int], ids, positions, k: int):

@@ -29,6 +29,7 @@ class Caps:
     decode_graphs: bool        # decode_runner(model): captured decode steps
     prompt_scratch: bool       # release_scratch(): prompt-pass buffers handed back after a prompt
     recurrent: bool = False    # recurrent_state / conv_step / delta_rule: linear-attention layers
+    greedy_bans: int = 0       # ids a row's greedy pick on the backend may ban (ban before argmax; 0: none)
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,9 @@ class Ops(Protocol):
 
     def rows(self, spans: Sequence[AttnSpan], positions: Array) -> Rows:
         """The Rows of a batch laid out by `spans` (positions already on the backend)."""
+
+    def ban(self, logits: Array, bans: Array) -> None:
+        """logits [B, V] in place: each row's ids in bans [NB, B] (-1: none) to -inf, as a -inf logit bias."""
 
     def argmax(self, logits: Array) -> Array:
         """logits [B, V] -> ids [B] int32, the first index of each row's largest value."""

@@ -109,8 +109,9 @@ class Tokens:
 class SlotsReply:
     query_id: str                 # "" when the engine sends it unasked (a slot changed)
     slots: tuple[dict[str, object], ...]
-    # the prompt cache (-cram) as Engine.prompt_cache_stats() gives it: bytes, entries, budget_bytes, restore_seconds
-    prompt_cache: dict[str, int | float] = field(default_factory=dict)
+    # Engine.engine_stats(): the prompt cache's (-cram) bytes, entries, budget_bytes, restore_seconds, and the
+    # decode steps' counts by path (what /metrics shows)
+    stats: dict[str, int | float] = field(default_factory=dict)
 
 
 TO_ENGINE: dict[str, type] = {c.__name__: c for c in (Generate, Cancel, SlotsQuery, Shutdown, Residency,

@@ -164,7 +164,7 @@ def serve(engine, inbox: queue.Queue, push: zmq.Socket, ppid: int, load=None) ->
             elif isinstance(msg, em.Cancel):
                 engine.cancel(msg.req_id)
             elif isinstance(msg, em.SlotsQuery):
-                push.send(em.encode(em.SlotsReply(msg.query_id, tuple(engine.slots()), engine.prompt_cache_stats())))
+                push.send(em.encode(em.SlotsReply(msg.query_id, tuple(engine.slots()), engine.engine_stats())))
             elif isinstance(msg, em.Shutdown):
                 return f"shutdown: {msg.reason}"
             elif isinstance(msg, em.Residency):
@@ -196,7 +196,7 @@ def serve(engine, inbox: queue.Queue, push: zmq.Socket, ppid: int, load=None) ->
         summary = [(e["id"], e["is_processing"], e.get("req_id")) for e in slots]
         if summary != last_slots:    # client.slots() reads the latest table without a round trip; pushed when
             # a slot takes or ends a request, not per id
-            push.send(em.encode(em.SlotsReply("", tuple(slots), engine.prompt_cache_stats())))
+            push.send(em.encode(em.SlotsReply("", tuple(slots), engine.engine_stats())))
             last_slots = summary
 
 

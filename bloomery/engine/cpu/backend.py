@@ -380,6 +380,14 @@ class NumpyOps:
     def rows(self, spans, positions) -> Rows:
         return Rows(list(spans), None, np.asarray(positions))
 
+    def ban(self, logits, bans) -> None:
+        """Each row's banned ids to -inf in place: logits [B, V], bans [NB, B] int (-1: none)."""
+        bans = np.asarray(bans)
+        if bans.ndim != 2 or bans.shape[1] != logits.shape[0]:
+            raise ValueError(f"bans of shape {bans.shape} for {logits.shape[0]} rows: [NB, {logits.shape[0]}] ids")
+        for j, b in zip(*np.nonzero((bans >= 0) & (bans < logits.shape[1]))):
+            logits[b, bans[j, b]] = -np.inf
+
     def argmax(self, logits) -> np.ndarray:
         return np.argmax(_f32(logits), axis=-1).astype(np.int32)
 

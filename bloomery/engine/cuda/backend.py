@@ -24,7 +24,7 @@ from bloomery.engine.cuda import recurrent as cuda_recurrent
 from bloomery.engine.cuda.gemm import gemm_nt
 from bloomery.engine.cuda.kernels import Kernels
 from bloomery.engine.ops import Caps, Rows, delta_gates
-from bloomery.engine.cuda.sizes import DECODE_ROWS as MMV_ROWS, MMT_MIN_ROWS, MMT_ROWS, MMT_TYPES, UBATCH
+from bloomery.engine.cuda.sizes import DECODE_ROWS as MMV_ROWS, GREEDY_BANS, MMT_MIN_ROWS, MMT_ROWS, MMT_TYPES, UBATCH
 
 TOPK_MAX, TOPK_SPAN = 64, 4096     # topk's largest k, and the values one block sorts (matvec.cu)
 F32, F16, BF16 = 0, 1, 30
@@ -148,7 +148,7 @@ def _host_vector(ggml_type: int, data: np.ndarray) -> np.ndarray:
 class CudaOps:
     name = "cuda"
     caps = Caps(n_ubatch=UBATCH, decode_rows=MMV_ROWS, fused_head=False, decode_graphs=True, prompt_scratch=True,
-                recurrent=True)
+                recurrent=True, greedy_bans=GREEDY_BANS)
 
     def __init__(self):
         self.k = Kernels()
@@ -499,6 +499,15 @@ class CudaOps:
         for sp in spans:
             slots[sp.row0:sp.row1] = sp.slot
         return Rows(list(spans), cupy.asarray(slots), self.from_host(positions).astype(cupy.int32, copy=False))
+
+    def ban(self, logits, bans) -> None:
+        """Each row's banned ids to -inf in place, as a -inf logit bias makes them: logits [B, V] f32 on the card,
+        bans [NB, B] int32 (-1: none; a captured step's input rows)."""
+        b, n = logits.shape
+        bans = cupy.asarray(bans, dtype=cupy.int32)
+        if bans.ndim != 2 or bans.shape[1] != b:
+            raise ValueError(f"bans of shape {bans.shape} for {b} rows: [NB, {b}] ids")
+        self.k.ban_ids((b,), (32,), (logits, _i32(n), bans, _i32(bans.shape[0])))
 
     def argmax(self, logits):
         logits = cupy.ascontiguousarray(logits, dtype=cupy.float32)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import cupy
 import numpy as np
 
-from bloomery.engine.cuda.sizes import DECODE_ROWS, PROMPT_BUCKETS
+from bloomery.engine.cuda.sizes import DECODE_ROWS, GREEDY_BANS, PROMPT_BUCKETS
 from bloomery.engine.ops import Rows
 
 MAX_BATCH = DECODE_ROWS
@@ -54,7 +54,8 @@ class _Graph:
     graph: object
     stream: object
     pool: object
-    io: object          # int32 on the card: ids, slots, positions [3, B] (a prompt's: and its last row at [3, 0])
+    io: object          # int32 on the card: ids, slots, positions [3, B], then a decode step's banned ids
+                        # [GREEDY_BANS, B] (-1: none); a prompt's: ids, slots, positions and its last row at [3, 0]
     host_io: object     # the same in pinned host memory
     logits: object      # [B, V] (a prompt's: [1, V])
     picked: object = None   # [B] (decode steps)
@@ -146,18 +147,22 @@ class DecodeGraphs:
             x = model.embed(io[0])                                                  # [B, D]
             x = model.layers_forward(x, Rows(None, io[1], io[2]))
             logits = model.head(x)                                                  # [B, V]
+            ops.ban(logits, io[3:])               # a greedy request's bans (ignore_eos's): none (-1) but in begin/run
             return logits, ops.argmax(logits)                                       # [B]
-        host_io = _pinned_io(3, b)
+        host_io = _pinned_io(3 + GREEDY_BANS, b)
         graph, stream, pool, io, (logits, picked) = _record(ops, host_io, step)
         posts = offload.posts - posts0 if offload is not None else 0
         return _Graph(graph, stream, pool, io, host_io, logits, picked, posts)
 
-    def _launch(self, slots, ids, positions) -> _Graph:
+    def _launch(self, slots, ids, positions, bans=None) -> _Graph:
+        """The step of these rows launched; bans: [GREEDY_BANS, B] ids each row's greedy pick skips (their logits
+        set to -inf, so the logits handed over carry them too), -1 for none; None: no bans."""
         b = len(slots)
         g = self._graphs.get(b)
         if g is None:
             g = self._graphs[b] = self._capture(b)
         g.host_io[0], g.host_io[1], g.host_io[2] = ids, slots, positions
+        g.host_io[3:] = -1 if bans is None else bans
         g.io.set(g.host_io, stream=g.stream)
         if g.posts:
             self.model.ops.offload.arm(g.posts)
@@ -176,9 +181,10 @@ class DecodeGraphs:
         g.stream.synchronize()
         return out
 
-    def begin(self, slots, ids, positions):
-        """The greedy step launched (at most max_batch rows): a function that waits for it and returns its ids."""
-        g = self._launch(slots, ids, positions)
+    def begin(self, slots, ids, positions, bans=None):
+        """The greedy step launched (at most max_batch rows; bans as _launch's): a function that waits for it and
+        returns its ids."""
+        g = self._launch(slots, ids, positions, bans)
         return lambda: self._fetch(g, g.picked)
 
     def begin_topk(self, slots, ids, positions, k: int):
@@ -194,8 +200,8 @@ class DecodeGraphs:
             return out
         return fetch
 
-    def run(self, slots, ids, positions, want_logits: bool) -> np.ndarray:
-        g = self._launch(slots, ids, positions)
+    def run(self, slots, ids, positions, want_logits: bool, bans=None) -> np.ndarray:
+        g = self._launch(slots, ids, positions, bans)
         return self._fetch(g, g.logits if want_logits else g.picked)
 
     # --- short prompts of one slot ---

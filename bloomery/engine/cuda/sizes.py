@@ -6,6 +6,8 @@ UBATCH = 4096                  # prompt rows per pass (CudaOps.n_ubatch): the GE
 SCORE_BYTES = 256 << 20        # the prompt path's attention score matrix per chunk (attention.py)
 DECODE_ROWS = 8                # rows a pass runs on the mat-vec (decode) kernels, the largest MMV3(n) of
                                # matvec.cu and the captured steps' batch; more rows take the prompt (GEMM) path
+GREEDY_BANS = 8                # ids a captured decode step bans per row before its greedy pick (ignore_eos bans the
+                               # vocabulary's end-of-generation ids: 2-6 on the Qwen vocabularies); more take the top-k path
 PROMPT_BUCKETS = (8, 16, 32, 64, 128)   # rows of the captured passes of short prompts (graph.py), one pool for all
 KV_BYTES = 2                   # bytes per K or V element: f16 (attention.KVCacheF16)
 # The prompt's planned expert path (kernels/moe_mm.cu, cuda/moe.py _planned): up to this many (token, expert)

@@ -265,12 +265,12 @@ class CausalLM(EngineModel):
 
     @staticmethod
     def _in_graphs(runner, slots, ids, positions, step):
-        """step(slots, ids, positions) over captured graphs of at most runner.max_batch rows: a batch
+        """step(slots, ids, positions, first row) over captured graphs of at most runner.max_batch rows: a batch
         wider than the widest graph runs as several replays (each row is its own slot, so the
         pieces are independent), not on the prompt path, whose fixed costs a decode step cannot
         carry. The pieces' outputs joined in row order (a tuple of arrays joined member by member)."""
         mb = runner.max_batch
-        outs = [step(slots[i:i + mb], ids[i:i + mb], positions[i:i + mb]) for i in range(0, len(slots), mb)]
+        outs = [step(slots[i:i + mb], ids[i:i + mb], positions[i:i + mb], i) for i in range(0, len(slots), mb)]
         if len(outs) == 1:
             return outs[0]
         if isinstance(outs[0], tuple):
@@ -281,10 +281,33 @@ class CausalLM(EngineModel):
         """One token per slot, batched: logits [B, V]."""
         return self._step(slots, ids, positions, want_logits=True)
 
-    def decode_greedy(self, slots: Sequence[int], ids, positions) -> np.ndarray:
-        """One token per slot, each slot's next id by argmax (the first largest logit): ids [B].
-        On a backend with captured steps only the ids leave the card."""
-        return self._step(slots, ids, positions, want_logits=False)
+    def decode_greedy(self, slots: Sequence[int], ids, positions, bans=None) -> np.ndarray:
+        """One token per slot, each slot's next id by argmax (the first largest logit): ids [B]; bans: per row,
+        the ids its pick skips (at most greedy_bans; as a -inf logit bias). On a backend with captured steps
+        only the ids leave the card."""
+        return self._step(slots, ids, positions, want_logits=False, bans=self._ban_rows(bans, len(slots)))
+
+    @property
+    def greedy_bans(self) -> int:
+        """The most ids a row of decode_greedy may ban (0: none; such picks take decode_topk)."""
+        return self.ops.caps.greedy_bans
+
+    def _ban_rows(self, bans, n: int) -> np.ndarray | None:
+        """bans (per row, a sequence of ids) as the backend's [greedy_bans, n] int32 rows, -1 for none; None: no
+        row bans anything."""
+        if bans is None or not any(len(r) for r in bans):
+            return None
+        if len(bans) != n:
+            raise ModelError(f"decode_greedy got bans for {len(bans)} rows, expected {n}")
+        out = np.full((self.greedy_bans, n), -1, np.int32)
+        for b, row in enumerate(bans):
+            if len(row) > self.greedy_bans:
+                raise ModelError(f"decode_greedy bans at most {self.greedy_bans} ids a row on the "
+                                 f"{self.ops.name} backend, not {len(row)}")
+            if any(not 0 <= int(i) < self.n_vocab for i in row):
+                raise ModelError(f"decode_greedy: banned ids {list(row)} outside the vocabulary of {self.n_vocab}")
+            out[:len(row), b] = row
+        return out
 
     @property
     def greedy_ahead(self) -> bool:
@@ -295,14 +318,15 @@ class CausalLM(EngineModel):
         return (self.rewinds and getattr(self.ops, "offload", None) is None
                 and os.environ.get("BLOOMERY_GREEDY_AHEAD", "1") != "0" and self._graphs() is not None)
 
-    def decode_greedy_begin(self, slots: Sequence[int], ids, positions):
-        """decode_greedy launched on the captured step of its batch, the ids fetched by the handle's wait();
-        None where it cannot be (greedy_ahead false, or more slots than one graph takes: the pieces of a wider
-        batch replay one graph in turn)."""
+    def decode_greedy_begin(self, slots: Sequence[int], ids, positions, bans=None):
+        """decode_greedy launched on the captured step of its batch (bans as there), the ids fetched by the
+        handle's wait(); None where it cannot be (greedy_ahead false, or more slots than one graph takes: the
+        pieces of a wider batch replay one graph in turn)."""
         slots, ids, positions = self._decode_args(slots, ids, positions)
+        ban_rows = self._ban_rows(bans, len(slots))
         if not self.greedy_ahead or len(slots) > self._graphs().max_batch:
             return None
-        return _Ahead(self._graphs().begin(slots, ids, positions), self.ops)
+        return _Ahead(self._graphs().begin(slots, ids, positions, ban_rows), self.ops)
 
     def decode_topk_begin(self, slots: Sequence[int], ids, positions, k: int):
         """decode_topk launched on the captured step of its batch, as decode_greedy_begin (None where that
@@ -326,23 +350,32 @@ class CausalLM(EngineModel):
         slots, ids, positions = self._decode_args(slots, ids, positions)
         runner = self._graphs()
         if runner is not None:
-            out = self._in_graphs(runner, slots, ids, positions, lambda s, i, p: runner.run_topk(s, i, p, k))
+            out = self._in_graphs(runner, slots, ids, positions, lambda s, i, p, _: runner.run_topk(s, i, p, k))
         else:
             spans = [AttnSpan(s, int(p), b, b + 1) for b, (s, p) in enumerate(zip(slots, positions))]
             out = tuple(self.ops.to_host(a) for a in self.head_topk(self._run(ids, positions, spans), k))
         self.ops.after_step(decode=True)
         return out
 
-    def _step(self, slots, ids, positions, want_logits: bool) -> np.ndarray:
+    def _step(self, slots, ids, positions, want_logits: bool, bans: np.ndarray | None = None) -> np.ndarray:
+        """A decode step's logits [B, V], or its greedy ids [B] (bans: _ban_rows', greedy only)."""
         slots, ids, positions = self._decode_args(slots, ids, positions)
         runner = self._graphs()
         if runner is not None:
-            out = self._in_graphs(runner, slots, ids, positions,
-                                  lambda s, i, p: runner.run(s, i, p, want_logits=want_logits))
+            mb = runner.max_batch
+            out = self._in_graphs(runner, slots, ids, positions, lambda s, i, p, at: runner.run(
+                s, i, p, want_logits=want_logits, **({} if bans is None else {"bans": bans[:, at:at + mb]})))
         else:
             spans = [AttnSpan(s, int(p), b, b + 1) for b, (s, p) in enumerate(zip(slots, positions))]
             x = self._run(ids, positions, spans)
-            out = self.ops.to_host(self.head(x) if want_logits else self.head_argmax(x))   # [B, V] or [B]
+            if want_logits:
+                out = self.ops.to_host(self.head(x))                                          # [B, V]
+            elif bans is not None:
+                logits = self.head(x)
+                self.ops.ban(logits, bans)
+                out = self.ops.to_host(self.ops.argmax(logits))                               # [B]
+            else:
+                out = self.ops.to_host(self.head_argmax(x))                                   # [B]
         self.ops.after_step(decode=True)
         return out
 

@@ -804,7 +804,10 @@ def _largest_slot(facts, backend, census, n_slots, hi: int, step: int, ask=NO_AS
     return lo * step
 
 
-MAX_AUTO_SLOTS = CUDA_DECODE_ROWS                # --parallel auto: the most slots it counts (one decode step of all on the mat-vec path)
+# --parallel auto: the most slots it counts. 8: one decode step of all on the mat-vec path while a captured step took
+# 8 rows; the cuda steps take CUDA_DECODE_ROWS = 16 in one graph now, but 16 slots' KV is only worth it once a step
+# of 16 rows is measured to pay (left at 8 until then)
+MAX_AUTO_SLOTS = 8
 
 
 def _check_settings(facts, census, backend, ctx_size, n_parallel, slot_ctx) -> None:

@@ -1148,7 +1148,7 @@ void host_moe(void *vargs) {
 // both sides map. (A host node a layer, cuLaunchHostFunc, with three copies out and one back, took
 // some 50 us more a layer: a driver thread wakes for each; docs/performance.md, run N.) The card's
 // host_post kernel (kernels/moe.cu) writes the layer's rows, ids and weights into the layer's
-// pinned buffers, then `post[l]` = 16 * n + T (n counts the layer's jobs, T the rows); this
+// pinned buffers, then `post[l]` = BELL_WORD * n + T (n counts the layer's jobs, T < BELL_WORD the rows); this
 // file's bell thread, which spins while jobs are due, sees the word change, runs host_moe on the
 // args of (l, T) and stores the same word in `done[l]`; the card's host_take kernel waits for it
 // and adds the sum. Python arms the bell with the number of jobs a step will post before it
@@ -1157,6 +1157,7 @@ void host_moe(void *vargs) {
 // or after BELL_IDLE_NS with nothing posted whatever the count says.
 
 #define BELL_IDLE_NS 10000000000LL
+#define BELL_WORD 64                 // the job word's T in its low 6 bits (kernels/moe.cu, host_moe.py)
 
 typedef struct {
     int max_layers, rows;                     // args is [max_layers][rows + 1]
@@ -1182,7 +1183,7 @@ static void *bell_main(void *vb) {
             const int64_t w = __atomic_load_n(&B->post[l], __ATOMIC_ACQUIRE);
             if (w == B->seen[l]) continue;
             B->seen[l] = w;
-            const int t = (int)(w & 15);
+            const int t = (int)(w & (BELL_WORD - 1));
             host_moe_args *A = t >= 1 && t <= B->rows ? B->args[(int64_t)l * (B->rows + 1) + t] : NULL;
             if (A) host_moe(A);              // a word with no args: the card gets its sum as it was (none posts one)
             atomic_fetch_sub(&B->armed, 1);
@@ -1211,7 +1212,7 @@ static void *bell_main(void *vb) {
 // A bell over these arrays (each stays valid until host_moe_bell_close); NULL when the thread
 // cannot be made or the sizes are wrong.
 void *host_moe_bell_open(int max_layers, int rows, host_moe_args *const *args, int64_t *post, int64_t *done) {
-    if (max_layers < 1 || rows < 1 || rows > 15 || !args || !post || !done) return NULL;
+    if (max_layers < 1 || rows < 1 || rows >= BELL_WORD || !args || !post || !done) return NULL;
     bell *B = (bell *)calloc(1, sizeof(bell));
     int64_t *seen = (int64_t *)calloc((size_t)max_layers, sizeof(int64_t));
     if (!B || !seen) {

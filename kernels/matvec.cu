@@ -240,6 +240,7 @@ MMV3(1)
 MMV3(2)
 MMV3(4)
 MMV3(8)
+MMV3(16)    // 9-16 rows (DECODE_ROWS): the weights mmt does not take (F32 routers, Q8_0, Q5_0, Q4_0, Q5_K, F16, BF16)
 
 // The same mat-vec with the RMSNorm before it fused into its prologue. x is the raw residual
 // [B, K]; each block first prefetches its weight rows (so their loads overlap the kernel
@@ -351,6 +352,8 @@ MMV3N(1)
 MMV3N(2)
 MMV3N(4)
 MMV3N(8)
+// No MMV3N(16): at 3 blocks of 256 an SM (85 registers) 16 rows' accumulators would spill; past 8 rows
+// norm_matmuls runs rms_norm_q8, then mmt / mmv3 (backend.py MMV3N_ROWS).
 
 // ---- dense decode products on the tensor cores (mt.cuh) ----
 // mmt: out_i[b, n] = x[b] . W_i[n] (+ bias_i[n]) (+ res_i[b, n]) for B <= 16 rows of an f16 x and Q4_K

@@ -425,11 +425,12 @@ extern "C" __global__ void __launch_bounds__(256) moe_stream_in(const u64* __res
 // in pick order go over the bus, the i-th of them into staging slot i (its table entries point at the slot, dst_step[e] = the slot for moe_stream_in,
 // skip[e] = 1 for the host), and the rest stay with the host (entries at the zero block, dst_step
 // 0, skip 0). Slots go by a step's bus rank, not by expert, so the staging buffer's n_slots bound
-// the lane whatever residency moves are in flight. ids holds at most 256 picks (8 rows of 32). Then
+// the lane whatever residency moves are in flight. ids holds at most 512 picks (16 rows of 32). Then
 // it writes the rows, ids and weights into the layer's pinned buffers and, once all of that is
-// visible to the host, the job word post[layer] = 16 n + T (n the layer's job count, kept in
+// visible to the host, the job word post[layer] = 64 n + T (n the layer's job count, kept in
 // seq[layer] on the card).
-#define POST_PICKS 256
+#define POST_PICKS 512
+#define BELL_WORD 64                 // T < BELL_WORD in the job word (host_moe.c, host_moe.py)
 extern "C" __global__ void __launch_bounds__(512) host_post(
         const float* __restrict__ x, const int* __restrict__ ids, const float* __restrict__ wts, int n_x, int n_a,
         float* hx, int* hids, float* hwts, i64* seq, i64* post, int layer, int t,
@@ -472,7 +473,7 @@ extern "C" __global__ void __launch_bounds__(512) host_post(
     if (threadIdx.x == 0) {
         const i64 s = seq[layer] + 1;
         seq[layer] = s;
-        *(volatile i64*)(post + layer) = s * 16 + t;
+        *(volatile i64*)(post + layer) = s * BELL_WORD + t;
         __threadfence_system();
     }
 }
@@ -492,7 +493,7 @@ extern "C" __global__ void __launch_bounds__(256) host_take(float* __restrict__ 
     pdl_wait();
     pdl_next();
     if (threadIdx.x == 0) {
-        const i64 want = seq[layer] * 16 + t;
+        const i64 want = seq[layer] * BELL_WORD + t;
         const u64 t0 = global_ns();
         while (__ldcv(done + layer) != want) {
             __nanosleep(200);

@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from bloomery.engine.cuda.sizes import DECODE_ROWS, MMV3N_ROWS
+
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 
@@ -72,8 +74,10 @@ def test_dequant_and_rows_equal_gguf_py(ops, qt):
 
 
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("t", [1, 3, 8, 40])
+@pytest.mark.parametrize("t", [1, 3, 8, 12, 16, 17, 40])
 def test_matmul_matches_float64(ops, qt, t):
+    """Every type against float64 on the mat-vec path (up to DECODE_ROWS = 16 rows: mmv3_b16 from 9, mmt for Q4_K
+    and Q6_K from 4) and on the GEMM path (17 and 40 rows)."""
     import cupy
     rng = np.random.default_rng([int(qt), t])
     n_rows, n_cols = 200, 768
@@ -84,7 +88,7 @@ def test_matmul_matches_float64(ops, qt, t):
     res = rng.standard_normal((t, n_rows)).astype(np.float32)
     y = cupy.asnumpy(ops.matmul(cupy.asarray(x), w, residual=cupy.asarray(res)))
     ref = x.astype(np.float64) @ ref_w.T + res
-    band = 2e-3 if qt in (Q.F32,) else (1.5e-2 if t <= 8 else 4e-3)
+    band = 2e-3 if qt in (Q.F32,) else (1.5e-2 if t <= DECODE_ROWS else 4e-3)
     assert rel(y, ref) < band, (qt.name, t, rel(y, ref))
 
 
@@ -92,8 +96,10 @@ def test_matmul_matches_float64(ops, qt, t):
                                   ((Q.Q4_K, 256), (Q.Q6_K, 64), (Q.Q8_0, 64), (Q.F32, 3)),
                                   ((Q.Q5_K, 32), (Q.Q6_K, 64), (Q.Q8_0, 64), (Q.Q4_K, 96), (Q.F32, 1))],
                          ids=["three", "four", "five"])
-def test_several_weights_in_one_pass_with_biases(ops, mats):
-    """matmuls: up to four weights a launch (mmv3), the fifth in the next."""
+@pytest.mark.parametrize("t", [2, 16])
+def test_several_weights_in_one_pass_with_biases(ops, mats, t):
+    """matmuls: up to four weights a launch (mmv3; at 16 rows mmt for Q4_K / Q6_K, mmv3_b16 for the rest), the
+    fifth in the next."""
     import cupy
     rng = np.random.default_rng(3)
     ws, refs, biases = [], [], []
@@ -103,21 +109,24 @@ def test_several_weights_in_one_pass_with_biases(ops, mats):
         refs.append(reference(qt, data, n, 512))
         b = rng.standard_normal(n).astype(np.float32)
         biases.append((ops.weight(int(Q.F32), (n,), b.view(np.uint8)), b))
-    x = rng.standard_normal((2, 512)).astype(np.float32)
+    x = rng.standard_normal((t, 512)).astype(np.float32)
     outs = ops.matmuls(cupy.asarray(x), ws, [b for b, _ in biases])
     for o, r, (_, b) in zip(outs, refs, biases):
         assert rel(cupy.asnumpy(o), x @ r.T + b) < 1.5e-2
 
 
-@pytest.mark.parametrize("t", [1, 3, 8, 9])
+@pytest.mark.parametrize("t", [1, 3, 8, 9, 12, 16, 17])
 @pytest.mark.parametrize("mats", [(Q.Q4_K, Q.Q6_K, Q.Q8_0), (Q.F32,), (Q.Q4_K, Q.F16), (Q.Q4_K, Q.Q5_K, Q.F32, Q.F32),
                                   (Q.Q6_K, Q.Q4_K, Q.Q4_K, Q.F32, Q.Q8_0)], ids=["q3", "f32", "mixed", "four", "five"])
-def test_norm_fused_into_the_products(ops, t, mats):
+@pytest.mark.parametrize("mmt", [True, False], ids=["mmt", "int8"])
+def test_norm_fused_into_the_products(ops, t, mats, mmt, monkeypatch):
     """norm_matmuls (mmv3n: the RMSNorm in each block's prologue, with the first four weights, the others
-    after on its int8 form, as the qwen35 family's four; 9 rows: the unfused path) equals rms_norm then
-    matmuls: the same int8 activation for quantized weights, the norm's scale after the dot for float ones;
-    h and its int8 form are left for the kernels after."""
+    after on its int8 form, as the qwen35 family's four; 9-16 rows: rms_norm_q8 on its own, then mmt / mmv3_b16,
+    with mmt off too (no mmv3n of 16 rows); 17 rows: the unfused path) equals rms_norm then matmuls: the same
+    int8 activation for quantized weights, the norm's scale after the dot for float ones; h and its int8 form
+    are left for the kernels after."""
     import cupy
+    monkeypatch.setattr(ops, "mmt", mmt)
     rng = np.random.default_rng(t)
     k = 2048
     ws = [ops.weight(int(qt), (k, n), random_tensor(qt, n, k, rng)) for qt, n in zip(mats, (256, 128, 64, 32, 1))]
@@ -137,12 +146,13 @@ def test_norm_fused_into_the_products(ops, t, mats):
     np.testing.assert_allclose(xs, rs, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("t", [2, 5, 8])
+@pytest.mark.parametrize("t", [2, 5, 8, 9, 12, 16])
 @pytest.mark.parametrize("mmt", [True, False], ids=["mmt", "int8"])
 def test_norm_fused_rows_in_a_batch_equal_each_alone(ops, t, mmt, monkeypatch):
     """Several rows give each row the bits it gets beside another row: with mmt (the norm on its own, then
     the tensor cores for Q4_K / Q6_K, mmv3 for the rest); and with mmv3n for every row (BLOOMERY_MMT=0)
-    the bits it gets alone, the block-wide norm adding the sum of squares in the same order."""
+    the bits it gets alone, the block-wide norm adding the sum of squares in the same order. Past mmv3n's
+    8 rows (BLOOMERY_MMT=0): the bits it gets in any other batch past 8 (rms_norm_q8, then mmv3_b16)."""
     import cupy
     monkeypatch.setattr(ops, "mmt", mmt)
     monkeypatch.setattr(ops, "mmt_min", 2)               # so that a batch of 2 takes the same kernels
@@ -154,10 +164,9 @@ def test_norm_fused_rows_in_a_batch_equal_each_alone(ops, t, mmt, monkeypatch):
     x = cupy.asarray(rng.standard_normal((t, k)).astype(np.float32) * 3)
     h, outs = ops.norm_matmuls(x, nw, 1e-6, ws, [None] * len(ws))
     other = cupy.asarray(rng.standard_normal((1, k)).astype(np.float32))
+    at = 1 if mmt else (0 if t <= MMV3N_ROWS else MMV3N_ROWS)     # rows before row b in the batch it is checked in
     for b in range(t):
-        hb, ob = ops.norm_matmuls(cupy.concatenate([other, x[b:b + 1]]) if mmt else x[b:b + 1], nw, 1e-6, ws,
-                                  [None] * len(ws))
-        at = 1 if mmt else 0
+        hb, ob = ops.norm_matmuls(cupy.concatenate([other] * at + [x[b:b + 1]]), nw, 1e-6, ws, [None] * len(ws))
         np.testing.assert_array_equal(cupy.asnumpy(h[b]), cupy.asnumpy(hb[at]))
         for o, r in zip(outs, ob):
             np.testing.assert_array_equal(cupy.asnumpy(o[b]), cupy.asnumpy(r[at]))
@@ -167,8 +176,7 @@ def test_norm_fused_rows_in_a_batch_equal_each_alone(ops, t, mmt, monkeypatch):
 @pytest.mark.parametrize("t", [2, 5, 8, 12, 16])
 @pytest.mark.parametrize("k", [768, 4096])
 def test_tensor_core_products_match_float64(ops, qt, t, k, monkeypatch):
-    """mmt (Q4_K and Q6_K expanded to f16 onto the tensor cores, 2 to 16 rows: past 8 is the kernel's
-    reach ahead of the decode batch's) against float64, with a bias and a residual, over rows that are not
+    """mmt (Q4_K and Q6_K expanded to f16 onto the tensor cores, 2 to 16 rows, DECODE_ROWS) against float64, with a bias and a residual, over rows that are not
     a multiple of its 16 and K of 3 super-blocks (3 warps; Q6_K rows only 2-aligned) or 16; and each row's
     result is the bits it gets beside another row."""
     import cupy
@@ -194,10 +202,10 @@ def test_tensor_core_products_match_float64(ops, qt, t, k, monkeypatch):
         np.testing.assert_array_equal(y[r], cupy.asnumpy(two)[1])
 
 
-@pytest.mark.parametrize("t", [1, 4])
+@pytest.mark.parametrize("t", [1, 4, 12, 16])
 def test_tensor_core_products_beside_int8_ones(ops, t, monkeypatch):
-    """One call with Q4_K, Q6_K, F32 and Q8_0 weights: at 4 rows the first two through mmt, the others through
-    mmv3, each output in its place (a lone row: all through mmv3); with mmt off (BLOOMERY_MMT=0) every weight
+    """One call with Q4_K, Q6_K, F32 and Q8_0 weights: at 4 to 16 rows the first two through mmt, the others
+    through mmv3 (mmv3_b16 past 8 rows), each output in its place (a lone row: all through mmv3); with mmt off (BLOOMERY_MMT=0) every weight
     takes mmv3 and the products agree within the int8 activation's band."""
     import cupy
     rng = np.random.default_rng(40 + t)
@@ -287,9 +295,11 @@ def test_norm_fused_two_rows_per_warp(ops, monkeypatch):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"dh{s[0]}-h{s[1]}-kv{s[2]}")
-def test_decode_rows_each_in_their_slot(ops, shape, monkeypatch):
-    """Decode rows, one per slot at its own depth (5 to 1500: from one piece to many chunks a
-    piece), three steps in a row, against the numpy backend's F32 attention."""
+@pytest.mark.parametrize("n_slots", [4, 16])
+def test_decode_rows_each_in_their_slot(ops, shape, n_slots, monkeypatch):
+    """Decode rows, one per slot at its own depth (1 to 1500: from one piece to many chunks a
+    piece), three steps in a row, against the numpy backend's F32 attention; 4 rows, and a whole
+    captured step's 16 (DECODE_ROWS: fewer pieces a row)."""
     import cupy
     from bloomery.engine.cpu import kv_cache
     from bloomery.engine.cpu.backend import NumpyOps
@@ -298,13 +308,13 @@ def test_decode_rows_each_in_their_slot(ops, shape, monkeypatch):
     cpu = NumpyOps()
     rng = np.random.default_rng(7)
     dh, n_head, n_kv = shape
-    depths = [5, 700, 64, 1500]                        # one slot each
+    depths = [5, 700, 64, 1500, 1, 33, 900, 260, 31, 1200, 2, 96, 480, 1499, 17, 640][:n_slots]   # one slot each
     qn = rng.uniform(0.5, 1.5, dh).astype(np.float32)
     kn = rng.uniform(0.5, 1.5, dh).astype(np.float32)
     norms = lambda o: dict(q_norm=o.weight(0, (dh,), qn.view(np.uint8)),  # noqa: E731
                            k_norm=o.weight(0, (dh,), kn.view(np.uint8)), eps=1e-6)
     args = (0.088, dh, 1e6)
-    c_cache, g_cache = cpu.kv_cache(1, 4, 2048, n_kv, dh), ops.kv_cache(1, 4, 2048, n_kv, dh)
+    c_cache, g_cache = cpu.kv_cache(1, n_slots, 2048, n_kv, dh), ops.kv_cache(1, n_slots, 2048, n_kv, dh)
     for slot, n in enumerate(depths):                   # histories, through the prompt paths
         q, k, v = (rng.standard_normal((n, h, dh)).astype(np.float32) for h in (n_head, n_kv, n_kv))
         spans, pos = [AttnSpan(slot, 0, 0, n)], np.arange(n, dtype=np.int32)
@@ -312,8 +322,8 @@ def test_decode_rows_each_in_their_slot(ops, shape, monkeypatch):
         ops.self_attention(g_cache, 0, ops.rows(spans, pos), cupy.asarray(q), cupy.asarray(k), cupy.asarray(v),
                            *args, **norms(ops))
     for step in range(3):
-        q, k, v = (rng.standard_normal((4, h, dh)).astype(np.float32) for h in (n_head, n_kv, n_kv))
-        spans = [AttnSpan(slot, depths[slot] + step, slot, slot + 1) for slot in range(4)]
+        q, k, v = (rng.standard_normal((n_slots, h, dh)).astype(np.float32) for h in (n_head, n_kv, n_kv))
+        spans = [AttnSpan(slot, depths[slot] + step, slot, slot + 1) for slot in range(n_slots)]
         pos = np.array([d + step for d in depths], np.int32)
         ref = cpu.self_attention(c_cache, 0, cpu.rows(spans, pos), q, k, v, *args, **norms(cpu))
         got = cupy.asnumpy(ops.self_attention(g_cache, 0, ops.rows(spans, pos), cupy.asarray(q), cupy.asarray(k),
@@ -321,8 +331,10 @@ def test_decode_rows_each_in_their_slot(ops, shape, monkeypatch):
         assert rel(got, ref) < 3e-3, (step, rel(got, ref))
 
 
-@pytest.mark.parametrize("t", [2, 40])
+@pytest.mark.parametrize("t", [2, 12, 16, 40])
 def test_moe_matches_numpy_backend(ops, t):
+    """The router and the expert FFN against the numpy backend: the per-pair decode kernels up to DECODE_ROWS = 16
+    rows, the prompt path past them."""
     import cupy
     from bloomery.engine.cpu.backend import NumpyOps
     cpu = NumpyOps()
@@ -445,15 +457,16 @@ def test_decode_experts_on_the_tensor_cores(ops, t, n_expert, n_used, d, f, type
             act = (g / (1 + np.exp(-g)) * u).astype(np.float16).astype(np.float64)
             ref[i] += wts_h[i, a] * (wd[e] @ act)
     assert rel(got - res, ref - res) < 5e-3, rel(got - res, ref - res)
-    if t <= 8:                                         # the per-pair kernels take at most the decode batch
+    if t <= DECODE_ROWS:                               # the per-pair kernels take at most the decode batch
         monkeypatch.setattr(ops, "mmt", False)
         pairs = cupy.asnumpy(ops.moe_ffn(cupy.asarray(x), ids, wts, gate, up, down, residual=cupy.asarray(res)))
         assert rel(got - res, pairs - res) < 3e-2
 
 
 @pytest.mark.parametrize("t,n_used,types", [(1, 8, (Q.Q4_K, Q.Q4_K, Q.Q6_K)), (3, 8, (Q.Q4_K, Q.Q4_K, Q.Q6_K)),
-                                           (8, 10, (Q.Q4_K, Q.Q4_K, Q.Q6_K)), (2, 4, (Q.Q4_K, Q.Q5_K, Q.Q8_0))],
-                         ids=["t1", "t3", "t8-a10", "mixed"])
+                                           (8, 10, (Q.Q4_K, Q.Q4_K, Q.Q6_K)), (2, 4, (Q.Q4_K, Q.Q5_K, Q.Q8_0)),
+                                           (16, 8, (Q.Q4_K, Q.Q4_K, Q.Q6_K)), (13, 10, (Q.Q4_K, Q.Q5_K, Q.Q8_0))],
+                         ids=["t1", "t3", "t8-a10", "mixed", "t16", "t13-a10-mixed"])
 def test_staged_expert_kernels_equal_direct(ops, t, n_used, types, monkeypatch):
     """moe_gate_up_s / moe_down_s (the block's bytes staged in shared memory) give the same bits
     as moe_gate_up / moe_down: 10 experts a token take moe_down_s's second pass per warp; gate
@@ -479,7 +492,8 @@ def test_staged_expert_kernels_equal_direct(ops, t, n_used, types, monkeypatch):
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"dh{s[0]}-h{s[1]}-kv{s[2]}")
 @pytest.mark.parametrize("t,pos0,n_ctx", [(1, 0, 256), (3, 70, 256), (8, 5, 256), (40, 0, 256), (33, 100, 256),
-                                          (1, 1000, 2048), (8, 3000, 4096), (1, 4000, 4096)])
+                                          (1, 1000, 2048), (8, 3000, 4096), (1, 4000, 4096), (12, 7, 256),
+                                          (16, 0, 256), (16, 3000, 4096), (17, 50, 256)])
 def test_attention_matches_numpy_backend(ops, shape, t, pos0, n_ctx, monkeypatch):
     """Short and long contexts: at depth 3000 with 8 rows each block walks several 32-position
     chunks of its piece (the online softmax across chunks); at depth 4000 with one row the keys

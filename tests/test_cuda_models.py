@@ -149,6 +149,33 @@ def test_captured_step_equals_eager_step(files, pdl, monkeypatch):
         np.testing.assert_array_equal(picked, np.argmax(eager, axis=-1))
 
 
+@pytest.mark.parametrize("n", [12, 16])
+def test_a_captured_step_of_up_to_16_rows_is_one_graph(files, n):
+    """A step of 9 to DECODE_ROWS = 16 slots is one captured graph (mmt for the Q4_K / Q6_K products, mmv3_b16 for
+    the F32 router, the per-pair expert kernels, attn_dec over 16 rows), bit-equal to the eager step, and each
+    row near its slot's step alone (the lone row takes the int8 mat-vec, the batch mmt: a few hundredths)."""
+    from bloomery.engine.cuda.sizes import DECODE_ROWS
+    from bloomery.engine.loader import load_model
+    from bloomery.engine.ops import AttnSpan
+    from bloomery.placement import whole
+    model = load_model(str(files["qwen3moe"]), whole("cuda", n_slots=DECODE_ROWS, n_ctx_slot=256))
+    lens = [3 + 5 * s for s in range(n)]                           # 3 to 78 ids: depths apart
+    for s in range(n):
+        model.prefill(s, np.arange(200 + s, 200 + s + lens[s], dtype=np.int32), 0)
+    slots, ids, pos = list(range(n))[::-1], [50 + 3 * s for s in range(n)], lens[::-1]   # rows not in slot order
+    graph = model.decode(slots, ids, pos)
+    runner = model.ops.decode_runner(model)
+    assert sorted(runner._graphs) == [n]
+    spans = [AttnSpan(s, p, b, b + 1) for b, (s, p) in enumerate(zip(slots, pos))]
+    eager = model.ops.to_host(model.head(model._run(np.asarray(ids, np.int32), np.asarray(pos, np.int32), spans)))
+    np.testing.assert_array_equal(graph, eager)
+    np.testing.assert_array_equal(model.decode_greedy(slots, ids, pos), np.argmax(eager, axis=-1))
+    for b in (0, n // 2, n - 1):
+        alone = model.decode([slots[b]], [ids[b]], [pos[b]])[0]
+        np.testing.assert_allclose(graph[b], alone, rtol=2e-2, atol=5e-2)
+        assert graph[b][int(alone.argmax())] >= graph[b].max() - 0.05
+
+
 def test_captured_step_hands_over_the_top_k(files):
     """decode_topk (the captured step, then the top-k on the card) hands over the same ids and
     values, in the sampler chain's order, as the whole rows decode() returns."""

@@ -19,7 +19,8 @@ from tests.conftest import load_tool
 SHAPE = dict(n_layer=4, n_embd=512, n_head=8, n_head_kv=2, head_dim=128, n_expert=16, n_expert_used=4, n_ff_exp=256)
 E, L = SHAPE["n_expert"], SHAPE["n_layer"]
 BAND = 0.8            # host and card round activations differently; measured 0.586 on the H200 (docs/verify.md)
-PROMPT = [151644, 872, 198, 7985, 264, 13027, 729, 13, 151645, 198, 151644, 77091, 198]
+# 19 ids: past the decode-sized rows (sizes.DECODE_ROWS = 16), so a prompt pass streams its host experts to the card
+PROMPT = [151644, 872, 198, 3838, 1558, 264, 5175, 2415, 653, 11, 304, 1378, 22870, 30, 151645, 198, 151644, 77091, 198]
 
 
 @pytest.fixture(scope="module")
@@ -29,11 +30,11 @@ def moe_file(gpu, tokenizer_source, synthetic_dir):
                                 mix="q4_k_m", seed=12, tokenizer_from=str(tokenizer_source), **SHAPE)
 
 
-def placement(on_card: list[int], case: str):
+def placement(on_card: list[int], case: str, n_slots: int = 2):
     from bloomery.placement import Placement, TensorPlace
     tensors = tuple(TensorPlace(f"blk.{i}.ffn_{x}_exps.weight", "host", k, E)
                     for i, k in enumerate(on_card) for x in ("gate", "up", "down") if k < E)
-    return Placement("cuda", 2, 256, "cuda:0", tensors=tensors, experts_on_card=tuple(on_card), case=case,
+    return Placement("cuda", n_slots, 256, "cuda:0", tensors=tensors, experts_on_card=tuple(on_card), case=case,
                      n_expert=E)
 
 
@@ -96,6 +97,8 @@ def test_host_experts_repeat_run_to_run_and_the_captured_step_equals_the_eager_o
 
 
 def test_a_short_prompt_takes_the_host_path_and_a_long_one_streams(moe_file, whole):
+    from bloomery.engine.cuda.sizes import DECODE_ROWS
+    assert len(PROMPT) > DECODE_ROWS
     model = load(moe_file, placement([8] * L, "flags"))
     short = model.prefill(0, PROMPT[:5], 0)                       # 5 rows: the decode-sized path, host experts
     ref = load(moe_file, placement([E] * L, "flags")).prefill(0, PROMPT[:5], 0)
@@ -182,3 +185,31 @@ def test_the_bell_serves_every_posted_job_and_each_step_splits_its_host_picks_by
     assert off.report()["host_wait_s"] > 0
 
 
+
+
+def test_a_captured_step_of_16_rows_posts_one_job_a_layer_within_the_band(moe_file):
+    """A step of DECODE_ROWS = 16 slots is one captured graph: one bell job a layer of 16 rows (the job word's
+    row count past the 4 bits it once had), within BAND of the whole card's step, and equal to the eager step."""
+    from bloomery.engine.cuda.sizes import DECODE_ROWS
+    from bloomery.engine.ops import AttnSpan
+    n = DECODE_ROWS
+    host, card = load(moe_file, placement([6] * L, "flags", n)), load(moe_file, placement([E] * L, "flags", n))
+    lens = [1 + s % 5 for s in range(n)]
+    for m in (host, card):
+        for s in range(n):
+            m.prefill(s, PROMPT[:lens[s]], 0)
+    off = host.ops.offload
+    slots, ids = list(range(n)), [100 + 7 * s for s in range(n)]
+    for step in range(3):
+        pos = [k + step for k in lens]
+        served = off.bell.served
+        got, want = host.decode(slots, ids, pos), card.decode(slots, ids, pos)
+        assert off.bell.served - served == L                  # one job a layer: one graph, not two of 8 rows
+        assert np.max(np.abs(got - want)) <= BAND, step
+    runner = host.ops.decode_runner(host)
+    assert sorted(runner._graphs) == [n]
+    pos = [k + 3 for k in lens]
+    spans = [AttnSpan(s, p, s, s + 1) for s, p in zip(slots, pos)]
+    eager = host.ops.to_host(host.head(host._run(np.asarray(ids, np.int32), np.asarray(pos, np.int32), spans)))
+    graph = host.decode(slots, ids, pos)
+    assert np.max(np.abs(eager - graph)) <= 1e-3

@@ -1,6 +1,6 @@
 """The qwen35moe and qwen35 seats on the cuda backend against the numpy backend: synthetic files
 (random blocks, the real tokenizer) of several shapes, read in prompts of several lengths (the
-step form, and spans past a 64-row chunk: the chunked delta rule; more than 8 rows take the card's
+step form, and spans past a 64-row chunk: the chunked delta rule; more than 16 rows take the card's
 prompt path), greedy runs, a decode batch of two slots, two slots' prompts in one pass, the
 captured decode step against the same step run eagerly, a checkpoint put back, and a served chat.
 Runs where CuPy sees a card; skips elsewhere (the device code's math is checked on the host in
@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
+from bloomery.engine.cuda.sizes import DECODE_ROWS
 
 from tests.conftest import load_tool
 from tests.test_cuda_backend import ops, rel  # noqa: F401  (ops: the card's CudaOps fixture)
@@ -39,7 +41,7 @@ SHAPES = {
     "dense_q8": ("qwen35", dict(mode="blocks", mix="q8_0", n_layer=4, n_embd=128, n_head=4, n_head_kv=2,
                                 head_dim=64, n_ff=256, ssm_d_state=32, ssm_n_group=1, ssm_dt_rank=2, seed=5)),
 }
-PROMPTS = [[151644, 872, 198, 7985, 264, 13027, 729, 13, 151645, 198, 151644, 77091, 198],   # 13: prompt path
+PROMPTS = [[151644, 872, 198, 7985, 264, 13027, 729, 13, 151645, 198, 151644, 77091, 198],   # 13: mat-vec path, 9-16 rows
            [750, 75698, 1445, 982, 262, 4210],                                                 # 6: mat-vec path
            list(range(1000, 1100))]                                  # 100: a span past one 64-row chunk
 
@@ -100,7 +102,7 @@ def test_elementwise_ops_match_the_numpy_backend(ops):
     np.testing.assert_allclose(got, cpu.l2_norm(x, 1e-6), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("rows, n, ng", [(1, 2048, 1), (3, 2048, 1), (2, 4096, 4096), (40, 96, 96)])
+@pytest.mark.parametrize("rows, n, ng", [(1, 2048, 1), (3, 2048, 1), (2, 4096, 4096), (16, 2048, 2048), (40, 96, 96)])
 def test_the_fused_gate_matches_the_ops_one_by_one(ops, rows, n, ng):
     """sigmoid_gate (one gate a row as the shared expert's, or one a value as gated attention's; alone,
     with plus, with plus and residual) equals the numpy backend's mul, add, add to float32 rounding
@@ -115,13 +117,13 @@ def test_the_fused_gate_matches_the_ops_one_by_one(ops, rows, n, ng):
     for kw in ({}, {"plus": plus}, {"plus": plus, "residual": res}):
         got = ops.sigmoid_gate(cupy.asarray(x), cupy.asarray(gate), **{k: cupy.asarray(v) for k, v in kw.items()})
         np.testing.assert_allclose(cupy.asnumpy(got), cpu.sigmoid_gate(x, gate, **kw), rtol=2e-6, atol=2e-6)
-        if rows <= 8 and n % 32 == 0:
+        if rows <= DECODE_ROWS and n % 32 == 0:
             for a, b in zip(ops.q8(got), ops.q8(got.copy())):           # remembered, and made afresh
                 np.testing.assert_array_equal(cupy.asnumpy(a).ravel(), cupy.asnumpy(b).ravel())
     g3, u3 = (cupy.asarray(rng.standard_normal((rows, 4, n // 4)).astype(np.float32)) for _ in range(2))
     out = ops.swiglu(g3, u3)
     np.testing.assert_allclose(cupy.asnumpy(out), cpu.swiglu(cupy.asnumpy(g3), cupy.asnumpy(u3)), rtol=1e-5, atol=1e-6)
-    if rows <= 8:
+    if rows <= DECODE_ROWS:
         flat = out.reshape(rows, n)                                     # the view the next product reads
         for a, b in zip(ops.q8(flat), ops.q8(flat.copy())):
             np.testing.assert_array_equal(cupy.asnumpy(a).ravel(), cupy.asnumpy(b).ravel())
@@ -455,7 +457,8 @@ def test_host_experts_stay_within_the_band_of_the_whole_card(files):
     card = load_model(str(path), whole("cuda", 2, 512))
     host = load_model(str(path), split, threads=2)
     PinnedRoutes(card, host)                      # the host's q8 activations round otherwise: near ties pinned
-    prompt = np.asarray(PROMPTS[0], np.int32)
+    prompt = np.asarray(PROMPTS[0] + PROMPTS[1], np.int32)     # 19 ids: past DECODE_ROWS, the streamed prompt pass
+    assert prompt.size > DECODE_ROWS
     first = card.prefill(0, prompt, 0)
     np.testing.assert_array_equal(host.prefill(0, prompt, 0), first)
     ids, worst = [int(np.argmax(first))], 0.0

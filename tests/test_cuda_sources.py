@@ -46,7 +46,7 @@ def test_every_launched_kernel_exists():
         for template in re.findall(r'getattr\([\w.]*\bk, f"([\w{}.\[\]\s()<>=,]+)"\)', py.read_text()):
             pattern = re.sub(r"\{[^}]*\}", r"\\w+", template)
             assert any(re.fullmatch(pattern, n) for n in names), (py.name, template)
-    assert {"mmv3_b1", "mmv3_b2", "mmv3_b4", "mmv3_b8", "attn_dec_64_8", "attn_dec_128_8", "attn_dec_256_8", "mmv3n_b1", "mmv3n_b8",
+    assert {"mmv3_b1", "mmv3_b2", "mmv3_b4", "mmv3_b8", "mmv3_b16", "attn_dec_64_8", "attn_dec_128_8", "attn_dec_256_8", "mmv3n_b1", "mmv3n_b8",
             "moe_route_w4", "moe_route_w8", "moe_route_w16", "moe_route_w32"} <= names
 
 
@@ -105,3 +105,26 @@ def test_every_kernel_waits_for_the_one_before():
                                       src, re.S):
             called = re.findall(r"(\w+)\s*<", body)
             assert called and any(c in waits for c in called), (mod, macro, called)
+
+
+def test_every_decode_sized_batch_has_its_kernels():
+    """sizes.DECODE_ROWS (the captured step's rows) against the sources: an mmv3_bN for each of MMV_SIZES (the
+    widest DECODE_ROWS), mmv3n_bN up to MMV3N_ROWS and none wider (backend.norm_matmuls runs the norm on its
+    own past it), mmt's rows (MMT_ROWS) at least DECODE_ROWS, and the offload's doorbell: host_post's picks
+    hold a step of DECODE_ROWS rows of 32 experts, and the job word keeps DECODE_ROWS in the bits below
+    BELL_WORD, the same BELL_WORD in kernels/moe.cu, kernels/host_moe.c and cpu/host_moe.py."""
+    from bloomery.engine.cpu import host_moe
+    from bloomery.engine.cuda import sizes
+    names = kernel_names()
+    assert sizes.MMV_SIZES == tuple(sorted(sizes.MMV_SIZES)) and sizes.MMV_SIZES[-1] == sizes.DECODE_ROWS
+    assert {f"mmv3_b{n}" for n in sizes.MMV_SIZES} <= names
+    fused = {int(n) for n in re.findall(r"^MMV3N\((\d+)\)", source("matvec"), re.M)}
+    assert max(fused) == sizes.MMV3N_ROWS and fused <= set(sizes.MMV_SIZES)
+    assert sizes.MMT_ROWS >= sizes.DECODE_ROWS
+    moe = source("moe")
+    picks = int(re.search(r"^#define POST_PICKS (\d+)", moe, re.M).group(1))
+    assert picks >= 32 * sizes.DECODE_ROWS                  # moe.ffn takes up to 32 experts a token
+    host_c = (kernel_dir() / "host_moe.c").read_text()
+    words = {int(re.search(r"^#define BELL_WORD (\d+)", text, re.M).group(1)) for text in (moe, host_c)}
+    assert words == {host_moe.BELL_WORD} and sizes.DECODE_ROWS < host_moe.BELL_WORD
+    assert host_moe.BELL_WORD & (host_moe.BELL_WORD - 1) == 0    # the bell reads T as word & (BELL_WORD - 1)

@@ -358,27 +358,28 @@ def _wait(pred, what, timeout_s=10.0):
 
 def test_the_bell_serves_each_posted_job_once_in_any_layer_order():
     """What the card does through host_post / host_take (kernels/moe.cu), played from Python: the
-    job word 16 n + T in post[l] runs host_moe on the args of (l, T), and done[l] gets the same
+    job word BELL_WORD n + T in post[l] runs host_moe on the args of (l, T), and done[l] gets the same
     word once the sum is written; a word seen before is not served again; layers post in any
     order; after its idle spin the thread sleeps, and an arm wakes it."""
     rng = np.random.default_rng(5)
     post, done = np.zeros(4, np.int64), np.zeros(4, np.int64)
-    bell = hm.Bell(4, 8, post, done)
+    bell = hm.Bell(4, 16, post, done)
     try:
-        jobs = {(0, 1): _bell_layer(rng, 1), (0, 3): _bell_layer(rng, 3), (2, 2): _bell_layer(rng, 2)}
+        jobs = {(0, 1): _bell_layer(rng, 1), (0, 3): _bell_layer(rng, 3), (2, 2): _bell_layer(rng, 2),
+                (0, 16): _bell_layer(rng, 16)}          # 16 rows: a captured step's most (sizes.DECODE_ROWS)
         for (layer, t), (args, _, _) in jobs.items():
             bell.set_args(layer, t, args)
         n = {0: 0, 2: 0}
-        for layer, t in ((2, 2), (0, 1), (0, 3), (2, 2), (0, 1)):
+        for layer, t in ((2, 2), (0, 1), (0, 16), (0, 3), (2, 2), (0, 16), (0, 1)):
             args, out, want = jobs[(layer, t)]
             out[:] = 7
             n[layer] += 1
-            word = 16 * n[layer] + t
+            word = hm.BELL_WORD * n[layer] + t
             bell.arm(1)
             post[layer] = word
             _wait(lambda: done[layer] == word, f"layer {layer}'s job {word}")
             assert np.array_equal(out, want)
-        assert bell.served == 5
+        assert bell.served == 7
         served = bell.served
         out = jobs[(0, 1)][1]
         out[:] = 7
@@ -389,8 +390,8 @@ def test_the_bell_serves_each_posted_job_once_in_any_layer_order():
         try:
             time.sleep(0.05)
             bell.arm(1)                                             # woken by the arm
-            post[0] = 16 * 10 + 1
-            _wait(lambda: done[0] == 16 * 10 + 1, "a job after the thread slept")
+            post[0] = hm.BELL_WORD * 10 + 1
+            _wait(lambda: done[0] == hm.BELL_WORD * 10 + 1, "a job after the thread slept")
             assert np.array_equal(out, jobs[(0, 1)][2])
         finally:
             hm.set_spin_us(2000)
@@ -402,8 +403,8 @@ def test_the_bell_refuses_bad_sizes_by_name():
     post, done = np.zeros(4, np.int64), np.zeros(4, np.int64)
     with pytest.raises(ValueError, match="post must be int64 \\[3\\]"):
         hm.Bell(3, 8, post, done)
-    with pytest.raises(ValueError, match="rows 16 must lie in 1 .. 15"):
-        hm.Bell(4, 16, post, done)
+    with pytest.raises(ValueError, match="rows 64 must lie in 1 .. 63"):
+        hm.Bell(4, 64, post, done)
     bell = hm.Bell(4, 8, post, done)
     try:
         with pytest.raises(ValueError, match="layer 4 of 4, rows 1"):

@@ -6,7 +6,7 @@ decode; a backend with more paths needs each of them).
   kernels' modules);
 - that position saved to the host and restored, as the prompt cache and the slot files do (the KV's
   copies, and a recurrent model's checkpoint, whose strided copies CuPy compiles a kernel for on first use);
-- a backend with a separate prompt path (caps.decode_rows > 0): prompts of 2, 4 and 8 ids (the
+- a backend with a separate prompt path (caps.decode_rows > 0): prompts of 2, 4, 8 and 16 ids (the
   mat-vec kernels of each row count a short prompt takes outside the captured steps), then passes of
   decode_rows + 1, 64 and 512 ids, which load the GEMM and attention kernels of that path for small
   and large passes (cuBLAS picks its kernels by shape, and the card loads each on its first launch);
@@ -41,7 +41,7 @@ def warm_up(model, n_slots: int) -> list[tuple[str, float]]:
             model.restore_checkpoint(0, model.save_checkpoint(0, 1), 1)
     timed("prompt cache copies", copies)
     if caps.decode_rows > 0:
-        short = [n for n in (2, 4, 8) if n <= caps.decode_rows and n < model.n_ctx_slot]
+        short = [n for n in (2, 4, 8, 16) if n <= caps.decode_rows and n < model.n_ctx_slot]
         passes = [n for n in (caps.decode_rows + 1, 64, 512)
                   if caps.decode_rows < n < model.n_ctx_slot and n <= model.n_ubatch]
 

@@ -147,11 +147,14 @@ def last_phases_us(isa: str | None = None) -> list[float]:
     return list(out[:lib(isa).host_moe_last_phases(out)])
 
 
+BELL_WORD = 64                 # the job word is BELL_WORD n + T (BELL_WORD in kernels/host_moe.c and moe.cu)
+
+
 class Bell:
     """The doorbell of kernels/host_moe.c: a thread that serves host_moe jobs the card posts.
 
     post and done: int64 [max_layers] arrays the card maps (pinned; plain numpy in the CPU tests),
-    all zero; the card writes post[l] = 16 n + T for its n-th job of layer l with T rows, the
+    all zero; the card writes post[l] = BELL_WORD n + T for its n-th job of layer l with T rows, the
     thread runs host_moe on args `set_args(l, T, ...)` gave, then stores the word in done[l].
     arm(n) before a step that will post n jobs (the thread sleeps when none is due)."""
 
@@ -159,8 +162,8 @@ class Bell:
         for name, a in (("post", post), ("done", done)):
             if a.dtype != np.int64 or a.shape != (max_layers,) or not a.flags.c_contiguous:
                 raise ValueError(f"Bell: {name} must be int64 [{max_layers}], contiguous; got {a.dtype} {a.shape}")
-        if not 1 <= rows <= 15:
-            raise ValueError(f"Bell: rows {rows} must lie in 1 .. 15 (the job word keeps T in 4 bits)")
+        if not 1 <= rows < BELL_WORD:
+            raise ValueError(f"Bell: rows {rows} must lie in 1 .. {BELL_WORD - 1} (the job word keeps T in 6 bits)")
         self.max_layers, self.rows, self.post, self.done = max_layers, rows, post, done
         self.table = np.zeros(max_layers * (rows + 1), np.uint64)          # [L, T + 1] host_moe_args addresses
         self._args: dict[tuple[int, int], HostMoeArgs] = {}

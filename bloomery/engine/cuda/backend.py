@@ -2,7 +2,8 @@
 
 Weights stay in their GGUF blocks on the card. Batches of up to MMV_ROWS rows (decode, and
 short prompts) go through the mat-vec kernels, which read the blocks in place against an
-int8-per-32 form of the activation; longer batches dequantize to f16 and run cuBLAS
+int8-per-32 form of the activation (from MMT_MIN_ROWS rows Q4_K / Q6_K weights take mmt, the
+tensor cores, against its f16 form); longer batches dequantize to f16 and run cuBLAS
 tensor-core GEMMs. The attention and MoE steps live in cuda_attention.py and cuda_moe.py;
 the captured decode step in cuda_graph.py.
 
@@ -24,7 +25,8 @@ from bloomery.engine.cuda import recurrent as cuda_recurrent
 from bloomery.engine.cuda.gemm import gemm_nt
 from bloomery.engine.cuda.kernels import Kernels
 from bloomery.engine.ops import Caps, Rows, delta_gates
-from bloomery.engine.cuda.sizes import DECODE_ROWS as MMV_ROWS, GREEDY_BANS, MMT_MIN_ROWS, MMT_ROWS, MMT_TYPES, UBATCH
+from bloomery.engine.cuda.sizes import (DECODE_ROWS as MMV_ROWS, GREEDY_BANS, MMT_MIN_ROWS, MMT_ROWS, MMT_TYPES,
+                                       MMV3N_ROWS, MMV_SIZES, UBATCH)
 
 TOPK_MAX, TOPK_SPAN = 64, 4096     # topk's largest k, and the values one block sorts (matvec.cu)
 F32, F16, BF16 = 0, 1, 30
@@ -299,17 +301,19 @@ class CudaOps:
         reading its int8 form after; else rms_norm, then matmuls."""
         x = cupy.ascontiguousarray(x, dtype=cupy.float32)                         # [T, K]
         t, k = x.shape
-        smem = t * k + 8 * t * (k // 32) + 4 * MMV_ROWS
-        if t > MMV_ROWS or k % 32 or k > 8 * 4 * 256 or smem > 48 << 10:   # NORM_IT in matvec.cu
+        smem = t * k + 8 * t * (k // 32) + 4 * MMV3N_ROWS                         # mmv3n's (matvec.cu)
+        if t > MMV_ROWS or k % 32 or k > 8 * 4 * 256 or (t <= MMV3N_ROWS and smem > 48 << 10):   # NORM_IT
             h = self.rms_norm(x, norm, eps)
             return h, self.matmuls(h, ws, biases)
         for w in ws:
             if w.n_cols != k:
                 raise ValueError(f"matmul: input has {k} columns, the weight's rows are {w.n_cols} long")
-        if self.mmt and t >= self.mmt_min:
+        mmt = self.mmt and t >= self.mmt_min
+        if mmt or t > MMV3N_ROWS:
             # the norm on its own (mmv3n's prologue normalizes every row in every block: at 8 rows its
-            # launch of the router alone took 21 us), leaving y's int8 and f16 forms for the products
-            y, yh = self._rms_norm(x, norm, eps, f16=True)
+            # launch of the router alone took 21 us), leaving y's int8 and f16 forms for the products;
+            # past MMV3N_ROWS rows (no mmv3n instance) too, then mmt / mmv3
+            y, yh = self._rms_norm(x, norm, eps, f16=mmt)
             return y, self._mat_vecs(y, ws, biases, [None] * len(ws), x16=yh)
         if len(ws) > MMV_MATS:
             y, outs = self.norm_matmuls(x, norm, eps, ws[:MMV_MATS], biases[:MMV_MATS])
@@ -319,7 +323,7 @@ class CudaOps:
         yd = cupy.empty((t, k // 32), cupy.float32)
         ys = cupy.empty((t, k // 32), cupy.float32)
         outs, params = self._mat_params(t, ws, biases, [None] * len(ws))
-        nb = next(b for b in (1, 2, 4, 8) if b >= t)
+        nb = next(b for b in MMV_SIZES if b >= t)                                 # t <= MMV3N_ROWS here
         fn = getattr(self.k, f"mmv3n_b{nb}")
         n_warps = sum(w.n_rows for w in ws)                 # a warp a row, 8 warps a block
         rpw = min(2, self._rows_per_warp(fn, _grid(n_warps, 8), 256, smem))     # mmv3n takes 1 or 2
@@ -361,7 +365,7 @@ class CudaOps:
         if any(w.quantized for w in ws):
             xq, xd, xs = self.q8(x)
         outs, params = self._mat_params(t, ws, biases, residuals)
-        nb = next(b for b in (1, 2, 4, 8) if b >= t)
+        nb = next(b for b in MMV_SIZES if b >= t)
         rows_per_warp = 1                                                          # MMV_R in matvec.cu
         n_groups = sum(-(-w.n_rows // rows_per_warp) for w in ws)
         getattr(self.k, f"mmv3_b{nb}")((_grid(n_groups, 4),), (128,),

@@ -138,6 +138,7 @@ class ExpertLayer:
         self.home = frozenset(gate.on_card)                                   # the load's placement
         self.counts = counts                                                  # [E] int32 view on the card
         self.calls: dict[int, _HostCall] = {}
+        self._io = None                                                       # the calls' pinned x, ids, wts, out
         self.expert_bytes = sum(s.expert_bytes for s in self.stacks)
         self.pending: list[tuple[int, int, object]] = []                      # (expert, slot, copy done event)
         # the streamed lane: [3, E] each stack's host address of every expert (fixed); [E] the staging
@@ -204,11 +205,18 @@ class ExpertLayer:
 
     # --- host calls ---
     def host_call(self, t: int, d: int, n_used: int, threads: int) -> _HostCall:
+        """The host call of t rows: its args over the first t rows of the layer's one set of pinned buffers
+        (DECODE_ROWS rows: a layer has one job in flight at a time, whatever its rows; host_take waits for
+        it before the step goes on)."""
         c = self.calls.get(t)
         if c is None:
             from bloomery.engine.cpu.host_moe import HostMoeArgs
-            c = _HostCall(pinned(4 * t * d, np.float32, (t, d)), pinned(4 * t * n_used, np.int32, (t, n_used)),
-                          pinned(4 * t * n_used, np.float32, (t, n_used)), pinned(4 * t * d, np.float32, (t, d)), None)
+            io = self._io
+            if io is None or io[0].shape[0] < t or io[0].shape[1] != d or io[1].shape[1] != n_used:
+                r = max(t, DECODE_ROWS)
+                io = self._io = (pinned(4 * r * d, np.float32, (r, d)), pinned(4 * r * n_used, np.int32, (r, n_used)),
+                                 pinned(4 * r * n_used, np.float32, (r, n_used)), pinned(4 * r * d, np.float32, (r, d)))
+            c = _HostCall(*(a[:t] for a in io), None)
             gate, up, down = self.stacks
             c.args = HostMoeArgs(
                 n_rows=t, n_used=n_used, d=d, f=gate.n_rows, gate_type=gate.ggml_type, up_type=up.ggml_type,

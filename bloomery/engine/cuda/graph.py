@@ -20,7 +20,10 @@ K and V land past the prompt's end (each row attends only to positions up to its
 writes its own position before it reads it), and only the last real row's logits come out. The
 rows carry their own slots and positions, as a decode step's do, so attention takes the decode
 kernels (a row over the keys up to its position); the products of more than DECODE_ROWS rows take
-cuBLAS (gemm.py calls it through ctypes while capturing). The warm-up captures them; not captured: a
+cuBLAS (gemm.py calls it through ctypes while capturing). Since DECODE_ROWS is 16 the buckets of 8 and 16
+rows both run the decode step's own kernels (mmt / mmv3, the per-pair expert kernels): the timings above
+for 16 ids are of the GEMM path, the 16-row bucket on the decode kernels is not yet measured. The warm-up
+captures them; not captured: a
 model with a recurrent state (padding would advance it), host experts (the offload counts and streams
 what a pass routes), a prompt whose bucket would run past the slot's end or, for the wider buckets,
 past PROMPT_DEPTH, a pass of several slots' prompts, a start without the warm-up, and
@@ -37,7 +40,7 @@ import numpy as np
 from bloomery.engine.cuda.sizes import DECODE_ROWS, GREEDY_BANS, PROMPT_BUCKETS
 from bloomery.engine.ops import Rows
 
-MAX_BATCH = DECODE_ROWS
+MAX_BATCH = DECODE_ROWS            # one graph takes a step of up to 16 rows (models/base.py _in_graphs splits wider)
 # The deepest position the wider buckets' last row may reach. A captured row attends through the decode kernels
 # over every key up to its position: on the H200 (session 18, the 30B-shaped file) 40 ids took 34 ms captured
 # against 44 ms uncaptured at position 0, but 52 against 39 at position 4,000, and 64 ids 37 against 40 at 0,

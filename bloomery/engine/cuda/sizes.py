@@ -4,8 +4,14 @@ from __future__ import annotations
 
 UBATCH = 4096                  # prompt rows per pass (CudaOps.n_ubatch): the GEMM paths' fixed costs spread wide
 SCORE_BYTES = 256 << 20        # the prompt path's attention score matrix per chunk (attention.py)
-DECODE_ROWS = 8                # rows a pass runs on the mat-vec (decode) kernels, the largest MMV3(n) of
-                               # matvec.cu and the captured steps' batch; more rows take the prompt (GEMM) path
+DECODE_ROWS = 16               # rows a pass runs on the mat-vec (decode) kernels, the largest MMV3(n) of
+                               # matvec.cu and the captured steps' batch; more rows take the prompt (GEMM) path.
+                               # (It was 8 to session 20: a 16-row step ran as two 8-row graphs, 16.0 ms
+                               # against 8.0 ms for 8 rows on the H200, the 30B-A3B-shaped file.)
+MMV_SIZES = (1, 2, 4, 8, 16)   # the mmv3_bN instances (MMV3(N) in matvec.cu): a batch takes the smallest N >= its rows
+MMV3N_ROWS = 8                 # the largest mmv3n_bN (MMV3N(N), the norm fused in): past it norm_matmuls runs
+                               # rms_norm_q8 on its own, then mmt / mmv3 (16 rows' accumulators would spill at
+                               # mmv3n's 3 blocks of 256 threads an SM)
 GREEDY_BANS = 8                # ids a captured decode step bans per row before its greedy pick (ignore_eos bans the
                                # vocabulary's end-of-generation ids: 2-6 on the Qwen vocabularies); more take the top-k path
 PROMPT_BUCKETS = (8, 16, 32, 64, 128)   # rows of the captured passes of short prompts (graph.py), one pool for all
@@ -34,3 +40,4 @@ MMT_ROWS = 16                # mmt's most rows (an mma's 16), and the weight row
 # (mmv3n's own rows are batch-independent), but differ between the two in the last places, as llama.cpp's
 # CUDA backend switches kernels by batch size too.
 MMT_MIN_ROWS = 4
+assert MMV_SIZES[-1] == DECODE_ROWS and MMV3N_ROWS <= DECODE_ROWS <= MMT_ROWS

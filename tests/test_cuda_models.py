@@ -153,7 +153,7 @@ def test_captured_step_equals_eager_step(files, pdl, monkeypatch):
 def test_a_captured_step_of_up_to_16_rows_is_one_graph(files, n):
     """A step of 9 to DECODE_ROWS = 16 slots is one captured graph (mmt for the Q4_K / Q6_K products, mmv3_b16 for
     the F32 router, the per-pair expert kernels, attn_dec over 16 rows), bit-equal to the eager step, and each
-    row near its slot's step alone (the lone row takes the int8 mat-vec, the batch mmt: a few hundredths)."""
+    row near itself in a step of 4 rows."""
     from bloomery.engine.cuda.sizes import DECODE_ROWS
     from bloomery.engine.loader import load_model
     from bloomery.engine.ops import AttnSpan
@@ -170,10 +170,14 @@ def test_a_captured_step_of_up_to_16_rows_is_one_graph(files, n):
     eager = model.ops.to_host(model.head(model._run(np.asarray(ids, np.int32), np.asarray(pos, np.int32), spans)))
     np.testing.assert_array_equal(graph, eager)
     np.testing.assert_array_equal(model.decode_greedy(slots, ids, pos), np.argmax(eager, axis=-1))
+    # each row as in a step of 4 of the same rows (mmt too, from MMT_MIN_ROWS): the same products a row, the keys
+    # cut into other pieces (attention's pieces follow the rows), so near, not bit-equal. Not against the row
+    # alone: one row takes the int8 mat-vec, whose rounding routes the random router's near ties to other experts
+    # (on the H200, session 21: with mmt most rows 0.05-0.07 off their row alone, a few 0.3-1.2; BLOOMERY_MMT=0: 0)
     for b in (0, n // 2, n - 1):
-        alone = model.decode([slots[b]], [ids[b]], [pos[b]])[0]
-        np.testing.assert_allclose(graph[b], alone, rtol=2e-2, atol=5e-2)
-        assert graph[b][int(alone.argmax())] >= graph[b].max() - 0.05
+        four = [b, *(c for c in range(n) if c != b)][:4]
+        got = model.decode([slots[c] for c in four], [ids[c] for c in four], [pos[c] for c in four])
+        np.testing.assert_allclose(got[0], graph[b], rtol=1e-3, atol=1e-3)
 
 
 def test_captured_step_hands_over_the_top_k(files):

@@ -50,12 +50,13 @@ def test_cells_are_picked_by_pattern_and_bad_ones_refused():
 
 
 def test_the_replay_interleaves_the_users_turns_over_one_system_prompt():
-    system, sched = bs.replay_schedule(8, 3, 4000, 100)
-    assert len(system) == 4000 and len(sched) == 24
+    systems, sched = bs.replay_schedule(8, 3, 4000, 100)
+    system = systems[0]
+    assert len(system) == 4000 and len(sched) == 24 and all(s == system for s in systems)
     assert [(u, t) for u, t, _ in sched[:9]] == [(u, 0) for u in range(8)] + [(0, 1)]
     assert [(u, t) for u, t, _ in sched[-2:]] == [(6, 2), (7, 2)]
     assert all(len(m) == 100 for _, _, m in sched) and len({tuple(m) for _, _, m in sched}) == 24
-    assert bs.replay_schedule(8, 3, 4000, 100) == (system, sched)        # the same for both engines
+    assert bs.replay_schedule(8, 3, 4000, 100) == (systems, sched)       # the same for both engines
     # a user's turn extends its last prompt and the reply it got: what a prompt cache can restore
     history = {}
     prompts = {}
@@ -70,6 +71,15 @@ def test_the_replay_interleaves_the_users_turns_over_one_system_prompt():
     assert max(len(p) for p in prompts.values()) == bs.replay_longest(4000, 3, 100, 16) == 4000 + 300 + 32
     with pytest.raises(bs.BenchError, match="the replay needs users, turns, system and user ids >= 1"):
         bs.replay_schedule(8, 0, 4000, 100)
+
+
+def test_with_own_documents_no_two_users_share_a_prefix():
+    systems, sched = bs.replay_schedule(4, 2, 500, 50, own=True)
+    assert len(systems) == 4 and all(len(s) == 500 for s in systems)
+    assert len({tuple(s[:8]) for s in systems}) == 4
+    prompts = [bs.replay_prompt(systems[u], [], m) for u, _, m in sched[:4]]
+    assert all(a[:8] != b[:8] for i, a in enumerate(prompts) for b in prompts[i + 1:])
+    assert bs.replay_schedule(4, 2, 500, 50, own=True) == (systems, sched)
 
 
 def test_a_slot_holds_the_longest_prompt_and_the_generated_ids():

@@ -122,19 +122,21 @@ def cell_list(engines: Sequence[str], ks: Sequence[int] = KS, prompts: Sequence[
     return out
 
 
-def replay_schedule(users: int, turns: int, system_ids: int, user_ids: int,
-                    seed: int = 1) -> tuple[list[int], list[tuple[int, int, list[int]]]]:
-    """The replay: the shared system ids, and its requests in order as (user, turn, the message's
-    ids); the turns interleave, turn 0 of every user, then turn 1, ... . A turn's prompt is the
-    system ids, then the user's earlier messages each followed by the reply the server gave it
-    (replay_prompt), then the message."""
+def replay_schedule(users: int, turns: int, system_ids: int, user_ids: int, seed: int = 1,
+                    own: bool = False) -> tuple[list[list[int]], list[tuple[int, int, list[int]]]]:
+    """The replay: each user's system ids (one list shared by all; own: a document of each user's own, so
+    no user's prompt shares a prefix with another's), and its requests in order as (user, turn, the
+    message's ids); the turns interleave, turn 0 of every user, then turn 1, ... . A turn's prompt is
+    the user's system ids, then the user's earlier messages each followed by the reply the server gave
+    it (replay_prompt), then the message."""
     if min(users, turns, system_ids, user_ids) < 1:
         raise BenchError(f"the replay needs users, turns, system and user ids >= 1 (got {users}, {turns}, "
                          f"{system_ids}, {user_ids})")
     rng = np.random.default_rng(seed)
     draw = lambda n: [int(i) for i in rng.integers(100, 150000, n)]   # noqa: E731
-    system = draw(system_ids)
-    return system, [(u, turn, draw(user_ids)) for turn in range(turns) for u in range(users)]
+    shared = draw(system_ids)
+    systems = [draw(system_ids) for _ in range(users)] if own else [shared] * users
+    return systems, [(u, turn, draw(user_ids)) for turn in range(turns) for u in range(users)]
 
 
 def replay_prompt(system: list[int], history: Sequence[tuple[list[int], list[int]]], message: list[int]) -> list[int]:
@@ -225,7 +227,8 @@ class Bench:
         self.result.setdefault("cells", {})
         self.result.setdefault("groups", {})
         self.result["model"] = a.model
-        self.system, self.schedule = replay_schedule(a.users, a.turns, a.system_ids, a.user_ids)
+        self.systems, self.schedule = replay_schedule(a.users, a.turns, a.system_ids, a.user_ids,
+                                                      own=a.replay_own_documents)
         self.replay_ids = replay_longest(a.system_ids, a.turns, a.user_ids, a.n_gen)
 
     def done(self, c: Cell) -> bool:
@@ -299,17 +302,17 @@ class Bench:
         return {"k": c.k, "p": c.p, "n_gen": self.a.n_gen, **cell_summary(rounds)}
 
     def replay(self, srv: Server) -> dict:
-        srv.stream(body(self.system[:16], 2, cache_prompt=False))                # the first request's own costs
+        srv.stream(body(self.systems[0][:16], 2, cache_prompt=False))            # the first request's own costs
         turns, history = [], {}
         for user, turn, message in self.schedule:
-            ids = replay_prompt(self.system, history.get(user, []), message)
+            ids = replay_prompt(self.systems[user], history.get(user, []), message)
             s = srv.stream(body(ids, self.a.n_gen, cache_prompt=True))
             history.setdefault(user, []).append((message, s.ids))                # the reply it gave, as a chat goes on
             t = s.final.get("timings") or {}
             turns.append({"user": user, "turn": turn, "n_prompt": len(ids), "ttft_s": s.prompt_s,
                           "cache_n": t.get("cache_n"), "prompt_n": t.get("prompt_n")})
         return {"users": self.a.users, "turns_each": self.a.turns, "system_ids": self.a.system_ids,
-                "n_par": self.a.replay_np, **replay_summary(turns)}
+                "own_documents": self.a.replay_own_documents, "n_par": self.a.replay_np, **replay_summary(turns)}
 
 
 def cell_line(r: dict) -> str:
@@ -416,6 +419,9 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--system-ids", type=int, default=SYSTEM_IDS, help="the replay's shared system prompt")
     ap.add_argument("--user-ids", type=int, default=USER_IDS, help="each replay message")
     ap.add_argument("--replay-np", type=int, default=REPLAY_NP, help="-np of the replay's server")
+    ap.add_argument("--replay-own-documents", action="store_true",
+                    help="each replay user's --system-ids are a document of its own, not one shared prompt (so a "
+                         "slot's live prefix holds none of the next user's turn and only a prompt cache can)")
     ap.add_argument("--threads", type=int, default=None, help="-t for both servers (default: each its own)")
     ap.add_argument("--bloomery-args", default="", help="more flags for bloomery-serve (one string)")
     ap.add_argument("--llama-args", default="", help="more flags for llama-server (one string)")

@@ -123,6 +123,34 @@ def run(model, n_slots, reqs, max_steps=500):
     return engine, drain(engine, max_steps)
 
 
+CARD_PROMPTS = {"a": [100, 200, 300, 400], "b": [500, 600], "c": [700, 800, 900]}
+
+
+def _card_moe(synthetic_dir, tokenizer_source, name: str, seed: int, n_slots: int):
+    """A small synthetic qwen3moe (2 layers, 16 experts, 4 a token) loaded whole on the cuda backend."""
+    from bloomery.engine.loader import load_model
+    from bloomery.placement import whole
+    from tests.conftest import load_tool
+    path = load_tool("make_synthetic").write_synthetic(synthetic_dir / name, arch="qwen3moe", mode="blocks",
+                                                        mix="q4_k_m", seed=seed, tokenizer_from=str(tokenizer_source),
+                                                        n_layer=2, n_embd=512, n_head=8, n_head_kv=2, head_dim=128,
+                                                        n_expert=16, n_expert_used=4, n_ff_exp=256)
+    return load_model(str(path), whole("cuda", n_slots, 256))
+
+
+def _card_greedy(model, bias, engine_setup=lambda engine: None) -> tuple[dict, Engine]:
+    """CARD_PROMPTS' three greedy streams of 16 ids under `bias` through an engine of 3 slots: their ids, the engine."""
+    engine = Engine(model, 3, 256)
+    engine_setup(engine)
+    for rid, p in CARD_PROMPTS.items():
+        engine.add(greq(rid, p, n_predict=16, sampling=SamplingParams(temperature=0.0, logit_bias=bias)))
+    outs: dict = {}
+    while engine.has_work():
+        for o in engine.step():
+            outs.setdefault(o.req_id, []).append(o.token)
+    return outs, engine
+
+
 def test_one_stream_takes_its_ids_from_the_steps_launched_ahead():
     model = Ahead(1, 64)
     engine, outs = run(model, 1, [greq("a", [1, 2, 3], n_predict=12)])
@@ -240,16 +268,8 @@ def test_on_the_card_the_launched_steps_give_the_ids_of_steps_run_in_place(gpu, 
                                                                             monkeypatch):
     """A synthetic qwen3moe on the cuda backend, three greedy streams (two start together, one joins): the same ids
     with steps launched ahead as with every step run in place."""
-    from bloomery.engine.loader import load_model
     from bloomery.engine.models.base import CausalLM
-    from bloomery.placement import whole
-    from tests.conftest import load_tool
-    path = load_tool("make_synthetic").write_synthetic(synthetic_dir / "ahead-qwen3moe.gguf", arch="qwen3moe",
-                                                        mode="blocks", mix="q4_k_m", seed=11,
-                                                        tokenizer_from=str(tokenizer_source), n_layer=2, n_embd=512,
-                                                        n_head=8, n_head_kv=2, head_dim=128, n_expert=16,
-                                                        n_expert_used=4, n_ff_exp=256)
-    model = load_model(str(path), whole("cuda", 3, 256))
+    model = _card_moe(synthetic_dir, tokenizer_source, "ahead-qwen3moe.gguf", 11, 3)
     assert model.greedy_ahead
 
     def serve() -> tuple[dict, Engine]:
@@ -280,35 +300,18 @@ def test_on_the_card_greedy_with_bans_picks_from_the_largest_logits(gpu, tokeniz
     """ignore_eos's bans (-inf biases) on a synthetic qwen3moe on the cuda backend: three greedy streams pick from
     each row's largest logits on the card (the top-k step, launched ahead), with the same ids as from whole rows
     on the host, and never a banned id, though the bans are the ids whole rows would pick first."""
-    from bloomery.engine.loader import load_model
     from bloomery.engine.models.base import CausalLM
-    from bloomery.placement import whole
-    from tests.conftest import load_tool
-    path = load_tool("make_synthetic").write_synthetic(synthetic_dir / "bans-qwen3moe.gguf", arch="qwen3moe",
-                                                        mode="blocks", mix="q4_k_m", seed=12,
-                                                        tokenizer_from=str(tokenizer_source), n_layer=2, n_embd=512,
-                                                        n_head=8, n_head_kv=2, head_dim=128, n_expert=16,
-                                                        n_expert_used=4, n_ff_exp=256)
-    model = load_model(str(path), whole("cuda", 3, 256))
+    model = _card_moe(synthetic_dir, tokenizer_source, "bans-qwen3moe.gguf", 12, 3)
     monkeypatch.setattr(CausalLM, "greedy_bans", property(lambda self: 0))   # bans not in the greedy step itself
-    prompts = {"a": [100, 200, 300, 400], "b": [500, 600], "c": [700, 800, 900]}
 
-    def serve(bias, top_k: int):
-        engine = Engine(model, 3, 256)
-        engine.greedy_top_k = top_k
-        for rid, p in prompts.items():
-            engine.add(greq(rid, p, n_predict=16, sampling=SamplingParams(temperature=0.0, logit_bias=bias)))
-        outs: dict = {}
-        while engine.has_work():
-            for o in engine.step():
-                outs.setdefault(o.req_id, []).append(o.token)
-        return outs, engine
+    def whole_rows_only(engine):
+        engine.greedy_top_k = 0
 
-    free, _ = serve([], 64)
+    free, _ = _card_greedy(model, [])
     banned = sorted({t for ids in free.values() for t in ids[:4]})      # the ids the streams pick first
     bias = [(t, -np.inf) for t in banned]
-    whole_rows, _ = serve(bias, 0)
-    top, engine = serve(bias, 64)
+    whole_rows, _ = _card_greedy(model, bias, whole_rows_only)
+    top, engine = _card_greedy(model, bias)
     assert top == whole_rows
     assert not {t for ids in top.values() for t in ids} & set(banned)
     assert engine.top_steps > 0 and engine.top_misses == 0
@@ -423,37 +426,19 @@ def test_on_the_card_the_greedy_step_bans_ids_itself(gpu, tokenizer_source, synt
     """The captured step's ban_ids before its argmax (graph.py, the graph's ban rows), on a synthetic qwen3moe: the
     argmax of decode()'s rows with the bans at -inf, launched or not; then three engine streams under bans pick
     with the greedy step itself (no largest logits, no whole rows), launched ahead, the ids of whole rows'."""
-    from bloomery.engine.loader import load_model
-    from bloomery.placement import whole
-    from tests.conftest import load_tool
-    path = load_tool("make_synthetic").write_synthetic(synthetic_dir / "devbans-qwen3moe.gguf", arch="qwen3moe",
-                                                        mode="blocks", mix="q4_k_m", seed=13,
-                                                        tokenizer_from=str(tokenizer_source), n_layer=2, n_embd=512,
-                                                        n_head=8, n_head_kv=2, head_dim=128, n_expert=16,
-                                                        n_expert_used=4, n_ff_exp=256)
-    model = load_model(str(path), whole("cuda", n_rows, 256))
+    model = _card_moe(synthetic_dir, tokenizer_source, "devbans-qwen3moe.gguf", 13, n_rows)
     assert model.greedy_bans == 8
     _banned_greedy_checks(model, n_rows)
-    prompts = {"a": [100, 200, 300, 400], "b": [500, 600], "c": [700, 800, 900]}
 
-    def serve(bias, device: bool):
-        engine = Engine(model, 3, 256)
-        if not device:
-            engine.greedy_top_k = 0
-            engine._device_bans = lambda slots: None        # whole rows on the host
-        for rid, p in prompts.items():
-            engine.add(greq(rid, p, n_predict=16, sampling=SamplingParams(temperature=0.0, logit_bias=bias)))
-        outs: dict = {}
-        while engine.has_work():
-            for o in engine.step():
-                outs.setdefault(o.req_id, []).append(o.token)
-        return outs, engine
+    def whole_rows_only(engine):                    # whole rows on the host
+        engine.greedy_top_k = 0
+        engine._device_bans = lambda slots: None
 
-    free, _ = serve([], True)
+    free, _ = _card_greedy(model, [])
     banned = sorted({t for ids in free.values() for t in ids[:2]})[:8]
     bias = [(t, -np.inf) for t in banned]
-    whole_rows, _ = serve(bias, False)
-    on_card, engine = serve(bias, True)
+    whole_rows, _ = _card_greedy(model, bias, whole_rows_only)
+    on_card, engine = _card_greedy(model, bias)
     assert on_card == whole_rows
     assert not {t for ids in on_card.values() for t in ids} & set(banned)
     assert engine.top_steps == 0 and engine.ahead_steps > 0

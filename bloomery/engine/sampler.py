@@ -163,6 +163,16 @@ class Sampler:
         # largest logit not banned, which a row's largest logits can settle (pick_from_top)
         self._bans = (np.unique(self._bias_ids) if self._bias_ids is not None and bool(np.all(self._bias == -np.inf))
                       else None)
+        # a greedy pick the model can make where the logits are: () for the plain argmax, or the ids a -inf bias
+        # bans (the first largest logit not banned: what the biased row's argmax is, ties to the lower id); None
+        # where it cannot (another bias, penalties, a schema mask or probabilities asked). The request's settings
+        # do not change, so it is read once here, not per step.
+        self.device_bans: tuple[int, ...] | None = None
+        if self.greedy and not self.penalties_on and self.matcher is None and params.n_probs <= 0:
+            if self._bias_ids is None:
+                self.device_bans = ()
+            elif self._bans is not None:          # (the ids are in the vocabulary: refused above otherwise)
+                self.device_bans = tuple(int(i) for i in self._bans)
 
     @property
     def rng(self) -> MT19937:
@@ -192,24 +202,10 @@ class Sampler:
                 raise SamplerError(str(e)) from None
 
     @property
-    def device_bans(self) -> tuple[int, ...] | None:
-        """A greedy pick the model can make where the logits are: () for the plain argmax, or the ids a -inf
-        bias bans (the first largest logit not banned: what the biased row's argmax is, ties to the lower id);
-        None where it cannot (another bias, penalties, a schema mask or probabilities asked)."""
-        if not (self.greedy and not self.penalties_on and self.matcher is None and self.params.n_probs <= 0):
-            return None
-        if self._bias_ids is None:
-            return ()
-        if self._bans is None:          # (the ids are in the vocabulary: __init__ refuses others)
-            return None
-        return tuple(int(i) for i in self._bans)
-
-    @property
     def plain_greedy(self) -> bool:
         """The pick is the argmax of the raw logits (no bias, penalties, mask or probabilities asked):
         the model may then pick on its own device and hand over only the id."""
-        return (self.greedy and self._bias_ids is None and not self.penalties_on and self.matcher is None
-                and self.params.n_probs <= 0)
+        return self.device_bans == ()
 
     @property
     def candidates_k(self) -> int:

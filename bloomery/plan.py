@@ -33,6 +33,7 @@ from bloomery.engine.cuda import sizes as cuda_sizes
 from bloomery.engine.cuda.sizes import DECODE_ROWS as CUDA_DECODE_ROWS, SCORE_BYTES as CUDA_SCORE_BYTES, UBATCH as CUDA_UBATCH
 from bloomery.engine.cuda.sizes import HOST_PASS_PAIRS, PLANNED_BK, PLANNED_MAX_EXPERTS, PLANNED_MAX_PAIRS, PLANNED_TYPES
 from bloomery.engine.cuda.sizes import PROMPT_BUCKETS as CUDA_PROMPT_BUCKETS
+from bloomery.engine.cuda.sizes import PROMPT_FROM_START as CUDA_PROMPT_FROM_START
 from bloomery import offload
 from bloomery.engine.limits import CTX_CHECKPOINTS
 from bloomery.gguf_file import StringArray
@@ -294,8 +295,9 @@ def _cuda_prompt_graph_bytes(facts: ModelFacts, per_row: int, n_ctx_slot: int) -
     the most one pass allocates, past DECODE_ROWS rows the f16 copies of two dense weights at once
     (cuBLAS's operands), its rows' activations and 4 MiB beside (the head's row, the int8 forms), and each
     graph's own inputs and logits row; the buckets a slot of n_ctx_slot positions holds (graph.py captures
-    no other). Measured on the H200 (the 30B-shaped file): session 18, a pool a graph, 3.6, 32.6, 33.2 and 34.4
-    MiB for 8, 16, 32 and 64 rows; session 19, one pool for 8-128 rows, 52 MiB where this counts 77. 0 for a
+    no other), and the buckets from position 0 their own attention's buffers. Measured on the H200 (the 30B-shaped
+    file): session 18, a pool a graph, 3.6, 32.6, 33.2 and 34.4 MiB for 8, 16, 32 and 64 rows; session 19, one pool
+    for 8-128 rows, 52 MiB where this counts 77. 0 for a
     model with a recurrent state, whose prompts are not captured."""
     if facts.ssm_widths[0]:
         return 0
@@ -303,8 +305,19 @@ def _cuda_prompt_graph_bytes(facts: ModelFacts, per_row: int, n_ctx_slot: int) -
     if not buckets:
         return 0
     dense = _largest_dense_elems(facts)
-    widest = max((2 * 2 * dense if b > CUDA_DECODE_ROWS else 0) + 4 * b * per_row + 4 * MIB for b in buckets)
+    widest = max((2 * 2 * dense if b > CUDA_DECODE_ROWS else 0) + 4 * b * per_row + 4 * MIB
+                 + (_cuda_own_attention_bytes(facts, b) if b in CUDA_PROMPT_FROM_START else 0) for b in buckets)
     return widest + len(buckets) * (4 * facts.n_vocab + 2 * MIB)
+
+
+def _cuda_own_attention_bytes(facts: ModelFacts, rows: int) -> int:
+    """A captured prompt from position 0 attending over its own rows (cuda/attention.py _gemm_path, Rows.fresh): the
+    f32 scores and f16 probabilities of every head's rows x rows (a power of two of elements), the scaled queries
+    in f32 and f16, the output chunk (a power of two), and the pass's own K and V in f16."""
+    dh = facts.head_dim_k
+    pow2 = lambda n: 1 << max(0, n - 1).bit_length()    # noqa: E731
+    return (6 * pow2(facts.n_head * rows * rows) + 6 * rows * facts.n_head * dh
+            + 4 * pow2(rows * facts.n_head * dh) + 4 * rows * max(facts.n_head_kv) * dh)
 
 
 def _largest_dense_elems(facts: ModelFacts) -> int:

@@ -6,6 +6,8 @@
 #include "common.cuh"
 
 // grid (T, H + Hkv), block Dh/2 threads (a multiple of 32, Dh <= ROPE_MAX_DH). q, k, v: [T, H*Dh], [T, Hkv*Dh] x2.
+// kr, vr (or null): the pass's rotated K and V again, [Hkv, T, Dh] f16, for a pass whose rows attend only to
+// each other (a captured prompt from position 0, whose slot is known only on the card).
 // NEOX pairs (d, d + n_rot/2) for d < n_rot/2 turn by pos * base^(-2d/n_rot); dims n_rot.. pass as they are
 // (ggml's rope with n_dims < ne0). sec_total > 0: IMRoPE at a text position [p, p, p, 0] (ggml's
 // GGML_ROPE_TYPE_IMROPE, cpu/backend.imrope_text_pairs): pair d's sector d % sec_total turns when it
@@ -19,7 +21,8 @@ extern "C" __global__ void rope_store(const float* __restrict__ q, const float* 
                                       int H, int Hkv, int Dh, int n_rot, float log2_base,
                                       int sec_total, int sec0, int sec1, int sec2,
                                       i64 layer_off, i64 slot_stride, int C,
-                                      u16* __restrict__ kc, u16* __restrict__ vc, float* __restrict__ q_out) {
+                                      u16* __restrict__ kc, u16* __restrict__ vc, float* __restrict__ q_out,
+                                      u16* __restrict__ kr, u16* __restrict__ vr) {
     __shared__ float sh[32];
     __shared__ float xs[ROPE_MAX_DH];
     pdl_wait();
@@ -65,6 +68,11 @@ extern "C" __global__ void rope_store(const float* __restrict__ q, const float* 
         kc[at + i] = f2h(y[0]); kc[at + i + half] = f2h(y[1]);
         const float* vs = v + ((i64)t * Hkv + head) * Dh;
         vc[at + i] = f2h(vs[i]); vc[at + i + half] = f2h(vs[i + half]);
+        if (kr) {
+            i64 own = ((i64)head * gridDim.x + t) * Dh;
+            kr[own + i] = f2h(y[0]); kr[own + i + half] = f2h(y[1]);
+            vr[own + i] = f2h(vs[i]); vr[own + i + half] = f2h(vs[i + half]);
+        }
     }
 }
 

@@ -1,7 +1,7 @@
-"""The captured passes of short prompts (engine/cuda/graph.py, DecodeGraphs.prompt): a prompt of n ids runs
-in its bucket's graph, padded past its end in the same slot; it gives the uncaptured pass's logits and KV
-(within the band between the decode kernels' attention and the GEMM path's), the padding is never read,
-and what may not be captured is not."""
+"""The captured prompt passes (engine/cuda/graph.py, DecodeGraphs.prompt): a prompt of n ids runs in its bucket's
+graph, padded past its end in the same slot; it gives the uncaptured pass's logits and KV (within the band between
+the decode kernels' attention and the GEMM path's; the buckets from position 0 take the GEMM path over their own
+rows), the padding is never read, and what may not be captured is not."""
 from __future__ import annotations
 
 import numpy as np
@@ -23,7 +23,7 @@ def warmed(gpu, tokenizer_source, synthetic_dir):
                                                         tokenizer_from=str(tokenizer_source), **SHAPE)
     model = load_model(str(path), whole("cuda", 3, 256))
     parts = dict(warm_up(model, 3))
-    assert "prompt graphs (8, 16, 32, 64, 128 rows)" in parts, parts
+    assert "prompt graphs (8, 16, 32, 64, 128, 256 rows)" in parts, parts      # 512 passes the slot
     return model
 
 
@@ -45,7 +45,7 @@ def _close(got, ref):
 
 
 @pytest.mark.parametrize("n,pos0", [(1, 0), (5, 0), (8, 0), (13, 0), (16, 7), (16, 200), (40, 100), (64, 0),
-                                    (64, 190), (100, 0), (128, 120)])
+                                    (64, 190), (100, 0), (128, 120), (129, 0), (200, 0), (256, 0)])
 def test_a_captured_prompt_gives_the_uncaptured_logits_and_kv(warmed, n, pos0):
     model = warmed
     runner = model.ops.decode_runner(model)
@@ -54,14 +54,16 @@ def test_a_captured_prompt_gives_the_uncaptured_logits_and_kv(warmed, n, pos0):
     if pos0:
         model.prefill(1, head, 0)
     ref = _uncaptured(model, lambda: model.prefill(1, ids, pos0))
-    ref_next = model.decode([1], [7], [pos0 + n])[0]
+    room = pos0 + n < model.n_ctx_slot                                       # a position left for the next id
+    ref_next = model.decode([1], [7], [pos0 + n])[0] if room else None
     if pos0:
         model.prefill(1, head, 0)
     before = runner._prompts[runner.prompt_bucket(n, pos0)].graph
     got = model.prefill(1, ids, pos0)
     assert runner._prompts[runner.prompt_bucket(n, pos0)].graph is before     # replayed, not captured again
     _close(got, ref)
-    _close(model.decode([1], [7], [pos0 + n])[0], ref_next)                  # the KV it left reads the same
+    if room:
+        _close(model.decode([1], [7], [pos0 + n])[0], ref_next)              # the KV it left reads the same
 
 
 def test_the_padding_is_never_read(warmed):
@@ -82,7 +84,9 @@ def test_what_may_not_be_captured_is_not(warmed, monkeypatch):
     model = warmed
     runner = model.ops.decode_runner(model)
     assert runner.prompt_bucket(65, 0) == 128
-    assert runner.prompt_bucket(129, 0) is None                    # past the largest bucket
+    assert runner.prompt_bucket(129, 0) == 256                     # from position 0 only:
+    assert runner.prompt_bucket(129, 1) is None
+    assert runner.prompt_bucket(257, 0) is None                    # the bucket of 512 passes the slot of 256
     assert runner.prompt_bucket(10, 256 - 16) == 16
     assert runner.prompt_bucket(10, 256 - 15) is None              # the bucket would run past the slot's end
     from bloomery.engine.cuda import graph
@@ -102,7 +106,7 @@ def test_the_prompt_graphs_share_one_pool_the_plan_counts(warmed):
     model = warmed
     runner = model.ops.decode_runner(model)
     pools = {id(g.pool) for g in runner._prompts.values()}
-    assert len(pools) == 1 and len(runner._prompts) == 5
+    assert len(pools) == 1 and len(runner._prompts) == 6
     facts = model_facts(model.gf)
     counted = (scratch_bytes_for(facts, model.n_ctx_slot, "cuda", 3, graphs=True)
                - scratch_bytes_for(facts, model.n_ctx_slot, "cuda", 3))

@@ -35,7 +35,7 @@ def test_the_cuda_backend_warms_the_prompt_path_and_captures_every_batch(gpu, sm
     parts = warm_up(model, 3)
     assert [name for name, _ in parts] == ["first id", "prompt cache copies", "short prompts (2, 4, 8, 16 ids)",
                                           "prompt path (17, 64 ids)", "decode steps (batches 1-3)",
-                                          "prompt graphs (8, 16, 32, 64, 128 rows)"]
+                                          "prompt graphs (8, 16, 32, 64, 128, 256 rows)"]
     runner = model.ops.decode_runner(model)
     assert sorted(runner._graphs) == [1, 2, 3]
     # the first request's prompt pass after the warm-up compiles nothing: as quick as a later one

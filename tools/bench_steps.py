@@ -12,6 +12,8 @@
            bans, and with the step launched ahead and without (BLOOMERY_GREEDY_AHEAD=0): the ids a second
            once every slot decodes, and how the engine's steps went (launched ahead, from the largest
            logits, whole rows)
+  captured (--captured, cuda) the prompts again as the warm-up's captured passes (each --prompts size that
+           has a bucket at position 0: engine/cuda/graph.py), after the uncaptured ones
   kernels  (--kernels, cuda) each kernel's time a decode step at the smallest and the largest batch (the
            25 largest), and a pass of the smallest prompt (with its launches), through torch's profiler
            (bench_cuda.kernel_profile, prompt_kernels), with programmatic dependent launch off so that
@@ -22,7 +24,7 @@ It prints one line a measurement and writes them all to --out (JSON). What it sa
 is the engine's alone: through HTTP the server adds its own path (tools/bench_serve.py).
 
     python3 tools/bench_steps.py -m FILE [--backend cuda] [--prompts 64,512,4096] [--batches 1,2,4,8,16] \\
-        [--depth 512] [--kernels] [--cpu-moe | -ncmoe N | -fitt MIB] [-t N] [--ops] [--out steps.json]
+        [--depth 512] [--kernels] [--captured] [--cpu-moe | -ncmoe N | -fitt MIB] [-t N] [--ops] [--out steps.json]
 
 --ops (numpy backend) runs every decode step op by op instead of in decode_layers' one compiled call.
 
@@ -257,6 +259,18 @@ def run(a) -> dict:
             os.environ.pop("BLOOMERY_CUDA_MOE_PROMPT", None)
         else:
             os.environ["BLOOMERY_CUDA_MOE_PROMPT"] = saved
+    runner = model.ops.decode_runner(model) if a.captured and a.backend == "cuda" else None
+    if runner is not None and runner.prompt_capturable():
+        t = time.perf_counter()
+        buckets = runner.capture_prompts()
+        print(f"prompt graphs ({', '.join(map(str, buckets))} rows) captured in {time.perf_counter() - t:.2f} s",
+              flush=True)
+        for p in prompts:
+            if runner.prompt_bucket(p, 0) is not None:
+                rate = prompt_rate(model, ids[:p], a.reps)
+                res["prompt_tok_s"][f"{p} captured"] = round(rate, 1)
+                print(f"prompt {p:>6} ids (captured, bucket {runner.prompt_bucket(p, 0)}): {rate:,.1f} tok/s "
+                      f"({1e3 * p / rate:.2f} ms)", flush=True)
     if a.kernels:
         p = min(prompts)
         got = prompt_kernels(model, ids[:p])
@@ -330,6 +344,8 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--steps", type=int, default=40, help="decode steps timed a batch size")
     ap.add_argument("--reps", type=int, default=3, help="prompt passes a size (the median is kept)")
     ap.add_argument("--kernels", action="store_true", help="each kernel's time a step (cuda, torch's profiler)")
+    ap.add_argument("--captured", action="store_true",
+                    help="cuda: also each prompt that has a bucket as the warm-up's captured pass (graph.py)")
     ap.add_argument("--engine", action="store_true",
                     help="also B requests at once through core.Engine (bans or not, launched ahead or not)")
     ap.add_argument("--threads-sweep", default="", metavar="N,N,...",

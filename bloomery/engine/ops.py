@@ -49,6 +49,8 @@ class Rows:
     spans: Sequence[AttnSpan] | None
     slots: Any
     positions: Any
+    fresh: bool = False     # the rows are one slot's positions 0 .. T-1 in order (a captured prompt from its
+                            # start): each attends only to the rows before it in the same pass
 
 
 class Ops(Protocol):

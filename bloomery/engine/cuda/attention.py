@@ -4,7 +4,9 @@ Rows whose slots and positions are only known on the card (a captured decode ste
 any batch of up to MMV_ROWS rows, take the split-context kernels (attn_dec + attn_merge:
 each row attends to its own slot up to its own position, its keys cut into pieces that
 follow the depth, so the grid captured once serves every depth). Longer prompt batches, whose
-spans are known on the host, take two tensor-core GEMMs per span around a masked softmax.
+spans are known on the host, take two tensor-core GEMMs per span around a masked softmax; so do
+the rows of a captured prompt from position 0 (Rows.fresh), over their own keys, which rope_store
+writes a second time into a buffer of the pass (the slot is known only on the card there).
 
 Legend: T = rows, H = query heads, Hkv = KV heads, G = H / Hkv, Dh = head size,
 C = n_ctx_slot, L = layers, S = slots.
@@ -20,6 +22,7 @@ import numpy as np
 from bloomery.engine.cuda.gemm import gemm_nn, gemm_nt
 from bloomery.engine.cuda.kv_copies import span_copies
 from bloomery.engine.cuda.sizes import DECODE_ROWS, SCORE_BYTES
+from bloomery.engine.ops import AttnSpan
 
 DEC_MAXG = (4, 8, 16)               # query heads per kv head the attn_dec kernels are built for
 DEC_BLOCKS_PER_SM = 3               # attn_dec blocks aimed at per SM, at most what fits (the pieces follow the depth)
@@ -155,6 +158,9 @@ def self_attention(ops, cache: KVCacheF16, layer: int, rows, q, k, v, scale: flo
         raise ValueError(f"{n_head} query heads are not a multiple of {n_kv_head} KV heads")
     dec_kernel(n_head // n_kv_head, dh)
     q_rot = cupy.empty((t, n_head, dh), cupy.float32)                     # [T, H, Dh]
+    own = rows.fresh and t > DECODE_ROWS                                  # keys: the pass's own rows
+    kr, vr = ((cupy.empty((n_kv_head, t, dh), cupy.float16), cupy.empty((n_kv_head, t, dh), cupy.float16))
+              if own else (_NULL, _NULL))
     layer_off = np.int64(layer * cache.layer_stride)
     ops.k.rope_store((t, n_head + n_kv_head), (dh // 2,), (
         cupy.ascontiguousarray(q), cupy.ascontiguousarray(k), cupy.ascontiguousarray(v),
@@ -162,10 +168,14 @@ def self_attention(ops, cache: KVCacheF16, layer: int, rows, q, k, v, scale: flo
         np.float32(eps), rows.slots, rows.positions, np.int32(n_head), np.int32(n_kv_head), np.int32(dh),
         np.int32(n_rot), np.float32(math.log2(freq_base)), *imrope_args(imrope_sections), layer_off,
         np.int64(cache.slot_stride),
-        np.int32(cache.n_ctx_slot), cache.k, cache.v, q_rot))
+        np.int32(cache.n_ctx_slot), cache.k, cache.v, q_rot, kr, vr))
+    if own:
+        return _gemm_path(ops, [(AttnSpan(-1, 0, 0, t), kr, vr, t)], q_rot, n_kv_head, scale)
     if rows.spans is None or t <= DECODE_ROWS:
         return _split_path(ops, cache, layer_off, rows, q_rot, n_kv_head, scale)
-    return _gemm_path(ops, cache, layer, rows.spans, q_rot, n_kv_head, scale)
+    kf, vf = cache.k.view(cupy.float16), cache.v.view(cupy.float16)
+    return _gemm_path(ops, [(sp, kf[layer, sp.slot], vf[layer, sp.slot], cache.n_ctx_slot) for sp in rows.spans],
+                      q_rot, n_kv_head, scale)
 
 
 def _split_path(ops, cache, layer_off, rows, q_rot, n_kv_head: int, scale: float):
@@ -194,12 +204,13 @@ def _pow2_within(n: int, cap: int) -> int:
     return up if up <= cap else n
 
 
-def _gemm_path(ops, cache, layer: int, spans, q_rot, n_kv_head: int, scale: float):
+def _gemm_path(ops, span_keys, q_rot, n_kv_head: int, scale: float):
+    """span_keys: (span, K, V, C) a span, its keys and values [Hkv, C, Dh] f16 from position 0 (the slot's layer
+    in the cache, or the pass's own rows)."""
     t, n_head, dh = q_rot.shape
     g = n_head // n_kv_head
-    c = cache.n_ctx_slot
     out = cupy.empty((t, n_head * dh), cupy.float32)                      # [T, H*Dh]
-    kf, vf = cache.k.view(cupy.float16), cache.v.view(cupy.float16)
+    spans = [sk[0] for sk in span_keys]
 
     def chunk_rows(sp) -> int:
         return max(1, min(sp.row1 - sp.row0, SCORE_BYTES // (4 * n_head * (sp.row1 - sp.row0 + sp.pos0))))
@@ -212,12 +223,10 @@ def _gemm_path(ops, cache, layer: int, spans, q_rot, n_kv_head: int, scale: floa
     n_s = _pow2_within(max(n_head * chunk_rows(sp) * (sp.row1 - sp.row0 + sp.pos0) for sp in spans), SCORE_BYTES // 4)
     s_buf, p_buf = cupy.empty(n_s, cupy.float32), cupy.empty(n_s, cupy.float16)
     o_buf = cupy.empty(_pow2_within(max(chunk_rows(sp) for sp in spans) * n_head * dh, SCORE_BYTES // 4), cupy.float32)
-    for sp in spans:
+    for sp, k0, v0, c in span_keys:                                       # k0, v0 [Hkv, C, Dh]
         n_rows = sp.row1 - sp.row0
         qs = (q_rot[sp.row0:sp.row1] * np.float32(scale)).reshape(n_rows, n_kv_head, g, dh)
         q16 = ops.f16(qs.transpose(1, 0, 2, 3))                           # [Hkv, t, G, Dh]
-        k0 = kf[layer, sp.slot]                                           # [Hkv, C, Dh]
-        v0 = vf[layer, sp.slot]
         chunk = chunk_rows(sp)
         for c0 in range(0, n_rows, chunk):
             cn = min(chunk, n_rows - c0)

@@ -11,7 +11,7 @@ The kernels are captured with programmatic dependent launch (cuda_kernels.Launch
 one's blocks start, and read their weights, while the kernel before it drains.
 BLOOMERY_CUDA_PDL=0 captures plain launches instead (the same kernels, serialized).
 
-Prompts of up to 128 ids in one slot are captured too, one graph per bucket of rows (PROMPT_BUCKETS). Uncaptured, a
+Prompts of up to 512 ids in one slot are captured too, one graph per bucket of rows (PROMPT_BUCKETS). Uncaptured, a
 pass launches some 770 kernels, 290 cuBLAS calls and 1,500 allocations from Python: on the H200 (session
 18, the 30B-shaped file) 6 ids took 14 ms and 16 ids 37 ms; captured, 9 and 25 ms (what is left is the
 card's own time, most of it the expert kernels at few rows an expert). A prompt of n ids runs in the smallest
@@ -19,7 +19,10 @@ bucket b >= n: its ids, then b - n rows of padding at the positions after it in 
 K and V land past the prompt's end (each row attends only to positions up to its own, and a later id
 writes its own position before it reads it), and only the last real row's logits come out. The
 rows carry their own slots and positions, as a decode step's do, so attention takes the decode
-kernels (a row over the keys up to its position); the products of more than DECODE_ROWS rows take
+kernels (a row over the keys up to its position), except in the buckets of PROMPT_FROM_START (256
+and 512 rows), which take only prompts from position 0: their rows attend to each other through
+the GEMM path, over the pass's own K and V (at 512 rows the decode kernels made the captured pass
+slower than the uncaptured one, session 19); the products of more than DECODE_ROWS rows take
 cuBLAS (gemm.py calls it through ctypes while capturing). Since DECODE_ROWS is 16 the buckets of 8 and 16
 rows both run the decode step's own kernels (mmt / mmv3, the per-pair expert kernels): the timings above
 for 16 ids are of the GEMM path, the 16-row bucket on the decode kernels is not yet measured. The warm-up
@@ -37,7 +40,7 @@ from dataclasses import dataclass
 import cupy
 import numpy as np
 
-from bloomery.engine.cuda.sizes import DECODE_ROWS, GREEDY_BANS, PROMPT_BUCKETS
+from bloomery.engine.cuda.sizes import DECODE_ROWS, GREEDY_BANS, PROMPT_BUCKETS, PROMPT_FROM_START
 from bloomery.engine.ops import Rows
 
 MAX_BATCH = DECODE_ROWS            # one graph takes a step of up to 16 rows (models/base.py _in_graphs splits wider)
@@ -220,6 +223,8 @@ class DecodeGraphs:
         for b in PROMPT_BUCKETS:
             if n <= b:
                 end = pos0 + b
+                if b in PROMPT_FROM_START and pos0:
+                    return None
                 return b if end <= self.model.n_ctx_slot and end <= PROMPT_DEPTH.get(b, end) else None
         return None
 
@@ -237,7 +242,7 @@ class DecodeGraphs:
     def _prompt_pass(self, io):
         model = self.model
         x = model.embed(io[0])                                                  # [B, D]
-        x = model.layers_forward(x, Rows(None, io[1], io[2]))
+        x = model.layers_forward(x, Rows(None, io[1], io[2], fresh=io.shape[1] in PROMPT_FROM_START))
         return model.head(x[io[3, :1]])                                         # [1, V]
 
     def _capture_prompt(self, b: int) -> _Graph:

@@ -14,7 +14,9 @@ MMV3N_ROWS = 8                 # the largest mmv3n_bN (MMV3N(N), the norm fused 
                                # mmv3n's 3 blocks of 256 threads an SM)
 GREEDY_BANS = 8                # ids a captured decode step bans per row before its greedy pick (ignore_eos bans the
                                # vocabulary's end-of-generation ids: 2-6 on the Qwen vocabularies); more take the top-k path
-PROMPT_BUCKETS = (8, 16, 32, 64, 128)   # rows of the captured passes of short prompts (graph.py), one pool for all
+PROMPT_BUCKETS = (8, 16, 32, 64, 128, 256, 512)   # rows of the captured prompt passes (graph.py), one pool for all
+PROMPT_FROM_START = (256, 512) # the buckets that take only prompts from position 0: their rows attend to each other
+                               # on the GEMM path (attention.py, Rows.fresh), not row by row on the decode kernels
 KV_BYTES = 2                   # bytes per K or V element: f16 (attention.KVCacheF16)
 # The prompt's planned expert path (kernels/moe_mm.cu, cuda/moe.py _planned): up to this many (token, expert)
 # pairs a pass, for experts of these ggml types (q4_0, q5_0, q8_0, q4_k, q5_k, q6_k) whose inner sizes are whole

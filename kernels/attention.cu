@@ -7,7 +7,8 @@
 
 // grid (T, H + Hkv), block Dh/2 threads (a multiple of 32, Dh <= ROPE_MAX_DH). q, k, v: [T, H*Dh], [T, Hkv*Dh] x2.
 // kr, vr (or null): the pass's rotated K and V again, [Hkv, T, Dh] f16, for a pass whose rows attend only to
-// each other (a captured prompt from position 0, whose slot is known only on the card).
+// each other (a captured prompt from position 0, whose slot is known only on the card). q16 (or null): the
+// rotated queries times q16_scale as f16 [Hkv, T, G, Dh], the prompt path's GEMM operand.
 // NEOX pairs (d, d + n_rot/2) for d < n_rot/2 turn by pos * base^(-2d/n_rot); dims n_rot.. pass as they are
 // (ggml's rope with n_dims < ne0). sec_total > 0: IMRoPE at a text position [p, p, p, 0] (ggml's
 // GGML_ROPE_TYPE_IMROPE, cpu/backend.imrope_text_pairs): pair d's sector d % sec_total turns when it
@@ -22,7 +23,8 @@ extern "C" __global__ void rope_store(const float* __restrict__ q, const float* 
                                       int sec_total, int sec0, int sec1, int sec2,
                                       i64 layer_off, i64 slot_stride, int C,
                                       u16* __restrict__ kc, u16* __restrict__ vc, float* __restrict__ q_out,
-                                      u16* __restrict__ kr, u16* __restrict__ vr) {
+                                      u16* __restrict__ kr, u16* __restrict__ vr, u16* __restrict__ q16,
+                                      float q16_scale) {
     __shared__ float sh[32];
     __shared__ float xs[ROPE_MAX_DH];
     pdl_wait();
@@ -63,6 +65,11 @@ extern "C" __global__ void rope_store(const float* __restrict__ q, const float* 
     if (is_q) {
         float* o = q_out + ((i64)t * H + head) * Dh;
         o[i] = y[0]; o[i + half] = y[1];
+        if (q16) {
+            int G = H / Hkv;
+            u16* o16 = q16 + (((i64)(head / G) * gridDim.x + t) * G + head % G) * Dh;
+            o16[i] = f2h(y[0] * q16_scale); o16[i + half] = f2h(y[1] * q16_scale);
+        }
     } else {
         i64 at = layer_off + (i64)slots[t] * slot_stride + ((i64)head * C + p) * Dh;
         kc[at + i] = f2h(y[0]); kc[at + i + half] = f2h(y[1]);
@@ -302,6 +309,15 @@ attn_merge(const float* __restrict__ part_m, const float* __restrict__ part_l,
     i64 at = ((i64)t * H + h) * Dh + i;
     out[at] = v;
     if (oq) store_q8(v, at, oq, od, os);
+}
+
+// Prompt path: a chunk's P x V, o [Hkv, n*G, Dh] (row t*G + g: row t of query head kv*G + g), into the rows'
+// output out [n, Hkv*G*Dh] (rows ld floats apart). grid (n, Hkv*G), block Dh.
+extern "C" __global__ void attn_unpack(const float* __restrict__ o, int n, int G, float* __restrict__ out, i64 ld) {
+    pdl_wait();
+    pdl_next();
+    int t = blockIdx.x, h = blockIdx.y, Dh = blockDim.x, kv = h / G, g = h % G;
+    out[(i64)t * ld + (i64)h * Dh + threadIdx.x] = o[(((i64)kv * n + t) * G + g) * Dh + threadIdx.x];
 }
 
 // Prompt path: s [R, n_kv] float scores (already scaled) -> p [R, n_kv] f16 probabilities,

@@ -113,6 +113,23 @@ extern "C" __global__ void f32_to_f16(const float* __restrict__ x, i64 n, u16* _
     pdl_next();
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) y[i] = f2h(x[i]);
 }
+// out[i] = a[i] + b[i % nb]: a residual (nb = n) or a bias over rows (nb = the row's length).
+extern "C" __global__ void add_f32(const float* __restrict__ a, const float* __restrict__ b, i64 n, i64 nb,
+                                   float* __restrict__ out) {
+    pdl_wait();
+    pdl_next();
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        out[i] = a[i] + b[nb == n ? i : i % nb];
+}
+// Rows idx[0 .. n-1] of x [R, D] (rows ld floats apart) -> out [n, D]. grid (n), block 256.
+extern "C" __global__ void take_rows(const float* __restrict__ x, i64 ld, const int* __restrict__ idx, int D,
+                                     float* __restrict__ out) {
+    pdl_wait();
+    pdl_next();
+    const float* src = x + (i64)idx[blockIdx.x] * ld;
+    float* dst = out + (i64)blockIdx.x * D;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) dst[i] = src[i];
+}
 // The same for decode-sized rows: out f32 and its int8-per-32 form (n % 32 == 0, whole warps
 // over consecutive blocks of 32), so the product that reads it next quantizes nothing.
 extern "C" __global__ void swiglu_q8(const float* __restrict__ g, const float* __restrict__ u, i64 n,

@@ -38,6 +38,27 @@ def test_kv_state_leaves_the_card_and_comes_back(gpu):
     np.testing.assert_array_equal(after[:, :, 3:7], k_state[:, :, 3:7])
 
 
+def test_saved_states_are_page_locked_and_let_go_when_freed(gpu):
+    """A state of at least PIN_MIN bytes is registered with the driver (a copy at the pinned rate), its range
+    page-aligned and its own; once the arrays are gone the driver no longer holds the pages."""
+    import gc
+    import cupy
+    from bloomery.engine.cuda import attention
+    kv = attention.KVCacheF16(n_layer=4, n_slots=1, n_ctx_slot=1024, n_head_kv=2, head_dim=128)
+    kv.k[...] = 1
+    k_state, v_state = kv.save_state(0, 1024)                  # 4 x 2 x 1024 x 128 x 2 bytes = 2 MiB each
+    assert k_state.nbytes >= attention.PIN_MIN
+    attrs = cupy.cuda.runtime.pointerGetAttributes(k_state.ctypes.data)
+    assert attrs.type == cupy.cuda.runtime.memoryTypeHost        # registered: the driver knows the pages
+    assert k_state.ctypes.data % attention.PAGE == 0 and (k_state == 1).all()
+    small = attention.host_array((16,), np.float16)              # below PIN_MIN: plain pageable memory
+    assert cupy.cuda.runtime.pointerGetAttributes(small.ctypes.data).type != cupy.cuda.runtime.memoryTypeHost
+    ptr = k_state.ctypes.data
+    del k_state, v_state
+    gc.collect()
+    assert cupy.cuda.runtime.pointerGetAttributes(ptr).type != cupy.cuda.runtime.memoryTypeHost   # let go
+
+
 def test_a_b_a_restores_on_the_card_with_the_first_runs_ids(gpu, tokenizer_source, synthetic_dir):
     from bloomery.engine.loader import load_model
     from bloomery.placement import whole

@@ -91,6 +91,9 @@ class Ops(Protocol):
     def add(self, a: Array, b: Array | Weight) -> Array:
         """a + b, b broadcast over leading axes (a bias handle is accepted)."""
 
+    def take_rows(self, x: Array, rows: Array) -> Array:
+        """Rows `rows` [n] (int32, on the backend) of x [T, D] -> [n, D] (the rows whose logits a pass wants)."""
+
     def rms_norm(self, x: Array, w: Weight, eps: float) -> Array:
         """x [..., D] / rms(x) * w [D]."""
 

@@ -484,6 +484,9 @@ class NumpyOps:
     def add(self, a, b) -> np.ndarray:
         return _f32(a) + (_vec(b) if isinstance(b, NumpyWeight) else _f32(b))
 
+    def take_rows(self, x, rows) -> np.ndarray:
+        return x[np.asarray(rows)]
+
     def norm_matmuls(self, x, norm, eps: float, ws, biases):
         h = self.rms_norm(x, norm, eps)
         return h, self.matmuls(h, ws, biases)

@@ -262,8 +262,8 @@ class CudaOps:
         if x.shape[0] > MMV_ROWS:
             x16 = self.f16(x) if any(w.ggml_type != F32 for w in ws) else None        # once for every weight
             outs = [self._gemm(x, w, x16) for w in ws]
-            outs = [o if b is None else o + b.vec for o, b in zip(outs, biases)]
-            return [o if r is None else o + r for o, r in zip(outs, residuals)]
+            outs = [o if b is None else self._add(o, b.vec) for o, b in zip(outs, biases)]
+            return [o if r is None else self._add(o, r) for o, r in zip(outs, residuals)]
         return self._mat_vecs(x, ws, biases, residuals)
 
     def _mmt_takes(self, w: CudaWeight, t: int) -> bool:
@@ -403,7 +403,27 @@ class CudaOps:
 
     # --- elementwise and norms ---
     def add(self, a, b):
-        return a + (b.vec if isinstance(b, CudaWeight) else b)
+        return self._add(a, b.vec if isinstance(b, CudaWeight) else b)
+
+    def _add(self, a, b):
+        """a + b through add_f32 (no CuPy elementwise kernel, which NVRTC would compile on a machine's first start):
+        b of a's shape, or a row broadcast over a's leading axes; other shapes or types as CuPy adds them."""
+        if (a.dtype == b.dtype == cupy.float32 and a.flags.c_contiguous and b.flags.c_contiguous
+                and (b.shape == a.shape or (b.ndim == 1 and a.ndim >= 1 and b.shape[0] == a.shape[-1]))):
+            out = cupy.empty(a.shape, cupy.float32)
+            if a.size:
+                self.k.add_f32((min(_grid(a.size, 256), 4096),), (256,), (a, b, np.int64(a.size), np.int64(b.size), out))
+            return out
+        return a + b
+
+    def take_rows(self, x, rows):
+        """Rows `rows` of x [T, D] f32 (take_rows: no CuPy gather kernel for NVRTC to compile)."""
+        x = cupy.ascontiguousarray(x, dtype=cupy.float32)
+        idx = cupy.asarray(rows, dtype=cupy.int32).reshape(-1)
+        out = cupy.empty((idx.size, x.shape[1]), cupy.float32)
+        if idx.size:
+            self.k.take_rows((idx.size,), (256,), (x, np.int64(x.shape[1]), idx, _i32(x.shape[1]), out))
+        return out
 
     def rms_norm(self, x, w: CudaWeight, eps: float):
         return self._rms_norm(x, w, eps)[0]

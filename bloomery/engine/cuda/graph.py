@@ -243,7 +243,7 @@ class DecodeGraphs:
         model = self.model
         x = model.embed(io[0])                                                  # [B, D]
         x = model.layers_forward(x, Rows(None, io[1], io[2], fresh=io.shape[1] in PROMPT_FROM_START))
-        return model.head(x[io[3, :1]])                                         # [1, V]
+        return model.head(model.ops.take_rows(x, io[3, :1]))                    # [1, V]
 
     def _capture_prompt(self, b: int) -> _Graph:
         """The bucket's graph, after one uncaptured pass of it (cuBLAS loads its kernels for these shapes outside

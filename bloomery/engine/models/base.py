@@ -204,8 +204,8 @@ class CausalLM(EngineModel):
             ids = np.concatenate(ids_p)                                   # [t]
             x = self._run(ids, np.concatenate(pos_p), spans)              # [t, D]
             if lasts:
-                rows = self.ops.from_host(np.array([r for _, r in lasts], np.int64))
-                logits = self.ops.to_host(self.head(x[rows]))             # [n, V]
+                rows = self.ops.from_host(np.array([r for _, r in lasts], np.int32))
+                logits = self.ops.to_host(self.head(self.ops.take_rows(x, rows)))   # [n, V]
                 for j, (i, _) in enumerate(lasts):
                     out[i] = logits[j]
             big = big or ids.size > self.ops.caps.decode_rows

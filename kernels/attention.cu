@@ -3,7 +3,9 @@
 // attn_dec + attn_merge: decode-style attention, each row its own slot and position,
 // the keys cut into pieces that follow the depth (flash-decoding), merged in a second pass.
 // softmax_causal: the prompt path's masked softmax between its two GEMMs.
+// attn_prompt: a captured prompt pass's rows over their slot's keys at any depth, on the tensor cores.
 #include "common.cuh"
+#include "f16x2.cuh"
 
 // grid (T, H + Hkv), block Dh/2 threads (a multiple of 32, Dh <= ROPE_MAX_DH). q, k, v: [T, H*Dh], [T, Hkv*Dh] x2.
 // kr, vr (or null): the pass's rotated K and V again, [Hkv, T, Dh] f16, for a pass whose rows attend only to
@@ -339,4 +341,127 @@ extern "C" __global__ void softmax_causal(const float* __restrict__ s, int n_kv,
     float inv = 1.f / sum;
     for (int j = threadIdx.x; j < n_kv; j += blockDim.x)
         p[(i64)r * n_kv + j] = f2h(j <= limit ? __expf(sr[j] - m) * inv : 0.f);
+}
+
+// A captured prompt pass at any depth (BLOOMERY_CUDA_PROMPT_ATTN=tc; cuda/attention.py): 16 rows a block, all
+// of one slot (slots[t0]), each attending to the keys up to its own position (pos[t]), for one kv head and
+// its G query heads, warp g taking query head kv*G + g. On the tensor cores (mma.m16n8k16: f16 in, f32
+// accumulate): Q (q16 [Hkv, T, G, Dh], scaled by rope_store) held as A fragments; the keys in chunks of
+// PA_KEYS through shared memory (rows padded to PA_LD, no bank conflicts on the B loads), S = Q K^T, an
+// online softmax per row (as flash attention: the running max and sum, O rescaled when the max moves),
+// P as the A operand of P V (S's accumulators are laid out as A's fragments, two n-tiles a k-step).
+// Keys past the tile's last position, or the slot's end, are zero in shared memory and masked.
+// grid (T / 16, Hkv), block 32 * G (G <= 8), Dh = PA_DH. out [T, H*Dh] f32.
+#define PA_DH 128
+#define PA_KEYS 64
+#define PA_LD (PA_DH + 8)
+extern "C" __global__ void __launch_bounds__(256) attn_prompt(
+        const u16* __restrict__ q16, const u16* __restrict__ kc, const u16* __restrict__ vc,
+        const int* __restrict__ slots, const int* __restrict__ pos, int T, int G, i64 layer_off,
+        i64 slot_stride, int C, float* __restrict__ out) {
+    __shared__ __align__(16) u16 ks[PA_KEYS * PA_LD];
+    __shared__ __align__(16) u16 vs[PA_KEYS * PA_LD];
+    pdl_wait();
+    pdl_next();
+    const int t0 = blockIdx.x * 16, kv = blockIdx.y, w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int gq = lane >> 2, t4 = lane & 3, H = gridDim.y * G;
+    const int p_lo = pos[t0 + gq], p_hi = pos[t0 + gq + 8];          // this thread's two rows
+    int pm = pos[t0 + (lane & 15)];                                  // the tile's last position
+    for (int o = 8; o > 0; o >>= 1) pm = max(pm, __shfl_xor_sync(0xffffffffu, pm, o));
+    const i64 base = layer_off + (i64)slots[t0] * slot_stride + (i64)kv * C * PA_DH;
+    const u16* kb = kc + base;
+    const u16* vb = vc + base;
+    u32 a[PA_DH / 16][4];                                            // Q's A fragments, every k-step
+    {
+        const u16* q_lo = q16 + (((i64)kv * T + t0 + gq) * G + w) * PA_DH;
+        const u16* q_hi = q16 + (((i64)kv * T + t0 + gq + 8) * G + w) * PA_DH;
+#pragma unroll
+        for (int k = 0; k < PA_DH / 16; k++) {
+            a[k][0] = *(const u32*)(q_lo + k * 16 + 2 * t4);
+            a[k][1] = *(const u32*)(q_hi + k * 16 + 2 * t4);
+            a[k][2] = *(const u32*)(q_lo + k * 16 + 8 + 2 * t4);
+            a[k][3] = *(const u32*)(q_hi + k * 16 + 8 + 2 * t4);
+        }
+    }
+    float o[PA_DH / 8][4];
+#pragma unroll
+    for (int n = 0; n < PA_DH / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m_lo = -3.0e38f, m_hi = -3.0e38f, l_lo = 0.f, l_hi = 0.f;
+    const int n_vec = PA_KEYS * PA_DH / 8;                          // 16-byte pieces of a chunk
+    for (int k0 = 0; k0 <= pm; k0 += PA_KEYS) {
+        __syncthreads();                                             // the last chunk's reads are done
+        for (int i = threadIdx.x; i < n_vec; i += blockDim.x) {
+            int key = i / (PA_DH / 8), c8 = i % (PA_DH / 8), kp = k0 + key;
+            uint4 kx = make_uint4(0, 0, 0, 0), vx = kx;
+            if (kp <= pm && kp < C) {
+                kx = ((const uint4*)(kb + (i64)kp * PA_DH))[c8];
+                vx = ((const uint4*)(vb + (i64)kp * PA_DH))[c8];
+            }
+            *(uint4*)(ks + key * PA_LD + c8 * 8) = kx;
+            *(uint4*)(vs + key * PA_LD + c8 * 8) = vx;
+        }
+        __syncthreads();
+        float s[PA_KEYS / 8][4];
+#pragma unroll
+        for (int n = 0; n < PA_KEYS / 8; n++) {
+            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+            const u16* kr = ks + (n * 8 + gq) * PA_LD + 2 * t4;      // B: key n*8 + gq, dims k*16 + 2*t4 (+8)
+#pragma unroll
+            for (int k = 0; k < PA_DH / 16; k++)
+                mma16816(s[n], a[k], *(const u32*)(kr + k * 16), *(const u32*)(kr + k * 16 + 8));
+        }
+        float mx_lo = -3.0e38f, mx_hi = -3.0e38f;
+#pragma unroll
+        for (int n = 0; n < PA_KEYS / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                int key = k0 + n * 8 + 2 * t4 + e;
+                s[n][e] = key <= p_lo ? s[n][e] : -3.0e38f;
+                s[n][2 + e] = key <= p_hi ? s[n][2 + e] : -3.0e38f;
+                mx_lo = fmaxf(mx_lo, s[n][e]);
+                mx_hi = fmaxf(mx_hi, s[n][2 + e]);
+            }
+        for (int x = 1; x <= 2; x <<= 1) {                            // the quad holds a row's 64 keys
+            mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, x));
+            mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, x));
+        }
+        float nm_lo = fmaxf(m_lo, mx_lo), nm_hi = fmaxf(m_hi, mx_hi);
+        float c_lo = __expf(m_lo - nm_lo), c_hi = __expf(m_hi - nm_hi);
+        m_lo = nm_lo, m_hi = nm_hi;
+        l_lo *= c_lo, l_hi *= c_hi;
+#pragma unroll
+        for (int n = 0; n < PA_DH / 8; n++) o[n][0] *= c_lo, o[n][1] *= c_lo, o[n][2] *= c_hi, o[n][3] *= c_hi;
+        u32 p[PA_KEYS / 8][2];                                       // P as f16 pairs: row gq, row gq + 8
+#pragma unroll
+        for (int n = 0; n < PA_KEYS / 8; n++) {
+            float e0 = __expf(s[n][0] - m_lo), e1 = __expf(s[n][1] - m_lo);
+            float e2 = __expf(s[n][2] - m_hi), e3 = __expf(s[n][3] - m_hi);
+            l_lo += e0 + e1, l_hi += e2 + e3;
+            p[n][0] = pack2(e0, e1), p[n][1] = pack2(e2, e3);
+        }
+#pragma unroll
+        for (int kk = 0; kk < PA_KEYS / 16; kk++) {
+            u32 pa[4] = {p[2 * kk][0], p[2 * kk][1], p[2 * kk + 1][0], p[2 * kk + 1][1]};
+            const u16* v0 = vs + (kk * 16 + 2 * t4) * PA_LD + gq;  // B: keys kk*16 + 2*t4 (+1, +8, +9), dim n*8 + gq
+#pragma unroll
+            for (int n = 0; n < PA_DH / 8; n++) {
+                const u16* vp = v0 + n * 8;
+                u32 b0 = (u32)vp[0] | ((u32)vp[PA_LD] << 16);
+                u32 b1 = (u32)vp[8 * PA_LD] | ((u32)vp[9 * PA_LD] << 16);
+                mma16816(o[n], pa, b0, b1);
+            }
+        }
+    }
+    for (int x = 1; x <= 2; x <<= 1) {
+        l_lo += __shfl_xor_sync(0xffffffffu, l_lo, x);
+        l_hi += __shfl_xor_sync(0xffffffffu, l_hi, x);
+    }
+    float i_lo = 1.f / l_lo, i_hi = 1.f / l_hi;
+    float* r_lo = out + (i64)(t0 + gq) * H * PA_DH + (i64)(kv * G + w) * PA_DH + 2 * t4;
+    float* r_hi = r_lo + (i64)8 * H * PA_DH;
+#pragma unroll
+    for (int n = 0; n < PA_DH / 8; n++) {
+        r_lo[n * 8] = o[n][0] * i_lo, r_lo[n * 8 + 1] = o[n][1] * i_lo;
+        r_hi[n * 8] = o[n][2] * i_hi, r_hi[n * 8 + 1] = o[n][3] * i_hi;
+    }
 }

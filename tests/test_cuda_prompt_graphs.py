@@ -112,3 +112,55 @@ def test_the_prompt_graphs_share_one_pool_the_plan_counts(warmed):
                - scratch_bytes_for(facts, model.n_ctx_slot, "cuda", 3))
     held = runner._prompt_pool.total_bytes()
     assert 0 < held <= counted, (held, counted)
+
+
+@pytest.fixture(scope="module")
+def warmed_tc(gpu, tokenizer_source, synthetic_dir):
+    """The same file with BLOOMERY_CUDA_PROMPT_ATTN=tc (read at each capture): a slot of 1,024 positions, so the
+    buckets of 256 and 512 rows are captured and taken at a depth."""
+    import os
+    from bloomery.engine.loader import load_model
+    from bloomery.engine.warmup import warm_up
+    from bloomery.placement import whole
+    path = load_tool("make_synthetic").write_synthetic(synthetic_dir / "graphs-tc-qwen3moe.gguf", arch="qwen3moe",
+                                                        mode="blocks", mix="q4_k_m", seed=7,
+                                                        tokenizer_from=str(tokenizer_source), **SHAPE)
+    kept = os.environ.get("BLOOMERY_CUDA_PROMPT_ATTN")
+    os.environ["BLOOMERY_CUDA_PROMPT_ATTN"] = "tc"
+    try:
+        model = load_model(str(path), whole("cuda", 2, 1024))
+        parts = dict(warm_up(model, 2))
+        assert "prompt graphs (8, 16, 32, 64, 128, 256, 512 rows)" in parts, parts
+        yield model
+    finally:
+        if kept is None:
+            os.environ.pop("BLOOMERY_CUDA_PROMPT_ATTN", None)
+        else:
+            os.environ["BLOOMERY_CUDA_PROMPT_ATTN"] = kept
+
+
+@pytest.mark.parametrize("n,pos0", [(17, 3), (40, 500), (100, 700), (129, 1), (200, 300), (256, 512), (300, 200),
+                                    (512, 0), (512, 512)])
+def test_tc_captures_a_prompt_at_any_depth_with_the_uncaptured_logits(warmed_tc, n, pos0):
+    """attn_prompt (the tensor cores over the slot's keys) in a captured pass that starts past position 0: the
+    logits of the uncaptured pass (the GEMM path over the same keys, f16 probabilities both), and the KV it
+    leaves reads the same to the next decode step."""
+    model = warmed_tc
+    runner = model.ops.decode_runner(model)
+    b = runner.prompt_bucket(n, pos0)
+    assert b is not None and b >= n
+    ids = np.random.default_rng(n * 7 + pos0).integers(10, 30000, n).astype(np.int32)
+    head = np.arange(600, 600 + pos0, dtype=np.int32) % 30000
+    if pos0:
+        model.prefill(1, head, 0)
+    ref = _uncaptured(model, lambda: model.prefill(1, ids, pos0))
+    room = pos0 + n < model.n_ctx_slot
+    ref_next = model.decode([1], [7], [pos0 + n])[0] if room else None
+    if pos0:
+        model.prefill(1, head, 0)
+    before = runner._prompts[b].graph
+    got = model.prefill(1, ids, pos0)
+    assert runner._prompts[b].graph is before                                 # replayed, not captured again
+    _close(got, ref)
+    if room:
+        _close(model.decode([1], [7], [pos0 + n])[0], ref_next)

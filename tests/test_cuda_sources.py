@@ -128,3 +128,18 @@ def test_every_decode_sized_batch_has_its_kernels():
     words = {int(re.search(r"^#define BELL_WORD (\d+)", text, re.M).group(1)) for text in (moe, host_c)}
     assert words == {host_moe.BELL_WORD} and sizes.DECODE_ROWS < host_moe.BELL_WORD
     assert host_moe.BELL_WORD & (host_moe.BELL_WORD - 1) == 0    # the bell reads T as word & (BELL_WORD - 1)
+
+
+def test_the_prompt_attention_lever_is_read_by_name(monkeypatch):
+    """BLOOMERY_CUDA_PROMPT_ATTN: gemm by default, tc takes heads of attn_prompt's size only, anything else is
+    refused by name (device-free: sizes.py)."""
+    from bloomery.engine.cuda import sizes
+    monkeypatch.delenv("BLOOMERY_CUDA_PROMPT_ATTN", raising=False)
+    assert sizes.prompt_attn() == "gemm" and not sizes.tc_prompt_fits(32, 4, 128)
+    monkeypatch.setenv("BLOOMERY_CUDA_PROMPT_ATTN", "tc")
+    assert sizes.tc_prompt_fits(32, 4, 128) and sizes.tc_prompt_fits(14, 2, 128)
+    assert not sizes.tc_prompt_fits(32, 2, 128)            # 16 query heads a KV head: past a block of 8 warps
+    assert not sizes.tc_prompt_fits(16, 4, 64)             # attn_prompt's head size is 128
+    monkeypatch.setenv("BLOOMERY_CUDA_PROMPT_ATTN", "flash")
+    with pytest.raises(ValueError, match="BLOOMERY_CUDA_PROMPT_ATTN='flash': one of gemm, tc"):
+        sizes.prompt_attn()

@@ -22,7 +22,7 @@ import numpy as np
 
 from bloomery.engine.cuda.gemm import gemm_nn, gemm_nt
 from bloomery.engine.cuda.kv_copies import span_copies
-from bloomery.engine.cuda.sizes import DECODE_ROWS, SCORE_BYTES
+from bloomery.engine.cuda.sizes import DECODE_ROWS, SCORE_BYTES, tc_prompt_fits
 from bloomery.engine.ops import AttnSpan
 
 DEC_MAXG = (4, 8, 16)               # query heads per kv head the attn_dec kernels are built for
@@ -190,8 +190,9 @@ def self_attention(ops, cache: KVCacheF16, layer: int, rows, q, k, v, scale: flo
         raise ValueError(f"{n_head} query heads are not a multiple of {n_kv_head} KV heads")
     dec_kernel(n_head // n_kv_head, dh)
     q_rot = cupy.empty((t, n_head, dh), cupy.float32)                     # [T, H, Dh]
-    own = rows.fresh and t > DECODE_ROWS                                  # keys: the pass's own rows
-    gemm = own or (rows.spans is not None and t > DECODE_ROWS)            # the prompt path's GEMMs
+    tc = rows.spans is None and t > DECODE_ROWS and t % 16 == 0 and tc_prompt_fits(n_head, n_kv_head, dh)
+    own = not tc and rows.fresh and t > DECODE_ROWS                       # keys: the pass's own rows
+    gemm = own or tc or (rows.spans is not None and t > DECODE_ROWS)      # q16: the GEMMs' (attn_prompt's) queries
     f16 = cupy.float16
     kr, vr = (cupy.empty((n_kv_head, t, dh), f16), cupy.empty((n_kv_head, t, dh), f16)) if own else (_NULL, _NULL)
     q16 = cupy.empty((n_kv_head, t, n_head // n_kv_head, dh), f16) if gemm else _NULL     # [Hkv, T, G, Dh]
@@ -203,6 +204,12 @@ def self_attention(ops, cache: KVCacheF16, layer: int, rows, q, k, v, scale: flo
         np.int32(n_rot), np.float32(math.log2(freq_base)), *imrope_args(imrope_sections), layer_off,
         np.int64(cache.slot_stride),
         np.int32(cache.n_ctx_slot), cache.k, cache.v, q_rot, kr, vr, q16, np.float32(scale)))
+    if tc:                                                                # a captured pass at any depth
+        out = cupy.empty((t, n_head * dh), cupy.float32)                  # [T, H*Dh]
+        ops.k.attn_prompt((t // 16, n_kv_head), (32 * (n_head // n_kv_head),), (
+            q16, cache.k, cache.v, rows.slots, rows.positions, np.int32(t), np.int32(n_head // n_kv_head),
+            layer_off, np.int64(cache.slot_stride), np.int32(cache.n_ctx_slot), out))
+        return out
     if own:
         return _gemm_path(ops, [(AttnSpan(-1, 0, 0, t), kr, vr, t)], q16, n_head)
     if not gemm:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import cupy
 import numpy as np
 
-from bloomery.engine.cuda.sizes import DECODE_ROWS, GREEDY_BANS, PROMPT_BUCKETS, PROMPT_FROM_START
+from bloomery.engine.cuda.sizes import DECODE_ROWS, GREEDY_BANS, PROMPT_BUCKETS, PROMPT_FROM_START, tc_prompt_fits
 from bloomery.engine.ops import Rows
 
 MAX_BATCH = DECODE_ROWS            # one graph takes a step of up to 16 rows (models/base.py _in_graphs splits wider)
@@ -220,15 +220,22 @@ class DecodeGraphs:
                 and getattr(self.model.ops, "offload", None) is None)
 
     def prompt_bucket(self, n: int, pos0: int) -> int | None:
-        """The bucket a prompt of n ids at pos0 runs in, or None (the uncaptured path)."""
+        """The bucket a prompt of n ids at pos0 runs in, or None (the uncaptured path). With
+        BLOOMERY_CUDA_PROMPT_ATTN=tc (sizes.prompt_attn) the buckets past DECODE_ROWS rows take any depth."""
         if n < 1 or not self.prompt_capturable():
             return None
+        m, hp = self.model, getattr(self.model, "hp", None)
+        any_depth = hp is not None and tc_prompt_fits(hp.n_head, hp.n_head_kv, hp.head_dim)
         for b in PROMPT_BUCKETS:
             if n <= b:
                 end = pos0 + b
+                if end > m.n_ctx_slot:
+                    return None
+                if any_depth and b > DECODE_ROWS:
+                    return b
                 if b in PROMPT_FROM_START and pos0:
                     return None
-                return b if end <= self.model.n_ctx_slot and end <= PROMPT_DEPTH.get(b, end) else None
+                return b if end <= PROMPT_DEPTH.get(b, end) else None
         return None
 
     def capture_prompts(self) -> list[int]:

@@ -2,6 +2,8 @@
 bloomery.plan reads them to count what the backend will hold."""
 from __future__ import annotations
 
+import os
+
 UBATCH = 4096                  # prompt rows per pass (CudaOps.n_ubatch): the GEMM paths' fixed costs spread wide
 SCORE_BYTES = 256 << 20        # the prompt path's attention score matrix per chunk (attention.py)
 DECODE_ROWS = 16               # rows a pass runs on the mat-vec (decode) kernels, the largest MMV3(n) of
@@ -42,4 +44,26 @@ MMT_ROWS = 16                # mmt's most rows (an mma's 16), and the weight row
 # (mmv3n's own rows are batch-independent), but differ between the two in the last places, as llama.cpp's
 # CUDA backend switches kernels by batch size too.
 MMT_MIN_ROWS = 4
+PA_DH = 128                    # attn_prompt's head size (attention.cu), its query heads per KV head at most PA_MAXG
+PA_MAXG = 8
+PROMPT_ATTN = ("gemm", "tc")
+
+
+def prompt_attn() -> str:
+    """BLOOMERY_CUDA_PROMPT_ATTN: how a captured prompt pass of more than DECODE_ROWS rows attends. gemm (the
+    default): from position 0 over its own rows through the GEMM path, at a depth (32-128 rows) row by row on the
+    decode kernels; tc: at any depth through attn_prompt (the tensor cores over the slot's keys), so passes that
+    start past position 0 (a chat's later turns) are captured too. tc is not yet run on a card (session 22)."""
+    got = os.environ.get("BLOOMERY_CUDA_PROMPT_ATTN", "gemm")
+    if got not in PROMPT_ATTN:
+        raise ValueError(f"BLOOMERY_CUDA_PROMPT_ATTN={got!r}: one of {', '.join(PROMPT_ATTN)}")
+    return got
+
+
+def tc_prompt_fits(n_head: int, n_head_kv: int, head_dim: int) -> bool:
+    """Whether captured prompt passes attend through attn_prompt: BLOOMERY_CUDA_PROMPT_ATTN=tc, and heads it takes."""
+    return (prompt_attn() == "tc" and head_dim == PA_DH and n_head % n_head_kv == 0
+            and n_head // n_head_kv <= PA_MAXG)
+
+
 assert MMV_SIZES[-1] == DECODE_ROWS and MMV3N_ROWS <= DECODE_ROWS <= MMT_ROWS

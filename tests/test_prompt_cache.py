@@ -293,3 +293,49 @@ def test_the_cpu_kv_cache_saves_and_restores_a_slots_positions():
         kv.restore_state(0, tail, 9, keep=4, offset=5)
     with pytest.raises(KVCacheError, match="slot 2 is out of range"):
         kv.save_state(2, 1)
+
+
+def test_an_idle_engine_saves_its_slots_before_the_next_request_needs_it(monkeypatch):
+    """save_idle_now (what the engine stage calls as it turns idle): each idle slot's state goes to the cache
+    then, once; the next request in that slot finds it saved (no copy on its path), and a request start still
+    announces the idle slot it saved (llama.cpp's test_kv_keep_only_active reads that record's tag)."""
+    from bloomery.engine import core
+    seen = []
+    monkeypatch.setattr(core.records, "record", lambda *a, **kw: seen.append((a[1], kw.get("tag"))))
+    model = SavingModel(2, 64)
+    engine = Engine(model, 2, 64, prompt_cache_bytes=4096, cache_idle_slots=True, test_tags=True)
+    a, b = [1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11]
+    engine.add(greq("a", a, id_slot=0))
+    drain(engine)
+    n_calls = len(model.calls)
+    assert engine.save_idle_now() == 1 and model.calls[n_calls:] == [("save", 0, 8 + 5)]
+    assert engine.save_idle_now() == 0 and len(model.calls) == n_calls + 1         # once
+    assert not [t for _, t in seen if t]
+    n_calls = len(model.calls)
+    engine.add(greq("b", b, id_slot=1))                                              # slot 0 idle: announced
+    drain(engine)
+    assert [c for c in model.calls[n_calls:] if c[0] in ("save", "restore")] == []    # saved already
+    assert [t for _, t in seen if t] == ["__TEST_TAG_CACHE_IDLE_SLOT__"]
+    engine.add(greq("b2", b + [30], id_slot=1))                                     # slot 0 announced once
+    drain(engine)
+    assert [t for _, t in seen if t] == ["__TEST_TAG_CACHE_IDLE_SLOT__"]
+    engine.add(greq("a2", a + [12], id_slot=0))                                     # slot 0's own prefix
+    out = drain(engine)["a2"]
+    assert out[0].n_cached == 8
+    n_calls = len(model.calls)
+    engine.add(greq("c", [20, 21, 22], id_slot=0))                                  # a new text in slot 0
+    drain(engine)
+    saves = [c for c in model.calls[n_calls:] if c[0] == "save"]
+    assert ("save", 0, 8 + 1 + 5) in saves                                          # what a2 left, on this path
+
+
+def test_an_idle_save_that_fails_keeps_the_slot_and_the_cache():
+    class Failing(SavingModel):
+        def save_kv(self, slot, n, start=0):
+            raise RuntimeError("the copy failed")
+    model = Failing(1, 64)
+    engine = Engine(model, 1, 64, prompt_cache_bytes=4096)
+    engine.add(greq("a", [1, 2, 3], id_slot=0))
+    drain(engine)
+    assert engine.save_idle_now() == 0 and engine.prompt_cache.n_entries == 0
+    assert engine.scheduler.slots[0].cached_ids[:3] == [1, 2, 3]

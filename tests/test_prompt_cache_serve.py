@@ -83,3 +83,28 @@ def test_cram_minus_1_is_refused_by_name(tiny_model):
                            "--port", "0"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "--cache-ram -1: the prompt cache always has a budget" in done.stderr, done.stderr
+
+
+def test_a_slot_is_saved_as_the_engine_turns_idle_not_on_the_next_requests_path(tiny_model):
+    """--cache-idle-slots (the default): the state a request leaves is in the prompt cache as soon as the engine
+    has nothing else to do, before any other request starts (what /metrics reads right after the reply); the next
+    prompt in that slot then copies nothing out. --no-cache-idle-slots keeps each save for the next request's
+    start, as before."""
+    with Served("-m", str(tiny_model), "--backend", "cpu", "-c", "256", "-np", "1", "--metrics",
+                "--no-warmup") as s:
+        first = complete(s.url, A)
+        m = metrics(s.url)
+        assert m["llamacpp:prompt_cache_entries"] == 1
+        second = complete(s.url, B)
+        m2 = metrics(s.url)
+        assert m2["llamacpp:prompt_cache_entries"] == 2                  # B's, saved as it ended; A's found saved
+        # A and its 7 fed ids, then B and its 7: the same bytes a position
+        per_a = m["llamacpp:prompt_cache_bytes"] / (first["tokens_evaluated"] + 7)
+        per_b = (m2["llamacpp:prompt_cache_bytes"] - m["llamacpp:prompt_cache_bytes"]) / (second["tokens_evaluated"] + 7)
+        assert per_a == per_b > 0
+    with Served("-m", str(tiny_model), "--backend", "cpu", "-c", "256", "-np", "1", "--metrics", "--no-warmup",
+                "--no-cache-idle-slots") as s:
+        complete(s.url, A)
+        assert metrics(s.url)["llamacpp:prompt_cache_entries"] == 0
+        complete(s.url, B)
+        assert metrics(s.url)["llamacpp:prompt_cache_entries"] == 1     # A's, at B's start

@@ -64,7 +64,7 @@ def serve(path, *flags):
 def test_a_b_a2_restores_the_shared_system_prompt_with_a_cold_runs_ids(model):
     a, a2 = ask(range(2000, 2012)), ask(range(4000, 4015))
     b = message(8948, *range(5000, 5030)) + ASSISTANT
-    with serve(model) as s:
+    with serve(model, "--no-cache-idle-slots") as s:    # each save at the next request's start: A, then B
         first = completion(s.url, a)
         assert completion(s.url, b)["timings"]["cache_n"] == 0      # B overwrote the slot; A was saved first
         warm = completion(s.url, a2)

@@ -42,7 +42,10 @@ starts in a slot, every other idle slot's state is saved there too (unless an en
 it), so a later prompt sharing its prefix finds it whichever slot it lands in; with `clear_idle`
 (--kv-unified) the idle slot is then emptied, as llama-server empties it to free room in its one
 shared buffer. Here each slot keeps its own KV region, so emptying frees nothing: the next prompt
-for that text restores it from the prompt cache instead of reusing the live slot.
+for that text restores it from the prompt cache instead of reusing the live slot. The copy itself is
+made earlier where it can be: as the engine turns idle (save_idle_now), so the next request's start
+finds it done (a restore of the saved state is 8 ms for 4,255 positions on the H200, the save of a
+turn 6 ms, both were on that request's path); the request start still announces it.
 """
 from __future__ import annotations
 
@@ -102,7 +105,8 @@ class Engine:
         # saved slot states in host RAM, within this budget (0: off); only a model with save_kv / restore_kv (and,
         # when it cannot rewind, save_checkpoint / restore_checkpoint)
         self.prompt_cache = PromptCache(prompt_cache_bytes)
-        # --cache-idle-slots: save the idle slots when a request starts (clear_idle: and empty them)
+        # --cache-idle-slots: save the idle slots as the engine turns idle (save_idle_now) or else when a request
+        # starts, which announces them (clear_idle: and empties them)
         self.cache_idle_slots, self.clear_idle = cache_idle_slots, clear_idle
         # --verbose: the records also carry llama-server's test tags (its suite reads them from the log)
         self.test_tags = test_tags
@@ -312,6 +316,7 @@ class Engine:
 
     def _save_held(self, slot: Slot) -> None:
         """Keep what the slot held in the prompt cache before its new prompt overwrites it."""
+        slot.saved_idle = None
         held, slot.held_ids = slot.held_ids, ()
         checkpoints, slot.held_checkpoints = slot.held_checkpoints, ()
         if held and self._caching():
@@ -326,7 +331,9 @@ class Engine:
             idle = [(s, tuple(s.cached_ids), tuple(s.checkpoints)) for s in self.scheduler.slots
                     if not s.is_processing and s.cached_ids]
         for slot, held, checkpoints in idle:
-            if self._save_slot(slot, held, checkpoints):
+            saved = self._save_slot(slot, held, checkpoints)
+            early, slot.saved_idle = slot.saved_idle == held, None       # saved while the engine idled
+            if saved or early:
                 tag = {"tag": "__TEST_TAG_CACHE_IDLE_SLOT__"} if self.test_tags else {}
                 records.record("serve", "idle slot saved to the prompt cache", component="engine", slot=slot.id,
                                n_ids=len(held), cleared=self.clear_idle, **tag)
@@ -334,6 +341,34 @@ class Engine:
                 with self._lock:
                     if not slot.is_processing:
                         self.scheduler.forget(slot)
+
+    def save_idle_now(self) -> int:
+        """--cache-idle-slots, as the engine turns idle (stages/engine calls this after the step that ended the last
+        request, before it reads another message): every idle slot's
+        state into the prompt cache now, unless an entry holds it already, so the copy off the card is not on
+        the next request's path (the save a new prompt in that slot, or --cache-idle-slots at a request start,
+        would make then finds it done). The slots keep their KV; the next request start still announces the idle
+        slots as --cache-idle-slots does (and empties them with --kv-unified). Returns the slots saved. A copy
+        that fails is logged and leaves the slot and the cache as they were."""
+        if not self.cache_idle_slots or not self._caching() or self.model is None:
+            return 0
+        self.settle()
+        with self._lock:
+            idle = [(s, tuple(s.cached_ids), tuple(s.checkpoints)) for s in self.scheduler.slots
+                    if not s.is_processing and s.cached_ids and s.saved_idle != tuple(s.cached_ids)]
+        n = 0
+        for slot, held, checkpoints in idle:
+            try:
+                saved = self._save_slot(slot, held, checkpoints)
+            except Exception as e:   # noqa: BLE001 (nothing was kept; the request start tries again)
+                records.record("serve", "saving an idle slot failed", component="engine", slot=slot.id,
+                               error=f"{type(e).__name__}: {e}")
+                continue
+            with self._lock:
+                if not slot.is_processing and tuple(slot.cached_ids) == held:
+                    slot.saved_idle = held if saved else slot.saved_idle
+            n += saved
+        return n
 
     def _restore_saved(self, slot: Slot) -> None:
         """A saved state restoring a longer prefix of the prompt than the live slot keeps: that prefix into

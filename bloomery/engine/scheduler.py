@@ -94,6 +94,8 @@ class Slot:
     held_checkpoints: tuple[tuple[int, object], ...] = ()   # at admission, with held_ids: the checkpoints then
     own_checkpoints: set[int] = field(default_factory=set)  # positions checkpointed for the current request
     last_start: int = -1         # the current prompt's last message start (-1: none)
+    saved_idle: tuple[int, ...] | None = None   # ids the engine saved while it idled (Engine.save_idle_now), until
+                                                # the next request start announces them or the slot is reused
 
     @property
     def n_past(self) -> int:

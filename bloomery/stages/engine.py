@@ -5,7 +5,10 @@ Threads (vLLM v1's shape):
   ExpertsQuery, SlotAction);
 - busy loop (main thread): drain the queue (add / cancel), engine.step(), one
   Tokens message per step on PUSH; while idle it blocks on the queue (no spin)
-  and checks that the supervisor is still its parent. A request that wakes it idle waits
+  and checks that the supervisor is still its parent. As it turns idle (the step that
+  ended the last request), the idle slots' states go to the prompt cache
+  (core.Engine.save_idle_now, with --cache-idle-slots), so that copy is off the next
+  request's path. A request that wakes it idle waits
   while more of a burst keeps arriving (gather: GATHER_QUIET_S apart, GATHER_MAX_S at most),
   so requests sent together share their first prompt pass and decode from the same step.
 A fault in step() fails every request in flight, then sends Dead: the
@@ -222,6 +225,8 @@ def serve(engine, inbox: queue.Queue, push: zmq.Socket, ppid: int, load=None) ->
             # a slot takes or ends a request, not per id
             push.send(em.encode(em.SlotsReply("", tuple(slots), engine.engine_stats())))
             last_slots = summary
+        if not engine.has_work():     # the last request ended: its slot's state to the prompt cache now, before
+            engine.save_idle_now()    # any message that came meanwhile (core.Engine.save_idle_now)
 
 
 def idle_slots(args: dict, cache_bytes: int, saves_state: bool) -> bool:

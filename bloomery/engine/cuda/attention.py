@@ -210,7 +210,7 @@ def self_attention(ops, cache: KVCacheF16, layer: int, rows, q, k, v, scale: flo
             q16, cache.k, cache.v, rows.slots, rows.positions, np.int32(t), np.int32(n_head // n_kv_head),
             layer_off, np.int64(cache.slot_stride), np.int32(cache.n_ctx_slot), out))
         return out
-    if own:
+    if own:                                                               # (no slot: the keys are kr, vr)
         return _gemm_path(ops, [(AttnSpan(-1, 0, 0, t), kr, vr, t)], q16, n_head)
     if not gemm:
         return _split_path(ops, cache, layer_off, rows, q_rot, n_kv_head, scale)

@@ -44,6 +44,24 @@ def test_the_tool_end_to_end_on_the_numpy_backend(tmp_path, tokenizer_source):
     assert "decode   3 rows at depth 20:" in r.stdout
 
 
+def test_prompts_at_a_depth_on_the_numpy_backend(tmp_path, tokenizer_source):
+    """--prompt-at D: each pass at position D of a slot holding D ids (a chat's later turn); the slot's context
+    leaves room for it; a negative position is refused by name."""
+    path = load_tool("make_synthetic").write_synthetic(
+        tmp_path / "tiny.gguf", "qwen3", tokenizer_from=str(tokenizer_source), n_layer=1, n_embd=64, n_head=4,
+        n_head_kv=2, n_ff=64)
+    out = tmp_path / "steps.json"
+    base = [sys.executable, str(REPO / "tools" / "bench_steps.py"), "-m", str(path), "--backend", "numpy",
+            "--prompts", "8", "--batches", "1", "--depth", "4", "--steps", "2", "--reps", "1"]
+    r = subprocess.run(base + ["--prompt-at", "30", "--out", str(out)], capture_output=True, text=True,
+                       timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert set(json.loads(out.read_text())["prompt_tok_s"]) == {"8 at 30"}
+    assert st.sizes([8], [1], 4, 2, 30) == (1, 8 + 30 + 512)
+    r = subprocess.run(base + ["--prompt-at", "-1"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode != 0 and "--prompt-at -1: a position, 0 or more" in r.stdout + r.stderr
+
+
 def test_placement_flags_read_as_llama_server_and_the_host_account():
     a = st.parse_args(["-m", "x.gguf", "-ncmoe", "24", "-t", "6"])
     assert st.placing(a) and a.n_cpu_moe == 24 and a.threads == 6

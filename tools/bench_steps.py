@@ -12,6 +12,8 @@
            bans, and with the step launched ahead and without (BLOOMERY_GREEDY_AHEAD=0): the ids a second
            once every slot decodes, and how the engine's steps went (launched ahead, from the largest
            logits, whole rows)
+  (--prompt-at D: each pass at position D of a slot holding D ids, as a chat's later turn; with
+           BLOOMERY_CUDA_PROMPT_ATTN=tc its captured passes take any depth)
   captured (--captured, cuda) the prompts again as the warm-up's captured passes (each --prompts size that
            has a bucket at position 0: engine/cuda/graph.py), after the uncaptured ones
   kernels  (--kernels, cuda) each kernel's time a decode step at the smallest and the largest batch (the
@@ -24,7 +26,7 @@ It prints one line a measurement and writes them all to --out (JSON). What it sa
 is the engine's alone: through HTTP the server adds its own path (tools/bench_serve.py).
 
     python3 tools/bench_steps.py -m FILE [--backend cuda] [--prompts 64,512,4096] [--batches 1,2,4,8,16] \\
-        [--depth 512] [--kernels] [--captured] [--cpu-moe | -ncmoe N | -fitt MIB] [-t N] [--ops] [--out steps.json]
+        [--depth 512] [--kernels] [--prompt-at D] [--captured] [--cpu-moe | -ncmoe N | -fitt MIB] [-t N] [--ops] [--out steps.json]
 
 --ops (numpy backend) runs every decode step op by op instead of in decode_layers' one compiled call.
 
@@ -64,9 +66,10 @@ def counts(flag: str, text: str) -> list[int]:
     return out
 
 
-def sizes(prompts: list[int], batches: list[int], depth: int, steps: int) -> tuple[int, int]:
-    """(slots, context a slot) that the measurements need."""
-    return max(batches), max(max(prompts), depth + steps + 1)
+def sizes(prompts: list[int], batches: list[int], depth: int, steps: int, prompt_at: int = 0) -> tuple[int, int]:
+    """(slots, context a slot) that the measurements need (prompts at prompt_at: room for the widest bucket's
+    padding past them, 512 ids)."""
+    return max(batches), max(max(prompts) + (prompt_at + 512 if prompt_at else 0), depth + steps + 1)
 
 
 def _sync(model) -> None:
@@ -75,13 +78,14 @@ def _sync(model) -> None:
         cupy.cuda.Device().synchronize()
 
 
-def prompt_rate(model, ids: np.ndarray, reps: int) -> float:
-    """tok/s of one prompt pass of len(ids) ids into slot 0, the median of reps."""
+def prompt_rate(model, ids: np.ndarray, reps: int, pos0: int = 0) -> float:
+    """tok/s of one prompt pass of len(ids) ids into slot 0 at position pos0 (the slot holding pos0 ids before
+    it), the median of reps."""
     times = []
     for _ in range(reps):
         _sync(model)
         t = time.perf_counter()
-        model.prefill(0, ids, 0)
+        model.prefill(0, ids, pos0)
         _sync(model)
         times.append(time.perf_counter() - t)
     return ids.size / float(np.median(times))
@@ -227,7 +231,9 @@ def run(a) -> dict:
         raise BenchError("--ops: the one-call decode is the numpy backend's (--backend numpy)")
     if a.kernels:
         os.environ["BLOOMERY_CUDA_PDL"] = "0"          # read when each step is captured
-    n_slots, n_ctx = sizes(prompts, batches, a.depth, a.steps)
+    if a.prompt_at < 0:
+        raise BenchError(f"--prompt-at {a.prompt_at}: a position, 0 or more")
+    n_slots, n_ctx = sizes(prompts, batches, a.depth, a.steps, a.prompt_at)
     rng = np.random.default_rng(0)
     t = time.perf_counter()
     placement = planned(a, n_slots, n_ctx) if placing(a) else whole(a.backend, n_slots=n_slots, n_ctx_slot=n_ctx)
@@ -244,6 +250,11 @@ def run(a) -> dict:
               f"residency {'on' if off.residency else 'off'}", flush=True)
     ids = rng.integers(100, model.n_vocab - 1, max(prompts), dtype=np.int32)
     model.prefill(0, ids[:min(64, ids.size)], 0)     # first-use costs (handles, pools) out of the figures
+    at = a.prompt_at
+    head = rng.integers(100, model.n_vocab - 1, at, dtype=np.int32)
+    if at:
+        model.prefill(0, head, 0)                    # what the slot holds before each prompt pass
+    tag = f" at {at}" if at else ""
     paths = ("planned", "grouped") if a.backend == "cuda" and has_experts(model) else ("",)
     saved = os.environ.get("BLOOMERY_CUDA_MOE_PROMPT")
     try:
@@ -251,9 +262,9 @@ def run(a) -> dict:
             if path:
                 os.environ["BLOOMERY_CUDA_MOE_PROMPT"] = path
             for p in prompts:
-                rate = prompt_rate(model, ids[:p], a.reps)
-                res["prompt_tok_s"][f"{p}" + (f" {path}" if path else "")] = round(rate, 1)
-                print(f"prompt {p:>6} ids{' (' + path + ')' if path else ''}: {rate:,.1f} tok/s", flush=True)
+                rate = prompt_rate(model, ids[:p], a.reps, at)
+                res["prompt_tok_s"][f"{p}{tag}" + (f" {path}" if path else "")] = round(rate, 1)
+                print(f"prompt {p:>6} ids{tag}{' (' + path + ')' if path else ''}: {rate:,.1f} tok/s", flush=True)
     finally:
         if saved is None:
             os.environ.pop("BLOOMERY_CUDA_MOE_PROMPT", None)
@@ -265,11 +276,13 @@ def run(a) -> dict:
         buckets = runner.capture_prompts()
         print(f"prompt graphs ({', '.join(map(str, buckets))} rows) captured in {time.perf_counter() - t:.2f} s",
               flush=True)
+        if at:
+            model.prefill(0, head, 0)                # the captures wrote slot 0 from position 0
         for p in prompts:
-            if runner.prompt_bucket(p, 0) is not None:
-                rate = prompt_rate(model, ids[:p], a.reps)
-                res["prompt_tok_s"][f"{p} captured"] = round(rate, 1)
-                print(f"prompt {p:>6} ids (captured, bucket {runner.prompt_bucket(p, 0)}): {rate:,.1f} tok/s "
+            if runner.prompt_bucket(p, at) is not None:
+                rate = prompt_rate(model, ids[:p], a.reps, at)
+                res["prompt_tok_s"][f"{p}{tag} captured"] = round(rate, 1)
+                print(f"prompt {p:>6} ids{tag} (captured, bucket {runner.prompt_bucket(p, at)}): {rate:,.1f} tok/s "
                       f"({1e3 * p / rate:.2f} ms)", flush=True)
     if a.kernels:
         p = min(prompts)
@@ -344,6 +357,8 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--steps", type=int, default=40, help="decode steps timed a batch size")
     ap.add_argument("--reps", type=int, default=3, help="prompt passes a size (the median is kept)")
     ap.add_argument("--kernels", action="store_true", help="each kernel's time a step (cuda, torch's profiler)")
+    ap.add_argument("--prompt-at", type=int, default=0, metavar="D",
+                    help="each prompt pass starts at position D of a slot holding D ids (a chat's later turn)")
     ap.add_argument("--captured", action="store_true",
                     help="cuda: also each prompt that has a bucket as the warm-up's captured pass (graph.py)")
     ap.add_argument("--engine", action="store_true",

@@ -2,7 +2,7 @@
 # On a GPU machine with no network (the device): install the carried wheels, then run the
 # steps named, in order, each under its own time limit, results under $OUT (or ./gpu-out).
 #
-#   tools/gpu_run.sh [llama-build] [tests] [bench] [variants] [profile] [llama] [grammar] [offload] [serve] [start]
+#   tools/gpu_run.sh [llama-build] [tests] [bench] [variants] [profile] [llama] [grammar] [offload] [serve] [start] [depth]
 #
 #   llama-build  start building llama-server (CUDA, sm_90) from the carried trimmed sdist $dev/llama-src.tar.xz
 #             into /tmp/llama, in its own process session (setsid): the device ends a call's other processes,
@@ -30,6 +30,11 @@
 #   start     tools/bench_start.py on the bench file: seconds to /health 200 with CuPy's kernel cache
 #             empty, with the prebuilt kernels and with every module compiled by NVRTC ($START_MODES),
 #             -c 32768 -np 4; start.json and start.log (the fatbins: carry bloomery/engine/cuda/prebuilt)
+#   depth     tools/bench_steps.py on the bench file: prompt passes of 64, 256 and 512 ids at position
+#             $DEPTH_AT (default 4000, a chat's later turn), uncaptured and captured, once with
+#             BLOOMERY_CUDA_PROMPT_ATTN=gemm (the default: not captured at a depth) and once with tc;
+#             depth-gemm.json, depth-tc.json, depth.log
+#   ($SERVE_ARGS: more bench_serve flags for serve, e.g. --replay-own-documents)
 #
 # Carried beside the tree in $BLOOMERY_DEVICE_DIR (default .device, git-ignored):
 #   whl/*.whl            pyzmq, structlog, gguf, llguidance (the device image lacks them)
@@ -90,7 +95,7 @@ fi
 [ -z "${LLAMA_SERVER:-}" ] && [ -f /tmp/llama/done ] && [ -x "$built" ] && export LLAMA_SERVER=$built
 
 big=$work/qwen3moe-30b-a3b-shape-q4_k_m-L48.gguf
-if { has bench || has grammar || has serve || has start; } && [ ! -s "$big" ]; then        # the same file bench_cuda.py would write, started early
+if { has bench || has grammar || has serve || has start || has depth; } && [ ! -s "$big" ]; then        # the same file bench_cuda.py would write, started early
   (python3 - "$work" "$BLOOMERY_TOKENIZER_GGUF" > "$out/write.log" 2>&1 <<'EOF'
 import sys, time
 from pathlib import Path
@@ -169,8 +174,19 @@ fi
 
 if has serve; then
   [ -n "${writer:-}" ] && wait "$writer" 2>/dev/null
-  args=(--model "$big" --backend cuda --out "$work/serve.json")
+  args=(--model "$big" --backend cuda --out "$work/serve.json" ${SERVE_ARGS:-})
   against_llama serve "${SERVE_CELLS:-}" "${SERVE_S:-540}"
+fi
+
+if has depth; then
+  [ -n "${writer:-}" ] && wait "$writer" 2>/dev/null
+  t0=$SECONDS
+  for mode in gemm tc; do
+    BLOOMERY_CUDA_PROMPT_ATTN=$mode timeout "${DEPTH_S:-200}" python3 tools/bench_steps.py -m "$big" \
+      --prompts 64,256,512 --prompt-at "${DEPTH_AT:-4000}" --batches 1 --steps 8 --reps 5 --captured \
+      --out "$out/depth-$mode.json" 2>&1 | sed "s/^/$mode: /" | tee -a "$out/depth.log" | grep -v '^[a-z]*: decode'
+  done
+  echo "depth: $((SECONDS - t0)) s"
 fi
 
 if has start; then

@@ -442,3 +442,24 @@ def test_on_the_card_the_greedy_step_bans_ids_itself(gpu, tokenizer_source, synt
     assert on_card == whole_rows
     assert not {t for ids in on_card.values() for t in ids} & set(banned)
     assert engine.top_steps == 0 and engine.ahead_steps > 0
+
+
+def test_host_experts_keep_steps_in_place_unless_offload_ahead_is_asked(monkeypatch):
+    """greedy_ahead: a model whose routed experts are partly on the host launches no step ahead (its residency runs
+    between steps) unless BLOOMERY_OFFLOAD_AHEAD=1, which the card's measurement turns on; a model without host
+    experts launches ahead unless BLOOMERY_GREEDY_AHEAD=0."""
+    from types import SimpleNamespace
+    from bloomery.engine.models.base import CausalLM
+
+    def model(offload):
+        m = object.__new__(CausalLM)
+        m.ops = SimpleNamespace(offload=offload, caps=SimpleNamespace(decode_graphs=True),
+                                decode_runner=lambda _m: "graphs")
+        return m
+    monkeypatch.delenv("BLOOMERY_OFFLOAD_AHEAD", raising=False)
+    monkeypatch.delenv("BLOOMERY_GREEDY_AHEAD", raising=False)
+    assert model(None).greedy_ahead and not model(object()).greedy_ahead
+    monkeypatch.setenv("BLOOMERY_OFFLOAD_AHEAD", "1")
+    assert model(object()).greedy_ahead
+    monkeypatch.setenv("BLOOMERY_GREEDY_AHEAD", "0")
+    assert not model(object()).greedy_ahead and not model(None).greedy_ahead

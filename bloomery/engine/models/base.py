@@ -313,9 +313,13 @@ class CausalLM(EngineModel):
     def greedy_ahead(self) -> bool:
         """Whether decode_greedy_begin launches a step and returns before it ends: captured steps, a state that
         rewinds (a step whose ids go unused leaves a write past the slot's end, which the next id overwrites;
-        a recurrent state would keep it), and no host experts (the offload's residency runs between steps).
-        BLOOMERY_GREEDY_AHEAD=0 turns it off (for comparison)."""
-        return (self.rewinds and getattr(self.ops, "offload", None) is None
+        a recurrent state would keep it), and no host experts, unless BLOOMERY_OFFLOAD_AHEAD=1 (the offload's
+        residency runs between steps, in the wait that ends a step, before the next is launched; with host
+        experts launched ahead is not yet measured on a card, session 22). BLOOMERY_GREEDY_AHEAD=0 turns it off
+        (for comparison)."""
+        offload_ok = (getattr(self.ops, "offload", None) is None
+                      or os.environ.get("BLOOMERY_OFFLOAD_AHEAD", "0") == "1")
+        return (self.rewinds and offload_ok
                 and os.environ.get("BLOOMERY_GREEDY_AHEAD", "1") != "0" and self._graphs() is not None)
 
     def decode_greedy_begin(self, slots: Sequence[int], ids, positions, bans=None):

@@ -339,3 +339,20 @@ def test_an_idle_save_that_fails_keeps_the_slot_and_the_cache():
     drain(engine)
     assert engine.save_idle_now() == 0 and engine.prompt_cache.n_entries == 0
     assert engine.scheduler.slots[0].cached_ids[:3] == [1, 2, 3]
+
+
+def test_asleep_the_engine_reports_the_figures_of_the_moment_it_fell_asleep():
+    """--sleep-idle-seconds frees the prompt cache with the weights; /metrics then shows what it showed on entering
+    sleep (llama-server's snapshot; its suite's test_server_sleep_read_only_endpoints compares the two), and the
+    live figures again once awake."""
+    model = SavingModel(1, 64)
+    engine = Engine(model, 1, 64, prompt_cache_bytes=4096, cache_idle_slots=True)
+    engine.add(greq("a", [1, 2, 3, 4], id_slot=0))
+    drain(engine)
+    engine.save_idle_now()
+    awake = engine.engine_stats()
+    assert awake["entries"] == 1
+    engine.swap_model(None)
+    assert engine.prompt_cache.n_entries == 0 and engine.engine_stats() == awake
+    engine.swap_model(model)
+    assert engine.engine_stats()["entries"] == 0

@@ -105,6 +105,7 @@ class Engine:
         # saved slot states in host RAM, within this budget (0: off); only a model with save_kv / restore_kv (and,
         # when it cannot rewind, save_checkpoint / restore_checkpoint)
         self.prompt_cache = PromptCache(prompt_cache_bytes)
+        self._asleep_stats: dict | None = None       # engine_stats() as the engine fell asleep (swap_model)
         # --cache-idle-slots: save the idle slots as the engine turns idle (save_idle_now) or else when a request
         # starts, which announces them (clear_idle: and empties them)
         self.cache_idle_slots, self.clear_idle = cache_idle_slots, clear_idle
@@ -185,9 +186,11 @@ class Engine:
         loaded model wakes it. Either way the slots' cached prompts are gone with the old KV."""
         self.settle()
         self._ahead = None
+        asleep = self.engine_stats() if model is None and self.model is not None else None
         with self._lock:
             if model is None and self.scheduler.has_work():
                 raise RuntimeError("the engine has work: it cannot sleep now")
+            self._asleep_stats = asleep
             self.model = model
             for slot in self.scheduler.slots:
                 self.scheduler.forget(slot)
@@ -195,8 +198,12 @@ class Engine:
 
     def engine_stats(self) -> dict[str, float]:
         """What /metrics shows of the engine: the prompt cache's bytes, entries, budget and restore time, and its
-        decode steps by path (launched ahead, dropped, from the largest logits, of those run again)."""
+        decode steps by path (launched ahead, dropped, from the largest logits, of those run again). Asleep
+        (--sleep-idle-seconds), the figures of the moment it fell asleep, as llama-server serves its metrics from
+        the snapshot taken on entering sleep (the prompt cache's entries went with the weights)."""
         with self._lock:
+            if self.model is None and self._asleep_stats is not None:
+                return dict(self._asleep_stats)
             return {**self.prompt_cache.stats(), "steps_decode": self.decode_steps, "steps_ahead": self.ahead_steps,
                     "steps_ahead_dropped": self.ahead_dropped, "steps_top": self.top_steps,
                     "steps_top_missed": self.top_misses}

@@ -2,6 +2,8 @@
 stand-in model whose KV is its ids: a state saved before another prompt overwrites the slot comes back."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -356,3 +358,22 @@ def test_asleep_the_engine_reports_the_figures_of_the_moment_it_fell_asleep():
     assert engine.prompt_cache.n_entries == 0 and engine.engine_stats() == awake
     engine.swap_model(model)
     assert engine.engine_stats()["entries"] == 0
+
+
+def test_the_first_output_carries_the_prompt_caches_work_before_the_prompt():
+    """cache_ms (timings.cache_ms): what the request's admission spent saving the slot's held state and restoring a
+    saved prefix; 0 where it did neither, and only on the first output."""
+    class Slow(SavingModel):
+        def restore_kv(self, *a, **kw):
+            time.sleep(0.02)
+            return super().restore_kv(*a, **kw)
+    model = Slow(1, 64)
+    engine = Engine(model, 1, 64, prompt_cache_bytes=4096)
+    a, b = [1, 2, 3, 4, 5, 6], [9, 10]
+    outs = {}
+    for rid, p in (("a", a), ("b", b), ("a2", a)):
+        engine.add(greq(rid, p, id_slot=0))
+        outs[rid] = drain(engine)[rid]
+    assert outs["a"][0].cache_ms < 5                                          # nothing held, nothing saved
+    assert outs["a2"][0].n_cached == len(a) - 1 and outs["a2"][0].cache_ms >= 20   # a restore of 20 ms at least
+    assert all(o.cache_ms == 0.0 for o in outs["a2"][1:])

@@ -102,6 +102,9 @@ def test_a_slot_is_saved_as_the_engine_turns_idle_not_on_the_next_requests_path(
         per_a = m["llamacpp:prompt_cache_bytes"] / (first["tokens_evaluated"] + 7)
         per_b = (m2["llamacpp:prompt_cache_bytes"] - m["llamacpp:prompt_cache_bytes"]) / (second["tokens_evaluated"] + 7)
         assert per_a == per_b > 0
+        third = complete(s.url, A)                                        # A again: restored, timed in cache_ms
+        assert third["timings"]["cache_n"] == first["tokens_evaluated"] - 1 and third["timings"]["cache_ms"] > 0
+        assert first["timings"]["cache_ms"] >= 0 and "cache_ms" in second["timings"]
     with Served("-m", str(tiny_model), "--backend", "cpu", "-c", "256", "-np", "1", "--metrics", "--no-warmup",
                 "--no-cache-idle-slots") as s:
         complete(s.url, A)

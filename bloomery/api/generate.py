@@ -54,6 +54,7 @@ class Outcome:
     stopping_word: str = ""
     prompt_ms: float = 0.0
     predicted_ms: float = 0.0
+    cache_ms: float = 0.0                               # the prompt cache's work before the prompt (bloomery's)
     cancelled: bool = False
     slot: int = -1                                      # the slot that ran it (llama-server's id_slot)
     progress_n: int | None = None                       # prompt ids processed so far, while the prompt runs
@@ -86,6 +87,7 @@ class Outcome:
             "predicted_ms": self.predicted_ms,
             "predicted_per_token_ms": self.predicted_ms / n_steps if n_steps else 0.0,
             "predicted_per_second": 1e3 / self.predicted_ms * n_steps if self.predicted_ms > 0 else 0.0,
+            "cache_ms": self.cache_ms,
         }
 
 
@@ -197,6 +199,7 @@ class Generation:
                             self.metrics.on_first(self)
                         out.n_prompt = len(self.prompt_ids) if o.n_prompt else out.n_prompt
                         out.n_cached, out.prompt_ms = min(o.n_cached, len(self.prompt_ids)), o.prompt_ms
+                        out.cache_ms = o.cache_ms
                         out.progress_n = None
                     elif o.prompt_ms and o.n_prompt:
                         out.prompt_ms += o.prompt_ms       # a later leg's prompt pass (the forced ids)

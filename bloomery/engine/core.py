@@ -85,6 +85,7 @@ class _ReqState:
     top_miss: float = 0.0     # running share of greedy picks each row's largest logits did not settle
     n_done: int = 0           # prompt ids in the slot's KV so far (cached, restored and run)
     t0: float = 0.0           # when the prompt's first pass began (perf_counter)
+    cache_ms: float = 0.0     # the prompt cache's work at admission: the held state saved, a saved prefix restored
 
 
 class Engine:
@@ -249,11 +250,14 @@ class Engine:
                                        "n_prompt": len(req.prompt_ids), "n_cached": slot.n_cached,
                                        "n_processed": len(req.prompt_ids) - slot.n_cached,
                                        "n_decoded": 0}
+        saved_ms: dict[int, float] = {}
         for slot in admitted:    # every save before any restore: a slot admitted now may restore another's
+            t0 = time.perf_counter()
             try:
                 self._save_held(slot)
             except Exception as e:   # the slot's KV is as it was; this request alone fails
                 outs.append(self._fail(slot, e, len(slot.req.prompt_ids)))
+            saved_ms[slot.id] = (time.perf_counter() - t0) * 1000.0
         if admitted and self.cache_idle_slots:
             self._save_idle()
         admitted = [s for s in admitted if s.req is not None]
@@ -261,7 +265,7 @@ class Engine:
             if slot.req.pooling:      # an embedding request: its whole prompt now, then the slot is free
                 outs.append(self._embed(slot))
                 continue
-            failed = self._start(slot, outs)
+            failed = self._start(slot, outs, saved_ms.get(slot.id, 0.0))
             if failed is not None:
                 outs.append(failed)
         with self._lock:
@@ -427,21 +431,24 @@ class Engine:
         records.record("serve", "restored a checkpoint: the prompt reads on from its position", component="engine",
                        slot=slot.id, n_ids=n, took_ms=round((time.perf_counter() - t0) * 1000.0, 2))
 
-    def _start(self, slot: Slot, progress: list[TokenOut]) -> TokenOut | None:
+    def _start(self, slot: Slot, progress: list[TokenOut], saved_ms: float = 0.0) -> TokenOut | None:
         """An admitted request: a restore from the prompt cache, its sampler; None when it may run its
-        prompt, else the output that failed it."""
+        prompt, else the output that failed it. saved_ms: the save of what the slot held, before (cache_ms)."""
         req = slot.req
+        t0 = time.perf_counter()
         try:
             self._restore_saved(slot)
             self._restore_checkpoint(slot)
         except Exception as e:   # the slot holds nothing trustworthy now (forgotten); this request fails
             return self._fail(slot, e, len(req.prompt_ids))
+        cache_ms = saved_ms + (time.perf_counter() - t0) * 1000.0
         try:
             sampler = Sampler(req.sampling, self.n_vocab, self.n_ctx_slot, req.prompt_ids,
                               matcher=self._matcher(req))
         except Exception as e:
             return self._fail(slot, e, len(req.prompt_ids), slot.n_cached)
-        slot.state = _ReqState(sampler, frozenset(req.stop_ids), n_done=slot.n_cached, t0=time.perf_counter())
+        slot.state = _ReqState(sampler, frozenset(req.stop_ids), n_done=slot.n_cached, t0=time.perf_counter(),
+                               cache_ms=cache_ms)
         if req.return_progress:
             self._report(slot, progress)
         return None
@@ -728,7 +735,8 @@ class Engine:
         return TokenOut(req.req_id, s.token, finish, logprob=s.logprob, top=s.top,
                         n_prompt=n_prompt if first else 0,
                         n_cached=slot.n_cached if first else 0,
-                        prompt_ms=st.prompt_ms if first else 0.0, slot=slot.id)
+                        prompt_ms=st.prompt_ms if first else 0.0, cache_ms=st.cache_ms if first else 0.0,
+                        slot=slot.id)
 
     def _matcher(self, req: EngineRequest) -> Matcher | None:
         """The request's structured-output state: its grammar against the vocabulary's token bytes (the

@@ -66,6 +66,8 @@ class TokenOut:
     n_prompt: int = 0                         # prompt ids of the request (set on its first output)
     n_cached: int = 0                         # prompt ids reused from the slot's cache (first output)
     prompt_ms: float = 0.0                    # prompt pass wall time (first output)
+    cache_ms: float = 0.0                     # the prompt cache's work before the prompt pass: saving what the slot
+                                              # held, restoring a saved prefix (first output; timings.cache_ms)
     error: str | None = None                  # message when finish is "error" or "shutdown"
     slot: int = -1                            # the slot that ran the request; -1 when none did (queued, refused)
     n_processed: int = -1                     # >= 0 only on a prompt-progress output (token and finish None):

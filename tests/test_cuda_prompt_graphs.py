@@ -44,13 +44,14 @@ def _close(got, ref):
     assert got[int(ref.argmax())] >= got.max() - 0.05          # the pick, up to a near tie
 
 
-@pytest.mark.parametrize("n,pos0", [(1, 0), (5, 0), (8, 0), (13, 0), (16, 7), (16, 200), (40, 100), (64, 0),
-                                    (64, 190), (100, 0), (128, 120), (129, 0), (200, 0), (256, 0)])
-def test_a_captured_prompt_gives_the_uncaptured_logits_and_kv(warmed, n, pos0):
-    model = warmed
+def _captured_as_uncaptured(model, n: int, pos0: int) -> None:
+    """A prompt of n ids at pos0 in slot 1 (after pos0 ids of its own), captured: the uncaptured pass's logits,
+    its bucket's graph replayed (not captured again), and the KV it left reads the same to the next decode step."""
     runner = model.ops.decode_runner(model)
+    b = runner.prompt_bucket(n, pos0)
+    assert b is not None and b >= n
     ids = np.random.default_rng(n + pos0).integers(10, 30000, n).astype(np.int32)
-    head = np.arange(500, 500 + pos0, dtype=np.int32)
+    head = np.arange(500, 500 + pos0, dtype=np.int32) % 30000
     if pos0:
         model.prefill(1, head, 0)
     ref = _uncaptured(model, lambda: model.prefill(1, ids, pos0))
@@ -58,12 +59,18 @@ def test_a_captured_prompt_gives_the_uncaptured_logits_and_kv(warmed, n, pos0):
     ref_next = model.decode([1], [7], [pos0 + n])[0] if room else None
     if pos0:
         model.prefill(1, head, 0)
-    before = runner._prompts[runner.prompt_bucket(n, pos0)].graph
+    before = runner._prompts[b].graph
     got = model.prefill(1, ids, pos0)
-    assert runner._prompts[runner.prompt_bucket(n, pos0)].graph is before     # replayed, not captured again
+    assert runner._prompts[b].graph is before                                 # replayed, not captured again
     _close(got, ref)
     if room:
         _close(model.decode([1], [7], [pos0 + n])[0], ref_next)              # the KV it left reads the same
+
+
+@pytest.mark.parametrize("n,pos0", [(1, 0), (5, 0), (8, 0), (13, 0), (16, 7), (16, 200), (40, 100), (64, 0),
+                                    (64, 190), (100, 0), (128, 120), (129, 0), (200, 0), (256, 0)])
+def test_a_captured_prompt_gives_the_uncaptured_logits_and_kv(warmed, n, pos0):
+    _captured_as_uncaptured(warmed, n, pos0)
 
 
 def test_the_padding_is_never_read(warmed):
@@ -145,22 +152,4 @@ def test_tc_captures_a_prompt_at_any_depth_with_the_uncaptured_logits(warmed_tc,
     """attn_prompt (the tensor cores over the slot's keys) in a captured pass that starts past position 0: the
     logits of the uncaptured pass (the GEMM path over the same keys, f16 probabilities both), and the KV it
     leaves reads the same to the next decode step."""
-    model = warmed_tc
-    runner = model.ops.decode_runner(model)
-    b = runner.prompt_bucket(n, pos0)
-    assert b is not None and b >= n
-    ids = np.random.default_rng(n * 7 + pos0).integers(10, 30000, n).astype(np.int32)
-    head = np.arange(600, 600 + pos0, dtype=np.int32) % 30000
-    if pos0:
-        model.prefill(1, head, 0)
-    ref = _uncaptured(model, lambda: model.prefill(1, ids, pos0))
-    room = pos0 + n < model.n_ctx_slot
-    ref_next = model.decode([1], [7], [pos0 + n])[0] if room else None
-    if pos0:
-        model.prefill(1, head, 0)
-    before = runner._prompts[b].graph
-    got = model.prefill(1, ids, pos0)
-    assert runner._prompts[b].graph is before                                 # replayed, not captured again
-    _close(got, ref)
-    if room:
-        _close(model.decode([1], [7], [pos0 + n])[0], ref_next)
+    _captured_as_uncaptured(warmed_tc, n, pos0)

@@ -338,10 +338,7 @@ class Engine:
         (unless an entry holds them already); with clear_idle the slot is emptied after."""
         if not self._caching():
             return
-        with self._lock:
-            idle = [(s, tuple(s.cached_ids), tuple(s.checkpoints)) for s in self.scheduler.slots
-                    if not s.is_processing and s.cached_ids]
-        for slot, held, checkpoints in idle:
+        for slot, held, checkpoints in self._idle_held():
             saved = self._save_slot(slot, held, checkpoints)
             early, slot.saved_idle = slot.saved_idle == held, None       # saved while the engine idled
             if saved or early:
@@ -364,22 +361,28 @@ class Engine:
         if not self.cache_idle_slots or not self._caching() or self.model is None:
             return 0
         self.settle()
-        with self._lock:
-            idle = [(s, tuple(s.cached_ids), tuple(s.checkpoints)) for s in self.scheduler.slots
-                    if not s.is_processing and s.cached_ids and s.saved_idle != tuple(s.cached_ids)]
         n = 0
-        for slot, held, checkpoints in idle:
+        for slot, held, checkpoints in self._idle_held():
+            if slot.saved_idle == held:
+                continue
             try:
                 saved = self._save_slot(slot, held, checkpoints)
             except Exception as e:   # noqa: BLE001 (nothing was kept; the request start tries again)
                 records.record("serve", "saving an idle slot failed", component="engine", slot=slot.id,
                                error=f"{type(e).__name__}: {e}")
                 continue
-            with self._lock:
-                if not slot.is_processing and tuple(slot.cached_ids) == held:
-                    slot.saved_idle = held if saved else slot.saved_idle
+            if saved:
+                with self._lock:
+                    if not slot.is_processing and tuple(slot.cached_ids) == held:
+                        slot.saved_idle = held
             n += saved
         return n
+
+    def _idle_held(self) -> list[tuple[Slot, tuple[int, ...], tuple]]:
+        """(slot, its ids, its checkpoints) of every idle slot holding ids."""
+        with self._lock:
+            return [(s, tuple(s.cached_ids), tuple(s.checkpoints)) for s in self.scheduler.slots
+                    if not s.is_processing and s.cached_ids]
 
     def _restore_saved(self, slot: Slot) -> None:
         """A saved state restoring a longer prefix of the prompt than the live slot keeps: that prefix into

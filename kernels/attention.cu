@@ -351,14 +351,17 @@ extern "C" __global__ void softmax_causal(const float* __restrict__ s, int n_kv,
 // online softmax per row (as flash attention: the running max and sum, O rescaled when the max moves),
 // P as the A operand of P V (S's accumulators are laid out as A's fragments, two n-tiles a k-step).
 // Keys past the tile's last position, or the slot's end, are zero in shared memory and masked.
-// grid (T / 16, Hkv), block 32 * G (G <= 8), Dh = PA_DH. out [T, H*Dh] f32.
+// grid (T / 16, Hkv, S), block 32 * G (G <= 8), Dh = PA_DH. S = 1: out [T, H*Dh] f32; S > 1: split z takes the
+// z-th run of a block's key chunks and leaves its share in part_m, part_l [T, H, S], part_o [T, H, S, Dh]
+// (attn_prompt_merge adds them into out).
 #define PA_DH 128
 #define PA_KEYS 64
 #define PA_LD (PA_DH + 8)
 extern "C" __global__ void __launch_bounds__(256) attn_prompt(
         const u16* __restrict__ q16, const u16* __restrict__ kc, const u16* __restrict__ vc,
         const int* __restrict__ slots, const int* __restrict__ pos, int T, int G, i64 layer_off,
-        i64 slot_stride, int C, float* __restrict__ out) {
+        i64 slot_stride, int C, float* __restrict__ out, float* __restrict__ part_m,
+        float* __restrict__ part_l, float* __restrict__ part_o) {
     __shared__ __align__(16) u16 ks[PA_KEYS * PA_LD];
     __shared__ __align__(16) u16 vs[PA_KEYS * PA_LD];
     pdl_wait();
@@ -388,7 +391,9 @@ extern "C" __global__ void __launch_bounds__(256) attn_prompt(
     for (int n = 0; n < PA_DH / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
     float m_lo = -3.0e38f, m_hi = -3.0e38f, l_lo = 0.f, l_hi = 0.f;
     const int n_vec = PA_KEYS * PA_DH / 8;                          // 16-byte pieces of a chunk
-    for (int k0 = 0; k0 <= pm; k0 += PA_KEYS) {
+    const int S = gridDim.z, n_ch = pm / PA_KEYS + 1, per = (n_ch + S - 1) / S;   // this split's key chunks
+    const int k_end = min(n_ch, (blockIdx.z + 1) * per) * PA_KEYS;
+    for (int k0 = blockIdx.z * per * PA_KEYS; k0 < k_end; k0 += PA_KEYS) {
         __syncthreads();                                             // the last chunk's reads are done
         for (int i = threadIdx.x; i < n_vec; i += blockDim.x) {
             int key = i / (PA_DH / 8), c8 = i % (PA_DH / 8), kp = k0 + key;
@@ -434,8 +439,11 @@ extern "C" __global__ void __launch_bounds__(256) attn_prompt(
         u32 p[PA_KEYS / 8][2];                                       // P as f16 pairs: row gq, row gq + 8
 #pragma unroll
         for (int n = 0; n < PA_KEYS / 8; n++) {
-            float e0 = __expf(s[n][0] - m_lo), e1 = __expf(s[n][1] - m_lo);
-            float e2 = __expf(s[n][2] - m_hi), e3 = __expf(s[n][3] - m_hi);
+            // a masked key counts nothing, also where every key so far was masked (a split past the row)
+            float e0 = s[n][0] > -1.0e38f ? __expf(s[n][0] - m_lo) : 0.f;
+            float e1 = s[n][1] > -1.0e38f ? __expf(s[n][1] - m_lo) : 0.f;
+            float e2 = s[n][2] > -1.0e38f ? __expf(s[n][2] - m_hi) : 0.f;
+            float e3 = s[n][3] > -1.0e38f ? __expf(s[n][3] - m_hi) : 0.f;
             l_lo += e0 + e1, l_hi += e2 + e3;
             p[n][0] = pack2(e0, e1), p[n][1] = pack2(e2, e3);
         }
@@ -456,12 +464,49 @@ extern "C" __global__ void __launch_bounds__(256) attn_prompt(
         l_lo += __shfl_xor_sync(0xffffffffu, l_lo, x);
         l_hi += __shfl_xor_sync(0xffffffffu, l_hi, x);
     }
+    const int h = kv * G + w;
+    if (S > 1) {                  // this split's share, unscaled, with its max and sum (attn_prompt_merge adds them)
+        const i64 b_lo = ((i64)(t0 + gq) * H + h) * S + blockIdx.z, b_hi = b_lo + (i64)8 * H * S;
+        float* r_lo = part_o + b_lo * PA_DH + 2 * t4;
+        float* r_hi = part_o + b_hi * PA_DH + 2 * t4;
+#pragma unroll
+        for (int n = 0; n < PA_DH / 8; n++) {
+            r_lo[n * 8] = o[n][0], r_lo[n * 8 + 1] = o[n][1];
+            r_hi[n * 8] = o[n][2], r_hi[n * 8 + 1] = o[n][3];
+        }
+        if (t4 == 0) part_m[b_lo] = m_lo, part_l[b_lo] = l_lo, part_m[b_hi] = m_hi, part_l[b_hi] = l_hi;
+        return;
+    }
     float i_lo = 1.f / l_lo, i_hi = 1.f / l_hi;
-    float* r_lo = out + (i64)(t0 + gq) * H * PA_DH + (i64)(kv * G + w) * PA_DH + 2 * t4;
+    float* r_lo = out + (i64)(t0 + gq) * H * PA_DH + (i64)h * PA_DH + 2 * t4;
     float* r_hi = r_lo + (i64)8 * H * PA_DH;
 #pragma unroll
     for (int n = 0; n < PA_DH / 8; n++) {
         r_lo[n * 8] = o[n][0] * i_lo, r_lo[n * 8 + 1] = o[n][1] * i_lo;
         r_hi[n * 8] = o[n][2] * i_hi, r_hi[n * 8 + 1] = o[n][3] * i_hi;
     }
+}
+
+// attn_prompt's splits (gridDim.z = S > 1: each block's keys cut into S runs of chunks, so a pass of few rows at
+// a depth fills the card) added up: per row and query head, the shares weighted by exp(m_s - M), over the sum
+// of the l_s likewise. A split that saw none of a row's keys left l = 0 and adds nothing.
+// grid (T, H), block Dh. part_m, part_l [T, H, S]; part_o [T, H, S, Dh]; out [T, H*Dh] f32.
+extern "C" __global__ void attn_prompt_merge(const float* __restrict__ part_m, const float* __restrict__ part_l,
+                                             const float* __restrict__ part_o, int S, float* __restrict__ out) {
+    pdl_wait();
+    pdl_next();
+    const int t = blockIdx.x, h = blockIdx.y, H = gridDim.y, Dh = blockDim.x, d = threadIdx.x;
+    const i64 base = ((i64)t * H + h) * S;
+    float M = -3.0e38f;
+    for (int z = 0; z < S; z++) M = part_l[base + z] > 0.f ? fmaxf(M, part_m[base + z]) : M;
+    float L = 0.f, acc = 0.f;
+    for (int z = 0; z < S; z++) {
+        float l = part_l[base + z];
+        if (l > 0.f) {
+            float e = __expf(part_m[base + z] - M);
+            L += l * e;
+            acc += part_o[(base + z) * Dh + d] * e;
+        }
+    }
+    out[((i64)t * H + h) * Dh + d] = acc / L;
 }

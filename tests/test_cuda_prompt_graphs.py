@@ -4,6 +4,9 @@ the decode kernels' attention and the GEMM path's; the buckets from position 0 t
 rows), the padding is never read, and what may not be captured is not."""
 from __future__ import annotations
 
+import contextlib
+import os
+
 import numpy as np
 import pytest
 
@@ -15,16 +18,32 @@ SHAPE = dict(n_layer=2, n_embd=512, n_head=8, n_head_kv=2, head_dim=128, n_exper
 
 @pytest.fixture(scope="module")
 def warmed(gpu, tokenizer_source, synthetic_dir):
+    """The graphs as BLOOMERY_CUDA_PROMPT_ATTN=gemm captures them (fixed at the capture): the wider buckets from
+    position 0 only, over their own rows."""
     from bloomery.engine.loader import load_model
     from bloomery.engine.warmup import warm_up
     from bloomery.placement import whole
     path = load_tool("make_synthetic").write_synthetic(synthetic_dir / "graphs-qwen3moe.gguf", arch="qwen3moe",
                                                         mode="blocks", mix="q4_k_m", seed=7,
                                                         tokenizer_from=str(tokenizer_source), **SHAPE)
-    model = load_model(str(path), whole("cuda", 3, 256))
-    parts = dict(warm_up(model, 3))
+    with _prompt_attn("gemm"):
+        model = load_model(str(path), whole("cuda", 3, 256))
+        parts = dict(warm_up(model, 3))
     assert "prompt graphs (8, 16, 32, 64, 128, 256 rows)" in parts, parts      # 512 passes the slot
     return model
+
+
+@contextlib.contextmanager
+def _prompt_attn(mode: str):
+    kept = os.environ.get("BLOOMERY_CUDA_PROMPT_ATTN")
+    os.environ["BLOOMERY_CUDA_PROMPT_ATTN"] = mode
+    try:
+        yield
+    finally:
+        if kept is None:
+            os.environ.pop("BLOOMERY_CUDA_PROMPT_ATTN", None)
+        else:
+            os.environ["BLOOMERY_CUDA_PROMPT_ATTN"] = kept
 
 
 def _uncaptured(model, fn):
@@ -59,9 +78,12 @@ def _captured_as_uncaptured(model, n: int, pos0: int) -> None:
     ref_next = model.decode([1], [7], [pos0 + n])[0] if room else None
     if pos0:
         model.prefill(1, head, 0)
-    before = runner._prompts[b].graph
+    before, counts = runner._prompts[b].graph, model.pass_counts()
     got = model.prefill(1, ids, pos0)
     assert runner._prompts[b].graph is before                                 # replayed, not captured again
+    after = model.pass_counts()                                               # and counted so (/metrics)
+    assert after["passes_prompt_captured"] == counts["passes_prompt_captured"] + 1
+    assert after["passes_prompt"] == counts["passes_prompt"] + 1
     _close(got, ref)
     if room:
         _close(model.decode([1], [7], [pos0 + n])[0], ref_next)              # the KV it left reads the same
@@ -123,27 +145,19 @@ def test_the_prompt_graphs_share_one_pool_the_plan_counts(warmed):
 
 @pytest.fixture(scope="module")
 def warmed_tc(gpu, tokenizer_source, synthetic_dir):
-    """The same file with BLOOMERY_CUDA_PROMPT_ATTN=tc (read at each capture): a slot of 1,024 positions, so the
-    buckets of 256 and 512 rows are captured and taken at a depth."""
-    import os
+    """The same file with BLOOMERY_CUDA_PROMPT_ATTN=tc (the default, fixed at the capture): a slot of 1,024
+    positions, so the buckets of 256 and 512 rows are captured and taken at a depth."""
     from bloomery.engine.loader import load_model
     from bloomery.engine.warmup import warm_up
     from bloomery.placement import whole
     path = load_tool("make_synthetic").write_synthetic(synthetic_dir / "graphs-tc-qwen3moe.gguf", arch="qwen3moe",
                                                         mode="blocks", mix="q4_k_m", seed=7,
                                                         tokenizer_from=str(tokenizer_source), **SHAPE)
-    kept = os.environ.get("BLOOMERY_CUDA_PROMPT_ATTN")
-    os.environ["BLOOMERY_CUDA_PROMPT_ATTN"] = "tc"
-    try:
+    with _prompt_attn("tc"):
         model = load_model(str(path), whole("cuda", 2, 1024))
         parts = dict(warm_up(model, 2))
-        assert "prompt graphs (8, 16, 32, 64, 128, 256, 512 rows)" in parts, parts
-        yield model
-    finally:
-        if kept is None:
-            os.environ.pop("BLOOMERY_CUDA_PROMPT_ATTN", None)
-        else:
-            os.environ["BLOOMERY_CUDA_PROMPT_ATTN"] = kept
+    assert "prompt graphs (8, 16, 32, 64, 128, 256, 512 rows)" in parts, parts
+    return model
 
 
 @pytest.mark.parametrize("n,pos0", [(17, 3), (40, 500), (100, 700), (129, 1), (200, 300), (256, 512), (300, 200),

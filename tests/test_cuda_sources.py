@@ -131,15 +131,26 @@ def test_every_decode_sized_batch_has_its_kernels():
 
 
 def test_the_prompt_attention_lever_is_read_by_name(monkeypatch):
-    """BLOOMERY_CUDA_PROMPT_ATTN: gemm by default, tc takes heads of attn_prompt's size only, anything else is
-    refused by name (device-free: sizes.py)."""
+    """BLOOMERY_CUDA_PROMPT_ATTN: tc by default, which takes heads of attn_prompt's size only; gemm turns it off;
+    anything else is refused by name (device-free: sizes.py)."""
     from bloomery.engine.cuda import sizes
     monkeypatch.delenv("BLOOMERY_CUDA_PROMPT_ATTN", raising=False)
-    assert sizes.prompt_attn() == "gemm" and not sizes.tc_prompt_fits(32, 4, 128)
+    assert sizes.prompt_attn() == "tc" and sizes.tc_prompt_fits(32, 4, 128) and sizes.tc_prompt_fits(14, 2, 128)
+    monkeypatch.setenv("BLOOMERY_CUDA_PROMPT_ATTN", "gemm")
+    assert not sizes.tc_prompt_fits(32, 4, 128)
     monkeypatch.setenv("BLOOMERY_CUDA_PROMPT_ATTN", "tc")
-    assert sizes.tc_prompt_fits(32, 4, 128) and sizes.tc_prompt_fits(14, 2, 128)
     assert not sizes.tc_prompt_fits(32, 2, 128)            # 16 query heads a KV head: past a block of 8 warps
     assert not sizes.tc_prompt_fits(16, 4, 64)             # attn_prompt's head size is 128
     monkeypatch.setenv("BLOOMERY_CUDA_PROMPT_ATTN", "flash")
     with pytest.raises(ValueError, match="BLOOMERY_CUDA_PROMPT_ATTN='flash': one of gemm, tc"):
         sizes.prompt_attn()
+
+
+def test_attn_prompt_splits_fill_the_card_and_stop_at_eight():
+    """attn_prompt's key splits (device-free: sizes.py): two blocks an SM where the rows alone leave it idle."""
+    from bloomery.engine.cuda.sizes import PA_MAX_SPLITS, prompt_splits
+    assert prompt_splits(64, 132) == 5              # 256 rows over 4 KV heads on an H200
+    assert prompt_splits(128, 132) == 3             # 512 rows
+    assert prompt_splits(16, 132) == PA_MAX_SPLITS  # 64 rows: no more than eight
+    assert prompt_splits(512, 132) == 1             # enough blocks: one walk, no merge
+    assert prompt_splits(0, 132) == PA_MAX_SPLITS

@@ -38,25 +38,37 @@ def test_kv_state_leaves_the_card_and_comes_back(gpu):
     np.testing.assert_array_equal(after[:, :, 3:7], k_state[:, :, 3:7])
 
 
-def test_saved_states_are_page_locked_and_let_go_when_freed(gpu):
-    """A state of at least PIN_MIN bytes is registered with the driver (a copy at the pinned rate), its range
-    page-aligned and its own; once the arrays are gone the driver no longer holds the pages."""
+def test_saved_states_are_page_locked_and_their_memory_used_again(gpu):
+    """A state of at least PIN_MIN bytes lies in the KV cache's arena: registered with the driver (a copy at the
+    pinned rate), page-aligned; once its arrays are gone the span serves the next save, still registered, and
+    the reserve made ahead lets a save take memory without a chunk made on its path."""
     import gc
     import cupy
     from bloomery.engine.cuda import attention
+    from bloomery.engine.host_arena import PAGE
     kv = attention.KVCacheF16(n_layer=4, n_slots=1, n_ctx_slot=1024, n_head_kv=2, head_dim=128)
+    kv.arena._background = False                                 # tended here, step by step
     kv.k[...] = 1
     k_state, v_state = kv.save_state(0, 1024)                  # 4 x 2 x 1024 x 128 x 2 bytes = 2 MiB each
     assert k_state.nbytes >= attention.PIN_MIN
     attrs = cupy.cuda.runtime.pointerGetAttributes(k_state.ctypes.data)
     assert attrs.type == cupy.cuda.runtime.memoryTypeHost        # registered: the driver knows the pages
-    assert k_state.ctypes.data % attention.PAGE == 0 and (k_state == 1).all()
-    small = attention.host_array((16,), np.float16)              # below PIN_MIN: plain pageable memory
+    assert k_state.ctypes.data % PAGE == 0 and (k_state == 1).all()
+    assert kv.arena.stats()["made_on_path"] == 1                 # no limit set: nothing made ahead
+    small = kv.arena.array((16,), np.float16)                    # below PIN_MIN: plain pageable memory
     assert cupy.cuda.runtime.pointerGetAttributes(small.ctypes.data).type != cupy.cuda.runtime.memoryTypeHost
     ptr = k_state.ctypes.data
     del k_state, v_state
     gc.collect()
-    assert cupy.cuda.runtime.pointerGetAttributes(ptr).type != cupy.cuda.runtime.memoryTypeHost   # let go
+    kv.k[...] = 2
+    k2, v2 = kv.save_state(0, 1024)
+    assert k2.ctypes.data == ptr and (k2 == 2).all()             # the freed span again, no chunk made
+    assert kv.arena.stats()["made_on_path"] == 1
+    kv.arena.set_limit(1 << 30)
+    assert kv.arena.tend() == 2 and kv.arena.stats()["idle_chunks"] == 2
+    k3, v3 = kv.save_state(0, 512)
+    assert kv.arena.stats()["made_on_path"] == 1                 # from the reserve
+    assert cupy.cuda.runtime.pointerGetAttributes(k3.ctypes.data).type == cupy.cuda.runtime.memoryTypeHost
 
 
 def test_a_b_a_restores_on_the_card_with_the_first_runs_ids(gpu, tokenizer_source, synthetic_dir):

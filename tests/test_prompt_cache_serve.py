@@ -59,6 +59,8 @@ def test_a_b_a_restores_a_with_the_ids_of_a_cold_run(real_model_path):
     # greedy pick under ignore_eos's bans taken from the row's largest logits; the CPU backend launches none ahead
     assert m["bloomery:decode_steps_total"] == m["bloomery:decode_steps_top_total"] == 4 * 7
     assert m["bloomery:decode_steps_ahead_total"] == m["bloomery:decode_steps_top_missed_total"] == 0
+    # one prompt pass a request (the warm-up's not counted); the CPU backend captures none
+    assert m["bloomery:prompt_passes_total"] == 4 and m["bloomery:prompt_passes_captured_total"] == 0
 
 
 def test_cram_0_is_off_and_a_small_budget_is_kept(tiny_model):

@@ -242,7 +242,8 @@ def test_metrics_add_the_expert_series_only_for_a_load_with_host_experts():
     assert status == 200 and "llamacpp:prompt_tokens_total" in text
     layers = model.ops.offload.report()["layers"]
     assert sum(layers[0]["counts"]) >= 3 and layers[0]["misses"] > 0
-    ours = [line for line in text.splitlines() if line.startswith("bloomery:") and "decode_steps" not in line]
+    ours = [line for line in text.splitlines() if line.startswith("bloomery:")                # the expert series:
+            and "decode_steps" not in line and "prompt_passes" not in line]               # not the engine's own
     assert ours == [f'bloomery:expert_hits_total{{layer="{i}"}} {layers[i]["hits"]}' for i in (0, 1)] + \
         [f'bloomery:expert_misses_total{{layer="{i}"}} {layers[i]["misses"]}' for i in (0, 1)] + \
         ["bloomery:experts_moved_total 4", "bloomery:expert_bytes_moved_total 12000000",
@@ -258,6 +259,7 @@ def test_metrics_add_the_expert_series_only_for_a_load_with_host_experts():
         client.close()
     assert status == 200 and "llamacpp:" in text and "bloomery:expert" not in text and "bloomery:host" not in text
     assert "bloomery:decode_steps_total 0" in text           # the engine's own step counts, on every load
+    assert "bloomery:prompt_passes_total 0" in text
 
 
 def test_asleep_the_expert_series_are_those_of_the_last_awake_scrape():

@@ -186,7 +186,12 @@ def replay_summary(turns: Sequence[dict]) -> dict:
     return {"turns": list(turns),
             "ttft_median_s": median([t["ttft_s"] for t in turns]),
             "ttft_median_later_s": median([t["ttft_s"] for t in turns if t["turn"] > 0]),
-            "cache_n_median": median([t["cache_n"] for t in turns if t["turn"] > 0])}
+            "cache_n_median": median([t["cache_n"] for t in turns if t["turn"] > 0]),
+            # the server's own split of a later turn: its prompt pass and the prompt cache's work before it
+            "prompt_ms_median_later": median([t["prompt_ms"] for t in turns
+                                              if t["turn"] > 0 and t.get("prompt_ms") is not None]),
+            "cache_ms_median_later": median([t["cache_ms"] for t in turns
+                                             if t["turn"] > 0 and t.get("cache_ms") is not None])}
 
 
 # --- running (I/O) -------------------------------------------------------------------------------
@@ -310,9 +315,18 @@ class Bench:
             history.setdefault(user, []).append((message, s.ids))                # the reply it gave, as a chat goes on
             t = s.final.get("timings") or {}
             turns.append({"user": user, "turn": turn, "n_prompt": len(ids), "ttft_s": s.prompt_s,
-                          "cache_n": t.get("cache_n"), "prompt_n": t.get("prompt_n")})
+                          "cache_n": t.get("cache_n"), "prompt_n": t.get("prompt_n"),
+                          "prompt_ms": t.get("prompt_ms"), "cache_ms": t.get("cache_ms")})
         return {"users": self.a.users, "turns_each": self.a.turns, "system_ids": self.a.system_ids,
                 "own_documents": self.a.replay_own_documents, "n_par": self.a.replay_np, **replay_summary(turns)}
+
+
+def passes(r: dict) -> str:
+    """bloomery's prompt passes in the cell, and how many were replayed from a captured graph."""
+    st = r.get("steps") or {}
+    if "prompt_passes_total" not in st:
+        return "prompt passes -"
+    return f"{st['prompt_passes_total']:.0f} prompt passes, {st.get('prompt_passes_captured_total', 0):.0f} captured"
 
 
 def cell_line(r: dict) -> str:
@@ -320,7 +334,8 @@ def cell_line(r: dict) -> str:
         return f"error: {r['error'][:300]}"
     if "turns" in r:
         return (f"median TTFT {fmt_s(r['ttft_median_s'])} (turns after the first {fmt_s(r['ttft_median_later_s'])}, "
-                f"cache_n {fmt(r['cache_n_median'])})")
+                f"cache_n {fmt(r['cache_n_median'])}; server prompt_ms {fmt(r.get('prompt_ms_median_later'))}, "
+                f"cache_ms {fmt(r.get('cache_ms_median_later'))}; {passes(r)})")
     st = r.get("steps") or {}
     steps = (f"; {st['decode_steps_total']:.0f} decode steps, {st.get('decode_steps_ahead_total', 0):.0f} launched "
              f"ahead ({st.get('decode_steps_ahead_dropped_total', 0):.0f} dropped), "

@@ -13,7 +13,7 @@
            once every slot decodes, and how the engine's steps went (launched ahead, from the largest
            logits, whole rows)
   (--prompt-at D: each pass at position D of a slot holding D ids, as a chat's later turn; with
-           BLOOMERY_CUDA_PROMPT_ATTN=tc its captured passes take any depth)
+           BLOOMERY_CUDA_PROMPT_ATTN=tc, the default, its captured passes take any depth)
   captured (--captured, cuda) the prompts again as the warm-up's captured passes (each --prompts size that
            has a bucket at position 0: engine/cuda/graph.py), after the uncaptured ones
   kernels  (--kernels, cuda) each kernel's time a decode step at the smallest and the largest batch (the

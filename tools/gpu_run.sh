@@ -32,7 +32,7 @@
 #             -c 32768 -np 4; start.json and start.log (the fatbins: carry bloomery/engine/cuda/prebuilt)
 #   depth     tools/bench_steps.py on the bench file: prompt passes of 64, 256 and 512 ids at position
 #             $DEPTH_AT (default 4000, a chat's later turn), uncaptured and captured, once with
-#             BLOOMERY_CUDA_PROMPT_ATTN=gemm (the default: not captured at a depth) and once with tc;
+#             BLOOMERY_CUDA_PROMPT_ATTN=gemm (not captured at a depth) and once with tc (the default);
 #             depth-gemm.json, depth-tc.json, depth.log
 #   ($SERVE_ARGS: more bench_serve flags for serve, e.g. --replay-own-documents)
 #

@@ -55,6 +55,11 @@ ENGINE_STEP_METRICS = (
      "Decode steps whose greedy picks came from each row's largest logits on the card", "steps_top"),
     ("decode_steps_top_missed_total", "counter",
      "Of those, steps run again with whole rows (no candidate settled a pick)", "steps_top_missed"),
+    ("prompt_passes_total", "counter", "Prompt passes run (one model call over some slots' prompt ids)",
+     "passes_prompt"),
+    ("prompt_passes_captured_total", "counter",
+     "Of those, passes replayed from a captured graph (a short prompt of one slot, in its bucket)",
+     "passes_prompt_captured"),
 )
 
 

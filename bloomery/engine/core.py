@@ -106,7 +106,10 @@ class Engine:
         # saved slot states in host RAM, within this budget (0: off); only a model with save_kv / restore_kv (and,
         # when it cannot rewind, save_checkpoint / restore_checkpoint)
         self.prompt_cache = PromptCache(prompt_cache_bytes)
+        model.prompt_cache_budget(prompt_cache_bytes)    # what memory the model may keep ahead for saved states
         self._asleep_stats: dict | None = None       # engine_stats() as the engine fell asleep (swap_model)
+        self._passes_before: dict[str, int] = {}     # the prompt passes of the models swapped out (swap_model)
+        self._passes_at = model.pass_counts()        # ... and the model's own before the engine took it (warm-up)
         # --cache-idle-slots: save the idle slots as the engine turns idle (save_idle_now) or else when a request
         # starts, which announces them (clear_idle: and empties them)
         self.cache_idle_slots, self.clear_idle = cache_idle_slots, clear_idle
@@ -192,10 +195,16 @@ class Engine:
             if model is None and self.scheduler.has_work():
                 raise RuntimeError("the engine has work: it cannot sleep now")
             self._asleep_stats = asleep
-            self.model = model
+            self._passes_before = self._pass_counts()
+            self._passes_at = model.pass_counts() if model is not None else {}
+            old, self.model = self.model, model
             for slot in self.scheduler.slots:
                 self.scheduler.forget(slot)
             self.prompt_cache.clear()     # its host RAM is freed with the rest
+        if old is not None and old is not model:
+            old.prompt_cache_budget(0)    # and what the old model kept ahead for saved states
+        if model is not None:
+            model.prompt_cache_budget(self.prompt_cache.budget_bytes)
 
     def engine_stats(self) -> dict[str, float]:
         """What /metrics shows of the engine: the prompt cache's bytes, entries, budget and restore time, and its
@@ -205,9 +214,17 @@ class Engine:
         with self._lock:
             if self.model is None and self._asleep_stats is not None:
                 return dict(self._asleep_stats)
-            return {**self.prompt_cache.stats(), "steps_decode": self.decode_steps, "steps_ahead": self.ahead_steps,
+            return {**self.prompt_cache.stats(), **self._pass_counts(),
+                    "steps_decode": self.decode_steps, "steps_ahead": self.ahead_steps,
                     "steps_ahead_dropped": self.ahead_dropped, "steps_top": self.top_steps,
                     "steps_top_missed": self.top_misses}
+
+    def _pass_counts(self) -> dict[str, int]:
+        """The model's prompt passes by path since the engine took it (not its warm-up's), counted on across the
+        models a sleep swaps in (counters)."""
+        now = self.model.pass_counts() if self.model is not None else {}
+        return {k: self._passes_before.get(k, 0) + now.get(k, 0) - self._passes_at.get(k, 0)
+                for k in {*now, *self._passes_before}}
 
     def abort_all(self, message: str) -> list[TokenOut]:
         """Finish every queued and running request with "error" (after a fault in step)."""

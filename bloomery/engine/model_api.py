@@ -97,6 +97,16 @@ class EngineModel:
         holds 0 .. keep-1 already)."""
         raise self._lacks("restore_kv", "saves_kv", self.saves_kv)
 
+    def pass_counts(self) -> dict[str, int]:
+        """Prompt passes by the path they took, for /metrics: passes_prompt (every prefill_slots call) and
+        passes_prompt_captured (of those, replayed from a captured graph); {} where the model keeps none."""
+        return {}
+
+    def prompt_cache_budget(self, n_bytes: int) -> None:
+        """The prompt cache's budget: the most host bytes its saved states take. A backend that makes their
+        memory ahead of need (the card's page-locked arena, host_arena.py) keeps that memory within it; others
+        have nothing to do."""
+
     def save_checkpoint(self, slot: int, n: int) -> object:
         """A copy of the slot's state that cannot rewind, as it stands after positions 0 .. n-1."""
         raise self._lacks("save_checkpoint", "checkpoints", self.checkpoints)

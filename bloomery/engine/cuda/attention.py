@@ -14,15 +14,16 @@ C = n_ctx_slot, L = layers, S = slots.
 from __future__ import annotations
 
 import math
+import mmap
 import os
-import weakref
 
 import cupy
 import numpy as np
 
 from bloomery.engine.cuda.gemm import gemm_nn, gemm_nt
 from bloomery.engine.cuda.kv_copies import span_copies
-from bloomery.engine.cuda.sizes import DECODE_ROWS, SCORE_BYTES, tc_prompt_fits
+from bloomery.engine.cuda.sizes import DECODE_ROWS, SCORE_BYTES, prompt_splits, tc_prompt_fits
+from bloomery.engine.host_arena import MIB, HostArena, pages
 from bloomery.engine.ops import AttnSpan
 
 DEC_MAXG = (4, 8, 16)               # query heads per kv head the attn_dec kernels are built for
@@ -60,7 +61,6 @@ def n_pieces(n_ctx_slot: int, n_kv_head: int, rows: int, n_sm: int, fit: int = D
 
 
 _NULL = np.uint64(0)
-PAGE = 4096
 PIN_MIN = 1 << 20                   # host arrays of at least this many bytes are registered (page-locked in place)
 
 
@@ -71,25 +71,31 @@ def _unregister(ptr: int) -> None:
         pass
 
 
-def host_array(shape, dtype) -> np.ndarray:
-    """An empty host array the driver has page-locked in place (cudaHostRegister), so copies between it and the
-    card run at the bus's pinned rate: on the H200's host 54 GB/s to the card, against 5.5 GB/s from pageable
-    memory (session 22; registering 450 MiB took 16 ms, cudaHostAlloc 300 ms). The prompt cache's saved states
-    live in these, so a restore is a pinned copy. Its pages are its own (a page-aligned span of a buffer of its
-    own), and it is unregistered when the buffer is freed. Smaller arrays, or where registering fails, pageable."""
-    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    if n < PIN_MIN:
-        return np.empty(shape, dtype)
-    span = -(-n // PAGE) * PAGE
-    raw = np.empty(span + PAGE, np.uint8)
-    at = (-raw.ctypes.data) % PAGE
-    ptr = raw.ctypes.data + at
+def pinned_chunk(n: int):
+    """host_arena's chunk maker on the card: n bytes of an anonymous mapping, registered with the driver
+    (page-locked in place, so copies run at the bus's pinned rate: on the H200's host 54 GB/s to the card, against
+    5.5 GB/s from pageable memory). Registering faults in every page: 89 ms for 251 MiB on that host, outside the
+    GIL (another thread was held up 0.1 ms at most); a mapping populated first (MAP_POPULATE, 90 ms) then took
+    364 ms to register (session 23). (owner, address, release); None where either step fails (the array is
+    pageable then)."""
     try:
-        cupy.cuda.runtime.hostRegister(ptr, span, 0)
+        owner = np.frombuffer(mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), np.uint8)   # unmapped
+        # once the owner goes
+    except OSError:
+        return None
+    ptr = owner.ctypes.data
+    try:
+        cupy.cuda.runtime.hostRegister(ptr, n, 0)
     except cupy.cuda.runtime.CUDARuntimeError:
-        return np.empty(shape, dtype)
-    weakref.finalize(raw, _unregister, ptr)         # runs as raw is freed, before its memory goes
-    return raw[at:at + n].view(dtype).reshape(shape)
+        return None
+    return owner, ptr, lambda: _unregister(ptr)
+
+
+def kv_arena(slot_plane_bytes: int) -> HostArena:
+    """The prompt cache's page-locked memory for a KV cache whose one slot holds slot_plane_bytes of K (as many of
+    V): chunks that hold a whole slot's plane (64 MiB to 512 MiB), two kept free ahead (a whole slot's K and V)."""
+    chunk = min(max(pages(slot_plane_bytes), 64 * MIB), 512 * MIB)
+    return HostArena(pinned_chunk, chunk_bytes=chunk, reserve_chunks=2, min_bytes=PIN_MIN)
 
 
 def _copy_2d(dev, host: np.ndarray, copies, to_host: bool, stream) -> None:
@@ -115,6 +121,8 @@ class KVCacheF16:
         self.n_ctx_slot, self.n_head_kv, self.head_dim = n_ctx_slot, n_head_kv, head_dim
         self.slot_stride = n_head_kv * n_ctx_slot * head_dim          # elements
         self.layer_stride = n_slots * self.slot_stride
+        # saved states' page-locked host memory, made ahead within the prompt cache's budget (set_limit)
+        self.arena = kv_arena(n_layer * self.slot_stride * 2)
 
     @property
     def n_bytes(self) -> int:
@@ -122,7 +130,7 @@ class KVCacheF16:
 
     def save_state(self, slot: int, n: int, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """Host copies of the slot's positions start .. n-1: K and V [L, Hkv, n - start, Dh] f16 (the prompt
-        cache), page-locked (host_array). One 2-D copy a layer straight from the cache (kv_copies.py), no gather
+        cache), page-locked (self.arena). One 2-D copy a layer straight from the cache (kv_copies.py), no gather
         on the card first."""
         self._check_span(slot, n)
         if not 0 <= start < n:
@@ -130,10 +138,11 @@ class KVCacheF16:
         stream = cupy.cuda.get_current_stream()
         out = []
         for a in (self.k, self.v):
-            host = host_array((a.shape[0], self.n_head_kv, n - start, self.head_dim), np.float16)
+            host = self.arena.array((a.shape[0], self.n_head_kv, n - start, self.head_dim), np.float16)
             _copy_2d(a, host, span_copies(a.shape, a.itemsize, slot, start, n - start, 0, n - start), True, stream)
             out.append(host)
         stream.synchronize()
+        self.arena.tend_later()          # its reserve made again now the copies are done (host_arena.py)
         return out[0], out[1]
 
     def restore_state(self, slot: int, state: tuple[np.ndarray, np.ndarray], n: int, keep: int = 0,
@@ -206,9 +215,14 @@ def self_attention(ops, cache: KVCacheF16, layer: int, rows, q, k, v, scale: flo
         np.int32(cache.n_ctx_slot), cache.k, cache.v, q_rot, kr, vr, q16, np.float32(scale)))
     if tc:                                                                # a captured pass at any depth
         out = cupy.empty((t, n_head * dh), cupy.float32)                  # [T, H*Dh]
-        ops.k.attn_prompt((t // 16, n_kv_head), (32 * (n_head // n_kv_head),), (
+        n_split = prompt_splits(t // 16 * n_kv_head, ops.n_sm)
+        parts = ((cupy.empty((t, n_head, n_split), cupy.float32), cupy.empty((t, n_head, n_split), cupy.float32),
+                  cupy.empty((t, n_head, n_split, dh), cupy.float32)) if n_split > 1 else (_NULL, _NULL, _NULL))
+        ops.k.attn_prompt((t // 16, n_kv_head, n_split), (32 * (n_head // n_kv_head),), (
             q16, cache.k, cache.v, rows.slots, rows.positions, np.int32(t), np.int32(n_head // n_kv_head),
-            layer_off, np.int64(cache.slot_stride), np.int32(cache.n_ctx_slot), out))
+            layer_off, np.int64(cache.slot_stride), np.int32(cache.n_ctx_slot), out, *parts))
+        if n_split > 1:
+            ops.k.attn_prompt_merge((t, n_head), (dh,), (*parts, np.int32(n_split), out))
         return out
     if own:                                                               # (no slot: the keys are kr, vr)
         return _gemm_path(ops, [(AttnSpan(-1, 0, 0, t), kr, vr, t)], q16, n_head)

@@ -117,6 +117,7 @@ class DecodeGraphs:
         self.model, self.max_batch = model, max_batch
         self._graphs: dict[int, _Graph] = {}
         self._prompts: dict[int, _Graph] = {}
+        self._any_depth = False      # the buckets past DECODE_ROWS take any depth (attn_prompt, capture_prompts)
         self._prompt_pool = self._prompt_stream = None     # shared by the prompt graphs (capture_prompts)
 
     def _dry_run(self, b: int) -> None:
@@ -220,12 +221,12 @@ class DecodeGraphs:
                 and getattr(self.model.ops, "offload", None) is None)
 
     def prompt_bucket(self, n: int, pos0: int) -> int | None:
-        """The bucket a prompt of n ids at pos0 runs in, or None (the uncaptured path). With
-        BLOOMERY_CUDA_PROMPT_ATTN=tc (sizes.prompt_attn) the buckets past DECODE_ROWS rows take any depth."""
+        """The bucket a prompt of n ids at pos0 runs in, or None (the uncaptured path). Where the graphs were
+        captured with attn_prompt (BLOOMERY_CUDA_PROMPT_ATTN=tc, the default: sizes.prompt_attn) the buckets past
+        DECODE_ROWS rows take any depth."""
         if n < 1 or not self.prompt_capturable():
             return None
-        m, hp = self.model, getattr(self.model, "hp", None)
-        any_depth = hp is not None and tc_prompt_fits(hp.n_head, hp.n_head_kv, hp.head_dim)
+        m, any_depth = self.model, self._any_depth
         for b in PROMPT_BUCKETS:
             if n <= b:
                 end = pos0 + b
@@ -241,6 +242,10 @@ class DecodeGraphs:
     def capture_prompts(self) -> list[int]:
         """Every bucket's graph that fits the slot, in order; [] where none may be. The warm-up calls this
         last: its own prompts before took the uncaptured paths, which passes of several slots still take."""
+        hp = getattr(self.model, "hp", None)
+        # how these graphs attend is fixed as they are captured (BLOOMERY_CUDA_PROMPT_ATTN then), so are the
+        # depths their buckets take
+        self._any_depth = hp is not None and tc_prompt_fits(hp.n_head, hp.n_head_kv, hp.head_dim)
         done = []
         for b in sorted(PROMPT_BUCKETS, reverse=True):     # the widest first: the smaller ones reuse its blocks
             if self.prompt_bucket(b, 0) == b:       # fits the slot
@@ -282,7 +287,10 @@ class DecodeGraphs:
         if g is None:                               # the warm-up captures them; without it (--no-warmup), none
             return None
         g.host_io[0, :n] = ids
-        g.host_io[0, n:] = 0
+        # the padding repeats the prompt's ids, so its rows route as the prompt's do: rows of one id all go to
+        # the same experts, and the grouped MoE then waits on those (H200, session 23: 129 ids in the bucket of
+        # 256 at a depth of 4,255 took 43.7 ms padded with id 0, 256 ids 38.8 ms)
+        g.host_io[0, n:] = np.resize(np.asarray(ids, np.int32), b - n)
         g.host_io[1] = slot
         g.host_io[2] = np.arange(pos0, pos0 + b)
         g.host_io[3, 0] = n - 1

@@ -50,20 +50,34 @@ PROMPT_ATTN = ("gemm", "tc")
 
 
 def prompt_attn() -> str:
-    """BLOOMERY_CUDA_PROMPT_ATTN: how a captured prompt pass of more than DECODE_ROWS rows attends. gemm (the
-    default): from position 0 over its own rows through the GEMM path, at a depth (32-128 rows) row by row on the
-    decode kernels; tc: at any depth through attn_prompt (the tensor cores over the slot's keys), so passes that
-    start past position 0 (a chat's later turns) are captured too. tc is not yet run on a card (session 22)."""
-    got = os.environ.get("BLOOMERY_CUDA_PROMPT_ATTN", "gemm")
+    """BLOOMERY_CUDA_PROMPT_ATTN: how a captured prompt pass of more than DECODE_ROWS rows attends. tc (the
+    default, session 23): through attn_prompt, the tensor cores over the slot's keys, at any depth, so passes
+    that start past position 0 (a chat's later turns) are captured too; gemm: from position 0 over its own rows
+    through the GEMM path, at a depth (32-128 rows) row by row on the decode kernels, else uncaptured. Heads
+    attn_prompt does not take (tc_prompt_fits) go the gemm way. On the H200 (session 23, bench_steps --captured,
+    512 ids): 37.2 ms at position 0 against gemm's 38.7; at position 4,000 42.5 ms captured against 80.3 ms
+    uncaptured (gemm)."""
+    got = os.environ.get("BLOOMERY_CUDA_PROMPT_ATTN", "tc")
     if got not in PROMPT_ATTN:
         raise ValueError(f"BLOOMERY_CUDA_PROMPT_ATTN={got!r}: one of {', '.join(PROMPT_ATTN)}")
     return got
 
 
 def tc_prompt_fits(n_head: int, n_head_kv: int, head_dim: int) -> bool:
-    """Whether captured prompt passes attend through attn_prompt: BLOOMERY_CUDA_PROMPT_ATTN=tc, and heads it takes."""
+    """Whether captured prompt passes attend through attn_prompt: BLOOMERY_CUDA_PROMPT_ATTN=tc (the default), and
+    heads it takes."""
     return (prompt_attn() == "tc" and head_dim == PA_DH and n_head % n_head_kv == 0
             and n_head // n_head_kv <= PA_MAXG)
+
+
+PA_MAX_SPLITS = 8              # attn_prompt's key splits at most (attn_prompt_merge adds them)
+
+
+def prompt_splits(n_blocks: int, n_sm: int) -> int:
+    """attn_prompt's key splits for a grid of n_blocks (T/16 x Hkv): enough for two blocks an SM, at most
+    PA_MAX_SPLITS. A captured pass of 256 rows at a depth of 4,255 over 4 KV heads was 64 blocks on the H200's
+    132 SMs, each walking every key: 45-50 ms, against 31 ms at position 0 (session 23)."""
+    return max(1, min(PA_MAX_SPLITS, -(-2 * n_sm // max(1, n_blocks))))
 
 
 assert MMV_SIZES[-1] == DECODE_ROWS and MMV3N_ROWS <= DECODE_ROWS <= MMT_ROWS

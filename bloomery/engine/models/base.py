@@ -89,6 +89,7 @@ class CausalLM(EngineModel):
         kv_layers = list(range(hp.n_layer)) if kv_layers is None else list(kv_layers)
         self.kv_of = {il: n for n, il in enumerate(kv_layers)}
         self.cache = self.ops.kv_cache(len(kv_layers), self.n_slots, self.n_ctx_slot, hp.n_head_kv, hp.head_dim)
+        self._passes = [0, 0]          # prompt passes, of which captured (pass_counts)
 
     def embed(self, ids):                                   # [T] -> [T, D]
         return self.ops.get_rows(self.tok_embd, ids)
@@ -189,10 +190,12 @@ class CausalLM(EngineModel):
         slots = [slot for slot, _, _ in checked]
         if len(set(slots)) != len(slots):
             raise ModelError(f"prefill_slots got slot(s) more than once: {slots}")
+        self._passes[0] += 1
         if len(checked) == 1:                   # a short prompt of one slot: its bucket's captured pass
             runner = self._graphs()
             got = runner.prompt(*checked[0]) if runner is not None else None
             if got is not None:
+                self._passes[1] += 1
                 self.ops.after_step(decode=False)
                 return got[None]
         out = [None] * len(checked)
@@ -240,6 +243,14 @@ class CausalLM(EngineModel):
     def save_kv(self, slot: int, n: int, start: int = 0) -> tuple:
         """The slot's K and V at positions start .. n-1 as host arrays (a piece of the prompt cache's entry)."""
         return self.cache.save_state(slot, n, start)
+
+    def pass_counts(self) -> dict[str, int]:
+        return {"passes_prompt": self._passes[0], "passes_prompt_captured": self._passes[1]}
+
+    def prompt_cache_budget(self, n_bytes: int) -> None:
+        arena = getattr(self.cache, "arena", None)          # the card's KV cache keeps page-locked memory ahead
+        if arena is not None:
+            arena.set_limit(n_bytes)
 
     def restore_kv(self, slot: int, state: tuple, n: int, keep: int = 0, offset: int = 0) -> None:
         """Positions keep .. n-1 of the slot from a save_kv copy whose first position is `offset` (0 .. keep-1:

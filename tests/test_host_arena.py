@@ -1,0 +1,148 @@
+"""host_arena: the prompt cache's recycled host memory, on the CPU with plain numpy chunks in place of
+page-locked ones (the card's maker is tested in test_prompt_cache_cuda.py)."""
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+from bloomery.engine.host_arena import MIB, PAGE, HostArena, Spans, pages
+
+
+def test_spans_first_fit_and_merge_on_return():
+    s = Spans()
+    s.add(0, 10 * PAGE)
+    a, b, c = s.take(2 * PAGE), s.take(3 * PAGE), s.take(5 * PAGE)
+    assert (a, b, c) == ((0, 0), (0, 2 * PAGE), (0, 5 * PAGE)) and s.free_bytes == 0
+    assert s.take(PAGE) is None
+    s.give(0, 0, 2 * PAGE)
+    s.give(0, 5 * PAGE, 5 * PAGE)
+    assert s.take(4 * PAGE) == (0, 5 * PAGE)            # the first span that holds it
+    s.give(0, 5 * PAGE, 4 * PAGE)
+    s.give(0, 2 * PAGE, 3 * PAGE)                       # merges with both neighbours
+    assert s.idle(0) and s.free_bytes == 10 * PAGE
+    assert s.take(10 * PAGE) == (0, 0)
+
+
+def test_spans_refuse_a_double_return_and_a_busy_removal():
+    s = Spans()
+    s.add(0, 4 * PAGE)
+    s.add(1, 4 * PAGE)
+    assert s.take(4 * PAGE) == (0, 0) and s.take(2 * PAGE) == (1, 0)   # the oldest chunk first
+    with pytest.raises(ValueError, match="chunk 1 still has spans taken"):
+        s.remove(1)
+    s.give(1, 0, 2 * PAGE)
+    with pytest.raises(ValueError, match="overlaps a free span: returned twice"):
+        s.give(1, 0, PAGE)
+    with pytest.raises(ValueError, match="outside it"):
+        s.give(1, 3 * PAGE, 2 * PAGE)
+    assert s.remove(1) == 4 * PAGE and s.total_bytes == 4 * PAGE
+
+
+class Maker:
+    """Plain numpy chunks, with a record of what was made and let go."""
+
+    def __init__(self, fail: bool = False):
+        self.made, self.released, self.fail = [], [], fail
+
+    def __call__(self, n: int):
+        if self.fail:
+            return None
+        owner = np.zeros(n + PAGE, np.uint8)
+        ptr = owner.ctypes.data + (-owner.ctypes.data) % PAGE
+        self.made.append(n)
+        return owner, ptr, lambda: self.released.append(n)
+
+
+def until(pred, seconds: float = 10.0) -> bool:
+    """pred() once it holds, polled, or its last value after `seconds` (the arena's thread works meanwhile)."""
+    import time
+    t0 = time.monotonic()
+    while not pred() and time.monotonic() - t0 < seconds:
+        time.sleep(0.01)
+    return pred()
+
+
+def arena(maker, **kw) -> HostArena:
+    kw = {"chunk_bytes": 4 * MIB, "reserve_chunks": 2, "min_bytes": MIB, "background": False, **kw}
+    return HostArena(maker, **kw)
+
+
+def test_an_array_is_the_same_memory_again_once_freed():
+    m = Maker()
+    a = arena(m)
+    x = a.array((2, MIB), np.uint8)                     # 2 MiB: a chunk made on the path, 4 MiB
+    x[...] = 7
+    view = x[1]                                         # a view keeps the span taken
+    ptr = x.ctypes.data
+    del x
+    gc.collect()
+    y = a.array((MIB // 2,), np.float32)                # 2 MiB: another span, the first is still read
+    assert y.ctypes.data != ptr and (view == 7).all()
+    del view, y
+    gc.collect()
+    z = a.array((2 * MIB,), np.uint8)
+    assert z.ctypes.data == ptr and m.made == [4 * MIB]
+    assert a.stats()["made_on_path"] == 1 and a.stats()["made_ahead"] == 0
+
+
+def test_the_reserve_is_whole_chunks_made_ahead_within_the_limit_and_let_go_beyond_it():
+    m = Maker()
+    a = arena(m)
+    assert a.tend() == 0                                # no limit (no prompt cache budget): nothing ahead
+    a.set_limit(64 * MIB)
+    assert a.tend() == 2 and a.stats()["idle_chunks"] == 2
+    x = a.array((3 * MIB,), np.uint8)
+    assert a.stats()["made_on_path"] == 0               # from the reserve
+    assert a.tend() == 1                                # a chunk with a 1 MiB tail is no longer reserve
+    y = a.array((MIB,), np.uint8)                       # the tail takes a small one
+    assert y.ctypes.data == x.ctypes.data + 3 * MIB and a.stats()["idle_chunks"] == 2
+    a.set_limit(6 * MIB)                                # a smaller budget: no reserve past it, free chunks go
+    a.tend()
+    assert a.stats()["bytes"] <= 6 * MIB and len(m.released) == 2
+    del x, y
+    gc.collect()
+    a.set_limit(0)
+    a.tend()
+    assert a.stats()["bytes"] == 0 and len(m.released) == 3
+
+
+def test_a_save_larger_than_a_chunk_gets_a_chunk_of_its_size_and_small_arrays_plain_memory():
+    m = Maker()
+    a = arena(m)
+    big = a.array((10 * MIB + 1,), np.uint8)
+    assert m.made == [pages(10 * MIB + 1)] and big.nbytes == 10 * MIB + 1
+    small = a.array((100,), np.float32)
+    assert small.base is None and len(m.made) == 1      # under min_bytes: numpy's own memory
+    assert arena(Maker(fail=True)).array((2 * MIB,), np.uint8).base is None    # no chunk: pageable, as before
+
+
+def test_the_background_thread_keeps_the_reserve():
+    m = Maker()
+    a = arena(m, background=True)
+    a.set_limit(64 * MIB)
+    x = a.array((2 * MIB,), np.uint8)
+    assert a._thread is None                            # not while the caller copies into it
+    a.tend_later()                                      # the first call starts the thread
+    assert until(lambda: a.stats()["idle_chunks"] == 2) and a.stats()["made_ahead"] == 2 and x.base is not None
+
+
+def test_a_limit_of_0_lets_every_free_chunk_go_and_ends_the_thread():
+    """A sleep (the engine's swap_model) sets the limit to 0: the reserve goes at once, the thread ends, and the
+    arena makes a reserve again once a budget comes back."""
+    m = Maker()
+    a = arena(m, background=True)
+    a.set_limit(64 * MIB)
+    x = a.array((2 * MIB,), np.uint8)
+    a.tend_later()
+    assert until(lambda: a.stats()["idle_chunks"] == 2)
+    del x
+    gc.collect()
+    a.set_limit(0)
+    assert a.stats()["bytes"] == 0 and len(m.released) == len(m.made) == 3
+    assert until(lambda: a._thread is None)
+    a.set_limit(64 * MIB)
+    y = a.array((2 * MIB,), np.uint8)
+    a.tend_later()
+    assert until(lambda: a.stats()["made_ahead"] == 4) and y.base is not None

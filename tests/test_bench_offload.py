@@ -212,3 +212,15 @@ def test_http_path_end_to_end_on_the_cpu_backend(tmp_path, tokenizer_source):
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert again.returncode == 0 and "tiny/bloomery/whole/pp32: in " in again.stdout
     assert json.loads(out.read_text())["cells"]["tiny/bloomery/whole/pp32"] == pp
+
+
+def test_residency_delta_is_one_cells_share_of_the_counters():
+    before = {"hits": 100, "misses": 50, "moved_experts": 10, "moved_bytes": 3_000_000, "host_wait_s": 1.0}
+    after = {"hits": 400, "misses": 150, "moved_experts": 30, "moved_bytes": 9_000_000, "host_wait_s": 2.5}
+    d = bo.residency_delta(before, after, 500)
+    assert d == {"hits": 300, "misses": 100, "moved_experts": 20, "moved_bytes": 6_000_000, "host_wait_s": 1.5,
+                 "host_wait_ms_per_id": 3.0, "misses_per_id": 0.2, "host_share": 0.25}
+    assert bo.delta_line(d) == ("residency in this cell: 1.50 s waited on the host, 3.00 ms a generated id waited "
+                                "on the host, 25.0 % of the picks on the host; moved 20 experts / 0.01 GB")
+    assert bo.residency_delta({"error": "GET /residency answered 404"}, after, 500) == {}   # llama-server, or none
+    assert bo.delta_line({}) == "residency in this cell: not counted"

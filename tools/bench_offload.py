@@ -256,6 +256,33 @@ def residency_line(s: dict) -> str:
             f"misses {s['misses']}, moved {s['moved_experts']} experts / {s['moved_bytes']} bytes")
 
 
+def residency_delta(before: dict, after: dict, n_ids: int) -> dict:
+    """What one cell cost the residency: residency_summary's counters after it less before it (hits, misses,
+    experts and bytes moved, seconds waited on the host), and per id the cell generated or read (n_ids: its
+    warm-up's and runs'), the host wait in ms and the misses; {} where either side has no counters."""
+    keys = ("hits", "misses", "moved_experts", "moved_bytes", "host_wait_s")
+    if any(not isinstance(d.get(k), (int, float)) for d in (before, after) for k in keys):
+        return {}
+    out = {k: after[k] - before[k] for k in keys}
+    if n_ids > 0:
+        out["host_wait_ms_per_id"] = 1e3 * out["host_wait_s"] / n_ids
+        out["misses_per_id"] = out["misses"] / n_ids
+    seen = out["hits"] + out["misses"]
+    if seen:
+        out["host_share"] = out["misses"] / seen
+    return out
+
+
+def delta_line(d: dict) -> str:
+    if not d:
+        return "residency in this cell: not counted"
+    per = (f", {d['host_wait_ms_per_id']:.2f} ms a generated id waited on the host"
+           if "host_wait_ms_per_id" in d else "")
+    share = f", {100 * d['host_share']:.1f} % of the picks on the host" if "host_share" in d else ""
+    return (f"residency in this cell: {d['host_wait_s']:.2f} s waited on the host{per}{share}; moved "
+            f"{d['moved_experts']} experts / {d['moved_bytes'] / 1e9:.2f} GB")
+
+
 # --- the JSON (pure but for the write) -----------------------------------------------------------
 
 def write_json(path: Path, result: dict) -> None:
@@ -551,12 +578,18 @@ class Bench:
                     group["ready_s"] = time.perf_counter() - t0
                     for c in todo:
                         t = time.perf_counter()
+                        before = self.residency(srv, quiet=True) if engine == "bloomery" else {}
                         r = run_test(srv, c.test, self.ids, self.a.sampled, self.a.runs, self.a.depth)
                         r["wall_s"] = time.perf_counter() - t
                         self.result["cells"][c.name] = r
                         extra = f", {r['runs'][0]['distinct_ids']} distinct ids" if c.test.startswith("tg") else ""
                         print(f"{c.name}: {fmt(r['value'])} tok/s (server {fmt(r['server'])}, client "
                               f"{fmt(r['client'])}{extra})", flush=True)
+                        if engine == "bloomery":     # where this cell's time went on the host side
+                            n_ids = (self.a.runs + 1) * sum(int(x.get("predicted_n" if c.test.startswith("tg")
+                                                                      else "prompt_n") or 0) for x in r["runs"][:1])
+                            r["residency"] = residency_delta(before, self.residency(srv, quiet=True), n_ids)
+                            print(f"  {delta_line(r['residency'])}", flush=True)
                         self.save()
                     if engine == "bloomery":
                         group["residency"] = self.residency(srv)
@@ -569,18 +602,21 @@ class Bench:
             print(f"{key}: {e}", flush=True)
         self.save()
 
-    def residency(self, srv: Server) -> dict:
+    def residency(self, srv: Server, quiet: bool = False) -> dict:
         status, body = srv.get_json("/residency")
         if status != 200:
             msg = f"GET /residency answered {status or 'nothing'}: routing skew not measured"
-            print(f"  {msg}", flush=True)
+            if not quiet:
+                print(f"  {msg}", flush=True)
             return {"error": msg}
         try:
             s = residency_summary(body)
         except BenchError as e:
-            print(f"  {e}", flush=True)
+            if not quiet:
+                print(f"  {e}", flush=True)
             return {"error": str(e)}
-        print(f"  {residency_line(s)}", flush=True)
+        if not quiet:
+            print(f"  {residency_line(s)}", flush=True)
         return s
 
     def floors(self) -> dict:

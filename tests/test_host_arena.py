@@ -71,7 +71,7 @@ def arena(maker, **kw) -> HostArena:
 
 def test_an_array_is_the_same_memory_again_once_freed():
     m = Maker()
-    a = arena(m)
+    a = arena(m, limit_bytes=64 * MIB)
     x = a.array((2, MIB), np.uint8)                     # 2 MiB: a chunk made on the path, 4 MiB
     x[...] = 7
     view = x[1]                                         # a view keeps the span taken
@@ -108,9 +108,16 @@ def test_the_reserve_is_whole_chunks_made_ahead_within_the_limit_and_let_go_beyo
     assert a.stats()["bytes"] == 0 and len(m.released) == 3
 
 
+def test_without_a_budget_a_save_gets_a_chunk_of_its_own_size():
+    m = Maker()
+    a = arena(m)                                        # no prompt cache budget: nothing kept for later
+    x = a.array((2 * MIB + 1,), np.uint8)
+    assert m.made == [pages(2 * MIB + 1)] and x.nbytes == 2 * MIB + 1
+
+
 def test_a_save_larger_than_a_chunk_gets_a_chunk_of_its_size_and_small_arrays_plain_memory():
     m = Maker()
-    a = arena(m)
+    a = arena(m, limit_bytes=64 * MIB)
     big = a.array((10 * MIB + 1,), np.uint8)
     assert m.made == [pages(10 * MIB + 1)] and big.nbytes == 10 * MIB + 1
     small = a.array((100,), np.float32)

@@ -48,13 +48,14 @@ def test_saved_states_are_page_locked_and_their_memory_used_again(gpu):
     from bloomery.engine.host_arena import PAGE
     kv = attention.KVCacheF16(n_layer=4, n_slots=1, n_ctx_slot=1024, n_head_kv=2, head_dim=128)
     kv.arena._background = False                                 # tended here, step by step
+    kv.arena.set_limit(1 << 30)                                  # the prompt cache's budget (the engine sets it)
     kv.k[...] = 1
     k_state, v_state = kv.save_state(0, 1024)                  # 4 x 2 x 1024 x 128 x 2 bytes = 2 MiB each
     assert k_state.nbytes >= attention.PIN_MIN
     attrs = cupy.cuda.runtime.pointerGetAttributes(k_state.ctypes.data)
     assert attrs.type == cupy.cuda.runtime.memoryTypeHost        # registered: the driver knows the pages
     assert k_state.ctypes.data % PAGE == 0 and (k_state == 1).all()
-    assert kv.arena.stats()["made_on_path"] == 1                 # no limit set: nothing made ahead
+    assert kv.arena.stats()["made_on_path"] == 1                 # one chunk for K and V, nothing made ahead yet
     small = kv.arena.array((16,), np.float16)                    # below PIN_MIN: plain pageable memory
     assert cupy.cuda.runtime.pointerGetAttributes(small.ctypes.data).type != cupy.cuda.runtime.memoryTypeHost
     ptr = k_state.ctypes.data
@@ -64,10 +65,9 @@ def test_saved_states_are_page_locked_and_their_memory_used_again(gpu):
     k2, v2 = kv.save_state(0, 1024)
     assert k2.ctypes.data == ptr and (k2 == 2).all()             # the freed span again, no chunk made
     assert kv.arena.stats()["made_on_path"] == 1
-    kv.arena.set_limit(1 << 30)
     assert kv.arena.tend() == 2 and kv.arena.stats()["idle_chunks"] == 2
     k3, v3 = kv.save_state(0, 512)
-    assert kv.arena.stats()["made_on_path"] == 1                 # from the reserve
+    assert kv.arena.stats()["made_on_path"] == 1                 # from a free span, none made on its path
     assert cupy.cuda.runtime.pointerGetAttributes(k3.ctypes.data).type == cupy.cuda.runtime.memoryTypeHost
 
 

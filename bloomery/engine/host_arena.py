@@ -135,8 +135,9 @@ class HostArena:
         with self._lock:
             self._settle()
             got = self.spans.take(need)
-        if got is None:                                   # on the path: a chunk of its own, as without the arena
-            chunk = self._new_chunk(max(need, self.chunk_bytes), ahead=False)
+        if got is None:        # on the path: a chunk of its own, as without the arena (a whole chunk where a
+            # budget lets the rest serve later saves)
+            chunk = self._new_chunk(max(need, self.chunk_bytes) if self.limit_bytes else need, ahead=False)
             if chunk is None:
                 return np.empty(shape, dtype)
             with self._lock:

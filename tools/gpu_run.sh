@@ -3,6 +3,7 @@
 # steps named, in order, each under its own time limit, results under $OUT (or ./gpu-out).
 #
 #   tools/gpu_run.sh [llama-build] [tests] [bench] [variants] [profile] [llama] [grammar] [offload] [serve] [start] [depth]
+#                    [offload-gap]
 #
 #   llama-build  start building llama-server (CUDA, sm_90) from the carried trimmed sdist $dev/llama-src.tar.xz
 #             into /tmp/llama, in its own process session (setsid): the device ends a call's other processes,
@@ -34,6 +35,11 @@
 #             $DEPTH_AT (default 4000, a chat's later turn), uncaptured and captured, once with
 #             BLOOMERY_CUDA_PROMPT_ATTN=gemm (not captured at a depth) and once with tc (the default);
 #             depth-gemm.json, depth-tc.json, depth.log
+#   offload-gap  the served offload against the engine in process, on the even file (written once into
+#             $BENCH_WORK) at -fitt $GAP_FITT (default 132803, ~11.5 GB on the card) and -t $GAP_THREADS
+#             (default 14): tools/bench_steps.py's decode (host ms a step, the card's share of the picks) and
+#             tools/bench_offload.py's fit/tg128 cell, bloomery alone (host wait per generated id, the host's
+#             share of the picks, experts moved); gap-steps.json, gap-offload.json, gap.log
 #   ($SERVE_ARGS: more bench_serve flags for serve, e.g. --replay-own-documents)
 #
 # Carried beside the tree in $BLOOMERY_DEVICE_DIR (default .device, git-ignored):
@@ -187,6 +193,18 @@ if has depth; then
       --out "$out/depth-$mode.json" 2>&1 | sed "s/^/$mode: /" | tee -a "$out/depth.log" | grep -v '^[a-z]*: decode'
   done
   echo "depth: $((SECONDS - t0)) s"
+fi
+
+if has offload-gap; then
+  f=$work/qwen3-30b-a3b-r0.2.gguf
+  [ -s "$f" ] || { python3 tools/make_synthetic.py --shape qwen3-30b-a3b --router-skew 0.2 \
+    --tokenizer-from "$BLOOMERY_TOKENIZER_GGUF" -o "$f.part" > /dev/null && mv "$f.part" "$f"; }
+  t0=$SECONDS
+  timeout "${GAP_S:-150}" python3 tools/bench_steps.py -m "$f" -fitt "${GAP_FITT:-132803}" -t "${GAP_THREADS:-14}" \
+    --prompts 512 --batches 1 --depth 512 --steps 128 --out "$out/gap-steps.json" 2>&1 | tee "$out/gap.log" | tail -n 8
+  timeout "${GAP_S:-150}" python3 tools/bench_offload.py --engines bloomery --model "even=$f" --threads "${GAP_THREADS:-14}" \
+    --cells 'even/bloomery/fit/tg128' --fresh --out "$out/gap-offload.json" 2>&1 | tee -a "$out/gap.log" | tail -n 6
+  echo "offload-gap: $((SECONDS - t0)) s"
 fi
 
 if has start; then

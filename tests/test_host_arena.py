@@ -3,6 +3,7 @@ page-locked ones (the card's maker is tested in test_prompt_cache_cuda.py)."""
 from __future__ import annotations
 
 import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -153,3 +154,18 @@ def test_a_limit_of_0_lets_every_free_chunk_go_and_ends_the_thread():
     y = a.array((2 * MIB,), np.uint8)
     a.tend_later()
     assert until(lambda: a.stats()["made_ahead"] == 4) and y.base is not None
+
+
+def test_an_array_keeps_its_chunk_after_the_arena_is_gone():
+    """The memory under a saved state outlives the arena (a model freed while an entry is still read)."""
+    m = Maker()
+    a = arena(m, limit_bytes=64 * MIB)
+    x = a.array((2 * MIB,), np.uint8)
+    x[...] = 9
+    owner_ref = weakref.ref(a._chunks[0][0])
+    del a
+    gc.collect()
+    assert owner_ref() is not None and (x == 9).all()
+    del x
+    gc.collect()
+    assert owner_ref() is None

@@ -11,7 +11,8 @@ arena's own keeps a reserve of wholly free chunks made ahead, so a save rarely w
   on the CPU.
 - `HostArena` holds the chunks, which come from a maker the backend gives (the card's: an anonymous mapping
   populated at once, then registered with the driver). A span's arrays are numpy views over a ctypes array of
-  the span; its weakref finalizer returns the span, so the span is free only once nothing reads it.
+  the span; its weakref finalizer returns the span, so the span is free only once nothing reads it, and the
+  span holds its chunk's owner, so the memory outlives the arena itself while any array is read.
 - The reserve is tended after a save's copies (`tend_later`), not while they run: making a chunk page-locks it,
   which holds the driver, and copies issued meanwhile wait.
 - The reserve is counted in wholly free chunks, not free bytes: a chunk holds one slot's whole K (or V), and
@@ -143,7 +144,9 @@ class HostArena:
             with self._lock:
                 got = self.spans.take(need)
         chunk, off = got
-        base = (ctypes.c_uint8 * need).from_address(self._chunks[chunk][1] + off)
+        owner, address, _ = self._chunks[chunk]
+        base = (ctypes.c_uint8 * need).from_address(address + off)
+        base.chunk_owner = owner          # the chunk's memory lives while any array over it does, arena or not
         weakref.finalize(base, self._returned.append, (chunk, off, need))
         return np.frombuffer(base, dtype, count=n // dtype.itemsize).reshape(shape)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import weakref
 
 import cupy
 import numpy as np
@@ -88,7 +89,8 @@ def pinned_chunk(n: int):
         cupy.cuda.runtime.hostRegister(ptr, n, 0)
     except cupy.cuda.runtime.CUDARuntimeError:
         return None
-    return owner, ptr, lambda: _unregister(ptr)
+    # unregistered once: when the arena lets the chunk go, or else as the owner is freed, before its unmapping
+    return owner, ptr, weakref.finalize(owner, _unregister, ptr)
 
 
 def kv_arena(slot_plane_bytes: int) -> HostArena:

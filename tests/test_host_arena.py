@@ -169,3 +169,19 @@ def test_an_array_keeps_its_chunk_after_the_arena_is_gone():
     del x
     gc.collect()
     assert owner_ref() is None
+
+
+def test_the_thread_makes_chunks_only_in_the_engines_quiet(monkeypatch):
+    """Page-locking a chunk holds the driver: while requests run (set_idle(False)) the thread waits, and it makes
+    the reserve once the engine has been idle for QUIET_S."""
+    from bloomery.engine import host_arena
+    monkeypatch.setattr(host_arena, "QUIET_S", 0.05)
+    m = Maker()
+    a = arena(m, background=True)
+    a.set_limit(64 * MIB)
+    a.set_idle(False)                                   # a request runs
+    x = a.array((2 * MIB,), np.uint8)
+    a.tend_later()
+    assert not until(lambda: a.stats()["made_ahead"] > 0, seconds=0.5)
+    a.set_idle(True)
+    assert until(lambda: a.stats()["made_ahead"] == 2) and x.base is not None

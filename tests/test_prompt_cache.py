@@ -377,3 +377,22 @@ def test_the_first_output_carries_the_prompt_caches_work_before_the_prompt():
     assert outs["a"][0].cache_ms < 5                                          # nothing held, nothing saved
     assert outs["a2"][0].n_cached == len(a) - 1 and outs["a2"][0].cache_ms >= 20   # a restore of 20 ms at least
     assert all(o.cache_ms == 0.0 for o in outs["a2"][1:])
+
+
+def test_the_model_hears_when_requests_run_and_when_the_engine_is_quiet():
+    """model.host_idle: False as a step runs requests, True once save_idle_now finds none left (the card's arena
+    page-locks memory only in that quiet), said once each way."""
+    class Listening(SavingModel):
+        def host_idle(self, idle):
+            self.calls.append(("idle", idle))
+
+    model = Listening(2, 64)
+    engine = Engine(model, 2, 64, prompt_cache_bytes=4096, cache_idle_slots=True)
+    engine.add(greq("a", [1, 2, 3, 4], id_slot=0))
+    drain(engine)
+    engine.save_idle_now()
+    engine.add(greq("b", [5, 6, 7], id_slot=1))
+    drain(engine)
+    engine.save_idle_now()
+    said = [c[1] for c in model.calls if c[0] == "idle"]
+    assert said == [False, True, False, True]

@@ -110,6 +110,7 @@ class Engine:
         self._asleep_stats: dict | None = None       # engine_stats() as the engine fell asleep (swap_model)
         self._passes_before: dict[str, int] = {}     # the prompt passes of the models swapped out (swap_model)
         self._passes_at = model.pass_counts()        # ... and the model's own before the engine took it (warm-up)
+        self._host_idle = True                       # no request runs (model.host_idle, step / save_idle_now)
         # --cache-idle-slots: save the idle slots as the engine turns idle (save_idle_now) or else when a request
         # starts, which announces them (clear_idle: and empties them)
         self.cache_idle_slots, self.clear_idle = cache_idle_slots, clear_idle
@@ -245,6 +246,9 @@ class Engine:
     # -- the engine thread -----------------------------------------------------
     def step(self) -> list[TokenOut]:
         outs: list[TokenOut] = []
+        if self._host_idle and self.model is not None:     # requests run: host work that holds the driver waits
+            self._host_idle = False
+            self.model.host_idle(False)
         ahead, self._ahead = self._ahead, None
         if ahead is not None:        # ended before this round touches the device (admissions, prompts, copies)
             try:
@@ -374,7 +378,16 @@ class Engine:
         the next request's path (the save a new prompt in that slot, or --cache-idle-slots at a request start,
         would make then finds it done). The slots keep their KV; the next request start still announces the idle
         slots as --cache-idle-slots does (and empties them with --kv-unified). Returns the slots saved. A copy
-        that fails is logged and leaves the slot and the cache as they were."""
+        that fails is logged and leaves the slot and the cache as they were. Then, with no request left, the model
+        hears the engine is quiet (model.host_idle; step() says when requests run again)."""
+        try:
+            return self._save_idle_now()
+        finally:
+            if self.model is not None and not self.has_work():      # quiet now (model.host_idle)
+                self._host_idle = True
+                self.model.host_idle(True)
+
+    def _save_idle_now(self) -> int:
         if not self.cache_idle_slots or not self._caching() or self.model is None:
             return 0
         self.settle()

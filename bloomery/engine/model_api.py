@@ -107,6 +107,11 @@ class EngineModel:
         memory ahead of need (the card's page-locked arena, host_arena.py) keeps that memory within it; others
         have nothing to do."""
 
+    def host_idle(self, idle: bool) -> None:
+        """The engine runs no request (True) or runs some (False). A backend keeps host work that holds the
+        driver (page-locking memory made ahead for saved states) to the engine's quiet; others have nothing to
+        do."""
+
     def save_checkpoint(self, slot: int, n: int) -> object:
         """A copy of the slot's state that cannot rewind, as it stands after positions 0 .. n-1."""
         raise self._lacks("save_checkpoint", "checkpoints", self.checkpoints)

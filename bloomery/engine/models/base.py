@@ -252,6 +252,11 @@ class CausalLM(EngineModel):
         if arena is not None:
             arena.set_limit(n_bytes)
 
+    def host_idle(self, idle: bool) -> None:
+        arena = getattr(self.cache, "arena", None)
+        if arena is not None:
+            arena.set_idle(idle)
+
     def restore_kv(self, slot: int, state: tuple, n: int, keep: int = 0, offset: int = 0) -> None:
         """Positions keep .. n-1 of the slot from a save_kv copy whose first position is `offset` (0 .. keep-1:
         the slot holds the same ids' KV already); later positions are rewritten by the prompt."""

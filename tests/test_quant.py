@@ -275,3 +275,22 @@ def test_q5_0_saxpy_path_in_whole_steps_equals_the_emulation(monkeypatch, t):
     odd = formats.decode_planes(QT.Q5_0, random_blocks(QT.Q5_0, 6, n_cols, seed=5), 6, n_cols)
     formats.dot_llama(x, odd)
     assert not odd.scaled
+
+
+@pytest.mark.parametrize("t", [1, 3, 7, 8, 12])
+def test_q5_k_llama_order_is_ggml_mul_mat_bit_for_bit(t):
+    """Q5_K in llama.cpp's CPU float order (k_quants.dot_llama): the lanes of ggml_vec_dot_q5_K_q8_K under 8
+    columns, the tiled K-quant matmul from 8, against b11434's own mul_mat (tools/ref/make_q5k_golden.py); the
+    exact sums it replaced differ from it on most outputs, so the golden tells the two apart."""
+    from pathlib import Path
+    g = np.load(Path(__file__).parent / "golden" / "logits" / "q5_k_mm.npz")
+    k, n = int(g["k"]), int(g["n"])
+    planes = formats.decode_planes(int(QT.Q5_K), g["blocks"].reshape(-1), n, k)
+    x, ref = g[f"x_{t}"], g[f"y_{t}"]
+    with threads.OneBlasThread():
+        got = formats.dot_llama(x, planes)
+        exact = formats.dot_planes(x, planes)
+    np.testing.assert_array_equal(got.view(np.int32), ref.view(np.int32))
+    assert (exact.view(np.int32) != ref.view(np.int32)).mean() > 0.2
+    per_row = formats.dot_llama(x, planes, per_row=True)              # an expert's rows: the same paths
+    np.testing.assert_array_equal(per_row.view(np.int32), ref.view(np.int32))

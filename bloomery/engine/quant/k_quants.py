@@ -1,8 +1,8 @@
 """The K-quants: Q4_K, Q5_K and Q6_K weights (super-blocks of 256 with 6- or 8-bit sub-block
 scales), with their vec_dot partner, Q8_K activations. Each super-block decoded to integers
 (int_plane), the activations rounded as quantize_row_q8_K does (quantize_q8_K), the exact-sum
-product (dot_planes), llama.cpp's float order (dot_llama: Q6_K's tiled and lane paths, the
-repacked Q4_K gemm/gemv) and the compiled kernels' call (c_mm).
+product (dot_planes), llama.cpp's float order (dot_llama: Q6_K's and Q5_K's tiled and lane paths,
+the repacked Q4_K gemm/gemv) and the compiled kernels' call (c_mm: Q6_K and Q4_K).
 
 Legend: N = weight rows (outputs), K = row length (inputs), T = activation rows,
 Bs = super-blocks per row, S = sub-blocks per row, Q = elements per sub-block.
@@ -126,12 +126,17 @@ def dot_planes(x: np.ndarray, p: Planes) -> np.ndarray:
 #     acc = fma(float(isum), d_w*d_a, acc) with isum an exact integer sum per super-block (gemv:
 #     T%4 trailing columns) or per 64 elements (gemm: the first T - T%4, quantized by
 #     ggml_quantize_mat_q8_K_4x8), mins in a second accumulator the same way, out = acc - acc_min.
+#   Q5_K (not repacked on x86): below 8 columns ggml_vec_dot_q5_K_q8_K (AVX2): lanes as Q6_K's over
+#     elements 64j+32h+4l..+3 of unsigned 5-bit quants times their scale, acc = fma(d, lane, acc),
+#     hsum_float_8, plus a scalar summs = fma(-d_a*dmin_w, sum of mins * bsums, summs); from 8 the
+#     tiled matmul: r = fma(-dmin_w, s2, f32(s1)*d_w), buf = fma(r, d_a, buf). Both checked bit for bit
+#     against b11434's mul_mat (tools/ref/make_q5k_golden.py, tests/golden/logits/q5_k_mm.npz).
 #   ggml_mul_mat_id (MoE experts): as above per expert's rows, except that the repacked Q4_K
 #     runs its gemv row by row (dot_llama(per_row=True)).
 # Every integer sum comes from one BLAS product (exact: every partial sum is an integer below
 # 2^24); the float32 fma chains over super-blocks are emulated in float64 (common.fma_chain).
-LLAMA_ORDER_TYPES = frozenset({QT.Q6_K, QT.Q4_K})
-C_TYPES = LLAMA_ORDER_TYPES              # the compiled kernels (kernels/cpu_lanes.c) take these
+LLAMA_ORDER_TYPES = frozenset({QT.Q6_K, QT.Q5_K, QT.Q4_K})
+C_TYPES = frozenset({QT.Q6_K, QT.Q4_K})   # the compiled kernels (kernels/cpu_lanes.c) take these
 
 
 def c_takes(ggml_type: int, n_rows: int) -> bool:
@@ -145,11 +150,13 @@ def dot_llama(x: np.ndarray, p: Planes, per_row: bool = False) -> np.ndarray:
     """x [T, K] float32 @ planes [N, K]^T -> [T, N] in llama.cpp's CPU float order (the caller
     holds OneBlasThread). per_row: the product of ggml_mul_mat_id (an expert's rows): a repacked
     Q4_K weight runs its gemv row by row there, whatever the batch; Q6_K takes the tiled path
-    from 8 rows per expert as in mul_mat. Q5_K, and Q4_K whose rows do not come in eights, have
-    no mirrored kernel: their exact sums."""
+    from 8 rows per expert as in mul_mat, and so does Q5_K (not repacked on x86). Q4_K whose rows
+    do not come in eights has no mirrored kernel: its exact sums."""
     qt = QT(p.ggml_type)
     if qt == QT.Q6_K:
         return _dot_q6_K_tiled(x, p) if x.shape[0] >= TILED_MIN_T else _dot_q6_K_lanes(x, p)
+    if qt == QT.Q5_K:
+        return _dot_q5_K_tiled(x, p) if x.shape[0] >= TILED_MIN_T else _dot_q5_K_lanes(x, p)
     if qt == QT.Q4_K and p.q.shape[1] % 8 == 0:
         return _dot_q4_K_repacked(x, p, gemv_only=per_row)
     return dot_planes(x, p)
@@ -218,6 +225,80 @@ def _dot_q6_K_lanes(x: np.ndarray, p: Planes) -> np.ndarray:
         lanes *= d[:, None].astype(np.float64)                          # exact products
         out[:, n0:n1] = hsum8(fma_chain(lanes, np.empty(lanes.shape[1:], np.float32))).T
     return out
+
+
+def _q5_K_terms(x: np.ndarray, p: Planes):
+    """What both Q5_K paths read: the activations as Q8_K, each 32-element sub-block's mins times its
+    activations' sum per super-block (an exact integer, [Bs, T, N]), and the weight's d and dmin [Bs, N]."""
+    set_scaled(p, False)
+    t = x.shape[0]
+    n_super = p.d.shape[1]
+    qa, da, bsums = quantize_q8_K(x)
+    bs32 = bsums.reshape(t, n_super, 8, 2).sum(axis=3).astype(np.float64)            # [T, Bs, 8] exact
+    summ = np.einsum("nbs,tbs->btn", p.m.reshape(-1, n_super, 8).astype(np.float64), bs32)   # [Bs, T, N]
+    return qa, da, summ, p.d.T, p.dmin.T
+
+
+def _q5_K_layout(p: Planes) -> np.ndarray:
+    """Scale-times-quant weights [Bs, 8, N, 32] in the AVX2 kernel's lane order: lane l's 32 elements of a
+    super-block are 64j + 32h + 4l + e (j < 4, h < 2, e < 4), sub-block 2j + h (each <= 63 * 31)."""
+    if "q5_lanes" not in p.cache:
+        n_sub, n_rows, _ = p.q.shape
+        w = p.q * p.sc.T.astype(np.float32)[:, :, None]                  # [S, N, 32]
+        w = w.reshape(n_sub // 8, 8, n_rows, 8, 4)                      # [Bs, sub, N, lane, e]
+        p.cache["q5_lanes"] = np.ascontiguousarray(w.transpose(0, 3, 2, 1, 4).reshape(n_sub // 8, 8, n_rows, 32))
+    return p.cache["q5_lanes"]
+
+
+def _q5_K_product(x: np.ndarray, p: Planes, finish) -> np.ndarray:
+    """Both Q5_K paths: per chunk of weight rows, the 8 lanes' exact sums of each super-block [Bs, 8, n, T]
+    (scaled quants times activations, below 2^23 each), handed with the chunk's terms to finish(lanes,
+    d_a [T, Bs], the mins' sums [Bs, n, T], d_w [Bs, n], dmin_w [Bs, n]) -> out rows [n, T]."""
+    t = x.shape[0]
+    n_sub, n_rows, _ = p.q.shape
+    n_super = n_sub // 8
+    w = _q5_K_layout(p)                                                 # [Bs, 8, N, 32]
+    qa, da, summ, dw, dmw = _q5_K_terms(x, p)
+    a = np.ascontiguousarray(qa.reshape(t, n_super, 4, 2, 8, 4).transpose(1, 4, 2, 3, 5, 0)
+                             .reshape(n_super, 8, 32, t))               # [Bs, lane, 32, T]
+    out = np.empty((t, n_rows), np.float32)
+    step = max(8, MAX_TMP_ELEMS // max(1, n_super * 8 * t))
+    for n0 in range(0, n_rows, step):
+        n1 = min(n_rows, n0 + step)
+        lanes = np.matmul(w[:, :, n0:n1], a)                            # [Bs, 8, n, T] exact
+        s2 = summ[:, :, n0:n1].transpose(0, 2, 1).astype(np.float32).astype(np.float64)   # [Bs, n, T]
+        out[:, n0:n1] = finish(lanes, da, s2, dw[:, n0:n1], dmw[:, n0:n1]).T
+    return out
+
+
+def _dot_q5_K_lanes(x: np.ndarray, p: Planes) -> np.ndarray:
+    """ggml_vec_dot_q5_K_q8_K (x86 AVX2, fewer than 8 columns): per super-block 8 int32 lanes, lane l the
+    scaled sums over elements 64j + 32h + 4l + e, acc_l = fma(f32(d_a*d_w), f32(lane), acc_l),
+    hsum_float_8; the mins apart in a scalar, summs = fma(-f32(d_a*dmin_w), f32(sum of mins * bsums), summs)
+    super-block after super-block (gcc fuses the source's summs += dmin * x); the output hsum + summs.
+    Checked bit for bit against b11434's own mul_mat (ggml-cpu, AVX2 + AVX-512)."""
+    def finish(lanes, da, s2, dw, dmw):
+        d = (da.T[:, None, :] * dw[:, :, None]).astype(np.float64)      # [Bs, n, T] f32 d_a*d_w, rounded
+        lanes = lanes.astype(np.float64) * d[:, None]                   # exact products
+        acc = hsum8(fma_chain(lanes, np.empty(lanes.shape[1:], np.float32)))
+        dmin = -(da.T[:, None, :] * dmw[:, :, None])                    # [Bs, n, T] f32
+        prod = dmin.astype(np.float64) * s2
+        return acc + fma_chain(prod, np.empty(prod.shape[1:], np.float32))
+    return _q5_K_product(x, p, finish)
+
+
+def _dot_q5_K_tiled(x: np.ndarray, p: Planes) -> np.ndarray:
+    """ggml-cpu's tiled K-quant matmul for Q5_K (8 columns or more): per super-block s1 = the scaled
+    sub-block sums (the lanes' total) and s2 = the mins times the bsums (exact ints), r = fma(-dmin_w,
+    f32(s2), f32(s1)*d_w rounded), then buf = fma(r, d_a, buf) super-block after super-block (gcc fuses the
+    source's add(buf, mul(r, d_a)), as for Q6_K)."""
+    def finish(lanes, da, s2, dw, dmw):
+        s1 = lanes.sum(axis=1, dtype=np.float64)                        # [Bs, n, T] exact
+        r1 = (s1.astype(np.float32) * dw[:, :, None]).astype(np.float64)   # f32(s1)*d_w, rounded
+        r = (r1 - dmw[:, :, None].astype(np.float64) * s2).astype(np.float32)   # the fnmadd, one rounding
+        prod = r.astype(np.float64) * da.T[:, None, :].astype(np.float64)
+        return fma_chain(prod, np.empty(prod.shape[1:], np.float32))
+    return _q5_K_product(x, p, finish)
 
 
 def _q4_K_gemm_rows(t: int, gemv_only: bool) -> int:

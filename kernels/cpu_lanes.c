@@ -1,14 +1,14 @@
 // CPU kernels of the numpy backend (bloomery/engine/cpu/kernels.py compiles this once per
 // machine with the system's C compiler and loads it through ctypes).
 //
-// The quantized products read the GGUF blocks in place (Q8_0, Q5_0, Q4_K, Q6_K: no decoded
+// The quantized products read the GGUF blocks in place (Q8_0, Q5_0, Q4_K, Q5_K, Q6_K: no decoded
 // copy of a weight is kept) against activations already quantized to the weight's vec_dot
 // partner (Q8_0 or Q8_K, bloomery/engine/quant/q8_0.py and k_quants.py), in the float order of llama.cpp's
 // CPU kernels, which the same files spell out in numpy:
 //   Q8_0 family: per output eight f32 lanes, lane l of block b holding the exact integer sum of
 //   elements 4l..4l+3; each block does acc = fma(d_w * d_a, (float)lane, acc), the scale product
 //   rounded to f32 (exact here: two f16 values); then hsum_float_8.
-//   Q6_K and Q4_K: see their kernels below.
+//   Q6_K, Q5_K and Q4_K: see their kernels below.
 // The integer sums are exact whatever the instructions, and the float steps are spelled out, so
 // the AVX2 path and the portable one give the same bits. Built with -ffp-contract=off so the
 // compiler adds no fma of its own. One call spreads the weight rows (attention: the query rows)
@@ -962,6 +962,125 @@ void q6k_mm(const uint8_t *w, int64_t n_rows, int64_t n_super, const int8_t *a, 
 #endif
 }
 
+// Q5_K (not repacked on x86): ggml_vec_dot_q5_K_q8_K's AVX2 order under 8 columns, ggml's tiled K-quant
+// matmul from 8 (tiled). Per super-block eight int32 lanes, lane l the scaled sums over elements 32c + 4l + e
+// (sub-block c, e < 4) of the unsigned 5-bit quants. lanes: acc_l = fma(f32(d_a * d_w), f32(lane), acc_l),
+// hsum_float_8, the mins apart in a scalar, summs = fma(-(d_a * dmin_w), f32(s2), summs) with s2 the mins
+// times the activation's sums per 32 (gcc fuses ggml's summs += dmin * s2); out = hsum + summs. tiled:
+// r = fma(-dmin_w, f32(s2), f32(s1) * d_w) with s1 the lanes' total, acc = fma(r, d_a, acc). The same bits
+// as quant/k_quants.dot_llama, which tests/test_quant.py holds to b11434's own mul_mat. AVX2 (four activation
+// rows an unpacked block, maddubs then madd with the scale, as ggml's), else portable C.
+#define Q5_K_BYTES 176                                 // f16 d, f16 dmin, 12 scale bytes, 32 high bits, 128 nibbles
+static inline void q5k_ints(const uint8_t *blk, uint8_t q[256]) {   // the unsigned quants, in order
+    const uint8_t *qh = blk + 16, *qs = blk + 48;
+    for (int j = 0; j < 4; j++)                        // sub-blocks 2j (low nibbles, bit 2j), 2j + 1 (high, bit 2j + 1)
+        for (int l = 0; l < 32; l++) {
+            q[64 * j + l] = (uint8_t)((qs[32 * j + l] & 0xF) | (((qh[l] >> (2 * j)) & 1) << 4));
+            q[64 * j + 32 + l] = (uint8_t)((qs[32 * j + l] >> 4) | (((qh[l] >> (2 * j + 1)) & 1) << 4));
+        }
+}
+
+#if LANES_AVX2
+static inline void q5k_vecs(const uint8_t *blk, __m256i q[8]) {    // sub-block c's 32 quants, c = 2j + h
+    const __m256i lo4 = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
+    const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 16));
+    for (int j = 0; j < 4; j++) {
+        const __m256i qs = _mm256_loadu_si256((const __m256i *)(blk + 48 + 32 * j));
+        q[2 * j] = _mm256_or_si256(_mm256_and_si256(qs, lo4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * j), one), 4));
+        q[2 * j + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qs, 4), lo4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * j + 1), one), 4));
+    }
+}
+#endif
+
+static void q5k_row(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
+    const int tiled = m->tiled;
+    const int64_t n_super = m->n_blocks, ldo = m->ldo, k = n_super * 256;
+    const uint8_t *wr = m->w + n * m->row_bytes;
+#if LANES_AVX2
+    for (int64_t rb = r0; rb < r1; rb += 4) {          // up to four activation rows share each unpacked block
+        const int nr = r1 - rb < 4 ? (int)(r1 - rb) : 4;
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, summs[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        __m256 acc8[4];
+        for (int i = 0; i < 4; i++) acc8[i] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < n_super; b++) {
+            const uint8_t *blk = wr + b * Q5_K_BYTES;
+            int32_t sc[8], mn[8];
+            q4k_scales(blk + 4, sc, mn);
+            const float dw = f16_at(blk), dmw = f16_at(blk + 2);
+            __m256i q[8], s16[8];
+            q5k_vecs(blk, q);
+            for (int c = 0; c < 8; c++) s16[c] = _mm256_set1_epi16((int16_t)sc[c]);
+            for (int i = 0; i < nr; i++) {
+                const int64_t r = rb + i;
+                const int8_t *ab = m->a + r * k + 256 * b;
+                const int16_t *bs = m->bsums + r * n_super * 16 + 16 * b;
+                __m256i lanes = _mm256_setzero_si256();
+                for (int c = 0; c < 8; c++) {
+                    const __m256i p = _mm256_maddubs_epi16(q[c], _mm256_loadu_si256((const __m256i *)(ab + 32 * c)));
+                    lanes = _mm256_add_epi32(lanes, _mm256_madd_epi16(p, s16[c]));
+                }
+                int32_t s2 = 0;
+                for (int c = 0; c < 8; c++) s2 += mn[c] * ((int32_t)bs[2 * c] + (int32_t)bs[2 * c + 1]);
+                const float da = m->da[r * n_super + b];
+                if (tiled) {
+                    acc[i] = fmaf(fmaf(-dmw, (float)s2, (float)hsum_epi32(lanes) * dw), da, acc[i]);
+                } else {
+                    acc8[i] = _mm256_fmadd_ps(_mm256_set1_ps(da * dw), _mm256_cvtepi32_ps(lanes), acc8[i]);
+                    summs[i] = fmaf(-(da * dmw), (float)s2, summs[i]);
+                }
+            }
+        }
+        for (int i = 0; i < nr; i++) m->out[(rb + i) * ldo + n] = tiled ? acc[i] : hsum8_ps(acc8[i]) + summs[i];
+    }
+#else
+    for (int64_t r = r0; r < r1; r++) {
+        const int8_t *ar = m->a + r * k;
+        const float *dar = m->da + r * n_super;
+        const int16_t *bsr = m->bsums + r * n_super * 16;
+        float acc = 0.0f, summs = 0.0f, acc8[8] = {0};
+        for (int64_t b = 0; b < n_super; b++) {
+            const uint8_t *blk = wr + b * Q5_K_BYTES;
+            int32_t sc[8], mn[8];
+            q4k_scales(blk + 4, sc, mn);
+            const float dw = f16_at(blk), dmw = f16_at(blk + 2);
+            uint8_t q[256];
+            q5k_ints(blk, q);
+            const int8_t *ab = ar + 256 * b;
+            const int16_t *bs = bsr + 16 * b;
+            int32_t lanes[8] = {0}, s1 = 0, s2 = 0;
+            for (int c = 0; c < 8; c++) {
+                int32_t part[8];
+                for (int l = 0; l < 8; l++) {
+                    const int base = 32 * c + 4 * l;
+                    part[l] = (int32_t)q[base] * ab[base] + (int32_t)q[base + 1] * ab[base + 1]
+                              + (int32_t)q[base + 2] * ab[base + 2] + (int32_t)q[base + 3] * ab[base + 3];
+                }
+                for (int l = 0; l < 8; l++) lanes[l] += part[l] * sc[c];
+                s2 += mn[c] * ((int32_t)bs[2 * c] + (int32_t)bs[2 * c + 1]);
+            }
+            for (int l = 0; l < 8; l++) s1 += lanes[l];
+            if (tiled) {
+                acc = fmaf(fmaf(-dmw, (float)s2, (float)s1 * dw), dar[b], acc);
+            } else {
+                const float dd = dar[b] * dw;
+                for (int l = 0; l < 8; l++) acc8[l] = fmaf(dd, (float)lanes[l], acc8[l]);
+                summs = fmaf(-(dar[b] * dmw), (float)s2, summs);
+            }
+        }
+        m->out[r * ldo + n] = tiled ? acc : hsum8(acc8) + summs;
+    }
+#endif
+}
+
+void q5k_mm(const uint8_t *w, int64_t n_rows, int64_t n_super, const int8_t *a, const float *da,
+            const int16_t *bsums, int64_t t, int tiled, float *out, int64_t ldo, int nth) {
+    mm_args m = {.w = w, .row_bytes = n_super * Q5_K_BYTES, .n_blocks = n_super, .t = t, .ldo = ldo,
+                 .tiled = tiled, .a = a, .da = da, .bsums = bsums, .out = out, .row = q5k_row};
+    pool_run(mm_chunk, &m, n_rows, grain_for(n_rows, nth, 4), nth);
+}
+
 // Q4_K as ggml_gemm / ggml_gemv_q4_K_8x8_q8_K (the repacked weight): per 64 elements (two
 // sub-blocks) sumi = sum of sc * (q . a), summ = sum of m * (a's sum over the sub-block); rows
 // r < t_gemm (the gemm's) do acc = fma(f32(sumi), f32(d_a * d_w), acc) and the same for the mins
@@ -1861,6 +1980,8 @@ static void dprod_rows(dact_t *a, const uint8_t *w, int64_t type, int64_t n_rows
         }
         if (type == 14)
             q6k_mm(w, n_rows, k / 256, a->q, a->d, a->bsums, t, t >= DL_Q6K_TILED_MIN_T, out, n_rows, n_threads);
+        else if (type == 13)
+            q5k_mm(w, n_rows, k / 256, a->q, a->d, a->bsums, t, t >= DL_Q6K_TILED_MIN_T, out, n_rows, n_threads);
         else
             q4k_mm(w, n_rows, k / 256, a->q, a->d, a->bsums, t, t_gemm, out, n_rows, n_threads);
     }

@@ -1,5 +1,5 @@
 """The compiled kernels of the numpy backend (kernels/cpu_lanes.c) give the numpy kernels' bits:
-the four llama-order products and both flash-attention paths, on random inputs of many shapes."""
+the five llama-order products and both flash-attention paths, on random inputs of many shapes."""
 from __future__ import annotations
 
 import numpy as np
@@ -16,7 +16,7 @@ needs_c = pytest.mark.skipif(cpu_kernels.lib() is None, reason=f"no compiled ker
 
 
 def _weight(qt, n, k, rng, zero_blocks=False):
-    if qt in (QT.Q6_K, QT.Q4_K):                                       # gguf quantizes neither: random blocks
+    if qt in (QT.Q6_K, QT.Q5_K, QT.Q4_K):                              # gguf quantizes none: random blocks
         return random_blocks(qt, n, k, seed=int(rng.integers(1 << 30)))
     w = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.01, 4, (n, 1)).astype(np.float32)
     if zero_blocks:
@@ -36,7 +36,7 @@ SHAPES_256 = [(8, 256, 1), (24, 512, 3), (64, 1024, 4), (40, 256, 7), (16, 512, 
 
 @needs_c
 @pytest.mark.parametrize("qt,n,k,t", [(q, *s) for q in (QT.Q8_0, QT.Q5_0) for s in SHAPES_32]
-                         + [(q, *s) for q in (QT.Q6_K, QT.Q4_K) for s in SHAPES_256])
+                         + [(q, *s) for q in (QT.Q6_K, QT.Q5_K, QT.Q4_K) for s in SHAPES_256])
 def test_compiled_product_equals_numpy_kernel(qt, n, k, t):
     rng = np.random.default_rng(n * 1000 + t + int(qt))
     raw = _weight(qt, n, k, rng, zero_blocks=k >= 64)
@@ -184,7 +184,7 @@ def test_portable_build_gives_the_same_bits(tmp_path, isa):
 
 
 @needs_c
-@pytest.mark.parametrize("qt", [QT.Q8_0, QT.Q5_0, QT.Q6_K, QT.Q4_K])
+@pytest.mark.parametrize("qt", [QT.Q8_0, QT.Q5_0, QT.Q6_K, QT.Q5_K, QT.Q4_K])
 def test_non_finite_rows_give_nan_rows_as_numpy(qt):
     rng = np.random.default_rng(2)
     raw = _weight(qt, 16, 256, rng)

@@ -181,7 +181,7 @@ class _DecodePlan:
     layers.attention (biases or per-head q/k norms or neither) then layers.swiglu_ffn, or then
     layers.moe_ffn with an F32 router (the model says norm_weights)."""
 
-    TYPES = frozenset({int(QT.Q8_0), int(QT.Q5_0), int(QT.Q4_K), int(QT.Q6_K)})
+    TYPES = frozenset({int(QT.Q8_0), int(QT.Q5_0), int(QT.Q4_K), int(QT.Q5_K), int(QT.Q6_K)})
     NAMES = ("wq", "wk", "wv", "wo", "ffn_gate", "ffn_up", "ffn_down")
     MOE = ("gate_inp", "gate_exps", "up_exps", "down_exps")
     VECS = ("attn_norm", "ffn_norm", "bq", "bk", "bv", "q_norm", "k_norm")

@@ -101,6 +101,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     lib.quant_q8_K.argtypes = [p, i64, i64, p, p, p, p]
     lib.q80_mm.argtypes = [p, c_int, i64, i64, p, p, i64, p, i64, c_int]
     lib.q6k_mm.argtypes = [p, i64, i64, p, p, p, i64, c_int, p, i64, c_int]
+    lib.q5k_mm.argtypes = [p, i64, i64, p, p, p, i64, c_int, p, i64, c_int]
     lib.q4k_mm.argtypes = [p, i64, i64, p, p, p, i64, i64, p, i64, c_int]
     lib.swiglu.argtypes = [p, p, p, i64, i64, c_int]
     lib.attn_f16.argtypes = [p, p, p, i64, i64, i64, i64, f, p, i64, c_int]
@@ -116,7 +117,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     lib.moe_ffn_rows.restype = c_int
     lib.moe_scratch_peak.argtypes = [c_int]
     lib.moe_scratch_peak.restype = i64
-    for fn in (lib.quant_q8_0, lib.quant_q8_K, lib.q80_mm, lib.q6k_mm, lib.q4k_mm, lib.swiglu, lib.attn_f16, lib.attn_f32,
+    for fn in (lib.quant_q8_0, lib.quant_q8_K, lib.q80_mm, lib.q6k_mm, lib.q5k_mm, lib.q4k_mm, lib.swiglu, lib.attn_f16, lib.attn_f32,
                lib.rms_norm, lib.rope_neox, lib.lanes_set_spin):
         fn.restype = None
     lib.lanes_set_spin(spin_rounds())

@@ -2,7 +2,7 @@
 scales), with their vec_dot partner, Q8_K activations. Each super-block decoded to integers
 (int_plane), the activations rounded as quantize_row_q8_K does (quantize_q8_K), the exact-sum
 product (dot_planes), llama.cpp's float order (dot_llama: Q6_K's and Q5_K's tiled and lane paths,
-the repacked Q4_K gemm/gemv) and the compiled kernels' call (c_mm: Q6_K and Q4_K).
+the repacked Q4_K gemm/gemv) and the compiled kernels' call (c_mm).
 
 Legend: N = weight rows (outputs), K = row length (inputs), T = activation rows,
 Bs = super-blocks per row, S = sub-blocks per row, Q = elements per sub-block.
@@ -136,7 +136,7 @@ def dot_planes(x: np.ndarray, p: Planes) -> np.ndarray:
 # Every integer sum comes from one BLAS product (exact: every partial sum is an integer below
 # 2^24); the float32 fma chains over super-blocks are emulated in float64 (common.fma_chain).
 LLAMA_ORDER_TYPES = frozenset({QT.Q6_K, QT.Q5_K, QT.Q4_K})
-C_TYPES = frozenset({QT.Q6_K, QT.Q4_K})   # the compiled kernels (kernels/cpu_lanes.c) take these
+C_TYPES = LLAMA_ORDER_TYPES              # the compiled kernels (kernels/cpu_lanes.c) take these
 
 
 def c_takes(ggml_type: int, n_rows: int) -> bool:
@@ -355,12 +355,13 @@ def _dot_q4_K_repacked(x: np.ndarray, p: Planes, gemv_only: bool = False) -> np.
 
 def c_mm(lib, act, ggml_type: int, raw: np.ndarray, n_rows: int, per_row: bool, out: np.ndarray, nth: int) -> None:
     """The compiled kernels' product of act (a formats.CAct) with the stored blocks raw of an
-    [N, K] Q6_K or Q4_K weight (rows in eights), into out [T, N]; per_row as dot_llama's."""
+    [N, K] Q6_K, Q5_K or Q4_K weight (rows in eights), into out [T, N]; per_row as dot_llama's."""
     t, k = act.t, act.k
-    if ggml_type == QT.Q6_K:
+    if ggml_type in (QT.Q6_K, QT.Q5_K):
         qa, da, bsums = act.q8_K(lib, 0)
-        lib.q6k_mm(raw.ctypes.data, n_rows, k // QK_K, qa.ctypes.data, da.ctypes.data, bsums.ctypes.data, t,
-                   int(t >= TILED_MIN_T), out.ctypes.data, n_rows, nth)
+        mm = lib.q6k_mm if ggml_type == QT.Q6_K else lib.q5k_mm
+        mm(raw.ctypes.data, n_rows, k // QK_K, qa.ctypes.data, da.ctypes.data, bsums.ctypes.data, t,
+           int(t >= TILED_MIN_T), out.ctypes.data, n_rows, nth)
     else:
         t_gemm = _q4_K_gemm_rows(t, per_row)
         qa, da, bsums = act.q8_K(lib, t_gemm)

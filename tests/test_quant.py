@@ -294,3 +294,7 @@ def test_q5_k_llama_order_is_ggml_mul_mat_bit_for_bit(t):
     assert (exact.view(np.int32) != ref.view(np.int32)).mean() > 0.2
     per_row = formats.dot_llama(x, planes, per_row=True)              # an expert's rows: the same paths
     np.testing.assert_array_equal(per_row.view(np.int32), ref.view(np.int32))
+    from bloomery.engine.cpu import kernels as cpu_kernels
+    if cpu_kernels.lib() is not None:                                   # and the compiled lane (cpu_lanes.c)
+        c = formats.dot_c(x, int(QT.Q5_K), g["blocks"].reshape(-1), n, k)
+        np.testing.assert_array_equal(c.view(np.int32), ref.view(np.int32))

@@ -53,6 +53,34 @@ def bus_picks(m: int, share: float) -> int:
     return int(np.floor(np.float32(m) * np.float32(share) + np.float32(0.5)))
 
 
+def prompt_weight() -> float:
+    """BLOOMERY_RESIDENCY_PROMPT_WEIGHT (a fraction in [0, 1], default 1): how much a prompt pass's routing
+    counts in the ranking beside the decode steps'. A 512-id prompt adds 4,096 picks a layer against a decode
+    update's 128, so at 1 the ranking follows the prompt for about 80 decode steps (five halvings). A lever to
+    measure against served decode (session 23: served offload decode lags the engine in process, which
+    measures after hundreds of decode steps); the prompt's most-used experts still take card slots at once
+    (adopt), whatever this weight."""
+    raw = os.environ.get("BLOOMERY_RESIDENCY_PROMPT_WEIGHT", "").strip()
+    if not raw:
+        return 1.0
+    try:
+        w = float(raw)
+    except ValueError:
+        w = -1.0
+    if not 0.0 <= w <= 1.0:
+        raise ValueError(f"BLOOMERY_RESIDENCY_PROMPT_WEIGHT={raw!r}: give a fraction from 0 to 1 (how much a prompt "
+                         f"pass's routing counts in the residency's ranking)")
+    return w
+
+
+def weigh_prompt(recent: np.ndarray, weight: float) -> np.ndarray:
+    """A prompt pass's counts [L, E] (and the few decode steps' since the last update) as the ranking takes
+    them: times weight, rounded down, so 1 leaves them as they are and 0 drops them."""
+    if weight >= 1.0:
+        return recent
+    return np.floor(recent * weight).astype(recent.dtype)
+
+
 @dataclass(frozen=True)
 class Move:
     layer: int

@@ -1,4 +1,5 @@
 """The adaptive residency policy (bloomery/residency.py): counts in, moves out, budget kept."""
+import numpy as np
 import pytest
 
 from bloomery.residency import Move, apply, decay, moves
@@ -75,6 +76,22 @@ def test_the_streamed_share_comes_from_the_environment_and_a_bad_one_is_named(mo
         monkeypatch.setenv("BLOOMERY_STREAM_SHARE", bad)
         with pytest.raises(ValueError, match="BLOOMERY_STREAM_SHARE"):
             stream_share()
+
+
+def test_a_prompts_counts_weigh_as_the_lever_says_and_a_bad_weight_is_named(monkeypatch):
+    from bloomery.residency import prompt_weight, weigh_prompt
+    monkeypatch.delenv("BLOOMERY_RESIDENCY_PROMPT_WEIGHT", raising=False)
+    assert prompt_weight() == 1.0
+    recent = np.array([[4096, 7, 0], [3, 1, 512]], np.int64)
+    assert weigh_prompt(recent, 1.0) is recent                             # the default: the counts as they are
+    monkeypatch.setenv("BLOOMERY_RESIDENCY_PROMPT_WEIGHT", "0.03")
+    assert prompt_weight() == 0.03
+    assert weigh_prompt(recent, 0.03).tolist() == [[122, 0, 0], [0, 0, 15]]   # rounded down
+    assert weigh_prompt(recent, 0.0).tolist() == [[0, 0, 0], [0, 0, 0]]
+    for bad in ("some", "-0.5", "1.5"):
+        monkeypatch.setenv("BLOOMERY_RESIDENCY_PROMPT_WEIGHT", bad)
+        with pytest.raises(ValueError, match="BLOOMERY_RESIDENCY_PROMPT_WEIGHT"):
+            prompt_weight()
 
 
 def _reference_moves(counts, on_card, expert_bytes, budget):

@@ -39,7 +39,8 @@
 #             $BENCH_WORK) at -fitt $GAP_FITT (default 132803, ~11.5 GB on the card) and -t $GAP_THREADS
 #             (default 14): tools/bench_steps.py's decode (host ms a step, the card's share of the picks) and
 #             tools/bench_offload.py's fit/tg128 cell, bloomery alone (host wait per generated id, the host's
-#             share of the picks, experts moved); gap-steps.json, gap-offload.json, gap.log
+#             share of the picks, experts moved), served with BLOOMERY_RESIDENCY_PROMPT_WEIGHT 1 and 0.03;
+#             gap-steps.json, gap-offload-w1.json, gap-offload-w0.03.json, gap.log
 #   ($SERVE_ARGS: more bench_serve flags for serve, e.g. --replay-own-documents)
 #
 # Carried beside the tree in $BLOOMERY_DEVICE_DIR (default .device, git-ignored):
@@ -202,8 +203,11 @@ if has offload-gap; then
   t0=$SECONDS
   timeout "${GAP_S:-150}" python3 tools/bench_steps.py -m "$f" -fitt "${GAP_FITT:-132803}" -t "${GAP_THREADS:-14}" \
     --prompts 512 --batches 1 --depth 512 --steps 128 --out "$out/gap-steps.json" 2>&1 | tee "$out/gap.log" | tail -n 8
-  timeout "${GAP_S:-150}" python3 tools/bench_offload.py --engines bloomery --model "even=$f" --threads "${GAP_THREADS:-14}" \
-    --cells 'even/bloomery/fit/tg128' --fresh --out "$out/gap-offload.json" 2>&1 | tee -a "$out/gap.log" | tail -n 6
+  for w in 1 0.03; do     # BLOOMERY_RESIDENCY_PROMPT_WEIGHT: 0.03 weighs a 512-id prompt as one decode update
+    BLOOMERY_RESIDENCY_PROMPT_WEIGHT=$w timeout "${GAP_S:-150}" python3 tools/bench_offload.py --engines bloomery \
+      --model "even=$f" --threads "${GAP_THREADS:-14}" --cells 'even/bloomery/fit/tg128' --fresh \
+      --out "$out/gap-offload-w$w.json" 2>&1 | sed "s/^/w=$w: /" | tee -a "$out/gap.log" | tail -n 6
+  done
   echo "offload-gap: $((SECONDS - t0)) s"
 fi
 

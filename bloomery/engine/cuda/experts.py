@@ -246,6 +246,7 @@ class Offload:
         self.counts = None                                                    # [L, E] int32 on the card
         self.seen = None                                                      # [L, E] counts at the last update
         self.score = None                                                     # [L, E] decayed routing (the ranking)
+        self.prompt_weight = policy.prompt_weight()                           # BLOOMERY_RESIDENCY_PROMPT_WEIGHT
         self.recent = None                                                    # [L, E] routing since the last update
         self.steps = 0
         self.budget = budget if budget is not None else int(os.environ.get("BLOOMERY_RESIDENCY_MIB", "256")) << 20
@@ -492,6 +493,8 @@ class Offload:
         if decode and self.steps % RESIDENCY_EVERY:
             return
         self._account()
+        if not decode:                                                        # a prompt's counts, weighed
+            self.recent = policy.weigh_prompt(self.recent, self.prompt_weight)
         self.score = (self.score >> 1) + self.recent                         # older routing weighs half
         self.recent[:] = 0
         self.stats["updates"] += 1

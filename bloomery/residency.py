@@ -28,20 +28,26 @@ import numpy as np
 STREAM_SHARE = 0.35
 
 
+def _env_fraction(name: str, default: float, what: str) -> float:
+    """A lever that is a fraction in [0, 1]: the variable's value, else default; anything else is refused by
+    name, saying what it sets."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name}={raw!r}: give a fraction from 0 to 1 ({what})")
+    return value
+
+
 def stream_share() -> float:
     """BLOOMERY_STREAM_SHARE (a fraction in [0, 1]; 0: the host computes every host expert), else
     STREAM_SHARE."""
-    raw = os.environ.get("BLOOMERY_STREAM_SHARE", "").strip()
-    if not raw:
-        return STREAM_SHARE
-    try:
-        share = float(raw)
-    except ValueError:
-        share = -1.0
-    if not 0.0 <= share <= 1.0:
-        raise ValueError(f"BLOOMERY_STREAM_SHARE={raw!r}: give a fraction from 0 to 1 (the share of host experts "
-                         f"the card reads over the bus in decode)")
-    return share
+    return _env_fraction("BLOOMERY_STREAM_SHARE", STREAM_SHARE,
+                         "the share of host experts the card reads over the bus in decode")
 
 
 def bus_picks(m: int, share: float) -> int:
@@ -60,17 +66,8 @@ def prompt_weight() -> float:
     measure against served decode (session 23: served offload decode lags the engine in process, which
     measures after hundreds of decode steps); the prompt's most-used experts still take card slots at once
     (adopt), whatever this weight."""
-    raw = os.environ.get("BLOOMERY_RESIDENCY_PROMPT_WEIGHT", "").strip()
-    if not raw:
-        return 1.0
-    try:
-        w = float(raw)
-    except ValueError:
-        w = -1.0
-    if not 0.0 <= w <= 1.0:
-        raise ValueError(f"BLOOMERY_RESIDENCY_PROMPT_WEIGHT={raw!r}: give a fraction from 0 to 1 (how much a prompt "
-                         f"pass's routing counts in the residency's ranking)")
-    return w
+    return _env_fraction("BLOOMERY_RESIDENCY_PROMPT_WEIGHT", 1.0,
+                         "how much a prompt pass's routing counts in the residency's ranking")
 
 
 def weigh_prompt(recent: np.ndarray, weight: float) -> np.ndarray:

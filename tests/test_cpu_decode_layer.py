@@ -2,7 +2,8 @@
 gives the op-by-op path's bits: logits and the KV it writes, over several steps and two slots, on
 synthetic files in the q4_k_m mix: qwen2 (Q/K/V biases) with rows of 256 (Q4_K and Q6_K products) and of
 96 (llama-quantize's fallback: Q5_0 and Q8_0); qwen3 (per-head q/k norms); qwen3moe (q/k norms and a
-routed FFN: the F32 router, the softmax and top-k, the experts), rows of 256 and of 96."""
+routed FFN: the F32 router, the softmax and top-k, the experts), rows of 256 and of 96; and in the q5_k_m
+mix (Q5_K and Q6_K), qwen2 and qwen3moe."""
 from __future__ import annotations
 
 import numpy as np
@@ -17,18 +18,20 @@ SHAPES = {"qwen2": {}, "qwen3": dict(head_dim=64),
           "qwen3moe": dict(head_dim=64, n_expert=8, n_expert_used=3, n_ff_exp=None)}
 
 
-@pytest.fixture(scope="module", params=[("qwen2", 256), ("qwen2", 96), ("qwen3", 256), ("qwen3moe", 256),
-                                        ("qwen3moe", 96)],
-                ids=["k_quants", "q8_0_family", "qwen3_qk_norm", "qwen3moe_k_quants", "qwen3moe_q8_0_family"])
+@pytest.fixture(scope="module", params=[("qwen2", 256, "q4_k_m"), ("qwen2", 96, "q4_k_m"), ("qwen3", 256, "q4_k_m"),
+                                        ("qwen3moe", 256, "q4_k_m"), ("qwen3moe", 96, "q4_k_m"),
+                                        ("qwen2", 256, "q5_k_m"), ("qwen3moe", 256, "q5_k_m")],
+                ids=["k_quants", "q8_0_family", "qwen3_qk_norm", "qwen3moe_k_quants", "qwen3moe_q8_0_family",
+                     "q5_k", "qwen3moe_q5_k"])
 def qwen2_blocks(request, synthetic_dir, tokenizer_source):
     from conftest import load_tool
-    arch, d = request.param
+    arch, d, mix = request.param
     extra = {k: (d if v is None else v) for k, v in SHAPES[arch].items()}
-    path = synthetic_dir / f"decode-layer-{arch}-{d}.gguf"
+    path = synthetic_dir / f"decode-layer-{arch}-{d}-{mix}.gguf"
     if not path.exists():
         load_tool("make_synthetic").write_synthetic(path, arch, tokenizer_from=str(tokenizer_source), n_layer=2,
                                                     n_embd=d, n_head=4, n_head_kv=2, n_ff=2 * d, mode="blocks",
-                                                    **extra)
+                                                    mix=mix, **extra)
     return path
 
 

@@ -97,6 +97,8 @@ def test_float_mode_statistics(synthetic_dir, tok_source, arch):
     ("q4_k_m", {"token_embd": "Q4_K", "output": "Q6_K", "attn_q": "Q4_K", "attn_v": "Q6_K",
                 "ffn_down_exps": "Q6_K", "ffn_up_exps": "Q4_K", "ffn_gate_inp": "F32"}),
     ("q8_0", {"token_embd": "Q8_0", "output": "Q8_0", "attn_v": "Q8_0", "ffn_down_exps": "Q8_0"}),
+    ("q5_k_m", {"token_embd": "Q5_K", "output": "Q6_K", "attn_q": "Q5_K", "attn_v": "Q6_K",
+                "ffn_down_exps": "Q6_K", "ffn_up_exps": "Q5_K", "ffn_gate_inp": "F32"}),
 ])
 def test_blocks_mode_types_and_statistics(synthetic_dir, tok_source, mix, types):
     g = open_gguf(str(make(synthetic_dir, tok_source, f"moe_{mix}", arch="qwen3moe", mode="blocks", mix=mix,
@@ -155,6 +157,8 @@ def test_blocks_mode_streams_tensor_by_tensor(tmp_path, tok_source):
     ({"arch": "qwen3moe", "n_expert_used": 9, "n_expert": 8}, "--n-expert-used 9 must be 1..--n-expert 8"),
     ({"arch": "llama"}, "--arch 'llama' must be one of"),
     ({"n_experts": 3}, "unknown shape keys ['n_experts']"),
+    ({"mode": "blocks", "mix": "q5_k_m", "n_embd": 64}, "--mix q5_k_m: rows of 64 are not a multiple of 256"),
+    ({"mode": "blocks", "mix": "q3_k_m"}, "q4_k_m|q5_k_m|q8_0"),
 ])
 def test_bad_shapes_are_refused_by_name(tmp_path, tok_source, kw, words):
     with pytest.raises(ms.ShapeError) as e:
@@ -280,6 +284,7 @@ def test_router_skew_channel_is_constant_and_unread(synthetic_dir, tok_source, m
     ({"arch": "qwen3moe", "router_skew": 1.0}, "must be in [0.20, 1)"),
     ({"arch": "qwen3moe", "n_expert": 4, "n_expert_used": 2}, "4 experts, 2 used a token, reach at most 0.40"),
     ({"arch": "qwen3moe", "n_embd": 32, "n_head": 2, "n_head_kv": 1}, "--router-skew needs --n-embd >= 64"),
+    ({"arch": "qwen3moe", "mode": "blocks", "mix": "q5_k_m"}, "--router-skew writes q4_k_m or q8_0 blocks"),
 ])
 def test_router_skew_refusals(tmp_path, tok_source, kw, words):
     with pytest.raises(ms.ShapeError) as e:

@@ -12,9 +12,11 @@ qwen35moe adds a shared expert (--n-ff-shexp) beside the routed ones. Two modes:
   blocks -- quantized blocks written directly (random codes, scale fields set so a
             row's values have std ~ 1/sqrt(fan_in)), tensor by tensor, never a float
             copy of the model. Mix q4_k_m (attn_v / ffn_down Q6_K, other matrices and
-            the embedding Q4_K, output Q6_K) or q8_0; norms and the router stay F32.
-            A row whose length is not a multiple of 256 takes llama-quantize's
-            fallback (Q4_K -> Q5_0, Q6_K -> Q8_0), as the real 0.5B file does.
+            the embedding Q4_K, output Q6_K), q5_k_m (the same with Q5_K for Q4_K) or
+            q8_0; norms and the router stay F32. A row whose length is not a multiple
+            of 256 takes llama-quantize's fallback (Q4_K -> Q5_0, Q6_K -> Q8_0), as the
+            real 0.5B file does; q5_k_m refuses such rows (its fallback, Q5_1, is not a
+            type bloomery reads), and --router-skew.
 
 --router-skew SHARE (qwen3moe) makes the running model's routing follow a stated skew: the
 busiest fifth of each layer's experts takes about SHARE of the routing (0.2: even).
@@ -65,10 +67,11 @@ PRESETS = {
                                           ssm_dt_rank=32, n_rot=64, rope_sections="11,11,10,0", ctx_train=262144,
                                           mode="blocks", mix="q4_k_m", seed=1)),
 }
-FILE_TYPE = {"f32": 0, "f16": 1, "q8_0": 7, "q4_k_m": 15}      # llama_ftype values
+FILE_TYPE = {"f32": 0, "f16": 1, "q8_0": 7, "q4_k_m": 15, "q5_k_m": 17}      # llama_ftype values
 FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q6_K: Q.Q8_0}                    # llama-quantize, rows not /256
 # std of one block code as stored (uniform random bits), to set the block scale from
-CODE_STD = {Q.Q4_K: 32 * np.sqrt((16**2 - 1) / 12), Q.Q6_K: 16 * np.sqrt((64**2 - 1) / 12),
+CODE_STD = {Q.Q4_K: 32 * np.sqrt((16**2 - 1) / 12), Q.Q5_K: 32 * np.sqrt((32**2 - 1) / 12),
+            Q.Q6_K: 16 * np.sqrt((64**2 - 1) / 12),
             Q.Q5_0: np.sqrt((32**2 - 1) / 12), Q.Q8_0: np.sqrt((256**2 - 1) / 12)}
 
 
@@ -195,7 +198,10 @@ def ggml_type_for(role: str, ne0: int, s: dict) -> int:
         return Q.F16 if s["ftype"] == "f16" else Q.F32
     if s["mix"] == "q8_0":
         return Q.Q8_0
-    qt = Q.Q6_K if role in ("mat6", "output") else Q.Q4_K
+    qt = Q.Q6_K if role in ("mat6", "output") else Q.Q5_K if s["mix"] == "q5_k_m" else Q.Q4_K
+    if ne0 % 256 and qt == Q.Q5_K:
+        raise ShapeError(f"--mix q5_k_m: rows of {ne0} are not a multiple of 256 (llama-quantize's fallback "
+                         f"for Q5_K, Q5_1, is not a type bloomery reads)")
     return qt if ne0 % 256 == 0 else FALLBACK[qt]
 
 
@@ -217,9 +223,10 @@ def block_bytes(qt: int, ne: tuple[int, ...], rng: np.random.Generator, std: flo
     n_blocks = int(np.prod(ne)) // block
     raw = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)   # [B, type_size]
     d = np.float16((1 / np.sqrt(ne[0]) if std is None else std) / CODE_STD[qt])
-    if qt == Q.Q4_K:      # d, dmin, 12 packed 6-bit scales/mins (all 32), 128 nibbles
+    if qt in (Q.Q4_K, Q.Q5_K):   # d, dmin, 12 packed 6-bit scales/mins (all 32), (32 high bits,) the nibbles
         raw[:, 0:2] = np.frombuffer(d.tobytes(), np.uint8)
-        raw[:, 2:4] = np.frombuffer(np.float16(7.5 * d).tobytes(), np.uint8)   # centres the nibbles
+        centre = 7.5 if qt == Q.Q4_K else 15.5                                  # the codes' mean
+        raw[:, 2:4] = np.frombuffer(np.float16(centre * d).tobytes(), np.uint8)
         raw[:, 4:12] = 0xA0
         raw[:, 12:16] = 0x00
     elif qt == Q.Q6_K:    # 128 low nibbles, 64 high pairs, 16 int8 scales, d
@@ -402,9 +409,10 @@ def check_shape(arch: str, s: dict) -> None:
         raise ShapeError(f"--n-ff-exp {s['n_ff_exp']} must be >= 1")
     if arch in HYBRID:
         _check_hybrid(arch, s, head_dim)
-    if s["mode"] not in ("float", "blocks") or s["ftype"] not in ("f32", "f16") or s["mix"] not in ("q4_k_m", "q8_0"):
+    if (s["mode"] not in ("float", "blocks") or s["ftype"] not in ("f32", "f16")
+            or s["mix"] not in ("q4_k_m", "q5_k_m", "q8_0")):
         raise ShapeError(f"--mode {s['mode']!r} / --ftype {s['ftype']!r} / --mix {s['mix']!r}: "
-                         f"float|blocks, f32|f16, q4_k_m|q8_0")
+                         f"float|blocks, f32|f16, q4_k_m|q5_k_m|q8_0")
     if s["mode"] == "blocks":
         rows = {"--n-embd": s["n_embd"], "--n-ff": s["n_ff"], "--head-dim x --n-head": head_dim * s["n_head"]}
         if arch in MOE:
@@ -461,6 +469,8 @@ def write_synthetic(path, arch: str = "qwen2", tokenizer_from: str | None = None
     if router_skew is not None:
         if arch != "qwen3moe":
             raise ShapeError(f"--router-skew needs --arch qwen3moe (routed experts), not {arch}")
+        if s["mix"] == "q5_k_m":
+            raise ShapeError("--router-skew writes q4_k_m or q8_0 blocks, not --mix q5_k_m")
         if s["n_embd"] < 2 * SKEW_CHANNEL:
             raise ShapeError(f"--router-skew needs --n-embd >= {2 * SKEW_CHANNEL} (the constant channel takes "
                              f"{SKEW_CHANNEL} coordinates), got {s['n_embd']}")

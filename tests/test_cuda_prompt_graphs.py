@@ -16,19 +16,25 @@ pytestmark = pytest.mark.gpu
 SHAPE = dict(n_layer=2, n_embd=512, n_head=8, n_head_kv=2, head_dim=128, n_expert=16, n_expert_used=4, n_ff_exp=256)
 
 
-@pytest.fixture(scope="module")
-def warmed(gpu, tokenizer_source, synthetic_dir):
-    """The graphs as BLOOMERY_CUDA_PROMPT_ATTN=gemm captures them (fixed at the capture): the wider buckets from
-    position 0 only, over their own rows."""
+def _warmed(tokenizer_source, synthetic_dir, name: str, attn: str, n_slots: int, n_ctx_slot: int):
+    """The synthetic file loaded and warmed up with its graphs captured under BLOOMERY_CUDA_PROMPT_ATTN=attn
+    (fixed at the capture): the model and the warm-up's parts."""
     from bloomery.engine.loader import load_model
     from bloomery.engine.warmup import warm_up
     from bloomery.placement import whole
-    path = load_tool("make_synthetic").write_synthetic(synthetic_dir / "graphs-qwen3moe.gguf", arch="qwen3moe",
-                                                        mode="blocks", mix="q4_k_m", seed=7,
-                                                        tokenizer_from=str(tokenizer_source), **SHAPE)
-    with _prompt_attn("gemm"):
-        model = load_model(str(path), whole("cuda", 3, 256))
-        parts = dict(warm_up(model, 3))
+    path = load_tool("make_synthetic").write_synthetic(synthetic_dir / name, arch="qwen3moe", mode="blocks",
+                                                        mix="q4_k_m", seed=7, tokenizer_from=str(tokenizer_source),
+                                                        **SHAPE)
+    with _prompt_attn(attn):
+        model = load_model(str(path), whole("cuda", n_slots, n_ctx_slot))
+        return model, dict(warm_up(model, n_slots))
+
+
+@pytest.fixture(scope="module")
+def warmed(gpu, tokenizer_source, synthetic_dir):
+    """The graphs as BLOOMERY_CUDA_PROMPT_ATTN=gemm captures them: the wider buckets from position 0 only, over
+    their own rows."""
+    model, parts = _warmed(tokenizer_source, synthetic_dir, "graphs-qwen3moe.gguf", "gemm", 3, 256)
     assert "prompt graphs (8, 16, 32, 64, 128, 256 rows)" in parts, parts      # 512 passes the slot
     return model
 
@@ -145,17 +151,9 @@ def test_the_prompt_graphs_share_one_pool_the_plan_counts(warmed):
 
 @pytest.fixture(scope="module")
 def warmed_tc(gpu, tokenizer_source, synthetic_dir):
-    """The same file with BLOOMERY_CUDA_PROMPT_ATTN=tc (the default, fixed at the capture): a slot of 1,024
-    positions, so the buckets of 256 and 512 rows are captured and taken at a depth."""
-    from bloomery.engine.loader import load_model
-    from bloomery.engine.warmup import warm_up
-    from bloomery.placement import whole
-    path = load_tool("make_synthetic").write_synthetic(synthetic_dir / "graphs-tc-qwen3moe.gguf", arch="qwen3moe",
-                                                        mode="blocks", mix="q4_k_m", seed=7,
-                                                        tokenizer_from=str(tokenizer_source), **SHAPE)
-    with _prompt_attn("tc"):
-        model = load_model(str(path), whole("cuda", 2, 1024))
-        parts = dict(warm_up(model, 2))
+    """The same file with BLOOMERY_CUDA_PROMPT_ATTN=tc (the default): a slot of 1,024 positions, so the buckets
+    of 256 and 512 rows are captured and taken at a depth."""
+    model, parts = _warmed(tokenizer_source, synthetic_dir, "graphs-tc-qwen3moe.gguf", "tc", 2, 1024)
     assert "prompt graphs (8, 16, 32, 64, 128, 256, 512 rows)" in parts, parts
     return model
 

@@ -167,12 +167,14 @@ against_llama() {
   echo "$1: $((SECONDS - t0)) s"
 }
 
+skew_file() {  # skew_file SHARE: $work/qwen3-30b-a3b-rSHARE.gguf, written once (--router-skew SHARE)
+  local f=$work/qwen3-30b-a3b-r$1.gguf
+  [ -s "$f" ] || { python3 tools/make_synthetic.py --shape qwen3-30b-a3b --router-skew "$1" \
+    --tokenizer-from "$BLOOMERY_TOKENIZER_GGUF" -o "$f.part" > /dev/null && mv "$f.part" "$f"; }
+}
+
 if has offload; then
-  for share in 0.2 0.6; do
-    f=$work/qwen3-30b-a3b-r$share.gguf
-    [ -s "$f" ] || (python3 tools/make_synthetic.py --shape qwen3-30b-a3b --router-skew "$share" \
-      --tokenizer-from "$BLOOMERY_TOKENIZER_GGUF" -o "$f.part" > /dev/null && mv "$f.part" "$f") &
-  done
+  skew_file 0.2 & skew_file 0.6 &
   wait
   args=(--model "even=$work/qwen3-30b-a3b-r0.2.gguf" --model "skew=$work/qwen3-30b-a3b-r0.6.gguf"
         --out "$work/offload.json")
@@ -198,8 +200,7 @@ fi
 
 if has offload-gap; then
   f=$work/qwen3-30b-a3b-r0.2.gguf
-  [ -s "$f" ] || { python3 tools/make_synthetic.py --shape qwen3-30b-a3b --router-skew 0.2 \
-    --tokenizer-from "$BLOOMERY_TOKENIZER_GGUF" -o "$f.part" > /dev/null && mv "$f.part" "$f"; }
+  skew_file 0.2
   t0=$SECONDS
   timeout "${GAP_S:-150}" python3 tools/bench_steps.py -m "$f" -fitt "${GAP_FITT:-132803}" -t "${GAP_THREADS:-14}" \
     --prompts 512 --batches 1 --depth 512 --steps 128 --out "$out/gap-steps.json" 2>&1 | tee "$out/gap.log" | tail -n 8

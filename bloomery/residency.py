@@ -78,6 +78,40 @@ def weigh_prompt(recent: np.ndarray, weight: float) -> np.ndarray:
     return np.floor(recent * weight).astype(recent.dtype)
 
 
+# The ranking's memory: a pick this many decode steps old weighs half as much as a new one. 16 (one update's
+# steps) chases the last few dozen steps; a longer memory ranks by the steady popularity of the experts.
+HALF_LIFE = 16
+SCORE_BITS = 8          # the ranking holds counts times 2**8, so a slow decay keeps their fractions
+
+
+def half_life() -> int:
+    """BLOOMERY_RESIDENCY_HALF_LIFE (decode steps, >= 1), else HALF_LIFE."""
+    raw = os.environ.get("BLOOMERY_RESIDENCY_HALF_LIFE", "").strip()
+    if not raw:
+        return HALF_LIFE
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"BLOOMERY_RESIDENCY_HALF_LIFE={raw!r}: give a whole number of decode steps >= 1 (after how "
+                         f"many steps a pick weighs half in the residency's ranking)")
+    return value
+
+
+def keep_per_update(half_life_steps: int, every: int) -> int:
+    """What an update keeps of the ranking, in 1/65536: 0.5 ** (every / half_life_steps), rounded."""
+    if half_life_steps < 1 or every < 1:
+        raise ValueError(f"residency: a half-life of {half_life_steps} steps and updates every {every}: both must be >= 1")
+    return int(round(65536 * 0.5 ** (every / half_life_steps)))
+
+
+def rank(score: np.ndarray, recent: np.ndarray, keep: int) -> np.ndarray:
+    """The ranking after an update: the old one times keep/65536 (rounded down), plus the counts since the last
+    update times 2**SCORE_BITS. Integers in, integers out, so the same routing always ranks the same."""
+    return ((score * keep) >> 16) + (recent.astype(np.int64) << SCORE_BITS)
+
+
 @dataclass(frozen=True)
 class Move:
     layer: int
@@ -174,8 +208,3 @@ def apply(on_card: Sequence[frozenset[int]], chosen: Sequence[Move]) -> tuple[fr
         out[m.layer].remove(m.out_of_card)
         out[m.layer].add(m.into_card)
     return tuple(frozenset(s) for s in out)
-
-
-def decay(counts: Sequence[Sequence[int]], shift: int = 1) -> tuple[tuple[int, ...], ...]:
-    """Halve (shift 1) every count, so old routing weighs less than new."""
-    return tuple(tuple(c >> shift for c in row) for row in counts)

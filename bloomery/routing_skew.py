@@ -40,3 +40,24 @@ def routing_skew(counts: Sequence[Sequence[int]], top: float = TOP) -> float:
     if not shares:
         raise ValueError("routing skew: no layer routed any token")
     return sum(shares) / len(shares)
+
+
+def best_static_share(counts: Sequence[Sequence[int]], slots: Sequence[int]) -> float:
+    """The share of all the picks a fixed placement would have served had it known the counts ahead: per layer,
+    the slots[layer] most-picked experts on the card. The ceiling for a residency that holds slots[layer] experts
+    of each layer; where routing drifts (a conversation's subject), a moving residency can beat it. Layers that
+    routed nothing add nothing; none at all is an error."""
+    if len(slots) != len(counts):
+        raise ValueError(f"best static share: {len(counts)} layers of counts and {len(slots)} of slots")
+    served = total = 0.0
+    for row, n in zip(counts, slots):
+        if n < 0:
+            raise ValueError(f"best static share: a layer with {n} slots")
+        vals = sorted((float(c) for c in row), reverse=True)
+        if vals and vals[-1] < 0:
+            raise ValueError(f"best static share: a negative count ({vals[-1]:g})")
+        served += sum(vals[:n])
+        total += sum(vals)
+    if total == 0:
+        raise ValueError("best static share: no layer routed any token")
+    return served / total

@@ -133,7 +133,18 @@ def test_residency_summary_measures_the_skew_of_the_counts():
                               "moved_bytes": 9_000_000, "host_wait_s": 0.5, "updates": 7})
     assert s["skew"] == pytest.approx(routing_skew([ly["counts"] for ly in layers])) == pytest.approx(0.6)
     assert (s["hits"], s["misses"], s["host_share"], s["moved_experts"]) == (14, 16, 16 / 30, 3)
-    assert bo.residency_line(s).startswith("residency on: skew 0.600 (the top fifth's share of the picks); 2 layers")
+    assert s["best_static"] == pytest.approx(14 / 30)          # layer 0's one slot takes 10, layer 1's two take 4
+    assert bo.residency_line(s).startswith("residency on: skew 0.600 (the top fifth's share of the picks), the best "
+                                           "fixed placement serves 46.7 % of them on the card; 2 layers")
+    assert "_counts" not in bo.public(s) and bo.public(s)["best_static"] == s["best_static"]
+    # a cell's own picks: the counts after it less before it, against the slots after it
+    later = [dict(layers[0], counts=[10, 0, 0, 0, 0, 0, 0, 0, 0, 30], hits=10, misses=30),
+             dict(layers[1], counts=[2] * 10, hits=4, misses=16)]
+    after = bo.residency_summary({"offload": True, "residency": "on", "layers": later, "moved_experts": 3,
+                                  "moved_bytes": 9_000_000, "host_wait_s": 0.75})
+    d = bo.residency_delta(s, after, 30)
+    assert d["misses"] == 30 and d["best_static_host_share"] == 0.0   # all 30 on expert 9, which one slot holds
+    assert "(the best fixed placement for these picks: 0.0 %)" in bo.delta_line(d)
     # a load with no host experts (the whole card, the CPU backend) counts nothing, and says so
     none = bo.residency_summary({"offload": False, "residency": "off", "layers": [], "moved_experts": 0,
                                  "moved_bytes": 0, "host_wait_s": 0.0, "updates": 0})

@@ -71,6 +71,11 @@ def test_placement_flags_read_as_llama_server_and_the_host_account():
     before = {"host_wait_s": 1.0, "moved_experts": 3, "layers": [{"hits": 10, "misses": 5}, {"hits": 0, "misses": 1}]}
     after = {"host_wait_s": 1.5, "moved_experts": 7, "layers": [{"hits": 40, "misses": 15}, {"hits": 20, "misses": 1}]}
     assert st.host_share(before, after, 10) == {"host_ms_step": 50.0, "hits": 50 / 60, "moved_experts": 4}
+    # with the counts (GET /residency's, the engine's report): the best fixed placement for the picks between
+    before["layers"][0].update(counts=[5, 10, 0], on_card=[1]); before["layers"][1].update(counts=[0, 1, 0], on_card=[0])
+    after["layers"][0].update(counts=[35, 25, 0], on_card=[1]); after["layers"][1].update(counts=[20, 2, 0], on_card=[2])
+    got = st.host_share(before, after, 10)
+    assert got["best_static_hits"] == (30 + 20) / (30 + 15 + 20 + 1)
 
 
 def test_a_placement_flag_is_the_plans_placement(tmp_path, tokenizer_source):

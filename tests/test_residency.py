@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from bloomery.residency import Move, apply, decay, moves
+from bloomery.residency import Move, apply, keep_per_update, moves, rank
 
 MB = 1 << 20
 
@@ -42,8 +42,34 @@ def test_ties_are_stable_and_repeatable():
     assert a == moves(counts, [frozenset({3, 2})], [MB], 1 * MB) == (Move(0, 0, 2, 4, MB),)
 
 
-def test_decay_halves():
-    assert decay([[9, 4, 1]]) == ((4, 2, 0),)
+def test_the_ranking_forgets_at_the_half_life():
+    assert keep_per_update(16, 16) == 32768                                # one update's steps: older routing halves
+    assert keep_per_update(256, 16) == round(65536 * 0.5 ** (1 / 16))
+    old = np.array([[9 << 8, 4 << 8, 1 << 8]], np.int64)
+    assert rank(old, np.zeros((1, 3), np.int32), keep_per_update(16, 16)).tolist() == [[9 << 7, 4 << 7, 1 << 7]]
+    # new picks enter times 2**8, so a slow decay keeps the fractions and the order of close counts
+    slow = rank(old, np.array([[0, 1, 0]]), keep_per_update(256, 16))
+    assert slow.dtype == np.int64 and slow[0, 0] > slow[0, 1] > slow[0, 2]
+    assert slow[0, 1] == (((4 << 8) * keep_per_update(256, 16)) >> 16) + 256
+    # after 256 steps of no routing (16 updates) a count weighs about half
+    s = old
+    for _ in range(16):
+        s = rank(s, np.zeros((1, 3), np.int64), keep_per_update(256, 16))
+    assert s[0, 0] == pytest.approx((9 << 8) / 2, rel=0.01)
+    with pytest.raises(ValueError, match="half-life of 0 steps"):
+        keep_per_update(0, 16)
+
+
+def test_the_half_life_comes_from_the_environment_and_a_bad_one_is_named(monkeypatch):
+    from bloomery.residency import HALF_LIFE, half_life
+    monkeypatch.delenv("BLOOMERY_RESIDENCY_HALF_LIFE", raising=False)
+    assert half_life() == HALF_LIFE
+    monkeypatch.setenv("BLOOMERY_RESIDENCY_HALF_LIFE", "512")
+    assert half_life() == 512
+    for bad in ("0", "-3", "1.5", "long"):
+        monkeypatch.setenv("BLOOMERY_RESIDENCY_HALF_LIFE", bad)
+        with pytest.raises(ValueError, match="BLOOMERY_RESIDENCY_HALF_LIFE"):
+            half_life()
 
 
 @pytest.mark.parametrize("args,match", [

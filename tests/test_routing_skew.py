@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from bloomery.routing_skew import routing_skew, top_share
+from bloomery.routing_skew import best_static_share, routing_skew, top_share
 
 
 def test_even_routing_scores_the_fraction_itself():
@@ -41,3 +41,15 @@ def test_bad_counts_are_refused_by_name(call, words):
     with pytest.raises(ValueError) as e:
         call()
     assert words in str(e.value)
+
+
+def test_the_best_fixed_placement_takes_each_layers_most_picked():
+    assert best_static_share([[5, 1, 3, 1], [2, 2, 2, 2]], [2, 1]) == pytest.approx((5 + 3 + 2) / 18)
+    assert best_static_share([[5, 1], [0, 0]], [0, 2]) == 0.0            # no slots in the layer that routed
+    assert best_static_share([[1, 1]], [5]) == 1.0                       # more slots than experts
+    with pytest.raises(ValueError, match="2 layers of counts and 1 of slots"):
+        best_static_share([[1], [1]], [1])
+    with pytest.raises(ValueError, match="no layer routed"):
+        best_static_share([[0, 0]], [1])
+    with pytest.raises(ValueError, match="negative count"):
+        best_static_share([[1, -1]], [1])

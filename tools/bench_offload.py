@@ -52,7 +52,7 @@ sys.path.insert(0, str(REPO / "tools"))
 from bench_cuda import FileFacts, PeakMemory, card_used_bytes, copy_bandwidth, file_facts  # noqa: E402
 from bench_http import Server, free_port  # noqa: E402
 
-from bloomery.routing_skew import routing_skew  # noqa: E402
+from bloomery.routing_skew import best_static_share, routing_skew  # noqa: E402
 
 ENGINES = ("bloomery", "llama")
 BUDGETS = ("whole", "fit", "host", "ncmoe")
@@ -237,11 +237,14 @@ def residency_summary(body) -> dict:
     out = {"offload": body.get("offload"), "residency": body.get("residency"), "layers": len(layers),
            "hits": hits, "misses": misses, "moved_experts": body.get("moved_experts"),
            "moved_bytes": body.get("moved_bytes"), "host_wait_s": body.get("host_wait_s")}
+    slots = [len(ly.get("on_card") or []) for ly in layers]
     if any(sum(c) for c in counts):
         out["skew"] = routing_skew(counts)
+        out["best_static"] = best_static_share(counts, slots)
     else:
         out["note"] = ("no host experts: /residency counts no routing, skew not measured" if body.get("offload") is False
                        else "no routing counted yet: skew not measured")
+    out["_counts"], out["_slots"] = counts, slots            # for residency_delta; not written
     if hits + misses:
         out["host_share"] = misses / (hits + misses)
     return out
@@ -252,6 +255,8 @@ def residency_line(s: dict) -> str:
     if "error" in s:
         return f"residency: {s['error']}"
     skew = f"skew {s['skew']:.3f} (the top fifth's share of the picks)" if "skew" in s else s["note"]
+    if "best_static" in s:
+        skew += f", the best fixed placement serves {100 * s['best_static']:.1f} % of them on the card"
     return (f"residency {s['residency']}: {skew}; {s['layers']} layers with host experts, hits {s['hits']}, "
             f"misses {s['misses']}, moved {s['moved_experts']} experts / {s['moved_bytes']} bytes")
 
@@ -270,7 +275,17 @@ def residency_delta(before: dict, after: dict, n_ids: int) -> dict:
     seen = out["hits"] + out["misses"]
     if seen:
         out["host_share"] = out["misses"] / seen
+    a, b = before.get("_counts"), after.get("_counts")
+    if a and b and len(a) == len(b) and all(len(x) == len(y) for x, y in zip(a, b)):
+        cell = [[y - x for x, y in zip(ra, rb)] for ra, rb in zip(a, b)]
+        if any(sum(r) for r in cell):
+            out["best_static_host_share"] = 1 - best_static_share(cell, after["_slots"])
     return out
+
+
+def public(s: dict) -> dict:
+    """residency_summary's dict as written: without the counts it carries for residency_delta."""
+    return {k: v for k, v in s.items() if not k.startswith("_")}
 
 
 def delta_line(d: dict) -> str:
@@ -279,6 +294,8 @@ def delta_line(d: dict) -> str:
     per = (f", {d['host_wait_ms_per_id']:.2f} ms a generated id waited on the host"
            if "host_wait_ms_per_id" in d else "")
     share = f", {100 * d['host_share']:.1f} % of the picks on the host" if "host_share" in d else ""
+    if "best_static_host_share" in d:
+        share += f" (the best fixed placement for these picks: {100 * d['best_static_host_share']:.1f} %)"
     return (f"residency in this cell: {d['host_wait_s']:.2f} s waited on the host{per}{share}; moved "
             f"{d['moved_experts']} experts / {d['moved_bytes'] / 1e9:.2f} GB")
 
@@ -592,7 +609,7 @@ class Bench:
                             print(f"  {delta_line(r['residency'])}", flush=True)
                         self.save()
                     if engine == "bloomery":
-                        group["residency"] = self.residency(srv)
+                        group["residency"] = public(self.residency(srv))
             group["card_bytes"] = w.used
         except SystemExit as e:     # a server that refused or died: its message, kept per cell
             for c in todo:

@@ -49,6 +49,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
+from bloomery.routing_skew import best_static_share  # noqa: E402
+
 
 class BenchError(ValueError):
     """A bad argument, named."""
@@ -212,9 +214,14 @@ def host_share(before: dict, after: dict, steps: int) -> dict:
     the share of routed picks the card served, the experts residency moved."""
     hits = sum(x["hits"] for x in after["layers"]) - sum(x["hits"] for x in before["layers"])
     misses = sum(x["misses"] for x in after["layers"]) - sum(x["misses"] for x in before["layers"])
-    return {"host_ms_step": round((after["host_wait_s"] - before["host_wait_s"]) / steps * 1e3, 3),
-            "hits": hits / max(1, hits + misses),
-            "moved_experts": after["moved_experts"] - before["moved_experts"]}
+    out = {"host_ms_step": round((after["host_wait_s"] - before["host_wait_s"]) / steps * 1e3, 3),
+           "hits": hits / max(1, hits + misses),
+           "moved_experts": after["moved_experts"] - before["moved_experts"]}
+    picked = [[y - x for x, y in zip(a.get("counts", ()), b.get("counts", ()))]
+              for a, b in zip(before["layers"], after["layers"])]
+    if any(sum(r) for r in picked):       # the ceiling: the best fixed placement for these very picks
+        out["best_static_hits"] = best_static_share(picked, [len(ly["on_card"]) for ly in after["layers"]])
+    return out
 
 
 def has_experts(model) -> bool:
@@ -321,8 +328,9 @@ def run(a) -> dict:
         if off is not None:
             got = host_share(before, off.report(), a.steps + 1)
             res.setdefault("host", {})[str(b)] = got
-            line += (f"; host function {got['host_ms_step']:.3f} ms a step, card hits {got['hits']:.1%}, "
-                     f"{got['moved_experts']} experts moved")
+            line += (f"; host function {got['host_ms_step']:.3f} ms a step, card hits {got['hits']:.1%}"
+                     + (f" (the best fixed placement: {got['best_static_hits']:.1%})" if "best_static_hits" in got else "")
+                     + f", {got['moved_experts']} experts moved")
         print(line, flush=True)
     if a.engine:
         res["engine"] = {}

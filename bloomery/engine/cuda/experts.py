@@ -247,6 +247,7 @@ class Offload:
         self.seen = None                                                      # [L, E] counts at the last update
         self.score = None                                                     # [L, E] decayed routing (the ranking)
         self.prompt_weight = policy.prompt_weight()                           # BLOOMERY_RESIDENCY_PROMPT_WEIGHT
+        self.keep = policy.keep_per_update(policy.half_life(), RESIDENCY_EVERY)  # BLOOMERY_RESIDENCY_HALF_LIFE
         self.recent = None                                                    # [L, E] routing since the last update
         self.steps = 0
         self.budget = budget if budget is not None else int(os.environ.get("BLOOMERY_RESIDENCY_MIB", "256")) << 20
@@ -495,7 +496,7 @@ class Offload:
         self._account()
         if not decode:                                                        # a prompt's counts, weighed
             self.recent = policy.weigh_prompt(self.recent, self.prompt_weight)
-        self.score = (self.score >> 1) + self.recent                         # older routing weighs half
+        self.score = policy.rank(self.score, self.recent, self.keep)          # older routing weighs less
         self.recent[:] = 0
         self.stats["updates"] += 1
         if not self.residency:

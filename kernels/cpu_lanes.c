@@ -4,11 +4,15 @@
 // The quantized products read the GGUF blocks in place (Q8_0, Q5_0, Q4_K, Q5_K, Q6_K: no decoded
 // copy of a weight is kept) against activations already quantized to the weight's vec_dot
 // partner (Q8_0 or Q8_K, bloomery/engine/quant/q8_0.py and k_quants.py), in the float order of llama.cpp's
-// CPU kernels, which the same files spell out in numpy:
+// CPU kernels, which the same files spell out in numpy. The activation quantizers, swiglu and
+// the product of one weight row with a few activation rows are in lanes_dot.h, which
+// kernels/host_moe.c (the cuda backend's host experts) includes too: one implementation, one
+// set of bits; the kernels here that take many weight rows at once (the AVX-512 pairs and tiles
+// of a prompt) keep the same order:
 //   Q8_0 family: per output eight f32 lanes, lane l of block b holding the exact integer sum of
 //   elements 4l..4l+3; each block does acc = fma(d_w * d_a, (float)lane, acc), the scale product
 //   rounded to f32 (exact here: two f16 values); then hsum_float_8.
-//   Q6_K, Q5_K and Q4_K: see their kernels below.
+//   Q6_K, Q5_K and Q4_K: see lanes_dot.h.
 // The integer sums are exact whatever the instructions, and the float steps are spelled out, so
 // the AVX2 path and the portable one give the same bits. Built with -ffp-contract=off so the
 // compiler adds no fma of its own. One call spreads the weight rows (attention: the query rows)
@@ -24,33 +28,11 @@
 #include <sched.h>
 #include <stdatomic.h>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define LANES_AVX2 1
-#else
-#define LANES_AVX2 0
-#endif
-
-// AVX-512 with VNNI: the Q8_0 family two weight rows at a time (below); the same bits
-#if LANES_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
-#define LANES_512 1
-#else
-#define LANES_512 0
-#endif
+#include "lanes_dot.h"
 
 int lanes_isa(void) { return LANES_512 ? 2 : LANES_AVX2; }
 
 typedef _Float16 f16;
-
-static inline float hsum8(const float a[8]) {
-    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
-}
-
-static inline float f16_at(const uint8_t *p) {       // a stored f16 scale, exactly as f32
-    f16 h;
-    memcpy(&h, p, 2);
-    return (float)h;
-}
 
 // ---- the thread pool: a call's items (weight rows, query rows) in chunks that the calling
 // thread and the workers take from one counter. The caller waits only for chunks taken and not
@@ -165,137 +147,26 @@ static int64_t grain_for(int64_t n, int nth, int64_t at_least) {   // about 4 ch
     return g < at_least ? at_least : g;
 }
 
-#define Q8_0_BYTES 34                                  // f16 d, 32 int8
-#define Q5_0_BYTES 22                                  // f16 d, u32 high bits, 16 nibble pairs
-#define Q4_K_BYTES 144                                 // f16 d, f16 dmin, 12 scale bytes, 128 nibble pairs
-#define Q6_K_BYTES 210                                 // 128 low nibbles, 64 high pairs, 16 int8 scales, f16 d
 #define ACT_TILE 64                                    // activation rows kept in cache while the weight streams
 
-// the 32 signed quants of a Q8_0 (qtype 0) or Q5_0 (qtype 1) block
-static inline void q80_ints(const uint8_t *blk, int qtype, int8_t q[32]) {
-    if (qtype == 0) {
-        memcpy(q, blk + 2, 32);
-        return;
-    }
-    uint32_t qh;
-    memcpy(&qh, blk + 2, 4);
-    const uint8_t *qs = blk + 6;
-    for (int j = 0; j < 16; j++) {
-        q[j] = (int8_t)(((qs[j] & 0xF) | (((qh >> j) & 1) << 4)) - 16);
-        q[j + 16] = (int8_t)(((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
-    }
-}
-
-// get_scale_min_k4: the 8 six-bit scales and mins of a Q4_K super-block
-static inline void q4k_scales(const uint8_t *s, int32_t sc[8], int32_t mn[8]) {
-    for (int j = 0; j < 4; j++) {
-        sc[j] = s[j] & 63;
-        mn[j] = s[j + 4] & 63;
-        sc[j + 4] = (s[j + 8] & 0xF) | ((s[j] >> 6) << 4);
-        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
-    }
-}
-
-#if LANES_AVX2
-static inline float hsum8_ps(__m256 v) {
-    float a[8];
-    _mm256_storeu_ps(a, v);
-    return hsum8(a);
-}
-
-static inline int32_t hsum_epi32(__m256i v) {          // integer: any order is exact
-    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
-    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
-    return _mm_cvtsi128_si32(h);
-}
-
-// the 8 lane sums of one block as f32: |w| * (a with w's sign), pairs to int16 (no
-// saturation: |w| <= 128 here, |a| <= 127), pairs again to int32
-static inline __m256 block_lanes(__m256i w_abs, __m256i w, __m256i a, __m256i ones) {
-    __m256i s = _mm256_sign_epi8(a, w);
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, s), ones));
-}
-
-// 32 bits -> 32 bytes, 0xFF where the bit is set
-static inline __m256i bits_to_bytes(uint32_t x) {
-    const __m256i shuf = _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101,
-                                            0x0202020202020202, 0x0303030303030303);
-    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201ULL);
-    __m256i b = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)x), shuf), bit);
-    return _mm256_cmpeq_epi8(b, bit);
-}
-
-static inline __m256i q80_vec(const uint8_t *blk, int qtype) {
-    if (qtype == 0)
-        return _mm256_loadu_si256((const __m256i *)(blk + 2));
-    uint32_t qh;
-    memcpy(&qh, blk + 2, 4);
-    const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 6));
-    const __m128i lo4 = _mm_set1_epi8(0xF);
-    __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), lo4), _mm_and_si128(qs, lo4));
-    q = _mm256_or_si256(q, _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10)));
-    return _mm256_sub_epi8(q, _mm256_set1_epi8(16));
-}
-#endif
-
-// ---- activations quantized as ggml-cpu's x86 build does (quant/q8_0.py and k_quants.py hold the numpy form)
+// ---- activations quantized as ggml-cpu's x86 build does (lanes_dot.h; quant/q8_0.py and k_quants.py
+// hold the numpy form)
 // quantize_row_q8_0: per 32, d = f16(amax / 127), the multiplier 127 / amax in f32, round half
 // to even. x [T, K] -> q [T, K], d [T, K/32].
 void quant_q8_0(const float *x, int64_t t, int64_t k, int8_t *q, float *d) {
     const int64_t n = t * (k / 32);
-    for (int64_t b = 0; b < n; b++) {
-        const float *xb = x + 32 * b;
-        float amax = 0.0f;
-        for (int i = 0; i < 32; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
-        const float mult = amax != 0.0f ? 127.0f / amax : 0.0f;
-        d[b] = (float)(f16)(amax / 127.0f);
-        for (int i = 0; i < 32; i++) q[32 * b + i] = (int8_t)rintf(xb[i] * mult);
-    }
+    for (int64_t b = 0; b < n; b++) lanes_q8_0_block(x + 32 * b, q + 32 * b, d + b);
 }
 
-// quantize_row_q8_K_ref: per 256, the element of largest magnitude (the first on a tie) maps to
-// -127, iscale = -127 / max, round half to even, capped at 127, d = 1 / iscale; a row with
-// pos_wins[r] set follows ggml_quantize_mat_q8_K_4x8 (on a +max / -max tie the positive one maps
-// to -127). bsums: the sums per 16. x [T, K] -> q [T, K], d [T, K/256], bsums [T, K/16].
+// quantize_row_q8_K_ref per 256 (lanes_q8_K_block); a row with pos_wins[r] set follows
+// ggml_quantize_mat_q8_K_4x8 (on a +max / -max tie the positive one maps to -127). bsums: the
+// sums per 16. x [T, K] -> q [T, K], d [T, K/256], bsums [T, K/16].
 void quant_q8_K(const float *x, int64_t t, int64_t k, const uint8_t *pos_wins, int8_t *q, float *d, int16_t *bsums) {
     const int64_t nb = k / 256;
     for (int64_t r = 0; r < t; r++)
-        for (int64_t b = 0; b < nb; b++) {
-            const int64_t o = r * k + 256 * b;
-            const float *xb = x + o;
-            float amax = 0.0f, vmax = 0.0f;
-            for (int i = 0; i < 256; i++)
-                if (fabsf(xb[i]) > amax) {
-                    amax = fabsf(xb[i]);
-                    vmax = xb[i];
-                }
-            if (pos_wins[r] && vmax < 0.0f)
-                for (int i = 0; i < 256; i++)
-                    if (xb[i] == amax) {
-                        vmax = amax;
-                        break;
-                    }
-            int8_t *qb = q + o;
-            int16_t *bs = bsums + r * (k / 16) + 16 * b;
-            if (vmax == 0.0f) {
-                d[r * nb + b] = 0.0f;
-                memset(qb, 0, 256);
-                memset(bs, 0, 32);
-                continue;
-            }
-            const float iscale = -127.0f / vmax;
-            for (int i = 0; i < 256; i++) {
-                const float v = rintf(iscale * xb[i]);
-                qb[i] = (int8_t)(v < 127.0f ? v : 127.0f);
-            }
-            for (int j = 0; j < 16; j++) {
-                int32_t sum = 0;
-                for (int i = 0; i < 16; i++) sum += qb[16 * j + i];
-                bs[j] = (int16_t)sum;
-            }
-            d[r * nb + b] = 1.0f / iscale;
-        }
+        for (int64_t b = 0; b < nb; b++)
+            lanes_q8_K_block(x + r * k + 256 * b, pos_wins[r], q + r * k + 256 * b, d + r * nb + b,
+                             bsums + r * (k / 16) + 16 * b);
 }
 
 typedef struct mm_args {                               // a quantized product's arguments
@@ -314,75 +185,30 @@ typedef struct mm_args {                               // a quantized product's 
     const int32_t *aext;                               // the tile kernels' per-activation terms (see there)
 } mm_args;
 
+// ---- one weight row's outputs for activation rows r0..r1, LANES_NMAX rows a call of the
+// lanes_dot.h product; bsums: K types (kind 256), else the Q8_0 family
+static inline void row_by_dot(lanes_dot_fn dot, int mode, const mm_args *m, int64_t n, int64_t r0, int64_t r1,
+                              int64_t k) {
+    const uint8_t *wr = m->w + n * m->row_bytes;
+    for (int64_t r = r0; r < r1; r += LANES_NMAX) {
+        const int nr = r1 - r < LANES_NMAX ? (int)(r1 - r) : LANES_NMAX;
+        lanes_act act[LANES_NMAX];
+        float o[LANES_NMAX];
+        for (int i = 0; i < nr; i++)
+            act[i] = (lanes_act){.q = m->a + (r + i) * k, .d = m->da + (r + i) * m->n_blocks,
+                                 .bs = m->bsums ? m->bsums + (r + i) * (k / 16) : NULL,
+                                 .aoff = m->aoff ? m->aoff + (r + i) * (k / 4) : NULL};
+        dot(wr, m->n_blocks, mode, act, nr, o);
+        for (int i = 0; i < nr; i++) m->out[(r + i) * m->ldo + n] = o[i];
+    }
+}
+
 // ---- Q8_0 family: out[r * ldo + n] for weight rows 0..N, activation rows 0..T ----------------
 // w: the stored blocks [N, B] (qtype 0: Q8_0, 1: Q5_0); a [T, K] int8, da [T, B] f32.
 static void q80_row(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
-    const int qtype = m->qtype;
-    const int64_t n_blocks = m->n_blocks, ldo = m->ldo;
-    const uint8_t *wr = m->w + n * m->row_bytes;
-    const int8_t *a = m->a;
-    const float *da = m->da;
-    float *out = m->out;
-    const int64_t k = n_blocks * 32, bb = qtype == 0 ? Q8_0_BYTES : Q5_0_BYTES;
-    int64_t r = r0;
-#if LANES_AVX2
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (; r + 4 <= r1; r += 4) {                   // four activation rows share each weight block
-        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-        const int8_t *a0 = a + r * k, *a1 = a0 + k, *a2 = a1 + k, *a3 = a2 + k;
-        const float *d0 = da + r * n_blocks, *d1 = d0 + n_blocks, *d2 = d1 + n_blocks, *d3 = d2 + n_blocks;
-        for (int64_t b = 0; b < n_blocks; b++) {
-            const uint8_t *blk = wr + b * bb;
-            const __m256i wv = q80_vec(blk, qtype), wa = _mm256_sign_epi8(wv, wv);
-            const float s = f16_at(blk);
-            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(s * d0[b]),
-                                   block_lanes(wa, wv, _mm256_loadu_si256((const __m256i *)(a0 + 32 * b)), ones), acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(s * d1[b]),
-                                   block_lanes(wa, wv, _mm256_loadu_si256((const __m256i *)(a1 + 32 * b)), ones), acc1);
-            acc2 = _mm256_fmadd_ps(_mm256_set1_ps(s * d2[b]),
-                                   block_lanes(wa, wv, _mm256_loadu_si256((const __m256i *)(a2 + 32 * b)), ones), acc2);
-            acc3 = _mm256_fmadd_ps(_mm256_set1_ps(s * d3[b]),
-                                   block_lanes(wa, wv, _mm256_loadu_si256((const __m256i *)(a3 + 32 * b)), ones), acc3);
-        }
-        out[(r + 0) * ldo + n] = hsum8_ps(acc0);
-        out[(r + 1) * ldo + n] = hsum8_ps(acc1);
-        out[(r + 2) * ldo + n] = hsum8_ps(acc2);
-        out[(r + 3) * ldo + n] = hsum8_ps(acc3);
-    }
-    for (; r < r1; r++) {
-        __m256 acc = _mm256_setzero_ps();
-        const int8_t *ar = a + r * k;
-        const float *dar = da + r * n_blocks;
-        for (int64_t b = 0; b < n_blocks; b++) {
-            const uint8_t *blk = wr + b * bb;
-            const __m256i wv = q80_vec(blk, qtype);
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(blk) * dar[b]),
-                                  block_lanes(_mm256_sign_epi8(wv, wv), wv,
-                                              _mm256_loadu_si256((const __m256i *)(ar + 32 * b)), ones), acc);
-        }
-        out[r * ldo + n] = hsum8_ps(acc);
-    }
-#else
-    for (; r < r1; r++) {
-        float acc[8] = {0};
-        const int8_t *ar = a + r * k;
-        const float *dar = da + r * n_blocks;
-        for (int64_t b = 0; b < n_blocks; b++) {
-            int8_t wb[32];
-            q80_ints(wr + b * bb, qtype, wb);
-            const int8_t *ab = ar + 32 * b;
-            const float s = f16_at(wr + b * bb) * dar[b];
-            for (int l = 0; l < 8; l++) {
-                int32_t sum = 0;
-                for (int e = 0; e < 4; e++)
-                    sum += (int32_t)wb[4 * l + e] * (int32_t)ab[4 * l + e];
-                acc[l] = fmaf(s, (float)sum, acc[l]);
-            }
-        }
-        out[r * ldo + n] = hsum8(acc);
-    }
-#endif
+    row_by_dot(lanes_dot_q80, m->qtype, m, n, r0, r1, m->n_blocks * 32);
 }
+
 
 // a chunk of weight rows: each tile of activation rows over all of them (the rows stay in cache)
 static void mm_chunk(const void *ctx, int64_t n0, int64_t n1, int worker) {
@@ -542,37 +368,6 @@ static void q80_row2u(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
     if (r < r1) q80_row2(m, n, r, r1);
 }
 
-// One weight row on 256-bit vectors, the same unsigned quants and aoff (fewer rows than 4, and
-// an odd last row)
-static inline __m256i q80_u256(const uint8_t *blk, int qtype) {
-    if (qtype == 0)
-        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)), _mm256_set1_epi8((char)0x80));
-    uint32_t qh;
-    memcpy(&qh, blk + 2, 4);
-    const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 6)), lo4 = _mm_set1_epi8(0xF);
-    const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), lo4), _mm_and_si128(qs, lo4));
-    return _mm256_mask_add_epi8(q, (__mmask32)qh, q, _mm256_set1_epi8(16));
-}
-
-static void q80_row1(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
-    const int qtype = m->qtype;
-    const int64_t n_blocks = m->n_blocks, k = n_blocks * 32, bb = qtype == 0 ? Q8_0_BYTES : Q5_0_BYTES;
-    const uint8_t *wr = m->w + n * m->row_bytes;
-    for (int64_t r = r0; r < r1; r++) {
-        const int8_t *ar = m->a + r * k;
-        const int32_t *o = m->aoff + r * n_blocks * 8;
-        const float *dar = m->da + r * n_blocks;
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t b = 0; b < n_blocks; b++) {
-            const uint8_t *blk = wr + b * bb;
-            const __m256i lanes = _mm256_dpbusd_epi32(_mm256_loadu_si256((const __m256i *)(o + 8 * b)), q80_u256(blk, qtype),
-                                                      _mm256_loadu_si256((const __m256i *)(ar + 32 * b)));
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(blk) * dar[b]), _mm256_cvtepi32_ps(lanes), acc);
-        }
-        m->out[r * m->ldo + n] = hsum8_ps(acc);
-    }
-}
-
 // A calling thread's scratch buffer `slot`, kept between calls and grown as needed: a prompt's
 // few-MB buffers, taken fresh from malloc each product, came as new pages the kernel zeroed
 // (clear_page was 3 % of a prompt's CPU). NULL where the memory is not there.
@@ -592,7 +387,7 @@ static int32_t *q80_aoff(const int8_t *a, int64_t t, int64_t n_blocks, int qtype
     int32_t *o = scratch(0, (size_t)(t * n_blocks * 8) * sizeof(int32_t));
     if (!o) return NULL;
     const __m256i ones = _mm256_set1_epi8(1);
-    const int shift = qtype == 0 ? 7 : 4;                                      // 128 or 16
+    const int shift = qtype == 0 ? 7 : qtype == 1 ? 4 : 3;                    // 128, 16 or 8
     for (int64_t i = 0; i < t * n_blocks; i++) {
         const __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, _mm256_loadu_si256((const __m256i *)(a + 32 * i)));
         _mm256_storeu_si256((__m256i *)(o + 8 * i), _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(s, shift)));
@@ -639,14 +434,14 @@ static void q80_tile(const mm_args *m, int64_t n) {
     const int64_t nb = m->n_blocks, k = nb * 32, ldo = m->ldo, t = m->t, bb = qtype == 0 ? Q8_0_BYTES : Q5_0_BYTES;
     uint8_t *q = scratch(2, (size_t)nb * (512 + 64));
     if (!q) {
-        for (int j = 0; j < 16; j++) q80_row1(m, n + j, 0, t);
+        for (int j = 0; j < 16; j++) q80_row(m, n + j, 0, t);
         return;
     }
     float *dw = (float *)(q + nb * 512);
     for (int j = 0; j < 16; j++) {
         const uint8_t *wr = m->w + (n + j) * m->row_bytes;
         for (int64_t b = 0; b < nb; b++) {
-            const __m256i v = q80_u256(wr + b * bb, qtype);
+            const __m256i v = q80_unsigned(wr + b * bb, qtype);
             tile_scatter(&v, 1, q + b * 512, j);
             dw[b * 16 + j] = f16_at(wr + b * bb);
         }
@@ -692,7 +487,6 @@ void q80_mm(const uint8_t *w, int qtype, int64_t n_rows, int64_t n_blocks, const
     int32_t *aoff = q80_aoff(a, t, n_blocks, qtype);
     if (aoff) {
         m.aoff = aoff;
-        m.row = q80_row1;
         m.row2 = t >= 2 ? q80_row2 : NULL;
     }
     if (aoff && t >= Q80_TILE_MIN_T && n_rows >= 16) m.tile = q80_tile;
@@ -714,180 +508,15 @@ void q80_mm(const uint8_t *w, int qtype, int64_t n_rows, int64_t n_blocks, const
 // ---- K-quants against Q8_K activations (256 per super-block, bsums per 16) ---------------
 // a [T, K] int8 (|a| <= 127), da [T, Bs] f32, bsums [T, K/16] int16.
 
-// Q6_K (ggml_vec_dot_q6_K_q8_K on AVX2, and ggml's tiled mul_mat from 8 rows): eight int32
-// lanes per super-block, lane l holding the unsigned quant (0..63) * its scale * a over elements
-// 128j + 32k + 4l + e (j < 2, k < 4, e < 4), less 32 * the scales times the bsums of sub-blocks
-// 2l, 2l+1. lanes (tiled == 0): acc_l = fma(f32(d_a * d_w), f32(lane), acc_l), hsum_float_8.
-// tiled: the lanes' integer total, to f32, times d_w (rounded), then acc = fma(that, d_a, acc).
-static inline void q6k_ints(const uint8_t *blk, uint8_t q[256]) {   // the unsigned quants, in order
-    for (int h = 0; h < 2; h++) {
-        const uint8_t *ql = blk + 64 * h, *qh = blk + 128 + 32 * h;
-        uint8_t *o = q + 128 * h;
-        for (int l = 0; l < 32; l++) {
-            o[l] = (ql[l] & 0xF) | ((qh[l] & 3) << 4);
-            o[l + 32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
-            o[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
-            o[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
-        }
-    }
-}
-
-#if LANES_AVX2
-static inline void q6k_vecs(const uint8_t *blk, __m256i q[8]) {
-    const __m256i lo4 = _mm256_set1_epi8(0xF), three = _mm256_set1_epi8(3);
-    for (int h = 0; h < 2; h++) {
-        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
-        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
-        const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-        q[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l0, lo4), _mm256_slli_epi16(_mm256_and_si256(hb, three), 4));
-        q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, lo4),
-                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), three), 4));
-        q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), lo4),
-                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), three), 4));
-        q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), lo4),
-                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), three), 4));
-    }
-}
-#endif
-
+// Q6_K (ggml_vec_dot_q6_K_q8_K's lanes, and ggml's tiled mul_mat from 8 rows: tiled), Q5_K (not
+// repacked on x86: the same two) and Q4_K (repacked: its gemm's rows below t_gemm, its gemv's
+// after) row by row through lanes_dot.h, where their float orders are spelled out; the AVX-512
+// prompt tiles below keep the same orders.
 static void q6k_row(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
-    const int tiled = m->tiled;
-    const int64_t n_super = m->n_blocks, ldo = m->ldo;
-    const uint8_t *wr = m->w + n * m->row_bytes;
-    const int8_t *a = m->a;
-    const float *da = m->da;
-    const int16_t *bsums = m->bsums;
-    float *out = m->out;
-    const int64_t k = n_super * 256;
-#if LANES_AVX2
-    for (int64_t rb = r0; rb < r1; rb += 4) {          // up to four activation rows share each unpacked block
-        const int nr = r1 - rb < 4 ? (int)(r1 - rb) : 4;
-        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        __m256 acc8[4];
-        for (int i = 0; i < 4; i++) acc8[i] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < n_super; b++) {
-            const uint8_t *blk = wr + b * Q6_K_BYTES;
-            const int8_t *sb = (const int8_t *)(blk + 192);
-            const float dw = f16_at(blk + 208);
-            __m256i q[8], s16[8];
-            q6k_vecs(blk, q);
-            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sb));
-            for (int c = 0; c < 8; c++)                // c = 4j + k: 32 elements, scales 2c, 2c + 1
-#if LANES_512
-                s16[c] = _mm256_permutexvar_epi16(_mm256_setr_epi16(2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c,
-                                                                    2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1,
-                                                                    2 * c + 1, 2 * c + 1, 2 * c + 1), sc16);
-#else
-                s16[c] = _mm256_set_m128i(_mm_set1_epi16(sb[2 * c + 1]), _mm_set1_epi16(sb[2 * c]));
-#endif
-            for (int i = 0; i < nr; i++) {
-                const int64_t r = rb + i;
-                const int8_t *ab = a + r * k + 256 * b;
-                __m256i lanes = _mm256_setzero_si256();
-                for (int c = 0; c < 8; c++) {
-                    const __m256i p = _mm256_maddubs_epi16(q[c], _mm256_loadu_si256((const __m256i *)(ab + 32 * c)));
-                    lanes = _mm256_add_epi32(lanes, _mm256_madd_epi16(p, s16[c]));
-                }
-                const __m256i corr = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(bsums + r * n_super * 16 + 16 * b)));
-                lanes = _mm256_sub_epi32(lanes, _mm256_slli_epi32(corr, 5));
-                if (tiled)
-                    acc[i] = fmaf((float)hsum_epi32(lanes) * dw, da[r * n_super + b], acc[i]);
-                else
-                    acc8[i] = _mm256_fmadd_ps(_mm256_set1_ps(da[r * n_super + b] * dw), _mm256_cvtepi32_ps(lanes), acc8[i]);
-            }
-        }
-        for (int i = 0; i < nr; i++) out[(rb + i) * ldo + n] = tiled ? acc[i] : hsum8_ps(acc8[i]);
-    }
-#else
-    for (int64_t r = r0; r < r1; r++) {
-        const int8_t *ar = a + r * k;
-        const float *dar = da + r * n_super;
-        const int16_t *bsr = bsums + r * n_super * 16;
-        float acc = 0.0f, acc8[8] = {0};
-        for (int64_t b = 0; b < n_super; b++) {
-            const uint8_t *blk = wr + b * Q6_K_BYTES;
-            const int8_t *sb = (const int8_t *)(blk + 192);
-            const int16_t *bs = bsr + 16 * b;
-            const float dw = f16_at(blk + 208);
-            uint8_t q[256];
-            q6k_ints(blk, q);
-            const int8_t *ab = ar + 256 * b;
-            int32_t lanes[8], total = 0;
-            for (int l = 0; l < 8; l++) {
-                int32_t lane = 0;
-                for (int c = 0; c < 8; c++) {
-                    const int base = 32 * c + 4 * l;
-                    int32_t sum = 0;
-                    for (int e = 0; e < 4; e++) sum += (int32_t)q[base + e] * (int32_t)ab[base + e];
-                    lane += sum * (int32_t)sb[2 * c + (l >= 4)];
-                }
-                lanes[l] = lane - 32 * ((int32_t)sb[2 * l] * bs[2 * l] + (int32_t)sb[2 * l + 1] * bs[2 * l + 1]);
-                total += lanes[l];
-            }
-            if (tiled) {
-                acc = fmaf((float)total * dw, dar[b], acc);
-            } else {
-                const float dd = dar[b] * dw;
-                for (int l = 0; l < 8; l++) acc8[l] = fmaf(dd, (float)lanes[l], acc8[l]);
-            }
-        }
-        out[r * ldo + n] = tiled ? acc : hsum8(acc8);
-    }
-#endif
+    row_by_dot(lanes_dot_q6k, m->tiled, m, n, r0, r1, m->n_blocks * 256);
 }
 
 #if LANES_512
-// The tiled order needs only each super-block's integer total, so any integer order will do: a
-// weight super-block is unpacked once for eight activation rows (the loop above unpacks it for
-// each), 64 elements a 512-bit vector, maddubs then dpwssd with the four 16-element scales, and
-// the bsums term folded in with one more dpwssd (-32 * the scales against the 16 bsums).
-static inline int32_t q6k_total(const __m512i q[4], const __m512i s[4], __m512i corr_s, const int8_t *ab,
-                                const int16_t *bs) {
-    __m512i acc = _mm512_dpwssd_epi32(_mm512_setzero_si512(), corr_s,
-                                      _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)bs)));
-    for (int j = 0; j < 4; j++)
-        acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(q[j], _mm512_loadu_si512((const void *)(ab + 64 * j))), s[j]);
-    return _mm512_reduce_add_epi32(acc);
-}
-
-static void q6k_row_tiled(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
-    const int64_t n_super = m->n_blocks, ldo = m->ldo, k = n_super * 256;
-    const uint8_t *wr = m->w + n * m->row_bytes;
-    const int8_t *a = m->a;
-    const float *da = m->da;
-    const int16_t *bsums = m->bsums;
-    float *out = m->out;
-    for (int64_t rb = r0; rb < r1; rb += 8) {
-        const int64_t nr = r1 - rb < 8 ? r1 - rb : 8;
-        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        for (int64_t b = 0; b < n_super; b++) {
-            const uint8_t *blk = wr + b * Q6_K_BYTES;
-            const int8_t *sb = (const int8_t *)(blk + 192);
-            const float dw = f16_at(blk + 208);
-            __m256i q8[8];
-            q6k_vecs(blk, q8);
-            __m512i q[4], s[4];
-            for (int j = 0; j < 4; j++) {
-                q[j] = _mm512_inserti64x4(_mm512_castsi256_si512(q8[2 * j]), q8[2 * j + 1], 1);
-                s[j] = _mm512_inserti64x4(
-                    _mm512_castsi256_si512(_mm256_set_m128i(_mm_set1_epi16(sb[4 * j + 1]), _mm_set1_epi16(sb[4 * j]))),
-                    _mm256_set_m128i(_mm_set1_epi16(sb[4 * j + 3]), _mm_set1_epi16(sb[4 * j + 2])), 1);
-            }
-            const __m512i corr_s = _mm512_zextsi256_si512(
-                _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sb)), _mm256_set1_epi16(-32)));
-            for (int i = 0; i < nr; i++) {
-                const int64_t r = rb + i;
-                const int32_t total = q6k_total(q, s, corr_s, a + r * k + 256 * b, bsums + r * n_super * 16 + 16 * b);
-                acc[i] = fmaf((float)total * dw, da[r * n_super + b], acc[i]);
-            }
-        }
-        for (int i = 0; i < nr; i++) out[(rb + i) * ldo + n] = acc[i];
-    }
-}
-
-// Q6_K: q [Bs][64][16][4] unsigned quants, sc [Bs][16 sub-blocks][16] int32 scales, d [Bs][16].
-// aext [T][Bs * 16]: -32 * the activation's sum per 16 (the quants' offset), the start of each
-// sub-block's dpbusd chain; the sub-block's sum then times its scale (vpmulld) into the total.
 static void q6k_tile(const mm_args *m, int64_t n) {
     const int64_t n_super = m->n_blocks, k = n_super * 256, ldo = m->ldo, t = m->t;
     uint8_t *q = scratch(2, (size_t)n_super * (4096 + 16 * 16 * 4 + 16 * 4));
@@ -947,7 +576,6 @@ void q6k_mm(const uint8_t *w, int64_t n_rows, int64_t n_super, const int8_t *a, 
     mm_args m = {.w = w, .row_bytes = n_super * Q6_K_BYTES, .n_blocks = n_super, .t = t, .ldo = ldo,
                  .tiled = tiled, .a = a, .da = da, .bsums = bsums, .out = out, .row = q6k_row};
 #if LANES_512
-    if (tiled) m.row = q6k_row_tiled;
     if (tiled && t >= TILE_MIN_T) {
         int32_t *off = scratch(0, (size_t)(t * n_super * 16) * sizeof(int32_t));
         if (off) {
@@ -962,116 +590,8 @@ void q6k_mm(const uint8_t *w, int64_t n_rows, int64_t n_super, const int8_t *a, 
 #endif
 }
 
-// Q5_K (not repacked on x86): ggml_vec_dot_q5_K_q8_K's AVX2 order under 8 columns, ggml's tiled K-quant
-// matmul from 8 (tiled). Per super-block eight int32 lanes, lane l the scaled sums over elements 32c + 4l + e
-// (sub-block c, e < 4) of the unsigned 5-bit quants. lanes: acc_l = fma(f32(d_a * d_w), f32(lane), acc_l),
-// hsum_float_8, the mins apart in a scalar, summs = fma(-(d_a * dmin_w), f32(s2), summs) with s2 the mins
-// times the activation's sums per 32 (gcc fuses ggml's summs += dmin * s2); out = hsum + summs. tiled:
-// r = fma(-dmin_w, f32(s2), f32(s1) * d_w) with s1 the lanes' total, acc = fma(r, d_a, acc). The same bits
-// as quant/k_quants.dot_llama, which tests/test_quant.py holds to b11434's own mul_mat. AVX2 (four activation
-// rows an unpacked block, maddubs then madd with the scale, as ggml's), else portable C.
-#define Q5_K_BYTES 176                                 // f16 d, f16 dmin, 12 scale bytes, 32 high bits, 128 nibbles
-static inline void q5k_ints(const uint8_t *blk, uint8_t q[256]) {   // the unsigned quants, in order
-    const uint8_t *qh = blk + 16, *qs = blk + 48;
-    for (int j = 0; j < 4; j++)                        // sub-blocks 2j (low nibbles, bit 2j), 2j + 1 (high, bit 2j + 1)
-        for (int l = 0; l < 32; l++) {
-            q[64 * j + l] = (uint8_t)((qs[32 * j + l] & 0xF) | (((qh[l] >> (2 * j)) & 1) << 4));
-            q[64 * j + 32 + l] = (uint8_t)((qs[32 * j + l] >> 4) | (((qh[l] >> (2 * j + 1)) & 1) << 4));
-        }
-}
-
-#if LANES_AVX2
-static inline void q5k_vecs(const uint8_t *blk, __m256i q[8]) {    // sub-block c's 32 quants, c = 2j + h
-    const __m256i lo4 = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
-    const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 16));
-    for (int j = 0; j < 4; j++) {
-        const __m256i qs = _mm256_loadu_si256((const __m256i *)(blk + 48 + 32 * j));
-        q[2 * j] = _mm256_or_si256(_mm256_and_si256(qs, lo4),
-                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * j), one), 4));
-        q[2 * j + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qs, 4), lo4),
-                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * j + 1), one), 4));
-    }
-}
-#endif
-
 static void q5k_row(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
-    const int tiled = m->tiled;
-    const int64_t n_super = m->n_blocks, ldo = m->ldo, k = n_super * 256;
-    const uint8_t *wr = m->w + n * m->row_bytes;
-#if LANES_AVX2
-    for (int64_t rb = r0; rb < r1; rb += 4) {          // up to four activation rows share each unpacked block
-        const int nr = r1 - rb < 4 ? (int)(r1 - rb) : 4;
-        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, summs[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        __m256 acc8[4];
-        for (int i = 0; i < 4; i++) acc8[i] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < n_super; b++) {
-            const uint8_t *blk = wr + b * Q5_K_BYTES;
-            int32_t sc[8], mn[8];
-            q4k_scales(blk + 4, sc, mn);
-            const float dw = f16_at(blk), dmw = f16_at(blk + 2);
-            __m256i q[8], s16[8];
-            q5k_vecs(blk, q);
-            for (int c = 0; c < 8; c++) s16[c] = _mm256_set1_epi16((int16_t)sc[c]);
-            for (int i = 0; i < nr; i++) {
-                const int64_t r = rb + i;
-                const int8_t *ab = m->a + r * k + 256 * b;
-                const int16_t *bs = m->bsums + r * n_super * 16 + 16 * b;
-                __m256i lanes = _mm256_setzero_si256();
-                for (int c = 0; c < 8; c++) {
-                    const __m256i p = _mm256_maddubs_epi16(q[c], _mm256_loadu_si256((const __m256i *)(ab + 32 * c)));
-                    lanes = _mm256_add_epi32(lanes, _mm256_madd_epi16(p, s16[c]));
-                }
-                int32_t s2 = 0;
-                for (int c = 0; c < 8; c++) s2 += mn[c] * ((int32_t)bs[2 * c] + (int32_t)bs[2 * c + 1]);
-                const float da = m->da[r * n_super + b];
-                if (tiled) {
-                    acc[i] = fmaf(fmaf(-dmw, (float)s2, (float)hsum_epi32(lanes) * dw), da, acc[i]);
-                } else {
-                    acc8[i] = _mm256_fmadd_ps(_mm256_set1_ps(da * dw), _mm256_cvtepi32_ps(lanes), acc8[i]);
-                    summs[i] = fmaf(-(da * dmw), (float)s2, summs[i]);
-                }
-            }
-        }
-        for (int i = 0; i < nr; i++) m->out[(rb + i) * ldo + n] = tiled ? acc[i] : hsum8_ps(acc8[i]) + summs[i];
-    }
-#else
-    for (int64_t r = r0; r < r1; r++) {
-        const int8_t *ar = m->a + r * k;
-        const float *dar = m->da + r * n_super;
-        const int16_t *bsr = m->bsums + r * n_super * 16;
-        float acc = 0.0f, summs = 0.0f, acc8[8] = {0};
-        for (int64_t b = 0; b < n_super; b++) {
-            const uint8_t *blk = wr + b * Q5_K_BYTES;
-            int32_t sc[8], mn[8];
-            q4k_scales(blk + 4, sc, mn);
-            const float dw = f16_at(blk), dmw = f16_at(blk + 2);
-            uint8_t q[256];
-            q5k_ints(blk, q);
-            const int8_t *ab = ar + 256 * b;
-            const int16_t *bs = bsr + 16 * b;
-            int32_t lanes[8] = {0}, s1 = 0, s2 = 0;
-            for (int c = 0; c < 8; c++) {
-                int32_t part[8];
-                for (int l = 0; l < 8; l++) {
-                    const int base = 32 * c + 4 * l;
-                    part[l] = (int32_t)q[base] * ab[base] + (int32_t)q[base + 1] * ab[base + 1]
-                              + (int32_t)q[base + 2] * ab[base + 2] + (int32_t)q[base + 3] * ab[base + 3];
-                }
-                for (int l = 0; l < 8; l++) lanes[l] += part[l] * sc[c];
-                s2 += mn[c] * ((int32_t)bs[2 * c] + (int32_t)bs[2 * c + 1]);
-            }
-            for (int l = 0; l < 8; l++) s1 += lanes[l];
-            if (tiled) {
-                acc = fmaf(fmaf(-dmw, (float)s2, (float)s1 * dw), dar[b], acc);
-            } else {
-                const float dd = dar[b] * dw;
-                for (int l = 0; l < 8; l++) acc8[l] = fmaf(dd, (float)lanes[l], acc8[l]);
-                summs = fmaf(-(dar[b] * dmw), (float)s2, summs);
-            }
-        }
-        m->out[r * ldo + n] = tiled ? acc : hsum8(acc8) + summs;
-    }
-#endif
+    row_by_dot(lanes_dot_q5k, m->tiled, m, n, r0, r1, m->n_blocks * 256);
 }
 
 void q5k_mm(const uint8_t *w, int64_t n_rows, int64_t n_super, const int8_t *a, const float *da,
@@ -1081,174 +601,11 @@ void q5k_mm(const uint8_t *w, int64_t n_rows, int64_t n_super, const int8_t *a, 
     pool_run(mm_chunk, &m, n_rows, grain_for(n_rows, nth, 4), nth);
 }
 
-// Q4_K as ggml_gemm / ggml_gemv_q4_K_8x8_q8_K (the repacked weight): per 64 elements (two
-// sub-blocks) sumi = sum of sc * (q . a), summ = sum of m * (a's sum over the sub-block); rows
-// r < t_gemm (the gemm's) do acc = fma(f32(sumi), f32(d_a * d_w), acc) and the same for the mins
-// with d_a * dmin, once per 64; the other rows (the gemv's) once per super-block, the four 64s'
-// int32 sums first. out = acc - acc_min.
-#if LANES_512
-// The gemv's rows (from t_gemm): only each super-block's two integer totals matter, so any integer
-// order will do. A 64 of nibbles is one 512-bit vector in element order, dpbusd against the 64
-// activation bytes gives 16 four-sums (8 for each sub-block of 32, each below 2^13), and dpwssd
-// with the scales (int16 in the low half of each lane) adds them scaled; the scales and mins come
-// out of their 12 bytes in vectors (get_scale_min_k4 on four bytes at once).
-static void q4k_gemv_rows(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
-    const int64_t n_super = m->n_blocks, ldo = m->ldo, k = n_super * 256;
-    const uint8_t *wr = m->w + n * m->row_bytes;
-    const __m256i lo4 = _mm256_set1_epi8(0xF);
-    __m512i pick[4];
-    for (int c = 0; c < 4; c++)
-        pick[c] = _mm512_setr_epi32(2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c,
-                                    2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1);
-    const __m512i pick_min = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
-    for (int64_t rb = r0; rb < r1; rb += 4) {
-        const int nr = r1 - rb < 4 ? (int)(r1 - rb) : 4;
-        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc_min[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (int64_t b = 0; b < n_super; b++) {
-            const uint8_t *blk = wr + b * Q4_K_BYTES;
-            const float d = f16_at(blk), dmin = f16_at(blk + 2);
-            uint32_t u[4];
-            memcpy(u, blk + 4, 12);
-            u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
-            const uint32_t mins_lo = u[1] & 0x3f3f3f3fu;
-            u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
-            u[2] = mins_lo;
-            u[0] &= 0x3f3f3f3fu;
-            const __m512i sm32 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)u));   // 8 scales, 8 mins
-            __m512i w[4], sc[4];
-            for (int c = 0; c < 4; c++) {
-                const __m256i qs = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
-                w[c] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(qs, lo4)),
-                                          _mm256_and_si256(_mm256_srli_epi16(qs, 4), lo4), 1);
-                sc[c] = _mm512_permutexvar_epi32(pick[c], sm32);
-            }
-            const __m512i mn = _mm512_permutexvar_epi32(pick_min, sm32);
-            for (int i = 0; i < nr; i++) {
-                const int64_t r = rb + i;
-                const int8_t *ab = m->a + r * k + 256 * b;
-                __m512i tot = _mm512_setzero_si512();
-                for (int c = 0; c < 4; c++)
-                    tot = _mm512_dpwssd_epi32(tot, _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[c],
-                                                                       _mm512_loadu_si512((const void *)(ab + 64 * c))), sc[c]);
-                const __m512i bs = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(m->bsums + r * n_super * 16 + 16 * b)));
-                const int32_t si_all = _mm512_reduce_add_epi32(tot);
-                const int32_t sm_all = _mm512_reduce_add_epi32(_mm512_mullo_epi32(bs, mn));
-                const float da = m->da[r * n_super + b];
-                acc[i] = fmaf((float)si_all, da * d, acc[i]);
-                acc_min[i] = fmaf((float)sm_all, da * dmin, acc_min[i]);
-            }
-        }
-        for (int i = 0; i < nr; i++) m->out[(rb + i) * ldo + n] = acc[i] - acc_min[i];
-    }
-}
-#endif
-
+// Q4_K: rows below t_gemm in the repacked gemm's order (once per 64), the rest in its gemv's
 static void q4k_row(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
-#if LANES_512
-    if (r0 >= m->t_gemm) {
-        q4k_gemv_rows(m, n, r0, r1);
-        return;
-    }
-#endif
-    const int64_t n_super = m->n_blocks, ldo = m->ldo, t_gemm = m->t_gemm;
-    const uint8_t *wr = m->w + n * m->row_bytes;
-    const int8_t *a = m->a;
-    const float *da = m->da;
-    const int16_t *bsums = m->bsums;
-    float *out = m->out;
-    const int64_t k = n_super * 256;
-    float acc[4], acc_min[4];
-    for (int64_t rb = r0; rb < r1; rb += 4) {          // up to four activation rows share the unpacked block
-        const int64_t nr = r1 - rb < 4 ? r1 - rb : 4;
-        for (int i = 0; i < 4; i++) acc[i] = acc_min[i] = 0.0f;
-        for (int64_t b = 0; b < n_super; b++) {
-            const uint8_t *blk = wr + b * Q4_K_BYTES;
-            const float d = f16_at(blk), dmin = f16_at(blk + 2);
-            int32_t sc[8], mn[8];
-            q4k_scales(blk + 4, sc, mn);
-#if LANES_AVX2
-            __m256i q[8], s16[8];
-            const __m256i lo4 = _mm256_set1_epi8(0xF);
-            for (int c = 0; c < 4; c++) {
-                const __m256i qs = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
-                q[2 * c] = _mm256_and_si256(qs, lo4);
-                q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(qs, 4), lo4);
-            }
-            for (int s = 0; s < 8; s++) s16[s] = _mm256_set1_epi16((int16_t)sc[s]);
-            int16_t mn2[16];                           // each min twice: madd with the bsums gives min * (bs + bs)
-            for (int s = 0; s < 8; s++) mn2[2 * s] = mn2[2 * s + 1] = (int16_t)mn[s];
-            const __m256i mn16 = _mm256_loadu_si256((const __m256i *)mn2);
-#else
-            uint8_t q[256];
-            for (int c = 0; c < 4; c++)
-                for (int l = 0; l < 32; l++) {
-                    q[64 * c + l] = blk[16 + 32 * c + l] & 0xF;
-                    q[64 * c + 32 + l] = blk[16 + 32 * c + l] >> 4;
-                }
-#endif
-            for (int i = 0; i < nr; i++) {
-                const int64_t r = rb + i;
-                const int8_t *ab = a + r * k + 256 * b;
-                const int16_t *bs = bsums + r * n_super * 16 + 16 * b;
-                const float dd = da[r * n_super + b] * d, dm = da[r * n_super + b] * dmin;
-                int32_t si_all = 0, sm_all = 0;
-#if LANES_AVX2
-                int32_t sums[4], summs[4];             // the four 64s' integer sums, reduced together
-                {
-                    __m256i v[4];
-                    for (int c = 0; c < 4; c++) {
-                        const __m256i a0 = _mm256_loadu_si256((const __m256i *)(ab + 64 * c));
-                        const __m256i a1 = _mm256_loadu_si256((const __m256i *)(ab + 64 * c + 32));
-#if LANES_512
-                        v[c] = _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(_mm256_setzero_si256(), _mm256_maddubs_epi16(q[2 * c], a0),
-                                                                       s16[2 * c]),
-                                                   _mm256_maddubs_epi16(q[2 * c + 1], a1), s16[2 * c + 1]);
-#else
-                        v[c] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(q[2 * c], a0), s16[2 * c]),
-                                                _mm256_madd_epi16(_mm256_maddubs_epi16(q[2 * c + 1], a1), s16[2 * c + 1]));
-#endif
-                    }
-                    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-                    _mm_storeu_si128((__m128i *)sums, _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
-                    // the mins' sums: lane s = mn[s] * (bs[2s] + bs[2s+1]); 64 c is lanes 2c, 2c + 1
-                    const __m256i mv = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)bs), mn16);
-                    const __m256i mh = _mm256_permute4x64_epi64(_mm256_hadd_epi32(mv, mv), 0x08);
-                    _mm_storeu_si128((__m128i *)summs, _mm256_castsi256_si128(mh));
-                }
-#endif
-                for (int c = 0; c < 4; c++) {
-#if LANES_AVX2
-                    const int32_t sumi = sums[c];
-#else
-                    int32_t sumi = 0;
-                    for (int h = 0; h < 2; h++) {
-                        int32_t sum = 0;
-                        for (int e = 0; e < 32; e++) sum += (int32_t)q[64 * c + 32 * h + e] * (int32_t)ab[64 * c + 32 * h + e];
-                        sumi += sum * sc[2 * c + h];
-                    }
-#endif
-#if LANES_AVX2
-                    const int32_t summ = summs[c];
-#else
-                    const int32_t summ = mn[2 * c] * ((int32_t)bs[4 * c] + bs[4 * c + 1])
-                                       + mn[2 * c + 1] * ((int32_t)bs[4 * c + 2] + bs[4 * c + 3]);
-#endif
-                    if (r < t_gemm) {
-                        acc[i] = fmaf((float)sumi, dd, acc[i]);
-                        acc_min[i] = fmaf((float)summ, dm, acc_min[i]);
-                    } else {
-                        si_all += sumi;
-                        sm_all += summ;
-                    }
-                }
-                if (r >= t_gemm) {
-                    acc[i] = fmaf((float)si_all, dd, acc[i]);
-                    acc_min[i] = fmaf((float)sm_all, dm, acc_min[i]);
-                }
-            }
-        }
-        for (int i = 0; i < nr; i++) out[(rb + i) * ldo + n] = acc[i] - acc_min[i];
-    }
+    const int64_t k = m->n_blocks * 256, split = r0 > m->t_gemm ? r0 : m->t_gemm < r1 ? m->t_gemm : r1;
+    row_by_dot(lanes_dot_q4k, 1, m, n, r0, split, k);       // the gemm's rows
+    row_by_dot(lanes_dot_q4k, 0, m, n, split, r1, k);       // the gemv's
 }
 
 #if LANES_512
@@ -1434,51 +791,8 @@ void q4k_mm(const uint8_t *w, int64_t n_rows, int64_t n_super, const int8_t *a, 
 // The numpy form emulates each f32 fma by a float64 product and sum (two roundings in about
 // 2^-29 of the inexact cases); these are true fmas, as llama.cpp's.
 
-// ggml_v_expf, the __m512 version (the AVX-512 build the reference runs), one lane
-static inline float v_expf1(float x) {
-    const float r = 0x1.8p23f;
-    float z = fmaf(x, 0x1.715476p+0f, r);
-    float n = z - r;
-    float b = fmaf(-n, 0x1.7f7d1cp-20f, fmaf(-n, 0x1.62e4p-1f, x));
-    float u = b * b;
-    float j = fmaf(fmaf(fmaf(0x1.0e4020p-7f, b, 0x1.573e2ep-5f), u, fmaf(0x1.555e66p-3f, b, 0x1.fffdb6p-2f)),
-                   u, fmaf(0x1.ffffecp-1f, b, 1.0f));
-    if (!(fabsf(n) <= 192.0f)) {                   // _CMP_GT_OQ: a NaN n keeps the scalef result
-        if (fabsf(n) > 192.0f)
-            return n > 0 ? INFINITY : 0.0f;
-        return j + n;                              // NaN
-    }
-    const int e = (int)n;
-    if (e >= -126 && e <= 127) {                   // 2^e is a normal float: one rounding, as ldexpf's
-        const uint32_t bits = (uint32_t)(e + 127) << 23;
-        float p2;
-        memcpy(&p2, &bits, 4);
-        return j * p2;
-    }
-    return ldexpf(j, e);
-}
+// (ggml_v_expf: v_expf1 and v_expf16 in lanes_dot.h)
 
-#if defined(__AVX512F__)
-// v_expf1 on 16 lanes at once: the same operations in the same order; 2^n by scalef (one rounding, as the
-// scalar's product or ldexpf), the lanes past |n| > 192 to inf or 0 (a NaN lane keeps scalef's NaN)
-static inline __m512 v_expf16(__m512 x) {
-    const __m512 r = _mm512_set1_ps(0x1.8p23f);
-    const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(0x1.715476p+0f), r), r);
-    const __m512 b = _mm512_fnmadd_ps(n, _mm512_set1_ps(0x1.7f7d1cp-20f),
-                                      _mm512_fnmadd_ps(n, _mm512_set1_ps(0x1.62e4p-1f), x));
-    const __m512 u = _mm512_mul_ps(b, b);
-    const __m512 hi = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_set1_ps(0x1.0e4020p-7f), b, _mm512_set1_ps(0x1.573e2ep-5f)),
-                                      u, _mm512_fmadd_ps(_mm512_set1_ps(0x1.555e66p-3f), b, _mm512_set1_ps(0x1.fffdb6p-2f)));
-    const __m512 j = _mm512_fmadd_ps(hi, u, _mm512_fmadd_ps(_mm512_set1_ps(0x1.ffffecp-1f), b, _mm512_set1_ps(1.0f)));
-    const __m512 p = _mm512_scalef_ps(j, n);
-    const __mmask16 far = _mm512_cmp_ps_mask(_mm512_abs_ps(n), _mm512_set1_ps(192.0f), _CMP_GT_OQ);
-    if (!far)
-        return p;
-    const __mmask16 up = _mm512_cmp_ps_mask(n, _mm512_setzero_ps(), _CMP_GT_OQ);
-    const __m512 edge = _mm512_mask_blend_ps(up, _mm512_setzero_ps(), _mm512_set1_ps(INFINITY));
-    return _mm512_mask_blend_ps(far, p, edge);
-}
-#endif
 // _mm512_reduce_add_ps as gcc's macro: halves 8, 4, 2, 1
 static inline float reduce_add16(const float *y) {
     float v[16];
@@ -1795,25 +1109,9 @@ typedef struct {
 
 static void swiglu_chunk(const void *ctx, int64_t r0, int64_t r1, int worker) {
     const swiglu_args *S = ctx;
-    const int64_t n = S->n, n_vec = n - n % 16;
+    const int64_t n = S->n;
     (void)worker;
-    for (int64_t r = r0; r < r1; r++) {
-        const float *xr = S->x + r * n, *gr = S->g + r * n;
-        float *o = S->out + r * n;
-        int64_t i0 = 0;
-#if defined(__AVX512F__)
-        for (; i0 < n_vec; i0 += 16) {
-            const __m512 x = _mm512_loadu_ps(xr + i0);
-            const __m512 e = v_expf16(_mm512_sub_ps(_mm512_setzero_ps(), x));
-            _mm512_storeu_ps(o + i0, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e)),
-                                                   _mm512_loadu_ps(gr + i0)));
-        }
-#endif
-        for (int64_t i = i0; i < n; i++) {
-            const float e = i < n_vec ? v_expf1(0.0f - xr[i]) : expf(-xr[i]);
-            o[i] = (xr[i] / (1.0f + e)) * gr[i];
-        }
-    }
+    for (int64_t r = r0; r < r1; r++) lanes_swiglu(S->x + r * n, S->g + r * n, S->out + r * n, n, 0, n);
 }
 
 void swiglu(const float *x, const float *g, float *out, int64_t n, int64_t n_rows, int nth) {

@@ -1,16 +1,17 @@
 // Host experts: one MoE layer's routed experts computed on the host from their stored GGUF
-// blocks (bloomery/engine/cpu/host_moe.py compiles this with -O3 -march=native -pthread and
-// loads it). The cuda backend's decode steps hand their host part to the bell thread below
-// ("the doorbell"), which calls host_moe() on a persistent args struct; tests and tools call it
-// through ctypes (host_moe_layer).
+// blocks (bloomery/engine/cpu/host_moe.py compiles this with -O3 -march=native -ffp-contract=off
+// -pthread and loads it). The cuda backend's decode steps hand their host part to the bell thread
+// below ("the doorbell"), which calls host_moe() on a persistent args struct; tests and tools call
+// it through ctypes (host_moe_layer).
 //
-// Weights are read in place as stored (Q4_K, Q5_K, Q6_K against 8-bit activations in blocks of
-// 256 with sums per 16, Q8_0, Q5_0, Q4_0 against 8-bit activations in blocks of 32), never
-// decoded into a copy: the host is memory bound and a copy would double the bytes read.
-// Activations are quantized into a layout of our own (per row: the int8 quants, the f32 block
-// scales, the block sums), so each weight type's unsigned quants meet them in one unsigned x
-// signed product (x86 maddubs / VNNI dpbusd) and the weight's offset (Q6_K's 32, Q4_0's 8, Q4_K's
-// mins) comes off through the activation's block sums.
+// The products are the CPU backend's (kernels/lanes_dot.h, which kernels/cpu_lanes.c includes
+// too): the input rows rounded as ggml's quantize_row_q8_K (Q4_K, Q5_K, Q6_K) or quantize_row_q8_0
+// (Q8_0, Q5_0, Q4_0), each weight row read in place as stored (never decoded into a copy: the host
+// is memory bound) against them in llama.cpp's float order for its type, swiglu with ggml_v_expf,
+// its output rounded the same way for down. So each (token, slot)'s down output has the bits of
+// the CPU backend's expert loop (cpu_lanes.c moe_chunk: ggml_mul_mat_id's products, Q4_K's gemv
+// for every row, Q6_K and Q5_K tiled for 8 or more rows of one expert in a chunk of 64), and out is
+// those outputs times their weights added in slot order, as the CPU backend adds them.
 //
 // A call runs on the caller and n_threads - 1 workers of a pool kept between calls (below), in
 // five phases of small units:
@@ -39,19 +40,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
-#define HM_ISA 2
-#elif defined(__AVX2__) && defined(__FMA__)
-#define HM_ISA 1
-#else
-#define HM_ISA 0
-#endif
-#if HM_ISA
-#include <immintrin.h>
-#endif
+#include "lanes_dot.h"
 
-#define HM_INLINE static inline __attribute__((always_inline))
-#define NMAX 4        // tokens one weight row is decoded for at once
+#define HM_ISA (LANES_512 ? 2 : LANES_AVX2)      // 2 AVX-512 VNNI, 1 AVX2, 0 portable C
 
 typedef struct {
     int32_t n_rows;
@@ -89,602 +80,79 @@ static int block_elems(int type) {
 
 static int block_bytes(int type) {
     switch (type) {
-    case T_Q4_0: return 18;
-    case T_Q5_0: return 22;
-    case T_Q8_0: return 34;
-    case T_Q4_K: return 144;
-    case T_Q5_K: return 176;
-    case T_Q6_K: return 210;
+    case T_Q4_0: return Q4_0_BYTES;
+    case T_Q5_0: return Q5_0_BYTES;
+    case T_Q8_0: return Q8_0_BYTES;
+    case T_Q4_K: return Q4_K_BYTES;
+    case T_Q5_K: return Q5_K_BYTES;
+    case T_Q6_K: return Q6_K_BYTES;
     default: return 0;
     }
 }
 
-static inline float f16(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-#if HM_ISA && defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 0x3ff, bits;
-    if (e == 0) {
-        float v = ldexpf((float)m, -24);
-        return sign ? -v : v;
-    }
-    bits = e == 31 ? sign | 0x7f800000u | (m << 13) : sign | ((e + 112) << 23) | (m << 13);
-    float v;
-    memcpy(&v, &bits, 4);
-    return v;
-#endif
-}
-
-// Q4_K / Q5_K: 12 packed bytes -> u[0..1] the eight 6-bit scales, u[2..3] the eight 6-bit mins,
-// one a byte (ggml's get_scale_min_k4, four at a time)
-static inline void k4_scales(const uint8_t *s, uint32_t u[4]) {
-    uint32_t a0, a1, a2;
-    memcpy(&a0, s, 4);
-    memcpy(&a1, s + 4, 4);
-    memcpy(&a2, s + 8, 4);
-    u[0] = a0 & 0x3f3f3f3fu;
-    u[1] = (a2 & 0x0f0f0f0fu) | (((a0 >> 6) & 0x03030303u) << 4);
-    u[2] = a1 & 0x3f3f3f3fu;
-    u[3] = ((a2 >> 4) & 0x0f0f0f0fu) | (((a1 >> 6) & 0x03030303u) << 4);
-}
-#define K4_BYTE(u, i) ((int)(((u)[(i) >> 2] >> (8 * ((i) & 3))) & 0xFF))
-
 // ---------------------------------------------------------------- activations
-// A quantized activation row of length k: qs int8[k], then d f32[nb], then the block sums
-// (int16[16 * nb] per 16 elements for the 256 family, int32[nb] for the 32 family), the row
-// padded to 64 bytes. Layout L_KP (the 512-bit Q4_K / Q5_K kernels) stores each 256 block's
-// 32-element sub-blocks in the order 0 2 1 3 4 6 5 7, the order one 64-byte load of the
-// weight's nibbles yields them; the sums stay in natural order.
+// A quantized activation row of length k, as lanes_dot.h's quantizers write it: the int8 quants
+// [k], the f32 block scales [k / 32] (Q8_0) or [k / 256] (Q8_K), then Q8_K's int16 sums per 16
+// [k / 16]; the row padded to 64 bytes.
 
-enum { L_32 = 0, L_KN = 1, L_KP = 2 };
+enum { K_32 = 0, K_256 = 1 };                  // the weight's activation kind: Q8_0 or Q8_K
 
-static int layout_of(int type) {
-    switch (type) {
-    case T_Q4_0: case T_Q5_0: case T_Q8_0: return L_32;
-    case T_Q6_K: return L_KN;
-    case T_Q4_K: case T_Q5_K: return HM_ISA == 2 ? L_KP : L_KN;
-    default: return -1;
-    }
-}
+static inline int kind_of(int type) { return block_elems(type) == 32 ? K_32 : K_256; }
+static inline int kind_block(int kind) { return kind == K_32 ? 32 : 256; }
 
-static inline int layout_block(int layout) { return layout == L_32 ? 32 : 256; }
-
-static int64_t act_row_bytes(int layout, int64_t k) {
-    int64_t nb = k / layout_block(layout);
-    int64_t n = k + 4 * nb + (layout == L_32 ? 4 * nb : 32 * nb);
+static int64_t act_row_bytes(int kind, int64_t k) {
+    const int64_t n = k + 4 * (k / kind_block(kind)) + (kind == K_256 ? k / 8 : 0);
     return (n + 63) & ~(int64_t)63;
 }
 
-// silu(g) * u = g * u / (1 + exp(-g)) for 16 values at once, in GCC's vector types (AVX-512,
-// two AVX2 halves, or four SSE quarters, as the build allows); exp as Cephes' expf: 2^n times a
-// degree-7 polynomial in the rest, within 2 ulp, -g clamped to +-87.3 where expf over- or
-// underflows (there the result is g * u, or 0, all the same).
-typedef float vf16 __attribute__((vector_size(64)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
-
-// e clamped to [-87.3, 87.3], lane by lane, through its bits (C has no ?: on vectors)
-#define VCLAMP(e)                                                                              \
-    do {                                                                                       \
-        const vf16 hi_ = (vf16){0} + 87.3f, lo_ = (vf16){0} - 87.3f;                           \
-        vi16 ei_, hb_, lb_;                                                                    \
-        const vi16 over_ = (e) > hi_, under_ = (e) < lo_;                                      \
-        memcpy(&ei_, &(e), 64);                                                                \
-        memcpy(&hb_, &hi_, 64);                                                                \
-        memcpy(&lb_, &lo_, 64);                                                                \
-        ei_ = (ei_ & ~(over_ | under_)) | (hb_ & over_) | (lb_ & under_);                      \
-        memcpy(&(e), &ei_, 64);                                                                \
-    } while (0)
-
-HM_INLINE void swiglu16(const float *g, const float *u, float *out) {
-    vf16 x, vu;
-    memcpy(&x, g, 64);
-    memcpy(&vu, u, 64);
-    vf16 e = -x;
-    VCLAMP(e);
-    const vf16 magic = (vf16){0} + 12582912.0f;            // 1.5 * 2^23: adding it rounds to an integer
-    vf16 t = e * 1.44269504088896341f + magic;
-    const vf16 n = t - magic;
-    vf16 r = e - n * 0.693359375f + n * 2.12194440e-4f;
-    vf16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    vi16 ni, scale_bits;
-    memcpy(&ni, &t, 64);
-    scale_bits = ((ni - 0x4B400000) + 127) << 23;         // t's low bits are n; 2^n as a float's bits
-    vf16 scale;
-    memcpy(&scale, &scale_bits, 64);
-    const vf16 y = x * vu / (1.0f + p * scale);
-    memcpy(out, &y, 64);
+static inline lanes_act act_at(const uint8_t *row, int kind, int64_t k) {
+    return (lanes_act){.q = (const int8_t *)row, .d = (const float *)(row + k),
+                       .bs = kind == K_256 ? (const int16_t *)(row + k + 4 * (k / 256)) : NULL};
 }
 
-// blocks b0..b1 of row x (length k) into the row dst; silu_u: if set, the values are
-// silu(x) * silu_u (swiglu), computed here in f32
-static void quantize_blocks(int layout, const float *x, const float *silu_u, int64_t k, uint8_t *dst,
-                            int64_t b0, int64_t b1) {
-    const int bl = layout_block(layout);
-    const int64_t nb = k / bl;
-    int8_t *qs = (int8_t *)dst;
-    float *d = (float *)(dst + k);
-    float v[256];
-    for (int64_t b = b0; b < b1; b++) {
-        const float *xb = x + b * bl;
-        if (silu_u) {
-            const float *ub = silu_u + b * bl;
-            for (int i = 0; i < bl; i += 16) swiglu16(xb + i, ub + i, v + i);
-        } else {
-            memcpy(v, xb, sizeof(float) * bl);
-        }
-        int32_t mb = 0;                 // max |v| by its bits (they order non-negative floats)
-        for (int i = 0; i < bl; i++) {
-            int32_t a;
-            memcpy(&a, v + i, 4);
-            a &= 0x7fffffff;
-            mb = a > mb ? a : mb;
-        }
-        float amax;
-        memcpy(&amax, &mb, 4);
-        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        d[b] = amax / 127.0f;
-        int8_t q[256];
-        for (int i = 0; i < bl; i++) {  // to nearest even: + 1.5 * 2^23 leaves the integer in the low bits
-            const float f = v[i] * id + 12582912.0f;
-            int32_t qi;
-            memcpy(&qi, &f, 4);
-            q[i] = (int8_t)(qi - 0x4B400000);
-        }
-        int32_t sums[16];
-        for (int g = 0; g < bl / 16; g++) {
-            int32_t sg = 0;
-            for (int l = 0; l < 16; l++) sg += q[16 * g + l];
-            sums[g] = sg;
-        }
-        if (layout == L_32) {
-            ((int32_t *)(d + nb))[b] = sums[0] + sums[1];
-            memcpy(qs + b * 32, q, 32);
-            continue;
-        }
-        int16_t *bs = (int16_t *)(d + nb) + 16 * b;
-        for (int g = 0; g < 16; g++) bs[g] = (int16_t)sums[g];
-        if (layout == L_KN) {
-            memcpy(qs + b * 256, q, 256);
-        } else {
-            static const int order[8] = {0, 2, 1, 3, 4, 6, 5, 7};
-            for (int i = 0; i < 8; i++) memcpy(qs + b * 256 + 32 * i, q + 32 * order[i], 32);
-        }
+// elements 256 c .. 256 c + len of a row of length k (one Q8_K block, or up to eight Q8_0 blocks),
+// v its values there, into the activation row dst. Returns 1 where some value is not finite: the
+// span is rounded as zeros and the row's outputs are to be NaN (as the CPU backend's, formats.CAct
+// and cpu_lanes.c dact_init: such a row's products are NaN), else 0.
+static int quantize_span(int kind, const float *v, int64_t len, int64_t k, uint8_t *dst, int64_t c) {
+    int bad = 0;
+    for (int64_t i = 0; i < len; i++) bad |= !isfinite(v[i]);
+    float zero[256];
+    if (bad) {
+        memset(zero, 0, sizeof zero);
+        v = zero;
     }
+    int8_t *q = (int8_t *)dst + 256 * c;
+    float *d = (float *)(dst + k);
+    if (kind == K_256)
+        lanes_q8_K_block(v, 0, q, d + c, (int16_t *)(dst + k + 4 * (k / 256)) + 16 * c);
+    else
+        for (int64_t b = 0; b < len / 32; b++) lanes_q8_0_block(v + 32 * b, q + 32 * b, d + 8 * c + b);
+    return bad;
 }
 
 // ---------------------------------------------------------------- dot products
-// dot_<type>(w, nb, a, n, k, out): out[j] = row w (nb blocks) . activation row a[j] (length k),
-// j < n <= NMAX; the weight block is decoded once for the n rows.
+// Each weight type's lanes_dot.h product and its mode: the Q8_0 family's qtype; Q4_K's gemv
+// (ggml_mul_mat_id runs the repacked Q4_K's gemv for every row); Q6_K's and Q5_K's lanes, or
+// their tiled order where the expert's rows in the CPU backend's chunk are TILED_MIN_T or more.
 
-typedef void (*dot_fn)(const uint8_t *w, int nb, const uint8_t *const *a, int n, int64_t k, float *out);
+#define MOE_CHUNK_ROWS 64        // cpu_lanes.c moe_chunk: an expert's routed rows, 64 at a time
+#define TILED_MIN_T 8            // quant/k_quants.py TILED_MIN_T (cpu_lanes.c DL_Q6K_TILED_MIN_T)
 
-#define ACT_D(a, k) ((const float *)((a) + (k)))
-#define ACT_S16(a, k, nb) ((const int16_t *)((a) + (k) + 4 * (int64_t)(nb)))
-#define ACT_S32(a, k, nb) ((const int32_t *)((a) + (k) + 4 * (int64_t)(nb)))
+typedef struct {
+    lanes_dot_fn fn;
+    int mode;                    // the mode, or for `tiled` types the lanes' (0)
+    int tiled;                   // 1 for chunks of TILED_MIN_T rows and more
+} hm_dot;
 
-// every ISA instantiates dot_<t>_n(w, nb, a, n, k, out) with n a constant through this switch
-#define DISPATCH(t)                                                                           \
-    static void dot_##t(const uint8_t *w, int nb, const uint8_t *const *a, int n, int64_t k, float *out) { \
-        switch (n) {                                                                          \
-        case 1: dot_##t##_n(w, nb, a, 1, k, out); break;                                      \
-        case 2: dot_##t##_n(w, nb, a, 2, k, out); break;                                      \
-        case 3: dot_##t##_n(w, nb, a, 3, k, out); break;                                      \
-        default: dot_##t##_n(w, nb, a, 4, k, out); break;                                     \
-        }                                                                                     \
-    }
-
-#if HM_ISA == 0
-// ---- portable C
-
-// Q4_K (hbits 0) / Q5_K (hbits 1): sub-block s of 32 is nibble (s & 1) of bytes 32 (s / 2) ..,
-// plus bit s of qh[0..31] as 16 for Q5_K
-HM_INLINE void dot_k4_n(int hbits, const uint8_t *w, int nb, const uint8_t *const *a, int n, int64_t k, float *out) {
-    const int bb = hbits ? 176 : 144, qs_off = hbits ? 48 : 16;
-    for (int j = 0; j < n; j++) {
-        const int8_t *y = (const int8_t *)a[j];
-        const float *ad = ACT_D(a[j], k);
-        const int16_t *bs = ACT_S16(a[j], k, nb);
-        float acc = 0.0f;
-        for (int b = 0; b < nb; b++) {
-            const uint8_t *x = w + bb * b, *qh = x + 16, *qs = x + qs_off;
-            const int8_t *yb = y + 256 * b;
-            uint32_t u[4];
-            k4_scales(x + 4, u);
-            int32_t sumi = 0, summ = 0;
-            for (int c = 0; c < 4; c++) {
-                int32_t lo = 0, hi = 0;
-                for (int l = 0; l < 32; l++) {
-                    const int hl = hbits ? ((qh[l] >> (2 * c)) & 1) << 4 : 0;
-                    const int hh = hbits ? ((qh[l] >> (2 * c + 1)) & 1) << 4 : 0;
-                    lo += ((qs[32 * c + l] & 15) | hl) * yb[64 * c + l];
-                    hi += ((qs[32 * c + l] >> 4) | hh) * yb[64 * c + 32 + l];
-                }
-                sumi += K4_BYTE(u, 2 * c) * lo + K4_BYTE(u, 2 * c + 1) * hi;
-            }
-            for (int s = 0; s < 8; s++) summ += K4_BYTE(u, 8 + s) * (bs[16 * b + 2 * s] + bs[16 * b + 2 * s + 1]);
-            acc += ad[b] * (f16(x) * (float)sumi - f16(x + 2) * (float)summ);
-        }
-        out[j] = acc;
-    }
-}
-
-HM_INLINE void dot_q6_K_n(const uint8_t *w, int nb, const uint8_t *const *a, int n, int64_t k, float *out) {
-    for (int j = 0; j < n; j++) {
-        const int8_t *y = (const int8_t *)a[j];
-        const float *ad = ACT_D(a[j], k);
-        const int16_t *bs = ACT_S16(a[j], k, nb);
-        float acc = 0.0f;
-        for (int b = 0; b < nb; b++) {
-            const uint8_t *x = w + 210 * b, *ql = x, *qh = x + 128;
-            const int8_t *sc = (const int8_t *)(x + 192);
-            const int8_t *yb = y + 256 * b;
-            int32_t sumi = 0;
-            for (int s = 0; s < 16; s++) {      // element e = 16 s + i: half h, quarter c, lane l
-                const int h = s / 8, c = (s / 2) % 4, l0 = 16 * (s % 2);
-                const uint8_t *lo = ql + 64 * h + 32 * (c & 1) + l0, *hi = qh + 32 * h + l0;
-                const int8_t *ye = yb + 16 * s;
-                int32_t g = 0;
-                for (int i = 0; i < 16; i++)
-                    g += (((lo[i] >> (4 * (c >> 1))) & 15) | (((hi[i] >> (2 * c)) & 3) << 4)) * ye[i];
-                sumi += sc[s] * (g - 32 * bs[16 * b + s]);
-            }
-            acc += ad[b] * f16(x + 208) * (float)sumi;
-        }
-        out[j] = acc;
-    }
-}
-
-// the 32 family: w_q (the stored quant read unsigned) - off, against the int8 activations
-HM_INLINE void dot32_n(int type, const uint8_t *w, int nb, const uint8_t *const *a, int n, int64_t k, float *out) {
-    const int bb = block_bytes(type);
-    for (int j = 0; j < n; j++) {
-        const int8_t *y = (const int8_t *)a[j];
-        const float *ad = ACT_D(a[j], k);
-        float acc = 0.0f;
-        for (int b = 0; b < nb; b++) {
-            const uint8_t *x = w + bb * b;
-            const int8_t *yb = y + 32 * b;
-            int32_t sumi = 0;
-            if (type == T_Q8_0) {
-                for (int i = 0; i < 32; i++) sumi += (int8_t)x[2 + i] * yb[i];
-            } else if (type == T_Q4_0) {
-                for (int i = 0; i < 16; i++)
-                    sumi += ((x[2 + i] & 15) - 8) * yb[i] + ((x[2 + i] >> 4) - 8) * yb[i + 16];
-            } else {
-                uint32_t qh;
-                memcpy(&qh, x + 2, 4);
-                for (int i = 0; i < 16; i++) {
-                    const int lo = (x[6 + i] & 15) | (((qh >> i) << 4) & 0x10);
-                    const int hi = (x[6 + i] >> 4) | ((qh >> (i + 12)) & 0x10);
-                    sumi += (lo - 16) * yb[i] + (hi - 16) * yb[i + 16];
-                }
-            }
-            acc += ad[b] * f16(x) * (float)sumi;
-        }
-        out[j] = acc;
-    }
-}
-
-HM_INLINE void dot_q8_0_n(const uint8_t *w, int nb, const uint8_t *const *a, int n, int64_t k, float *out) {
-    dot32_n(T_Q8_0, w, nb, a, n, k, out);
-}
-HM_INLINE void dot_q4_0_n(const uint8_t *w, int nb, const uint8_t *const *a, int n, int64_t k, float *out) {
-    dot32_n(T_Q4_0, w, nb, a, n, k, out);
-}
-HM_INLINE void dot_q5_0_n(const uint8_t *w, int nb, const uint8_t *const *a, int n, int64_t k, float *out) {
-    dot32_n(T_Q5_0, w, nb, a, n, k, out);
-}
-
-#else
-// ---- x86: the 32 family on 256-bit vectors (AVX2, or AVX-512 VL + VNNI), K types below
-
-static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-// unsigned x signed 8-bit products summed by fours into 8 int32 lanes
-static inline __m256i dot_u8s8_256(__m256i u, __m256i s) {
-#if HM_ISA == 2
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-
-// the stored quants of one 32 block as unsigned bytes (Q8_0: q + 128) and the offset to take off
-static inline __m256i q32_unsigned(int type, const uint8_t *x, int *off) {
-    const __m256i m4 = _mm256_set1_epi8(15);
-    if (type == T_Q8_0) {
-#if HM_ISA == 1     // maddubs would saturate at (q + 128) * a: the caller takes |q| against a with q's sign
-        *off = 0;
-        return _mm256_loadu_si256((const __m256i *)(x + 2));
-#endif
-        *off = 128;
-        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(x + 2)), _mm256_set1_epi8((char)0x80));
-    }
-    const __m128i q = _mm_loadu_si128((const __m128i *)(x + (type == T_Q4_0 ? 2 : 6)));
-    __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4);
-    if (type == T_Q4_0) {
-        *off = 8;
-        return v;
-    }
-    *off = 16;
-    uint32_t qh;
-    memcpy(&qh, x + 2, 4);
-    // byte i takes bit i of qh: spread qh's bytes over 8 lanes each, test one bit per lane
-    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh),
-        _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0));
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    const __m256i hi = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
-    return _mm256_or_si256(v, hi);
-}
-
-HM_INLINE void dot32_n(int type, const uint8_t *w, int nb, const uint8_t *const *a, int n, int64_t k, float *out) {
-    const int bb = block_bytes(type);
-    __m256 acc[NMAX];
-    for (int j = 0; j < n; j++) acc[j] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *x = w + bb * b;
-        int off;
-        const __m256i wu = q32_unsigned(type, x, &off);
-        const float dw = f16(x);
-        for (int j = 0; j < n; j++) {
-            const __m256i y = _mm256_loadu_si256((const __m256i *)(a[j] + 32 * b));
-            const int32_t s = ACT_S32(a[j], k, nb)[b];
-#if HM_ISA == 1
-            __m256i p = type == T_Q8_0 ? dot_u8s8_256(_mm256_sign_epi8(wu, wu), _mm256_sign_epi8(y, wu)) : dot_u8s8_256(wu, y);
-#else
-            __m256i p = dot_u8s8_256(wu, y);
-#endif
-            p = _mm256_sub_epi32(p, _mm256_zextsi128_si256(_mm_cvtsi32_si128(off * s)));
-            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(dw * ACT_D(a[j], k)[b]), _mm256_cvtepi32_ps(p), acc[j]);
-        }
-    }
-    for (int j = 0; j < n; j++) out[j] = hsum256(acc[j]);
-}
-
-HM_INLINE void dot_q8_0_n(const uint8_t *w, int nb, const uint8_t *const *a, int n, int64_t k, float *out) {
-    dot32_n(T_Q8_0, w, nb, a, n, k, out);
-}
-HM_INLINE void dot_q4_0_n(const uint8_t *w, int nb, const uint8_t *const *a, int n, int64_t k, float *out) {
-    dot32_n(T_Q4_0, w, nb, a, n, k, out);
-}
-HM_INLINE void dot_q5_0_n(const uint8_t *w, int nb, const uint8_t *const *a, int n, int64_t k, float *out) {
-    dot32_n(T_Q5_0, w, nb, a, n, k, out);
-}
-
-// Q4_K / Q5_K: the scales (bytes 0-7) and mins (8-15) of a block in a vector
-static inline __m128i k4_scales_v(const uint8_t *s) {
-    uint32_t u[4];
-    k4_scales(s, u);
-    return _mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]);
-}
-
-// the mins as 16 int16 lanes, each repeated for the two per-16 activation sums of its sub-block
-static inline __m256i k4_min_rep(__m128i scm) { return _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(scm, scm)); }
-
-// sum over sub-blocks of min * (activation sum of the sub-block), in 8 int32 lanes
-static inline __m256i k4_min_sums(__m256i mrep, const int16_t *bs) {
-    return _mm256_madd_epi16(mrep, _mm256_loadu_si256((const __m256i *)bs));
-}
-
-#if HM_ISA == 1
-// ---- AVX2: llama.cpp's scheme (maddubs to int16 pairs, madd by the sub-block scale)
-
-HM_INLINE void dot_k4_n(int hbits, const uint8_t *w, int nb, const uint8_t *const *a, int n, int64_t k, float *out) {
-    const int bb = hbits ? 176 : 144, qs_off = hbits ? 48 : 16;
-    const __m256i m4 = _mm256_set1_epi8(15);
-    __m256 acc[NMAX], accm[NMAX];
-    for (int j = 0; j < n; j++) acc[j] = accm[j] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *x = w + bb * b;
-        uint32_t u[4];
-        k4_scales(x + 4, u);
-        const __m256i mrep = k4_min_rep(_mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]));
-        const float d = f16(x), dmin = f16(x + 2);
-        __m256i wv[8];
-        const __m256i qh = hbits ? _mm256_loadu_si256((const __m256i *)(x + 16)) : _mm256_setzero_si256();
-        for (int c = 0; c < 4; c++) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(x + qs_off + 32 * c));
-            wv[2 * c] = _mm256_and_si256(q, m4);
-            wv[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-            if (hbits) {
-                for (int h = 0; h < 2; h++) {
-                    const __m256i bit = _mm256_set1_epi8((char)(1 << (2 * c + h)));
-                    const __m256i on = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
-                    wv[2 * c + h] = _mm256_or_si256(wv[2 * c + h], _mm256_and_si256(on, _mm256_set1_epi8(16)));
-                }
-            }
-        }
-        for (int j = 0; j < n; j++) {
-            const int8_t *y = (const int8_t *)a[j] + 256 * b;
-            __m256i sumi = _mm256_setzero_si256();
-            for (int s = 0; s < 8; s++) {
-                const __m256i p = _mm256_maddubs_epi16(wv[s], _mm256_loadu_si256((const __m256i *)(y + 32 * s)));
-                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, _mm256_set1_epi16((short)K4_BYTE(u, s))));
-            }
-            const float ad = ACT_D(a[j], k)[b];
-            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * ad), _mm256_cvtepi32_ps(sumi), acc[j]);
-            accm[j] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * ad),
-                                      _mm256_cvtepi32_ps(k4_min_sums(mrep, ACT_S16(a[j], k, nb) + 16 * b)), accm[j]);
-        }
-    }
-    for (int j = 0; j < n; j++) out[j] = hsum256(acc[j]) - hsum256(accm[j]);
-}
-
-HM_INLINE void dot_q6_K_n(const uint8_t *w, int nb, const uint8_t *const *a, int n, int64_t k, float *out) {
-    const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
-    __m256 acc[NMAX];
-    for (int j = 0; j < n; j++) acc[j] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *x = w + 210 * b;
-        const int8_t *sc = (const int8_t *)(x + 192);
-        const float d = f16(x + 208);
-        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
-        __m256i sumi[NMAX];
-        for (int j = 0; j < n; j++)          // the -32 offset: 32 * sum of scale * activation sum per 16
-            sumi[j] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(ACT_S16(a[j], k, nb) + 16 * b))), 5));
-        for (int h = 0; h < 2; h++) {
-            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(x + 64 * h));
-            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(x + 64 * h + 32));
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(x + 128 + 32 * h));
-            __m256i wv[4], sv[4];
-            wv[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4));
-            wv[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(12)), 2));
-            wv[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, _mm256_set1_epi8(48)));
-            wv[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                    _mm256_srli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8((char)0xC0)), 2));
-            for (int c = 0; c < 4; c++)      // elements 128h + 32c .. +31: scales 8h + 2c, 8h + 2c + 1
-                sv[c] = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * c + 1]), _mm_set1_epi16(sc[8 * h + 2 * c]));
-            for (int j = 0; j < n; j++) {
-                const int8_t *y = (const int8_t *)a[j] + 256 * b + 128 * h;
-                __m256i s = sumi[j];
-                for (int c = 0; c < 4; c++)
-                    s = _mm256_add_epi32(s, _mm256_madd_epi16(
-                        _mm256_maddubs_epi16(wv[c], _mm256_loadu_si256((const __m256i *)(y + 32 * c))), sv[c]));
-                sumi[j] = s;
-            }
-        }
-        for (int j = 0; j < n; j++)
-            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * ACT_D(a[j], k)[b]), _mm256_cvtepi32_ps(sumi[j]), acc[j]);
-    }
-    for (int j = 0; j < n; j++) out[j] = hsum256(acc[j]);
-}
-
-#else
-// ---- AVX-512 VNNI: a 64-byte weight load per two sub-blocks, dpbusd per 4 elements, the
-// sub-block scale applied by madd_epi16 (each dpbusd lane is |x| <= 4 * 63 * 127 < 2^15, so
-// its low 16 bits are the whole value, and the scale lane's high 16 bits are 0)
-
-static inline __m512i pair32(int lo, int hi) {       // int32 lanes 0-7 = lo, 8-15 = hi
-    return _mm512_inserti64x4(_mm512_set1_epi32(lo), _mm256_set1_epi32(hi), 1);
-}
-static inline __m512i pair8(int lo, int hi) {        // bytes 0-31 = lo, 32-63 = hi
-    return _mm512_inserti64x4(_mm512_set1_epi8((char)lo), _mm256_set1_epi8((char)hi), 1);
-}
-static inline __m512i pair16(int lo, int hi) {
-    return _mm512_inserti64x4(_mm512_set1_epi16((short)lo), _mm256_set1_epi16((short)hi), 1);
-}
-static inline __m512i dot_u8s8_512(__m512i u, const int8_t *s) {
-    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512((const void *)s));
-}
-
-HM_INLINE void dot_k4_n(int hbits, const uint8_t *w, int nb, const uint8_t *const *a, int n, int64_t k, float *out) {
-    const int bb = hbits ? 176 : 144, qs_off = hbits ? 48 : 16;
-    const __m512i m4 = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16);
-    const __m512i i0 = pair32(0, 2), i1 = pair32(1, 3), i2 = pair32(4, 6), i3 = pair32(5, 7);
-    __m512 acc[NMAX];
-    __m256 accm[NMAX];
-    for (int j = 0; j < n; j++) {
-        acc[j] = _mm512_setzero_ps();
-        accm[j] = _mm256_setzero_ps();
-    }
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *x = w + bb * b;
-        const __m128i scm = k4_scales_v(x + 4);
-        const __m256i mrep = k4_min_rep(scm);
-        const float d = f16(x), dmin = f16(x + 2);
-        const __m512i s32 = _mm512_cvtepu8_epi32(scm);
-        const __m512i s0 = _mm512_permutexvar_epi32(i0, s32), s1 = _mm512_permutexvar_epi32(i1, s32);
-        const __m512i s2 = _mm512_permutexvar_epi32(i2, s32), s3 = _mm512_permutexvar_epi32(i3, s32);
-        const __m512i q01 = _mm512_loadu_si512((const void *)(x + qs_off));
-        const __m512i q23 = _mm512_loadu_si512((const void *)(x + qs_off + 64));
-        __m512i w0 = _mm512_and_si512(q01, m4), w1 = _mm512_and_si512(_mm512_srli_epi16(q01, 4), m4);
-        __m512i w2 = _mm512_and_si512(q23, m4), w3 = _mm512_and_si512(_mm512_srli_epi16(q23, 4), m4);
-        if (hbits) {      // sub-block s takes bit s of qh: w0 = (0 | 2), w1 = (1 | 3), w2 = (4 | 6), w3 = (5 | 7)
-            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x + 16)));
-            w0 = _mm512_or_si512(w0, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(qh, pair8(1, 4)), sixteen));
-            w1 = _mm512_or_si512(w1, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(qh, pair8(2, 8)), sixteen));
-            w2 = _mm512_or_si512(w2, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(qh, pair8(16, 64)), sixteen));
-            w3 = _mm512_or_si512(w3, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(qh, pair8(32, 128)), sixteen));
-        }
-        for (int j = 0; j < n; j++) {
-            const int8_t *y = (const int8_t *)a[j] + 256 * b;          // sub-blocks 0 2 1 3 4 6 5 7
-            __m512i p = _mm512_madd_epi16(dot_u8s8_512(w0, y), s0);
-            p = _mm512_add_epi32(p, _mm512_madd_epi16(dot_u8s8_512(w1, y + 64), s1));
-            p = _mm512_add_epi32(p, _mm512_madd_epi16(dot_u8s8_512(w2, y + 128), s2));
-            p = _mm512_add_epi32(p, _mm512_madd_epi16(dot_u8s8_512(w3, y + 192), s3));
-            const float ad = ACT_D(a[j], k)[b];
-            acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(d * ad), _mm512_cvtepi32_ps(p), acc[j]);
-            accm[j] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * ad),
-                                      _mm256_cvtepi32_ps(k4_min_sums(mrep, ACT_S16(a[j], k, nb) + 16 * b)), accm[j]);
-        }
-    }
-    for (int j = 0; j < n; j++) out[j] = _mm512_reduce_add_ps(acc[j]) - hsum256(accm[j]);
-}
-
-HM_INLINE void dot_q6_K_n(const uint8_t *w, int nb, const uint8_t *const *a, int n, int64_t k, float *out) {
-    const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
-    const __m512i shl = pair16(4, 2), shr = pair16(0, 2);
-    const __m512i quarter = _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2);
-    __m512 acc[NMAX];
-    for (int j = 0; j < n; j++) acc[j] = _mm512_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *x = w + 210 * b;
-        const float d = f16(x + 208);
-        const __m128i sc8 = _mm_loadu_si128((const __m128i *)(x + 192));
-        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
-        const __m512i s32 = _mm512_cvtepu16_epi32(sc16);             // int16 scale in the low half, 0 above
-        __m512i wv[4], sv[4];
-        for (int h = 0; h < 2; h++) {
-            const __m512i ql = _mm512_loadu_si512((const void *)(x + 64 * h));
-            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x + 128 + 32 * h)));
-            // lo: elements 128h + 0..63 (ql low nibbles, qh bits 0-1 | 2-3), hi: 128h + 64..127
-            wv[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_and_si512(_mm512_sllv_epi16(qh, shl), m30));
-            wv[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
-                                            _mm512_and_si512(_mm512_srlv_epi16(qh, shr), m30));
-            sv[2 * h] = _mm512_permutexvar_epi32(_mm512_add_epi32(quarter, _mm512_set1_epi32(8 * h)), s32);
-            sv[2 * h + 1] = _mm512_permutexvar_epi32(_mm512_add_epi32(quarter, _mm512_set1_epi32(8 * h + 4)), s32);
-        }
-        for (int j = 0; j < n; j++) {
-            const int8_t *y = (const int8_t *)a[j] + 256 * b;          // natural order
-            __m512i p = _mm512_madd_epi16(dot_u8s8_512(wv[0], y), sv[0]);
-            p = _mm512_add_epi32(p, _mm512_madd_epi16(dot_u8s8_512(wv[1], y + 64), sv[1]));
-            p = _mm512_add_epi32(p, _mm512_madd_epi16(dot_u8s8_512(wv[2], y + 128), sv[2]));
-            p = _mm512_add_epi32(p, _mm512_madd_epi16(dot_u8s8_512(wv[3], y + 192), sv[3]));
-            const __m256i off = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(ACT_S16(a[j], k, nb) + 16 * b)));
-            p = _mm512_sub_epi32(p, _mm512_zextsi256_si512(_mm256_slli_epi32(off, 5)));
-            acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(d * ACT_D(a[j], k)[b]), _mm512_cvtepi32_ps(p), acc[j]);
-        }
-    }
-    for (int j = 0; j < n; j++) out[j] = _mm512_reduce_add_ps(acc[j]);
-}
-#endif
-
-#endif
-
-HM_INLINE void dot_q4_K_n(const uint8_t *w, int nb, const uint8_t *const *a, int n, int64_t k, float *out) {
-    dot_k4_n(0, w, nb, a, n, k, out);
-}
-HM_INLINE void dot_q5_K_n(const uint8_t *w, int nb, const uint8_t *const *a, int n, int64_t k, float *out) {
-    dot_k4_n(1, w, nb, a, n, k, out);
-}
-
-DISPATCH(q4_K)
-DISPATCH(q5_K)
-DISPATCH(q6_K)
-DISPATCH(q8_0)
-DISPATCH(q4_0)
-DISPATCH(q5_0)
-
-static dot_fn dot_of(int type) {
+static int dot_of(int type, hm_dot *o) {
     switch (type) {
-    case T_Q4_0: return dot_q4_0;
-    case T_Q5_0: return dot_q5_0;
-    case T_Q8_0: return dot_q8_0;
-    case T_Q4_K: return dot_q4_K;
-    case T_Q5_K: return dot_q5_K;
-    case T_Q6_K: return dot_q6_K;
+    case T_Q8_0: *o = (hm_dot){lanes_dot_q80, 0, 0}; return 1;
+    case T_Q5_0: *o = (hm_dot){lanes_dot_q80, 1, 0}; return 1;
+    case T_Q4_0: *o = (hm_dot){lanes_dot_q80, 2, 0}; return 1;
+    case T_Q4_K: *o = (hm_dot){lanes_dot_q4k, 0, 0}; return 1;
+    case T_Q5_K: *o = (hm_dot){lanes_dot_q5k, 0, 1}; return 1;
+    case T_Q6_K: *o = (hm_dot){lanes_dot_q6k, 0, 1}; return 1;
     default: return 0;
     }
 }
@@ -719,7 +187,7 @@ int host_moe_check(const void *vargs) {
     if (A->n_rows < 1) return 2;
     if (A->n_used < 1) return 3;
     if (A->d < 1 || A->f < 1) return 4;
-    if (!dot_of(A->gate_type) || !dot_of(A->up_type) || !dot_of(A->down_type)) return 5;
+    if (!block_elems(A->gate_type) || !block_elems(A->up_type) || !block_elems(A->down_type)) return 5;
     if (A->d % block_elems(A->gate_type) || A->d % block_elems(A->up_type)) return 6;
     if (A->f % block_elems(A->down_type)) return 7;
     if (A->gate_row_bytes != row_bytes_of(A->gate_type, A->d) || A->up_row_bytes != row_bytes_of(A->up_type, A->d) ||
@@ -978,40 +446,55 @@ typedef struct {
     const host_moe_args *A;
     int NA, n_ex;
     int64_t D, F;
-    int lg, lu, ld;
+    int kg, ku, kd;                              // the activation kinds of gate, up, down
     int64_t xrow_g, xrow_u, hrow;
     int64_t x_units, gu_chunks, dn_chunks, out_chunks, h_units;  // per token / expert / expert / token / pair
-    dot_fn dg, du, dd;
-    int nbg, nbu, nbd;
+    hm_dot dg, du, dd;
+    int64_t nbg, nbu, nbd;
     const int32_t *ex, *cnt, *start, *plist;
     uint8_t *xa_g, *xa_u, *ha;
+    uint8_t *xbad, *hbad;                        // [T], [P]: a non-finite input row, hidden row
     float *g, *u, *y;
 } layer;
 
-// rows r0..r1 of one expert's matrix against the activation rows of its pairs pl[0..cnt);
-// pair p's activation row is act + (p / div) * act_row; result r of pair p goes to dst[p * ld + r]
-static void expert_rows(dot_fn dot, const uint8_t *w, int64_t row_bytes, int nb, int64_t r0, int64_t r1,
-                        const int32_t *pl, int cnt, int div, const uint8_t *act, int64_t act_row, int64_t k,
-                        float *dst, int64_t ld) {
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *wr = w + r * row_bytes;
-        for (int c = 0; c < cnt; c += NMAX) {
-            const int n = cnt - c < NMAX ? cnt - c : NMAX;
-            const uint8_t *ap[NMAX];
-            float o[NMAX];
-            for (int j = 0; j < n; j++) ap[j] = act + (int64_t)(pl[c + j] / div) * act_row;
-            dot(wr, nb, ap, n, k, o);
-            for (int j = 0; j < n; j++) dst[(int64_t)pl[c + j] * ld + r] = o[j];
-        }
-    }
-}
-
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-// elements 256 c .. 256 c + 255 of a row of length k (a 256 block, or eight 32 blocks)
-static void quantize_span(int layout, const float *x, const float *silu_u, int64_t k, uint8_t *dst, int64_t c) {
-    const int64_t per = 256 / layout_block(layout), b0 = c * per;
-    quantize_blocks(layout, x, silu_u, k, dst, b0, min64(k / layout_block(layout), b0 + per));
+// rows r0..r1 of one expert's matrix (rows of row_bytes, nb blocks) against the activation rows of
+// its pairs pl[0..cnt): pair p's row is act + (p / div) * act_row (kind, length k), NaN for it where
+// bad[p / div]; result r of pair p goes to dst[p * ld + r]. The pairs go LANES_NMAX at a time in
+// order, within the CPU backend's chunks of MOE_CHUNK_ROWS, whose size picks the tiled order; a
+// group's rows are read again from cache for the next group (an expert of 5+ rows in a call).
+static void expert_rows(const hm_dot *dot, const uint8_t *w, int64_t row_bytes, int64_t nb, int64_t r0, int64_t r1,
+                        const int32_t *pl, int cnt, int div, const uint8_t *act, int64_t act_row, int kind, int64_t k,
+                        const uint8_t *bad, float *dst, int64_t ld) {
+    for (int c = 0; c < cnt;) {
+        const int c0 = c - c % MOE_CHUNK_ROWS, c1 = cnt < c0 + MOE_CHUNK_ROWS ? cnt : c0 + MOE_CHUNK_ROWS;
+        const int n = c1 - c < LANES_NMAX ? c1 - c : LANES_NMAX;
+        const int mode = dot->tiled && c1 - c0 >= TILED_MIN_T ? 1 : dot->mode;
+        lanes_act ap[LANES_NMAX];
+        float *o[LANES_NMAX];
+        int any_bad = 0;
+        for (int j = 0; j < n; j++) {
+            ap[j] = act_at(act + (int64_t)(pl[c + j] / div) * act_row, kind, k);
+            o[j] = dst + (int64_t)pl[c + j] * ld;
+            any_bad |= bad[pl[c + j] / div];
+        }
+        const lanes_dot_fn fn = dot->fn;
+        if (n == 1) {                            // decode's common case: one row of activations
+            for (int64_t r = r0; r < r1; r++) fn(w + r * row_bytes, nb, mode, ap, 1, o[0] + r);
+        } else {
+            for (int64_t r = r0; r < r1; r++) {
+                float v[LANES_NMAX];
+                fn(w + r * row_bytes, nb, mode, ap, n, v);
+                for (int j = 0; j < n; j++) o[j][r] = v[j];
+            }
+        }
+        if (any_bad)
+            for (int j = 0; j < n; j++)
+                if (bad[pl[c + j] / div])
+                    for (int64_t r = r0; r < r1; r++) o[j][r] = NAN;
+        c += n;
+    }
 }
 
 static void layer_unit(const void *vctx, int phase, int64_t unit) {
@@ -1019,33 +502,42 @@ static void layer_unit(const void *vctx, int phase, int64_t unit) {
     const host_moe_args *A = L->A;
     const int64_t D = L->D, F = L->F;
     if (phase == 0) {
-        const int64_t t = unit / L->x_units, c = unit % L->x_units;
-        quantize_span(L->lg, A->x + t * D, 0, D, L->xa_g + t * L->xrow_g, c);
-        if (L->xrow_u) quantize_span(L->lu, A->x + t * D, 0, D, L->xa_u + t * L->xrow_u, c);
+        const int64_t t = unit / L->x_units, c = unit % L->x_units, len = min64(256, D - 256 * c);
+        const float *v = A->x + t * D + 256 * c;
+        int bad = quantize_span(L->kg, v, len, D, L->xa_g + t * L->xrow_g, c);
+        if (L->xrow_u) bad |= quantize_span(L->ku, v, len, D, L->xa_u + t * L->xrow_u, c);
+        if (bad) __atomic_store_n(L->xbad + t, 1, __ATOMIC_RELAXED);
     } else if (phase == 1) {
         const int64_t ei = unit / L->gu_chunks, r0 = unit % L->gu_chunks * RC_GU, r1 = min64(F, r0 + RC_GU);
         const int32_t e = L->ex[ei], *pl = L->plist + L->start[ei];
-        expert_rows(L->dg, A->gate[e], A->gate_row_bytes, L->nbg, r0, r1, pl, L->cnt[ei], L->NA, L->xa_g, L->xrow_g,
-                    D, L->g, F);
-        expert_rows(L->du, A->up[e], A->up_row_bytes, L->nbu, r0, r1, pl, L->cnt[ei], L->NA, L->xa_u,
-                    L->xrow_u ? L->xrow_u : L->xrow_g, D, L->u, F);
+        expert_rows(&L->dg, A->gate[e], A->gate_row_bytes, L->nbg, r0, r1, pl, L->cnt[ei], L->NA, L->xa_g, L->xrow_g,
+                    L->kg, D, L->xbad, L->g, F);
+        expert_rows(&L->du, A->up[e], A->up_row_bytes, L->nbu, r0, r1, pl, L->cnt[ei], L->NA, L->xrow_u ? L->xa_u : L->xa_g,
+                    L->xrow_u ? L->xrow_u : L->xrow_g, L->ku, D, L->xbad, L->u, F);
     } else if (phase == 2) {
-        const int64_t p = L->plist[unit / L->h_units];
-        quantize_span(L->ld, L->g + p * F, L->u + p * F, F, L->ha + p * L->hrow, unit % L->h_units);
+        const int64_t p = L->plist[unit / L->h_units], c = unit % L->h_units, i0 = 256 * c, len = min64(256, F - i0);
+        float s[256];
+        lanes_swiglu(L->g + p * F + i0, L->u + p * F + i0, s, F - i0, 0, len);   // F % 32 == 0: its 16s are the row's
+        if (quantize_span(L->kd, s, len, F, L->ha + p * L->hrow, c)) __atomic_store_n(L->hbad + p, 1, __ATOMIC_RELAXED);
     } else if (phase == 3) {
         const int64_t ei = unit / L->dn_chunks, r0 = unit % L->dn_chunks * RC_DN, r1 = min64(D, r0 + RC_DN);
-        expert_rows(L->dd, A->down[L->ex[ei]], A->down_row_bytes, L->nbd, r0, r1, L->plist + L->start[ei],
-                    L->cnt[ei], 1, L->ha, L->hrow, F, L->y, D);
-    } else {
+        expert_rows(&L->dd, A->down[L->ex[ei]], A->down_row_bytes, L->nbd, r0, r1, L->plist + L->start[ei],
+                    L->cnt[ei], 1, L->ha, L->hrow, L->kd, F, L->hbad, L->y, D);
+    } else {                                    // as the CPU backend: the first slot's w * y, then + w * y in order
         const int64_t t = unit / L->out_chunks, r0 = unit % L->out_chunks * RC_OUT, r1 = min64(D, r0 + RC_OUT);
         float *o = A->out + t * D;
-        memset(o + r0, 0, sizeof(float) * (size_t)(r1 - r0));
+        int first = 1;
         for (int a = 0; a < L->NA; a++) {
             const int64_t p = t * L->NA + a;
             if (A->skip[A->ids[p]]) continue;
             const float w = A->wts[p], *y = L->y + p * D;
-            for (int64_t r = r0; r < r1; r++) o[r] += w * y[r];
+            if (first)
+                for (int64_t r = r0; r < r1; r++) o[r] = w * y[r];
+            else
+                for (int64_t r = r0; r < r1; r++) o[r] += w * y[r];
+            first = 0;
         }
+        if (first) memset(o + r0, 0, sizeof(float) * (size_t)(r1 - r0));
     }
 }
 
@@ -1066,18 +558,20 @@ static void host_moe_run(const host_moe_args *A) {
         }
         if (A->ids[p] > max_id) max_id = A->ids[p];
     }
-    layer L = {.A = A, .NA = NA, .D = D, .F = F, .lg = layout_of(A->gate_type), .lu = layout_of(A->up_type),
-               .ld = layout_of(A->down_type), .dg = dot_of(A->gate_type), .du = dot_of(A->up_type),
-               .dd = dot_of(A->down_type), .nbg = (int)(D / block_elems(A->gate_type)),
-               .nbu = (int)(D / block_elems(A->up_type)), .nbd = (int)(F / block_elems(A->down_type))};
-    L.xrow_g = act_row_bytes(L.lg, D);
-    L.xrow_u = L.lu == L.lg ? 0 : act_row_bytes(L.lu, D);
-    L.hrow = act_row_bytes(L.ld, F);
-    const size_t n_int = up64(sizeof(int32_t) * (5 * (size_t)P + max_id + 1));
+    layer L = {.A = A, .NA = NA, .D = D, .F = F, .kg = kind_of(A->gate_type), .ku = kind_of(A->up_type),
+               .kd = kind_of(A->down_type), .nbg = D / block_elems(A->gate_type), .nbu = D / block_elems(A->up_type),
+               .nbd = F / block_elems(A->down_type)};
+    dot_of(A->gate_type, &L.dg);
+    dot_of(A->up_type, &L.du);
+    dot_of(A->down_type, &L.dd);
+    L.xrow_g = act_row_bytes(L.kg, D);
+    L.xrow_u = L.ku == L.kg ? 0 : act_row_bytes(L.ku, D);
+    L.hrow = act_row_bytes(L.kd, F);
+    const size_t n_int = up64(sizeof(int32_t) * (5 * (size_t)P + max_id + 1)), n_flags = up64((size_t)T + P);
     const size_t n_xa = up64((size_t)T * (L.xrow_g + L.xrow_u)), n_gu = up64(sizeof(float) * (size_t)P * F);
     const size_t n_ha = up64((size_t)P * L.hrow), n_y = up64(sizeof(float) * (size_t)P * D);
     pthread_mutex_lock(&pool.lock);
-    uint8_t *base = scratch_get(n_int + n_xa + 2 * n_gu + n_ha + n_y);
+    uint8_t *base = scratch_get(n_int + n_flags + n_xa + 2 * n_gu + n_ha + n_y);
     if (!base) {
         pthread_mutex_unlock(&pool.lock);
         fail(A);
@@ -1087,11 +581,14 @@ static void host_moe_run(const host_moe_args *A) {
     // cnt [X], start [X], plist [P]; slot [max_id + 1] maps an expert to its index in ex
     int32_t *ex = (int32_t *)base, *cnt = ex + P, *start = cnt + P, *plist = start + P, *fill = plist + P;
     int32_t *slot = fill + P;
-    L.xa_g = base + n_int;
+    L.xbad = base + n_int;
+    L.hbad = L.xbad + T;
+    memset(L.xbad, 0, (size_t)T + P);
+    L.xa_g = base + n_int + n_flags;
     L.xa_u = L.xrow_u ? L.xa_g + (size_t)T * L.xrow_g : L.xa_g;
-    L.g = (float *)(base + n_int + n_xa);
-    L.u = (float *)(base + n_int + n_xa + n_gu);
-    L.ha = base + n_int + n_xa + 2 * n_gu;
+    L.g = (float *)(L.xa_g + n_xa);
+    L.u = (float *)((uint8_t *)L.g + n_gu);
+    L.ha = (uint8_t *)L.u + n_gu;
     L.y = (float *)(L.ha + n_ha);
     int n_ex = 0;
     for (int p = 0; p < P; p++) slot[A->ids[p]] = -1;

@@ -1,14 +1,25 @@
-"""The host expert kernel (kernels/host_moe.c through engine/cpu/host_moe.py) against numpy:
-every weight type on every SIMD path this machine builds (AVX-512 VNNI, AVX2, portable C),
-skip flags, the row and slot counts, the thread count, the persistent struct the cuda backend
-hands to cuLaunchHostFunc, and the refusals.
+"""The host expert kernel (kernels/host_moe.c through engine/cpu/host_moe.py) against the CPU
+backend: every weight type on every SIMD path this machine builds (AVX-512 VNNI, AVX2, portable
+C), skip flags, the row and slot counts, the thread count, the persistent struct the cuda backend's
+bell runs, and the refusals.
 
-Two references: the float one (gguf's dequantized weights times the float activations; the
-kernel quantizes its activations to 8 bits, so each output row is held to
-max |err| <= 5e-2 * max |ref| on these random weights, whose swiglu rows are heavy-tailed), and
-the quantized one (the same with the activations rounded as the kernel rounds them: 8 bits per
-block of 32 or 256, scale max|x| / 127), held to 1e-3 * max |ref|: what is left there is float
-summation order, so a wrong block layout, scale or offset cannot hide in it."""
+host_moe.c and the CPU backend's kernels/cpu_lanes.c compute the products with the same code
+(kernels/lanes_dot.h), so the reference is the CPU backend's own computation of the same experts,
+and the comparisons are bit for bit:
+  - each (token, slot)'s down output before its weight, down_e(swiglu(gate_e x, up_e x)), has the
+    bits of the CPU backend's expert loop (NumpyOps._experts_c, cpu_lanes.c moe_chunk: ggml_mul_mat_id's
+    products in llama.cpp's float order, the activations rounded as ggml's Q8_0 / Q8_K, swiglu
+    with ggml_v_expf, Q6_K and Q5_K tiled for 8 or more of an expert's rows in a chunk of 64);
+    Q4_0, which the CPU backend leaves to its numpy dot_planes, is held to ggml's x86
+    ggml_vec_dot_q4_0_q8_0 order instead (q8_0._dot_q8_0_lanes, the Q8_0 family's lanes);
+  - host_moe's out row is the float32 sum, in slot order, of wts * that output over the slots whose
+    expert is not flagged skip, the first term alone then each next added: with no skip flags
+    the CPU backend's moe_ffn (no residual) bit for bit.
+What is only close: the cuda backend's layer output. The card adds the host's sum of its slots to
+its own sum of the card's slots (and the card's products round as the card does), so that total
+is a different float sum order from the CPU backend's all-slots-in-rank-order sum; the float
+reference below (dequantized weights, unrounded activations) holds out to 5e-2 of its row's
+largest value, a check of the whole that shares no code with either."""
 from __future__ import annotations
 
 import ctypes
@@ -20,35 +31,84 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from bloomery.engine.cpu import host_moe as hm
+from bloomery.engine.cpu.backend import NumpyOps, NumpyWeight
+from bloomery.engine.quant import formats, q8_0
 from bloomery.engine.quant.formats import dequantize
+from bloomery.engine.quant.threads import OneBlasThread
 from test_quant import random_blocks
 
 X86 = os.uname().machine in ("x86_64", "AMD64")
 ISAS = ["native", "avx2", "portable"] if X86 else ["native"]
 PAIRS = [(QT.Q4_K, QT.Q6_K), (QT.Q5_K, QT.Q4_K), (QT.Q6_K, QT.Q5_K), (QT.Q8_0, QT.Q5_0), (QT.Q4_0, QT.Q8_0),
-         (QT.Q5_0, QT.Q8_0)]
+         (QT.Q5_0, QT.Q4_0)]
+MOE_CHUNK_ROWS = 64                    # cpu_lanes.c moe_chunk: an expert's rows go 64 at a time
 
 
 def _stack(qt, n_exp, n_rows, row_len, seed):
     return hm.ExpertStack(random_blocks(qt, n_exp * n_rows, row_len, seed=seed), qt, n_rows, row_len)
 
 
-def _dequantized(st: hm.ExpertStack, e: int) -> np.ndarray:
+def _expert_bytes(st: hm.ExpertStack, e: int) -> np.ndarray:
     nbytes = st.n_rows * st.row_bytes
-    return dequantize(st.ggml_type, st.data[e * nbytes:(e + 1) * nbytes], st.n_rows, st.row_len).astype(np.float64)
+    return st.data[e * nbytes:(e + 1) * nbytes]
 
 
-def _rounded(v: np.ndarray, ggml_type: int) -> np.ndarray:
-    """v [K] f32 as the kernel's 8-bit activation holds it."""
-    blk = 32 if ggml_type in (QT.Q4_0, QT.Q5_0, QT.Q8_0) else 256
-    b = v.astype(np.float32).reshape(-1, blk)
-    amax = np.abs(b).max(axis=1, keepdims=True)
-    with np.errstate(divide="ignore"):
-        q = np.rint(b * np.where(amax > 0, np.float32(127) / amax, 0).astype(np.float32))
-    return (q * (amax / np.float32(127))).reshape(-1).astype(np.float64)
+def _dequantized(st: hm.ExpertStack, e: int) -> np.ndarray:
+    return dequantize(st.ggml_type, _expert_bytes(st, e), st.n_rows, st.row_len).astype(np.float64)
 
 
-def _reference(x, ids, wts, gate, up, down, skip, quantized):
+def _bits_equal(a, b) -> bool:
+    return a.shape == b.shape and np.array_equal(np.asarray(a, np.float32).view(np.uint32),
+                                                 np.asarray(b, np.float32).view(np.uint32))
+
+
+def _product(x, st: hm.ExpertStack, e: int) -> np.ndarray:
+    """x [t, K] @ expert e's [N, K]^T as the CPU backend's numpy kernels give an expert's rows
+    (formats.dot_llama per_row: ggml_mul_mat_id's order); Q4_0 in the Q8_0 family's lanes."""
+    planes = formats.decode_planes(st.ggml_type, _expert_bytes(st, e), st.n_rows, st.row_len)
+    if st.ggml_type == QT.Q4_0:
+        with OneBlasThread():
+            return q8_0._dot_q8_0_lanes(np.asarray(x, np.float32), planes)
+    return formats.dot_llama(np.asarray(x, np.float32), planes, per_row=True)
+
+
+def _cpu_outputs(x, ids, gate, up, down) -> np.ndarray:
+    """[T, A, D] f32: each (token, slot)'s down output before its weight, as the CPU backend's
+    expert loop computes it (cpu_lanes.c moe_chunk: an expert's rows in token order, 64 at a
+    time; swiglu by NumpyOps). Where the compiled call takes these stacks, the call's own result
+    (weights 1) is checked to be the same bits."""
+    ops = NumpyOps()
+    y = np.zeros((ids.shape[0], ids.shape[1], x.shape[1]), np.float32)
+    for e in np.unique(ids):
+        tok, rank = np.nonzero(ids == e)                               # token order, then slot
+        for c0 in range(0, len(tok), MOE_CHUNK_ROWS):
+            tt, rr = tok[c0:c0 + MOE_CHUNK_ROWS], rank[c0:c0 + MOE_CHUNK_ROWS]
+            h = ops.swiglu(_product(x[tt], gate, e), _product(x[tt], up, e))
+            y[tt, rr] = _product(h, down, e)
+    stacks = [NumpyWeight(st.ggml_type, (st.row_len, st.n_rows, st.n_experts), st.data) for st in (gate, up, down)]
+    compiled = NumpyOps._experts_c(np.asarray(x, np.float32), ids, np.ones(ids.shape, np.float32), stacks)
+    if compiled is not None:
+        assert _bits_equal(compiled, y)
+    return y
+
+
+def _weighted_sum(y, ids, wts, skip) -> np.ndarray:
+    """[T, D] f32: sum over the slots not skipped, in slot order, of wts * y (the first term alone)."""
+    out = np.zeros((ids.shape[0], y.shape[2]), np.float32)
+    for t in range(ids.shape[0]):
+        acc = None
+        for a in range(ids.shape[1]):
+            if skip[ids[t, a]]:
+                continue
+            term = np.float32(wts[t, a]) * y[t, a]
+            acc = term if acc is None else acc + term
+        if acc is not None:
+            out[t] = acc
+    return out
+
+
+def _float_reference(x, ids, wts, gate, up, down, skip):
+    """Float64 math on gguf's dequantized weights and the unrounded activations."""
     out = np.zeros(x.shape, np.float64)
     seen = {}
 
@@ -61,16 +121,9 @@ def _reference(x, ids, wts, gate, up, down, skip, quantized):
             e = int(ids[t, a])
             if skip[e]:
                 continue
-            xg = _rounded(x[t], gate.ggml_type) if quantized else x[t].astype(np.float64)
-            xu = _rounded(x[t], up.ggml_type) if quantized else x[t].astype(np.float64)
-            g, u = _expert(gate, e) @ xg, _expert(up, e) @ xu
-            if quantized:
-                g32, u32 = g.astype(np.float32), u.astype(np.float32)
-                with np.errstate(over="ignore"):
-                    h = _rounded(g32 / (np.float32(1) + np.exp(-g32)) * u32, down.ggml_type)
-            else:
-                with np.errstate(over="ignore"):
-                    h = g / (1 + np.exp(-g)) * u
+            g, u = _expert(gate, e) @ x[t].astype(np.float64), _expert(up, e) @ x[t].astype(np.float64)
+            with np.errstate(over="ignore"):
+                h = g / (1 + np.exp(-g)) * u
             out[t] += wts[t, a] * (_expert(down, e) @ h)
     return out
 
@@ -91,31 +144,50 @@ def _row_err(out, ref):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("gt,dt", PAIRS, ids=lambda t: t.name)
-def test_layer_matches_the_references(isa, gt, dt):
+def test_layer_is_the_cpu_backends_bit_for_bit(isa, gt, dt):
+    """Each slot's down output (a call of one slot, weights 1) and the weighted sum of a layer with
+    a skipped expert: the CPU backend's bits; the float reference close."""
     rng = np.random.default_rng(int(gt) * 100 + int(dt))
     gate, up, down = _case(gt, dt, seed=int(gt))
     x = rng.standard_normal((3, 512)).astype(np.float32)
     ids, wts = _routing(rng, 3, 4, 6)
     skip = np.zeros(6, np.uint8)
+    one = hm.host_moe_layer(x, ids[:, :1], np.ones((3, 1), np.float32), gate, up, down, skip, n_threads=2, isa=isa)
+    assert _bits_equal(one, _cpu_outputs(x, ids[:, :1], gate, up, down)[:, 0])   # weight 1: the output itself
+    y = _cpu_outputs(x, ids, gate, up, down)
+    out = hm.host_moe_layer(x, ids, wts, gate, up, down, skip, n_threads=2, isa=isa)
+    assert _bits_equal(out, _weighted_sum(y, ids, wts, skip))
     skip[ids[0, 1]] = 1
     out = hm.host_moe_layer(x, ids, wts, gate, up, down, skip, n_threads=2, isa=isa)
-    assert np.all(_row_err(out, _reference(x, ids, wts, gate, up, down, skip, quantized=True)) <= 1e-3)
-    assert np.all(_row_err(out, _reference(x, ids, wts, gate, up, down, skip, quantized=False)) <= 5e-2)
+    assert _bits_equal(out, _weighted_sum(y, ids, wts, skip))
+    assert np.all(_row_err(out, _float_reference(x, ids, wts, gate, up, down, skip)) <= 5e-2)
+
+
+def test_no_skip_flags_give_the_cpu_backends_moe_ffn():
+    """The CPU backend's whole routed FFN (NumpyOps.moe_ffn: every slot's weighted output, added in
+    rank order) is host_moe's out with no skip flags, bit for bit."""
+    rng = np.random.default_rng(12)
+    gate, up, down = _case(QT.Q4_K, QT.Q6_K, n_exp=8, d=512, f=256, seed=5)
+    x = rng.standard_normal((5, 512)).astype(np.float32)
+    ids, wts = _routing(rng, 5, 8, 8)
+    stacks = [NumpyWeight(st.ggml_type, (st.row_len, st.n_rows, st.n_experts), st.data) for st in (gate, up, down)]
+    want = NumpyOps().moe_ffn(x, ids, wts, *stacks)
+    assert _bits_equal(hm.host_moe_layer(x, ids, wts, gate, up, down, n_threads=2), want)
 
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("gt,ut,dt,d,f", [(QT.Q8_0, QT.Q4_0, QT.Q5_0, 288, 160), (QT.Q4_K, QT.Q6_K, QT.Q8_0, 512, 96),
                                           (QT.Q5_K, QT.Q8_0, QT.Q4_K, 256, 256)], ids=["32s", "K+K", "K+32"])
 def test_mixed_types_and_rows_that_are_not_whole_256s(isa, gt, ut, dt, d, f):
-    """gate and up of different types (the input quantized for each), rows of 32 blocks that do
-    not fill a 256."""
+    """gate and up of different types (the input rounded for each: Q8_K, Q8_0), rows of 32 blocks
+    that do not fill a 256."""
     rng = np.random.default_rng(4)
     gate, up, down = _stack(gt, 3, f, d, 1), _stack(ut, 3, f, d, 2), _stack(dt, 3, d, f, 3)
     x = rng.standard_normal((2, d)).astype(np.float32)
     ids, wts = _routing(rng, 2, 2, 3)
     skip = np.zeros(3, np.uint8)
     out = hm.host_moe_layer(x, ids, wts, gate, up, down, skip, n_threads=3, isa=isa)
-    assert np.all(_row_err(out, _reference(x, ids, wts, gate, up, down, skip, quantized=True)) <= 1e-3)
+    assert _bits_equal(out, _weighted_sum(_cpu_outputs(x, ids, gate, up, down), ids, wts, skip))
 
 
 def test_the_paths_are_the_ones_asked_for():
@@ -128,8 +200,9 @@ def test_the_paths_are_the_ones_asked_for():
 
 @pytest.mark.parametrize("n_tok,n_used", [(1, 1), (1, 8), (2, 3), (5, 8), (16, 8), (16, 1), (9, 5)])
 def test_rows_slots_and_threads(n_tok, n_used):
-    """T 1..16, A 1..8, experts repeated across rows (8 experts, so rows share them); the bits do
-    not depend on the thread count."""
+    """T 1..16, A 1..8, experts repeated across rows (8 experts, so rows share them: from 8 rows of
+    one expert its Q6_K down takes the tiled order); the bits do not depend on the thread count and
+    are the CPU backend's."""
     rng = np.random.default_rng(n_tok * 10 + n_used)
     gate, up, down = _case(QT.Q4_K, QT.Q6_K, n_exp=8, d=256, f=512, seed=n_tok)
     x = (rng.standard_normal((n_tok, 256)) * rng.uniform(0.1, 10, (n_tok, 1))).astype(np.float32)
@@ -138,8 +211,7 @@ def test_rows_slots_and_threads(n_tok, n_used):
     outs = [hm.host_moe_layer(x, ids, wts, gate, up, down, skip, n_threads=n) for n in (1, 2, 3, 7)]
     for o in outs[1:]:
         assert np.array_equal(o.view(np.uint32), outs[0].view(np.uint32))
-    ref = _reference(x, ids, wts, gate, up, down, skip, quantized=True)
-    assert np.all(_row_err(outs[0], ref) <= 1e-3)
+    assert _bits_equal(outs[0], _weighted_sum(_cpu_outputs(x, ids, gate, up, down), ids, wts, skip))
 
 
 @pytest.fixture
@@ -206,8 +278,7 @@ def test_a_slot_repeated_in_one_row_counts_twice():
     wts = np.array([[0.25, 0.5], [1, 1]], np.float32)
     skip = np.zeros(4, np.uint8)
     out = hm.host_moe_layer(x, ids, wts, gate, up, down, skip)
-    ref = _reference(x, ids, wts, gate, up, down, skip, quantized=True)
-    assert np.all(_row_err(out, ref) <= 1e-3)
+    assert _bits_equal(out, _weighted_sum(_cpu_outputs(x, ids, gate, up, down), ids, wts, skip))
 
 
 def test_a_skipped_expert_contributes_nothing():
@@ -232,6 +303,51 @@ def test_a_skipped_expert_contributes_nothing():
     assert np.array_equal(out[1], np.zeros(256, np.float32)) and np.all(out[[0, 2]] != 0)
     out = hm.host_moe_layer(x, ids, wts, gate, up, poisoned, np.ones(6, np.uint8))
     assert np.array_equal(out, np.zeros_like(out))
+
+
+@pytest.mark.parametrize("gt,dt", [(QT.Q4_K, QT.Q6_K), (QT.Q6_K, QT.Q5_K)], ids=lambda t: t.name)
+def test_an_experts_rows_past_a_chunk_of_64(gt, dt):
+    """70 rows on one expert: the CPU backend takes an expert's rows 64 at a time, so the Q6_K /
+    Q5_K products of the first 64 are in the tiled order and those of the last 6 in the lanes';
+    host_moe's are the same bits."""
+    rng = np.random.default_rng(70)
+    gate, up, down = _case(gt, dt, n_exp=3, d=256, f=256, seed=2)
+    x = rng.standard_normal((70, 256)).astype(np.float32)
+    ids = np.stack([np.zeros(70, np.int32), 1 + (np.arange(70) % 2).astype(np.int32)], axis=1)   # [70, 2]
+    wts = rng.uniform(0.1, 1, (70, 2)).astype(np.float32)
+    skip = np.zeros(3, np.uint8)
+    out = hm.host_moe_layer(x, ids, wts, gate, up, down, skip, n_threads=2)
+    assert _bits_equal(out, _weighted_sum(_cpu_outputs(x, ids, gate, up, down), ids, wts, skip))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_non_finite_row_comes_out_nan_as_on_the_cpu_backend(isa):
+    """A row with a NaN or an inf in its input gives NaN outputs (formats.CAct: its quantized
+    blocks are not rounded from it), the other rows their bits, whatever shares their experts."""
+    rng = np.random.default_rng(8)
+    gate, up, down = _case(QT.Q5_K, QT.Q8_0, n_exp=4, d=256, f=256, seed=4)
+    x = rng.standard_normal((4, 256)).astype(np.float32)
+    x[1, 17], x[2, 255] = np.nan, np.inf
+    ids = np.array([[0, 1], [0, 2], [1, 3], [3, 2]], np.int32)
+    wts = rng.uniform(0.1, 1, (4, 2)).astype(np.float32)
+    out = hm.host_moe_layer(x, ids, wts, gate, up, down, n_threads=2, isa=isa)
+    assert np.isnan(out[1:3]).all() and np.isfinite(out[[0, 3]]).all()
+    ok = [0, 3]
+    assert _bits_equal(out[ok], _weighted_sum(_cpu_outputs(x[ok], ids[ok], gate, up, down), ids[ok], wts[ok],
+                                              np.zeros(4, np.uint8)))
+
+
+def test_one_header_is_in_both_builds_and_their_keys():
+    """kernels/lanes_dot.h is the one copy of the products: both sources include it, it is part of
+    both libraries' cache keys (a changed header rebuilds them) and the wheel ships it."""
+    from bloomery.engine.cpu import kernels as cpu_kernels
+    from bloomery.kernels import kernel_dir
+    header = (kernel_dir() / "lanes_dot.h").read_bytes()
+    for source in ("cpu_lanes.c", "host_moe.c"):
+        assert b'#include "lanes_dot.h"' in (kernel_dir() / source).read_bytes()
+        assert header in cpu_kernels._sources(kernel_dir() / source)
+    pyproject = (kernel_dir().parent / "pyproject.toml").read_text()
+    assert '"bloomery.kernels" = ["*.cu", "*.cuh", "*.c", "*.h"]' in pyproject
 
 
 def test_the_persistent_struct_called_again_and_again():

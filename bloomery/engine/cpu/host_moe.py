@@ -9,12 +9,20 @@ posts a job (kernels/host_moe.c, "the doorbell"); tests and tools call host_moe_
 numpy arrays. Calls from several threads are taken one at a time. BLOOMERY_HOST_SPIN_US (default
 2000), or set_spin_us(), is how long idle workers spin for the next call before they sleep.
 
-Built like kernels/cpu_lanes.c (engine/cpu/kernels.py: `compiled`), with -pthread, into
-`$BLOOMERY_CACHE/kernels/host_moe-<key>.so`. There is no slower fallback: where no compiler is
-found or the build fails, lib() raises HostKernelError. isa "native" (the default;
+Its products are the CPU backend's: host_moe.c and kernels/cpu_lanes.c include the one
+kernels/lanes_dot.h (the activations rounded as ggml's Q8_0 / Q8_K, each weight type's product in
+llama.cpp's float order, swiglu with ggml_v_expf), so each (token, slot)'s down output has the bits
+of the CPU backend's expert loop, and out those outputs times their weights added in slot order
+(tests/test_host_moe.py says what is equal bit for bit). A row whose input is not finite comes
+out NaN, as there.
+
+Built like kernels/cpu_lanes.c (engine/cpu/kernels.py: `compiled`, the key covering lanes_dot.h
+too), with -ffp-contract=off (the float steps as written, no fma of the compiler's own) and
+-pthread, into `$BLOOMERY_CACHE/kernels/host_moe-<key>.so`. There is no slower fallback: where no
+compiler is found or the build fails, lib() raises HostKernelError. isa "native" (the default;
 BLOOMERY_HOST_ISA overrides it) builds the widest path the CPU has (AVX-512 VNNI, AVX2, or the
-portable C loops); "avx2" and "portable" build the narrower ones on an x86 host (the tests check
-all three).
+portable C loops, all with the same bits); "avx2" and "portable" build the narrower ones on an
+x86 host (the tests check all three).
 
 Legend: T = rows (tokens), A = experts per token, E = experts, D = hidden size,
 F = expert FFN width.
@@ -33,7 +41,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from bloomery.engine.cpu.kernels import _compiler, _cpu_flags, compiled
 
 SOURCE = "host_moe.c"
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-pthread", "-fPIC", "-shared"]
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-pthread", "-fPIC", "-shared"]
 ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"], "portable": ["-mno-avx2", "-mno-fma", "-mno-f16c"]}
 ISA_NAMES = {0: "portable C", 1: "avx2", 2: "avx512-vnni"}
 TYPES = frozenset({QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K})   # what host_moe.c reads
@@ -291,7 +299,7 @@ def check_args(args: HostMoeArgs, isa: str | None = None) -> None:
 def host_moe_layer(x: np.ndarray, ids: np.ndarray, wts: np.ndarray, gate: ExpertStack, up: ExpertStack,
                    down: ExpertStack, skip: np.ndarray | None = None, n_threads: int = 0,
                    isa: str | None = None) -> np.ndarray:
-    """out [T, D] f32 = sum over slots a with skip[ids[t, a]] == 0 of
+    """out [T, D] f32 = sum over slots a with skip[ids[t, a]] == 0, in slot order, of
     wts[t, a] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t, a]; computed by host_moe."""
     x = np.ascontiguousarray(x, dtype=np.float32)                        # [T, D]
     ids = np.ascontiguousarray(ids, dtype=np.int32)                      # [T, A]

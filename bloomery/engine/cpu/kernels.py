@@ -2,8 +2,10 @@
 
 The C source is compiled by the system's C compiler (`cc`, or $CC) with -O3 -march=native
 -ffp-contract=off into `$BLOOMERY_CACHE/kernels/cpu_lanes-<key>.so` (default ~/.cache/bloomery),
-the key covering the source, the compiler and the CPU's flags, and loaded through ctypes. One
-call spreads its rows over `nth` threads itself (the library's own pool, the GIL released).
+the key covering the source and the header it shares with kernels/host_moe.c (lanes_dot.h: the
+activation quantizers, swiglu and the per-type products), the compiler and the CPU's flags, and
+loaded through ctypes. One call spreads its rows over `nth` threads itself (the library's own
+pool, the GIL released).
 
 Where no compiler is found or the build fails, `lib()` is None and the numpy backend keeps its
 numpy kernels (same bits, slower); BLOOMERY_CPU_KERNELS=off chooses that on purpose, and
@@ -16,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -62,15 +65,34 @@ def _build(cc: str, src: Path, dest: Path, flags: list[str]) -> None:
             os.unlink(tmp)
 
 
+_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.M)
+
+
+def _sources(src: Path) -> list[bytes]:
+    """The source's bytes, then those of each kernels/ header it includes (`#include "x.h"`, and
+    theirs in turn), each once: what the build reads, so a changed header changes the key."""
+    seen, out, todo = set(), [], [src]
+    while todo:
+        p = todo.pop(0)
+        if p in seen:
+            continue
+        seen.add(p)
+        data = p.read_bytes()
+        out.append(data)
+        todo += [p.parent / m.decode() for m in _INCLUDE.findall(data)]
+    return out
+
+
 def compiled(source: str, flags: list[str]) -> Path:
     """kernels/<source> built with `flags` by the system's C compiler into the cache, once per
-    source, compiler, flags and CPU. Raises FileNotFoundError where no compiler is found, OSError
-    or subprocess.SubprocessError where the build fails."""
+    source (and the headers it includes: lanes_dot.h), compiler, flags and CPU. Raises
+    FileNotFoundError where no compiler is found or a header is missing, OSError or
+    subprocess.SubprocessError where the build fails."""
     src = kernel_dir() / source
     cc = _compiler()
     if cc is None:
         raise FileNotFoundError("no C compiler found (cc, gcc, clang)")
-    key = hashlib.sha256(b"\0".join([src.read_bytes(), cc.encode(), " ".join(flags).encode(),
+    key = hashlib.sha256(b"\0".join([*_sources(src), cc.encode(), " ".join(flags).encode(),
                                      _cpu_flags().encode()])).hexdigest()[:16]
     so = cache_dir() / f"{Path(source).stem}-{key}.so"
     if not so.exists():

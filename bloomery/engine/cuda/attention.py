@@ -78,7 +78,7 @@ HUGE_PAGE = 2 << 20
 def huge_pages(m: mmap.mmap) -> bool:
     """Ask for transparent huge pages over the mapping (MADV_HUGEPAGE; the kernel's `madvise` mode gives them only
     so asked). Faulting and registering 2 MiB pages took half the time of 4 KiB ones: 251 MiB made and registered in
-    66-76 ms against 138-142 ms (H200 host, session 24, .device/scripts/pin_bench.py). False where the platform
+    66-76 ms against 138-142 ms (H200 host, session 24, tools/bench_pinned.py). False where the platform
     has no such advice."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is None:

@@ -10,7 +10,7 @@ arena's own keeps a reserve of wholly free chunks made ahead, so a save rarely w
 - `Spans` is the bookkeeping (first fit over each chunk's free spans, neighbours merged on return): pure, tested
   on the CPU.
 - `HostArena` holds the chunks, which come from a maker the backend gives (the card's: an anonymous mapping
-  populated at once, then registered with the driver). A span's arrays are numpy views over a ctypes array of
+  in huge pages, touched, then registered with the driver). A span's arrays are numpy views over a ctypes array of
   the span; its weakref finalizer returns the span, so the span is free only once nothing reads it, and the
   span holds its chunk's owner, so the memory outlives the arena itself while any array is read.
 - The reserve is tended after a save's copies (`tend_later`), not while they run, and only once the engine has

@@ -203,9 +203,26 @@ static inline void row_by_dot(lanes_dot_fn dot, int mode, const mm_args *m, int6
     }
 }
 
+// ---- one activation row (a decode step): the product inlined (kern, a lanes_dot.h *_n function), no call through
+// a pointer a weight row. Through row_by_dot the short rows' products spent up to a quarter of their time in
+// the call (896-wide Q5_0 rows, session 24).
+#define ROW_ONE(kern, mode, m, n, r0, k)                                                                          \
+    do {                                                                                                          \
+        const lanes_act act_ = {.q = (m)->a + (r0) * (k), .d = (m)->da + (r0) * (m)->n_blocks,                    \
+                                .bs = (m)->bsums ? (m)->bsums + (r0) * ((k) / 16) : NULL,                         \
+                                .aoff = (m)->aoff ? (m)->aoff + (r0) * ((k) / 4) : NULL};                         \
+        float o_;                                                                                                 \
+        kern((m)->w + (n) * (m)->row_bytes, (m)->n_blocks, (mode), &act_, 1, &o_);                                \
+        (m)->out[(r0) * (m)->ldo + (n)] = o_;                                                                     \
+    } while (0)
+
 // ---- Q8_0 family: out[r * ldo + n] for weight rows 0..N, activation rows 0..T ----------------
 // w: the stored blocks [N, B] (qtype 0: Q8_0, 1: Q5_0); a [T, K] int8, da [T, B] f32.
 static void q80_row(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
+    if (r1 - r0 == 1) {
+        ROW_ONE(lanes_dot_q80_n, m->qtype, m, n, r0, m->n_blocks * 32);
+        return;
+    }
     row_by_dot(lanes_dot_q80, m->qtype, m, n, r0, r1, m->n_blocks * 32);
 }
 
@@ -513,6 +530,10 @@ void q80_mm(const uint8_t *w, int qtype, int64_t n_rows, int64_t n_blocks, const
 // after) row by row through lanes_dot.h, where their float orders are spelled out; the AVX-512
 // prompt tiles below keep the same orders.
 static void q6k_row(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
+    if (r1 - r0 == 1) {
+        ROW_ONE(lanes_dot_q6k_n, m->tiled, m, n, r0, m->n_blocks * 256);
+        return;
+    }
     row_by_dot(lanes_dot_q6k, m->tiled, m, n, r0, r1, m->n_blocks * 256);
 }
 
@@ -591,6 +612,10 @@ void q6k_mm(const uint8_t *w, int64_t n_rows, int64_t n_super, const int8_t *a, 
 }
 
 static void q5k_row(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
+    if (r1 - r0 == 1) {
+        ROW_ONE(lanes_dot_q5k_n, m->tiled, m, n, r0, m->n_blocks * 256);
+        return;
+    }
     row_by_dot(lanes_dot_q5k, m->tiled, m, n, r0, r1, m->n_blocks * 256);
 }
 
@@ -603,6 +628,10 @@ void q5k_mm(const uint8_t *w, int64_t n_rows, int64_t n_super, const int8_t *a, 
 
 // Q4_K: rows below t_gemm in the repacked gemm's order (once per 64), the rest in its gemv's
 static void q4k_row(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
+    if (r1 - r0 == 1) {
+        ROW_ONE(lanes_dot_q4k_n, r0 < m->t_gemm, m, n, r0, m->n_blocks * 256);
+        return;
+    }
     const int64_t k = m->n_blocks * 256, split = r0 > m->t_gemm ? r0 : m->t_gemm < r1 ? m->t_gemm : r1;
     row_by_dot(lanes_dot_q4k, 1, m, n, r0, split, k);       // the gemm's rows
     row_by_dot(lanes_dot_q4k, 0, m, n, split, r1, k);       // the gemv's

@@ -185,3 +185,28 @@ def test_the_thread_makes_chunks_only_in_the_engines_quiet(monkeypatch):
     assert not until(lambda: a.stats()["made_ahead"] > 0, seconds=0.5)
     a.set_idle(True)
     assert until(lambda: a.stats()["made_ahead"] == 2) and x.base is not None
+
+
+def test_a_huge_mapping_asks_for_huge_pages_and_is_plain_zeroed_memory():
+    import mmap
+    from bloomery.engine.host_arena import HUGE_PAGE, huge_mapping
+    a = huge_mapping(3 * HUGE_PAGE + 4096)
+    assert a is not None and a.dtype == np.uint8 and a.size == 3 * HUGE_PAGE + 4096
+    assert not a.any()                                   # fresh pages read as zeros, the touches wrote zeros
+    a[-1] = 7
+    assert a[-1] == 7
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return
+    try:
+        smaps = open("/proc/self/smaps").read().split("\n")
+    except OSError:
+        pytest.skip("no /proc/self/smaps to read the mapping's flags from")
+    start = a.ctypes.data
+    for i, line in enumerate(smaps):
+        head = line.split(" ", 1)[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head) and \
+                int(head.split("-")[0], 16) <= start < int(head.split("-")[1], 16):   # (neighbours may merge)
+            flags = next(x for x in smaps[i + 1:] if x.startswith("VmFlags:"))
+            assert " hg" in flags, flags                # MADV_HUGEPAGE took
+            return
+    pytest.fail(f"no mapping holds {start:#x} in /proc/self/smaps")

@@ -14,7 +14,6 @@ C = n_ctx_slot, L = layers, S = slots.
 from __future__ import annotations
 
 import math
-import mmap
 import os
 import weakref
 
@@ -24,7 +23,7 @@ import numpy as np
 from bloomery.engine.cuda.gemm import gemm_nn, gemm_nt
 from bloomery.engine.cuda.kv_copies import span_copies
 from bloomery.engine.cuda.sizes import DECODE_ROWS, SCORE_BYTES, prompt_splits, tc_prompt_fits
-from bloomery.engine.host_arena import MIB, HostArena, pages
+from bloomery.engine.host_arena import MIB, HostArena, huge_mapping, pages
 from bloomery.engine.ops import AttnSpan
 
 DEC_MAXG = (4, 8, 16)               # query heads per kv head the attn_dec kernels are built for
@@ -72,39 +71,17 @@ def _unregister(ptr: int) -> None:
         pass
 
 
-HUGE_PAGE = 2 << 20
-
-
-def huge_pages(m: mmap.mmap) -> bool:
-    """Ask for transparent huge pages over the mapping (MADV_HUGEPAGE; the kernel's `madvise` mode gives them only
-    so asked). Faulting and registering 2 MiB pages took half the time of 4 KiB ones: 251 MiB made and registered in
-    66-76 ms against 138-142 ms (H200 host, session 24, tools/bench_pinned.py). False where the platform
-    has no such advice."""
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is None:
-        return False
-    try:
-        m.madvise(advice)
-    except OSError:
-        return False
-    return True
-
-
 def pinned_chunk(n: int):
     """host_arena's chunk maker on the card: n bytes of an anonymous mapping, in huge pages where the kernel gives
-    them (huge_pages), faulted in by a write a huge page, then registered with the driver: page-locked in place, so
+    them (host_arena.huge_mapping), then registered with the driver: page-locked in place, so
     copies run at the bus's pinned rate (on the H200's host 54 GB/s to the card, against 5.5 GB/s from pageable
     memory). Registering faults in whatever is left and pins every page, outside the GIL: on that host 251 MiB took
     138-142 ms in 4 KiB pages, 66-76 ms in huge pages (session 24). (owner, address, release); None where either
     step fails (the array is pageable then)."""
-    try:
-        m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    except OSError:
+    owner = huge_mapping(n)                           # unmapped once the owner goes
+    if owner is None:
         return None
-    huge_pages(m)
-    owner = np.frombuffer(m, np.uint8)                # unmapped once the owner goes
     ptr = owner.ctypes.data
-    owner[::HUGE_PAGE] = 0                            # fault in: a huge page a write, where the kernel gives them
     try:
         cupy.cuda.runtime.hostRegister(ptr, n, 0)
     except cupy.cuda.runtime.CUDARuntimeError:

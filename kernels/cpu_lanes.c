@@ -185,45 +185,42 @@ typedef struct mm_args {                               // a quantized product's 
     const int32_t *aext;                               // the tile kernels' per-activation terms (see there)
 } mm_args;
 
-// ---- one weight row's outputs for activation rows r0..r1, LANES_NMAX rows a call of the
-// lanes_dot.h product; bsums: K types (kind 256), else the Q8_0 family
-static inline void row_by_dot(lanes_dot_fn dot, int mode, const mm_args *m, int64_t n, int64_t r0, int64_t r1,
-                              int64_t k) {
-    const uint8_t *wr = m->w + n * m->row_bytes;
-    for (int64_t r = r0; r < r1; r += LANES_NMAX) {
-        const int nr = r1 - r < LANES_NMAX ? (int)(r1 - r) : LANES_NMAX;
-        lanes_act act[LANES_NMAX];
-        float o[LANES_NMAX];
-        for (int i = 0; i < nr; i++)
-            act[i] = (lanes_act){.q = m->a + (r + i) * k, .d = m->da + (r + i) * m->n_blocks,
-                                 .bs = m->bsums ? m->bsums + (r + i) * (k / 16) : NULL,
-                                 .aoff = m->aoff ? m->aoff + (r + i) * (k / 4) : NULL};
-        dot(wr, m->n_blocks, mode, act, nr, o);
-        for (int i = 0; i < nr; i++) m->out[(r + i) * m->ldo + n] = o[i];
-    }
-}
-
-// ---- one activation row (a decode step): the product inlined (kern, a lanes_dot.h *_n function), no call through
-// a pointer a weight row. Through row_by_dot the short rows' products spent up to a quarter of their time in
-// the call (896-wide Q5_0 rows, session 24).
-#define ROW_ONE(kern, mode, m, n, r0, k)                                                                          \
+// ---- one weight row's outputs for activation rows r0..r1, LANES_NMAX rows a call of kern (a lanes_dot.h *_n
+// product, inlined for each row count: called through a pointer a weight row, an 896-wide Q5_0 row's decode
+// product spent up to a quarter of its time in the call, session 24); bsums: K types (k a multiple of 256)
+#define ROW_BY_DOT(kern, mode, m, n, r0, r1, k)                                                                   \
     do {                                                                                                          \
-        const lanes_act act_ = {.q = (m)->a + (r0) * (k), .d = (m)->da + (r0) * (m)->n_blocks,                    \
-                                .bs = (m)->bsums ? (m)->bsums + (r0) * ((k) / 16) : NULL,                         \
-                                .aoff = (m)->aoff ? (m)->aoff + (r0) * ((k) / 4) : NULL};                         \
-        float o_;                                                                                                 \
-        kern((m)->w + (n) * (m)->row_bytes, (m)->n_blocks, (mode), &act_, 1, &o_);                                \
-        (m)->out[(r0) * (m)->ldo + (n)] = o_;                                                                     \
+        const uint8_t *wr_ = (m)->w + (n) * (m)->row_bytes;                                                       \
+        for (int64_t r_ = (r0); r_ < (r1); r_ += LANES_NMAX) {                                                    \
+            const int nr_ = (r1) - r_ < LANES_NMAX ? (int)((r1) - r_) : LANES_NMAX;                               \
+            if (nr_ == 1) {                   /* a decode row: one activation, kept in registers */               \
+                const lanes_act a1_ = {.q = (m)->a + r_ * (k), .d = (m)->da + r_ * (m)->n_blocks,                 \
+                                       .bs = (m)->bsums ? (m)->bsums + r_ * ((k) / 16) : NULL,                    \
+                                       .aoff = (m)->aoff ? (m)->aoff + r_ * ((k) / 4) : NULL};                    \
+                float o1_;                                                                                        \
+                kern(wr_, (m)->n_blocks, (mode), &a1_, 1, &o1_);                                                  \
+                (m)->out[r_ * (m)->ldo + (n)] = o1_;                                                              \
+                continue;                                                                                         \
+            }                                                                                                     \
+            lanes_act act_[LANES_NMAX];                                                                           \
+            float o_[LANES_NMAX];                                                                                 \
+            for (int i_ = 0; i_ < nr_; i_++)                                                                      \
+                act_[i_] = (lanes_act){.q = (m)->a + (r_ + i_) * (k), .d = (m)->da + (r_ + i_) * (m)->n_blocks,   \
+                                       .bs = (m)->bsums ? (m)->bsums + (r_ + i_) * ((k) / 16) : NULL,             \
+                                       .aoff = (m)->aoff ? (m)->aoff + (r_ + i_) * ((k) / 4) : NULL};             \
+            switch (nr_) {                                                                                        \
+            case 2: kern(wr_, (m)->n_blocks, (mode), act_, 2, o_); break;                                         \
+            case 3: kern(wr_, (m)->n_blocks, (mode), act_, 3, o_); break;                                         \
+            default: kern(wr_, (m)->n_blocks, (mode), act_, 4, o_); break;                                       \
+            }                                                                                                     \
+            for (int i_ = 0; i_ < nr_; i_++) (m)->out[(r_ + i_) * (m)->ldo + (n)] = o_[i_];                       \
+        }                                                                                                         \
     } while (0)
 
 // ---- Q8_0 family: out[r * ldo + n] for weight rows 0..N, activation rows 0..T ----------------
 // w: the stored blocks [N, B] (qtype 0: Q8_0, 1: Q5_0); a [T, K] int8, da [T, B] f32.
 static void q80_row(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
-    if (r1 - r0 == 1) {
-        ROW_ONE(lanes_dot_q80_n, m->qtype, m, n, r0, m->n_blocks * 32);
-        return;
-    }
-    row_by_dot(lanes_dot_q80, m->qtype, m, n, r0, r1, m->n_blocks * 32);
+    ROW_BY_DOT(lanes_dot_q80_n, m->qtype, m, n, r0, r1, m->n_blocks * 32);
 }
 
 
@@ -530,11 +527,7 @@ void q80_mm(const uint8_t *w, int qtype, int64_t n_rows, int64_t n_blocks, const
 // after) row by row through lanes_dot.h, where their float orders are spelled out; the AVX-512
 // prompt tiles below keep the same orders.
 static void q6k_row(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
-    if (r1 - r0 == 1) {
-        ROW_ONE(lanes_dot_q6k_n, m->tiled, m, n, r0, m->n_blocks * 256);
-        return;
-    }
-    row_by_dot(lanes_dot_q6k, m->tiled, m, n, r0, r1, m->n_blocks * 256);
+    ROW_BY_DOT(lanes_dot_q6k_n, m->tiled, m, n, r0, r1, m->n_blocks * 256);
 }
 
 #if LANES_512
@@ -612,11 +605,7 @@ void q6k_mm(const uint8_t *w, int64_t n_rows, int64_t n_super, const int8_t *a, 
 }
 
 static void q5k_row(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
-    if (r1 - r0 == 1) {
-        ROW_ONE(lanes_dot_q5k_n, m->tiled, m, n, r0, m->n_blocks * 256);
-        return;
-    }
-    row_by_dot(lanes_dot_q5k, m->tiled, m, n, r0, r1, m->n_blocks * 256);
+    ROW_BY_DOT(lanes_dot_q5k_n, m->tiled, m, n, r0, r1, m->n_blocks * 256);
 }
 
 void q5k_mm(const uint8_t *w, int64_t n_rows, int64_t n_super, const int8_t *a, const float *da,
@@ -628,13 +617,9 @@ void q5k_mm(const uint8_t *w, int64_t n_rows, int64_t n_super, const int8_t *a, 
 
 // Q4_K: rows below t_gemm in the repacked gemm's order (once per 64), the rest in its gemv's
 static void q4k_row(const mm_args *m, int64_t n, int64_t r0, int64_t r1) {
-    if (r1 - r0 == 1) {
-        ROW_ONE(lanes_dot_q4k_n, r0 < m->t_gemm, m, n, r0, m->n_blocks * 256);
-        return;
-    }
     const int64_t k = m->n_blocks * 256, split = r0 > m->t_gemm ? r0 : m->t_gemm < r1 ? m->t_gemm : r1;
-    row_by_dot(lanes_dot_q4k, 1, m, n, r0, split, k);       // the gemm's rows
-    row_by_dot(lanes_dot_q4k, 0, m, n, split, r1, k);       // the gemv's
+    ROW_BY_DOT(lanes_dot_q4k_n, 1, m, n, r0, split, k);       // the gemm's rows
+    ROW_BY_DOT(lanes_dot_q4k_n, 0, m, n, split, r1, k);       // the gemv's
 }
 
 #if LANES_512

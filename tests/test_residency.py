@@ -60,18 +60,6 @@ def test_the_ranking_forgets_at_the_half_life():
         keep_per_update(0, 16)
 
 
-def test_the_half_life_comes_from_the_environment_and_a_bad_one_is_named(monkeypatch):
-    from bloomery.residency import HALF_LIFE, half_life
-    monkeypatch.delenv("BLOOMERY_RESIDENCY_HALF_LIFE", raising=False)
-    assert half_life() == HALF_LIFE
-    monkeypatch.setenv("BLOOMERY_RESIDENCY_HALF_LIFE", "512")
-    assert half_life() == 512
-    for bad in ("0", "-3", "1.5", "long"):
-        monkeypatch.setenv("BLOOMERY_RESIDENCY_HALF_LIFE", bad)
-        with pytest.raises(ValueError, match="BLOOMERY_RESIDENCY_HALF_LIFE"):
-            half_life()
-
-
 @pytest.mark.parametrize("args,match", [
     (([[1, 2]], [frozenset(), frozenset()], [MB], MB), "must match"),
     (([[1, -2]], [frozenset()], [MB], MB), "negative routing count"),
@@ -92,32 +80,31 @@ def test_the_bus_takes_the_rounded_share_of_a_steps_host_picks():
     with pytest.raises(ValueError, match="share"):
         bus_picks(8, 1.5)
 
-def test_the_streamed_share_comes_from_the_environment_and_a_bad_one_is_named(monkeypatch):
-    from bloomery.residency import STREAM_SHARE, stream_share
-    monkeypatch.delenv("BLOOMERY_STREAM_SHARE", raising=False)
-    assert stream_share() == STREAM_SHARE
-    monkeypatch.setenv("BLOOMERY_STREAM_SHARE", "0.25")
-    assert stream_share() == 0.25
-    for bad in ("half", "-0.1", "2"):
-        monkeypatch.setenv("BLOOMERY_STREAM_SHARE", bad)
-        with pytest.raises(ValueError, match="BLOOMERY_STREAM_SHARE"):
-            stream_share()
+@pytest.mark.parametrize("name,reader,default,good,value,bads", [
+    ("BLOOMERY_RESIDENCY_HALF_LIFE", "half_life", "HALF_LIFE", "512", 512, ("0", "-3", "1.5", "long")),
+    ("BLOOMERY_STREAM_SHARE", "stream_share", "STREAM_SHARE", "0.25", 0.25, ("half", "-0.1", "2")),
+    ("BLOOMERY_RESIDENCY_PROMPT_WEIGHT", "prompt_weight", None, "0.03", 0.03, ("some", "-0.5", "1.5")),
+])
+def test_each_lever_comes_from_the_environment_and_a_bad_value_is_named(monkeypatch, name, reader, default, good,
+                                                                         value, bads):
+    import bloomery.residency as res
+    read = getattr(res, reader)
+    monkeypatch.delenv(name, raising=False)
+    assert read() == (getattr(res, default) if default else 1.0)
+    monkeypatch.setenv(name, good)
+    assert read() == value
+    for bad in bads:
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=name):
+            read()
 
 
-def test_a_prompts_counts_weigh_as_the_lever_says_and_a_bad_weight_is_named(monkeypatch):
-    from bloomery.residency import prompt_weight, weigh_prompt
-    monkeypatch.delenv("BLOOMERY_RESIDENCY_PROMPT_WEIGHT", raising=False)
-    assert prompt_weight() == 1.0
+def test_a_prompts_counts_weigh_as_the_lever_says():
+    from bloomery.residency import weigh_prompt
     recent = np.array([[4096, 7, 0], [3, 1, 512]], np.int64)
     assert weigh_prompt(recent, 1.0) is recent                             # the default: the counts as they are
-    monkeypatch.setenv("BLOOMERY_RESIDENCY_PROMPT_WEIGHT", "0.03")
-    assert prompt_weight() == 0.03
     assert weigh_prompt(recent, 0.03).tolist() == [[122, 0, 0], [0, 0, 15]]   # rounded down
     assert weigh_prompt(recent, 0.0).tolist() == [[0, 0, 0], [0, 0, 0]]
-    for bad in ("some", "-0.5", "1.5"):
-        monkeypatch.setenv("BLOOMERY_RESIDENCY_PROMPT_WEIGHT", bad)
-        with pytest.raises(ValueError, match="BLOOMERY_RESIDENCY_PROMPT_WEIGHT"):
-            prompt_weight()
 
 
 def _reference_moves(counts, on_card, expert_bytes, budget):

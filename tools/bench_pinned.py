@@ -6,7 +6,7 @@ times and then copies --copy-mb MB from the card into it (the first copy into fr
     python3 tools/bench_pinned.py [--mib 251] [--copy-mb 209]
 
 (session 24 on the H200 host: 251 MiB in 138-142 ms registered in 4 KiB pages, 66-76 ms in huge pages, 146-182 ms
-by cudaHostAlloc; bloomery/engine/cuda/attention.py pinned_chunk takes the huge pages)
+by cudaHostAlloc; bloomery/engine/cuda/pinned.py pinned_chunk takes the huge pages)
 """
 from __future__ import annotations
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import weakref
 
 import cupy
 import numpy as np
@@ -23,7 +22,8 @@ import numpy as np
 from bloomery.engine.cuda.gemm import gemm_nn, gemm_nt
 from bloomery.engine.cuda.kv_copies import span_copies
 from bloomery.engine.cuda.sizes import DECODE_ROWS, SCORE_BYTES, prompt_splits, tc_prompt_fits
-from bloomery.engine.host_arena import MIB, HostArena, huge_mapping, pages
+from bloomery.engine.cuda.pinned import pinned_chunk
+from bloomery.engine.host_arena import MIB, HostArena, pages
 from bloomery.engine.ops import AttnSpan
 
 DEC_MAXG = (4, 8, 16)               # query heads per kv head the attn_dec kernels are built for
@@ -62,32 +62,6 @@ def n_pieces(n_ctx_slot: int, n_kv_head: int, rows: int, n_sm: int, fit: int = D
 
 _NULL = np.uint64(0)
 PIN_MIN = 1 << 20                   # host arrays of at least this many bytes are registered (page-locked in place)
-
-
-def _unregister(ptr: int) -> None:
-    try:
-        cupy.cuda.runtime.hostUnregister(ptr)
-    except Exception:               # noqa: BLE001 (at interpreter exit the driver may be gone; nothing to undo then)
-        pass
-
-
-def pinned_chunk(n: int):
-    """host_arena's chunk maker on the card: n bytes of an anonymous mapping, in huge pages where the kernel gives
-    them (host_arena.huge_mapping), then registered with the driver: page-locked in place, so
-    copies run at the bus's pinned rate (on the H200's host 54 GB/s to the card, against 5.5 GB/s from pageable
-    memory). Registering faults in whatever is left and pins every page, outside the GIL: on that host 251 MiB took
-    138-142 ms in 4 KiB pages, 66-76 ms in huge pages (session 24). (owner, address, release); None where either
-    step fails (the array is pageable then)."""
-    owner = huge_mapping(n)                           # unmapped once the owner goes
-    if owner is None:
-        return None
-    ptr = owner.ctypes.data
-    try:
-        cupy.cuda.runtime.hostRegister(ptr, n, 0)
-    except cupy.cuda.runtime.CUDARuntimeError:
-        return None
-    # unregistered once: when the arena lets the chunk go, or else as the owner is freed, before its unmapping
-    return owner, ptr, weakref.finalize(owner, _unregister, ptr)
 
 
 def kv_arena(slot_plane_bytes: int) -> HostArena:

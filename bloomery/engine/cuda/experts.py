@@ -42,6 +42,7 @@ import cupy
 import numpy as np
 
 from bloomery import residency as policy
+from bloomery.engine.cuda.pinned import huge_pinned, pinned
 from bloomery.engine.cuda.sizes import DECODE_ROWS
 
 H2D, D2D = 1, 3                         # cudaMemcpyKind
@@ -54,12 +55,6 @@ def _block(name: str) -> int:
     """The block number of a GGUF tensor name (blk.N....), -1 for others."""
     parts = name.split(".")
     return int(parts[1]) if len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit() else -1
-
-
-def pinned(nbytes: int, dtype=np.uint8, shape=None) -> np.ndarray:
-    mem = cupy.cuda.alloc_pinned_memory(max(1, nbytes))
-    a = np.frombuffer(mem, dtype, nbytes // np.dtype(dtype).itemsize)
-    return a.reshape(shape) if shape is not None else a
 
 
 def _memcpy(dst: int, src: int, nbytes: int, kind: int, stream) -> None:
@@ -82,7 +77,7 @@ class ExpertStack:
         if raw.size != self.expert_bytes * self.n_expert:
             raise ValueError(f"an expert stack of shape {self.shape} holds {raw.size} bytes, "
                              f"not {self.expert_bytes * self.n_expert}")
-        self.host = pinned(raw.size)
+        self.host = huge_pinned(raw.size)                                      # huge pages: the host kernel's TLB
         self.host[:] = raw                                                   # every expert, host side
         self.host_ptrs = (self.host.ctypes.data + self.expert_bytes * np.arange(self.n_expert, dtype=np.uint64)
                           ).astype(np.uint64)                                 # [E] the host function reads these

@@ -330,11 +330,32 @@ static void pool_after_fork(void) {             // the child has none of the par
 
 static _Atomic int spin_set;
 
+// How a call is cut (tools/bench_host_moe.py --units): a phase of an expert's rows takes units of fewer rows
+// (RC_GU and RC_DN halved, down to a quarter) until it has at least `units_per_thread` units a thread (0, the
+// default: always RC_GU and RC_DN rows; BLOOMERY_HOST_UNITS as pool_init reads it). On the H200's host (session
+// 25) 8 a thread against 0 was within the runs' spread at 1, 2 and 8 experts, in the kernel alone and in a step.
+// (A prefetch of the row two ahead, tried there too, made calls 5-40 % slower.)
+#define UNITS_PER_THREAD 0
+static _Atomic int units_per_thread = UNITS_PER_THREAD, tuning_set;
+
 static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
 static void pool_init(void) {
     const char *s = getenv("BLOOMERY_HOST_SPIN_US");
     if (!atomic_load(&spin_set)) atomic_store(&pool.spin_ns, (s && *s ? atoll(s) : 2000) * 1000);
+    if (!atomic_load(&tuning_set)) {
+        const char *u = getenv("BLOOMERY_HOST_UNITS");
+        if (u && *u) atomic_store(&units_per_thread, atoi(u) > 0 ? atoi(u) : 0);
+    }
     pthread_atfork(NULL, NULL, pool_after_fork);
+}
+
+// Set how calls are cut (units_per_thread above); below 0 keeps the setting. Returns the setting before.
+int host_moe_set_units(int units) {
+    pthread_once(&pool_once, pool_init);
+    atomic_store(&tuning_set, 1);
+    const int was = atomic_load(&units_per_thread);
+    if (units >= 0) atomic_store(&units_per_thread, units);
+    return was;
 }
 
 // How long idle workers spin for the next call before they sleep (default 2000 us, or
@@ -435,7 +456,7 @@ static inline size_t up64(size_t n) { return (n + 63) & ~(size_t)63; }
 
 // ---------------------------------------------------------------- the layer
 // Phases (units): 0 quantize input rows (256 elements of a row), 1 gate + up (an expert's RC_GU
-// rows), 2 swiglu + quantize (256 elements of a pair's hidden row), 3 down into y [P, D] (an
+// rows, fewer for calls of few experts: units_per_thread), 2 swiglu + quantize (256 elements of a pair's hidden row), 3 down into y [P, D] (an
 // expert's RC_DN rows), 4 out = sum over slots in order of wts * y (RC_OUT rows of a token).
 
 #define RC_GU 16
@@ -449,6 +470,7 @@ typedef struct {
     int kg, ku, kd;                              // the activation kinds of gate, up, down
     int64_t xrow_g, xrow_u, hrow;
     int64_t x_units, gu_chunks, dn_chunks, out_chunks, h_units;  // per token / expert / expert / token / pair
+    int64_t rc_gu, rc_dn;                        // rows a unit of phase 1 / 3 (units_per_thread)
     hm_dot dg, du, dd;
     int64_t nbg, nbu, nbd;
     const int32_t *ex, *cnt, *start, *plist;
@@ -480,7 +502,7 @@ static void expert_rows(const hm_dot *dot, const uint8_t *w, int64_t row_bytes, 
             any_bad |= bad[pl[c + j] / div];
         }
         const lanes_dot_fn fn = dot->fn;
-        if (n == 1) {                            // decode's common case: one row of activations
+        if (n == 1) {                     // decode's common case: one row of activations
             for (int64_t r = r0; r < r1; r++) fn(w + r * row_bytes, nb, mode, ap, 1, o[0] + r);
         } else {
             for (int64_t r = r0; r < r1; r++) {
@@ -508,7 +530,7 @@ static void layer_unit(const void *vctx, int phase, int64_t unit) {
         if (L->xrow_u) bad |= quantize_span(L->ku, v, len, D, L->xa_u + t * L->xrow_u, c);
         if (bad) __atomic_store_n(L->xbad + t, 1, __ATOMIC_RELAXED);
     } else if (phase == 1) {
-        const int64_t ei = unit / L->gu_chunks, r0 = unit % L->gu_chunks * RC_GU, r1 = min64(F, r0 + RC_GU);
+        const int64_t ei = unit / L->gu_chunks, r0 = unit % L->gu_chunks * L->rc_gu, r1 = min64(F, r0 + L->rc_gu);
         const int32_t e = L->ex[ei], *pl = L->plist + L->start[ei];
         expert_rows(&L->dg, A->gate[e], A->gate_row_bytes, L->nbg, r0, r1, pl, L->cnt[ei], L->NA, L->xa_g, L->xrow_g,
                     L->kg, D, L->xbad, L->g, F);
@@ -520,7 +542,7 @@ static void layer_unit(const void *vctx, int phase, int64_t unit) {
         lanes_swiglu(L->g + p * F + i0, L->u + p * F + i0, s, F - i0, 0, len);   // F % 32 == 0: its 16s are the row's
         if (quantize_span(L->kd, s, len, F, L->ha + p * L->hrow, c)) __atomic_store_n(L->hbad + p, 1, __ATOMIC_RELAXED);
     } else if (phase == 3) {
-        const int64_t ei = unit / L->dn_chunks, r0 = unit % L->dn_chunks * RC_DN, r1 = min64(D, r0 + RC_DN);
+        const int64_t ei = unit / L->dn_chunks, r0 = unit % L->dn_chunks * L->rc_dn, r1 = min64(D, r0 + L->rc_dn);
         expert_rows(&L->dd, A->down[L->ex[ei]], A->down_row_bytes, L->nbd, r0, r1, L->plist + L->start[ei],
                     L->cnt[ei], 1, L->ha, L->hrow, L->kd, F, L->hbad, L->y, D);
     } else {                                    // as the CPU backend: the first slot's w * y, then + w * y in order
@@ -613,8 +635,13 @@ static void host_moe_run(const host_moe_args *A) {
     const int n_hp = start[n_ex - 1] + cnt[n_ex - 1];
     L.n_ex = n_ex;
     L.ex = ex, L.cnt = cnt, L.start = start, L.plist = plist;
-    L.gu_chunks = ceil_div(F, RC_GU);
-    L.dn_chunks = ceil_div(D, RC_DN);
+    pthread_once(&pool_once, pool_init);
+    const int nt = A->n_threads > 0 ? A->n_threads : n_cpus(), upt = atomic_load(&units_per_thread);
+    L.rc_gu = RC_GU, L.rc_dn = RC_DN;
+    while (upt > 0 && L.rc_gu > RC_GU / 4 && (int64_t)n_ex * ceil_div(F, L.rc_gu) < (int64_t)upt * nt) L.rc_gu /= 2;
+    while (upt > 0 && L.rc_dn > RC_DN / 4 && (int64_t)n_ex * ceil_div(D, L.rc_dn) < (int64_t)upt * nt) L.rc_dn /= 2;
+    L.gu_chunks = ceil_div(F, L.rc_gu);
+    L.dn_chunks = ceil_div(D, L.rc_dn);
     L.out_chunks = ceil_div(D, RC_OUT);
     L.h_units = ceil_div(F, 256);
     L.x_units = ceil_div(D, 256);

@@ -10,7 +10,11 @@ summing a 1 GiB buffer), which is the floor the kernel is meant to reach. A last
 tiny call (one 256x256 expert): the per-call cost of waking the workers and the phase hand-offs.
 A table of when each phase ended (median over the calls) shows where a call's time goes.
 
-    python3 tools/bench_host_moe.py [--threads 1,2,4,8,16] [--rows 1] [--calls 200] [--spin-us 2000]
+    python3 tools/bench_host_moe.py [--threads 1,2,4,8,16] [--used 1,2,8] [--rows 1] [--calls 200] [--spin-us 2000]
+        [--units 0,8] [--pages huge,4k] [--rounds 2]
+
+--units and --pages sweep how a call is cut and whether the stacks lie in huge pages (every combination,
+--rounds times in turn).
 """
 from __future__ import annotations
 
@@ -62,50 +66,87 @@ def time_calls(args: hm.HostMoeArgs, ids: np.ndarray, n_exp: int, n_calls: int, 
     return float(np.median(times)), (time.process_time() - c0) / n_calls
 
 
+def _ints(raw: str) -> list[int]:
+    return [int(v) for v in raw.split(",") if v.strip()]
+
+
+def build_stacks(e: int, d: int, f: int, huge: bool, rng):
+    """Random gate, up (Q4_K) and down (Q6_K) stacks, their memory in transparent huge pages or not (numpy asks
+    for them on its large arrays; the served tier's pinned memory asks too: bloomery/engine/cuda/pinned.py)."""
+    madvise = getattr(getattr(np, "_core", getattr(np, "core", None)).multiarray, "_set_madvise_hugepage", None)
+    was = madvise(huge) if madvise is not None else None
+    try:
+        return (random_stack(QT.Q4_K, e, f, d, rng), random_stack(QT.Q4_K, e, f, d, rng),
+                random_stack(QT.Q6_K, e, d, f, rng))
+    finally:
+        if madvise is not None:
+            madvise(was)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--ffn", type=int, default=768)
-    ap.add_argument("--used", type=int, default=8)
+    ap.add_argument("--used", default="8", help="experts a row, a comma list")
     ap.add_argument("--rows", type=int, default=1, help="tokens per call (1: decode)")
     ap.add_argument("--threads", default="", help="comma list; default 1, 2, 4, ... up to the CPU count")
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--isa", default=None, help="native (default), avx2 or portable")
     ap.add_argument("--spin-us", type=int, default=None, help="idle workers' spin before they sleep (default 2000)")
+    ap.add_argument("--units", default="", help="comma list of units a thread (host_moe.set_units; 0: fixed rows); "
+                                                 "default: the library's")
+    ap.add_argument("--pages", default="huge", help="comma list of huge, 4k: the stacks' pages")
+    ap.add_argument("--rounds", type=int, default=1, help="every setting this many times, in turn (hosts drift)")
     a = ap.parse_args()
     if a.spin_us is not None:
         hm.set_spin_us(a.spin_us, a.isa)
     n_cpu = hm.lib(a.isa).host_moe_max_threads()
-    threads = [int(t) for t in a.threads.split(",")] if a.threads else sorted(
+    threads = _ints(a.threads) if a.threads else sorted(
         {1 << i for i in range(n_cpu.bit_length()) if 1 << i <= n_cpu} | {n_cpu})
+    useds, units = _ints(a.used), _ints(a.units) or [-1]
+    pages = [p.strip() for p in a.pages.split(",") if p.strip()]
+    if any(p not in ("huge", "4k") for p in pages):
+        raise SystemExit(f"--pages takes huge and 4k, not {a.pages!r}")
     rng = np.random.default_rng(0)
-    e, d, f, n_used, n_tok = a.experts, a.hidden, a.ffn, a.used, a.rows
-    gate, up = random_stack(QT.Q4_K, e, f, d, rng), random_stack(QT.Q4_K, e, f, d, rng)
-    down = random_stack(QT.Q6_K, e, d, f, rng)
-    x = rng.standard_normal((n_tok, d)).astype(np.float32)                  # [T, D]
-    ids = np.zeros((n_tok, n_used), np.int32)                               # [T, A]
-    wts = np.full((n_tok, n_used), 1.0 / n_used, np.float32)                # [T, A]
-    out = np.zeros((n_tok, d), np.float32)                                  # [T, D]
-    skip = np.zeros(e, np.uint8)
-    args = hm.args_struct(d=d, f=f, n_used=n_used, gate_type=QT.Q4_K, up_type=QT.Q4_K, down_type=QT.Q6_K,
-                          gate=gate.pointers(), up=up.pointers(), down=down.pointers(), skip=skip,
-                          n_rows=n_tok, ids=ids, wts=wts, x=x, out=out)
-    hm.check_args(args, a.isa)
+    e, d, f, n_tok = a.experts, a.hidden, a.ffn, a.rows
+    stacks = {p: build_stacks(e, d, f, p == "huge", rng) for p in pages}
+    gate, up, down = stacks[pages[0]]
     expert_bytes = f * (gate.row_bytes + up.row_bytes) + d * down.row_bytes
-    print(f"# {hm.status(a.isa)}; E={e} D={d} F={f} A={n_used} T={n_tok}: "
-          f"{expert_bytes / 1e6:.2f} MB per expert, {(gate.data.nbytes + up.data.nbytes + down.data.nbytes) / 1e9:.2f} GB in all")
-    print("threads | read GB/s (floor) | µs/call | cpu µs/call | MB/call | GB/s | of floor")
+    print(f"# {hm.status(a.isa)}; E={e} D={d} F={f} T={n_tok}: {expert_bytes / 1e6:.2f} MB per expert, "
+          f"{(gate.data.nbytes + up.data.nbytes + down.data.nbytes) / 1e9:.2f} GB a set of stacks")
+    floor = {nt: hm.read_bandwidth_gbs(1 << 30, nt, 5, a.isa) for nt in threads}
+    print("round | pages | used | units | threads | read GB/s (floor) | µs/call | cpu µs/call | MB/call | GB/s | of floor")
     phase_lines = []
-    for nt in threads:
-        args.n_threads = nt
-        bw = hm.read_bandwidth_gbs(1 << 30, nt, 5, a.isa)
-        s, cpu = time_calls(args, ids, e, a.calls, rng, a.isa)
-        n_distinct = e * (1 - (1 - n_used / e) ** n_tok)                    # expected distinct experts a call
-        mb = n_distinct * expert_bytes / 1e6
-        print(f"{nt:7d} | {bw:17.1f} | {s * 1e6:7.0f} | {cpu * 1e6:11.0f} | {mb:7.1f} | {mb / 1e3 / s:4.1f} | {mb / 1e3 / s / bw:7.0%}")
-        phase_lines.append(f"{nt:7d} | " + " | ".join(f"{v:6.0f}" for v in time_calls.phases_us))
-    print("threads | median µs from the call's start to the end of: quantize | gate/up | swiglu | down | sum")
+    for rnd in range(a.rounds):
+        for pg in pages:
+            gate, up, down = stacks[pg]
+            for n_used in useds:
+                x = rng.standard_normal((n_tok, d)).astype(np.float32)                  # [T, D]
+                ids = np.zeros((n_tok, n_used), np.int32)                               # [T, A]
+                wts = np.full((n_tok, n_used), 1.0 / n_used, np.float32)                # [T, A]
+                out = np.zeros((n_tok, d), np.float32)                                  # [T, D]
+                args = hm.args_struct(d=d, f=f, n_used=n_used, gate_type=QT.Q4_K, up_type=QT.Q4_K,
+                                      down_type=QT.Q6_K, gate=gate.pointers(), up=up.pointers(),
+                                      down=down.pointers(), skip=np.zeros(e, np.uint8), n_rows=n_tok, ids=ids,
+                                      wts=wts, x=x, out=out)
+                hm.check_args(args, a.isa)
+                for un in units:
+                    hm.set_units(un, a.isa)
+                    un = hm.set_units(-1, a.isa)                              # the setting in force
+                    for nt in threads:
+                        args.n_threads = nt
+                        s, cpu = time_calls(args, ids, e, a.calls, rng, a.isa)
+                        n_distinct = e * (1 - (1 - n_used / e) ** n_tok)    # expected distinct experts a call
+                        mb = n_distinct * expert_bytes / 1e6
+                        bw = floor[nt]
+                        print(f"{rnd:5d} | {pg:5s} | {n_used:4d} | {un:5d} | {nt:7d} | {bw:17.1f} | "
+                              f"{s * 1e6:7.0f} | {cpu * 1e6:11.0f} | {mb:7.1f} | {mb / 1e3 / s:4.1f} | "
+                              f"{mb / 1e3 / s / bw:7.0%}")
+                        phase_lines.append(f"{rnd:5d} | {pg:5s} | {n_used:4d} | {un:5d} | {nt:7d} | "
+                                           + " | ".join(f"{v:6.0f}" for v in time_calls.phases_us))
+    print("round | pages | used | units | threads | median µs from the call's start to the end of: "
+          "quantize | gate/up | swiglu | down | sum")
     print("\n".join(phase_lines))
     tiny_g, tiny_u = random_stack(QT.Q4_K, 1, 256, 256, rng), random_stack(QT.Q4_K, 1, 256, 256, rng)
     tiny_d = random_stack(QT.Q6_K, 1, 256, 256, rng)

@@ -330,8 +330,11 @@ def median(xs: Sequence[float | None]) -> float | None:
 # --- the machine's bandwidths (I/O) --------------------------------------------------------------
 
 def host_read_bandwidth(threads: int | None = None, n_bytes: int = 2 << 30, repeats: int = 5) -> dict:
-    """Bytes a second the host reads from RAM: `threads` numpy sums (they release the GIL) over
-    their own slices of one buffer, the best of `repeats` after a first pass."""
+    """Bytes a second the host reads from RAM, two ways: the host expert kernel's own library (host_moe.c
+    host_read_bw: `threads` threads sum 64-bit words with eight independent sums, the best of `repeats`),
+    which sets the floors; and `threads` numpy float sums over slices of one buffer, which earlier runs
+    reported (on the H200's host it read 82 GB/s where the library read 129: numpy's pairwise float sum, not
+    the memory, set its pace, session 25). Where the library cannot be built, numpy's alone."""
     threads = threads or os.cpu_count() or 1
     buf = np.ones(n_bytes // 8, np.float64)
     parts = np.array_split(buf, threads)
@@ -342,7 +345,18 @@ def host_read_bandwidth(threads: int | None = None, n_bytes: int = 2 << 30, repe
             list(ex.map(np.sum, parts))
             times.append(time.perf_counter() - t)
     del buf, parts
-    return {"bytes_s": n_bytes / min(times[1:]), "threads": threads, "buffer_bytes": n_bytes}
+    numpy_bytes_s = n_bytes / min(times[1:])
+    out = {"bytes_s": numpy_bytes_s, "numpy_bytes_s": numpy_bytes_s, "threads": threads, "buffer_bytes": n_bytes,
+           "by": "numpy"}
+    try:
+        from bloomery.engine.cpu import host_moe
+        gbs = host_moe.read_bandwidth_gbs(n_bytes, threads, repeats)
+    except Exception as e:          # noqa: BLE001 (no compiler: the numpy figure stands, and says so)
+        out["library_error"] = str(e)
+        return out
+    if gbs > 0:
+        out.update(bytes_s=gbs * 1e9, by="host_moe.c host_read_bw")
+    return out
 
 
 def pinned_copy_bandwidth(n_bytes: int = 1 << 30, repeats: int = 6) -> float:
@@ -402,8 +416,8 @@ def card_total_bytes() -> int:
 def measure_machine(card_total_mib: int | None, threads: int | None) -> dict:
     """The bandwidths and the card's size; a part that cannot be measured here says why."""
     m: dict = {"host_read": host_read_bandwidth(threads)}
-    print(f"host memory read: {m['host_read']['bytes_s'] / 1e9:.1f} GB/s ({m['host_read']['threads']} threads)",
-          flush=True)
+    print(f"host memory read: {m['host_read']['bytes_s'] / 1e9:.1f} GB/s ({m['host_read']['threads']} threads, "
+          f"{m['host_read']['by']}; numpy's float sums {m['host_read']['numpy_bytes_s'] / 1e9:.1f})", flush=True)
     m.update(card_bandwidths())
     if "pinned_h2d_bytes_s" in m:
         print(f"pinned host-to-card copy: {m['pinned_h2d_bytes_s'] / 1e9:.1f} GB/s", flush=True)
@@ -674,7 +688,8 @@ def print_table(result: dict) -> None:
         v = m.get(key)
         return f"{v / unit:.2f} {name}" if v else "not measured"
     host = (m.get("host_read") or {}).get("bytes_s")
-    print(f"\nhost read {host / 1e9 if host else 0:.1f} GB/s, pinned copy {rate('pinned_h2d_bytes_s', 1e9, 'GB/s')}, "
+    by = (m.get("host_read") or {}).get("by", "numpy")
+    print(f"\nhost read {host / 1e9 if host else 0:.1f} GB/s ({by}), pinned copy {rate('pinned_h2d_bytes_s', 1e9, 'GB/s')}, "
           f"card copy {rate('card_bytes_s', 1e12, 'TB/s')}; floors: decode 'split' (the card streams a share of the host "
           f"experts while the host computes the rest) else 'host', prompt 'copy' (every host expert copied once)")
     rows = sorted({n.rsplit("/", 1)[0] for n in cells})

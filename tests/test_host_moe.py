@@ -214,23 +214,24 @@ def test_rows_slots_and_threads(n_tok, n_used):
     assert _bits_equal(outs[0], _weighted_sum(_cpu_outputs(x, ids, gate, up, down), ids, wts, skip))
 
 
-@pytest.mark.parametrize("units", [0, 1, 8, 64, 1000])
-def test_how_a_call_is_cut_never_changes_its_bits(units):
-    """set_units: the rows a unit (the fixed 16 / 32, or down to a quarter of that for few experts): every setting
-    gives the CPU backend's bits, on one expert (the most cut) and on eight."""
-    rng = np.random.default_rng(units)
+@pytest.mark.parametrize("units,prefetch", [(0, 0), (1, 2048), (8, 64), (64, 100000), (1000, 0)])
+def test_how_a_call_is_cut_and_read_ahead_never_changes_its_bits(units, prefetch):
+    """set_tuning: the rows a unit (the fixed 16 / 32, or down to a quarter of that for few experts) and the bytes
+    asked for ahead of each row (past the stack's end too): every setting gives the CPU backend's bits, on one
+    expert (the most cut) and on eight."""
+    rng = np.random.default_rng(units + prefetch)
     gate, up, down = _case(QT.Q4_K, QT.Q6_K, n_exp=8, d=512, f=256, seed=units)
     x = rng.standard_normal((2, 512)).astype(np.float32)
-    was = hm.set_units(units)
+    was = hm.set_tuning(units, prefetch)
     try:
-        assert hm.set_units() == units
+        assert hm.set_tuning() == (units, prefetch)
         for n_used in (1, 8):
             ids, wts = _routing(rng, 2, n_used, 8)
             skip = np.zeros(8, np.uint8)
             out = hm.host_moe_layer(x, ids, wts, gate, up, down, skip, n_threads=7)
             assert _bits_equal(out, _weighted_sum(_cpu_outputs(x, ids, gate, up, down), ids, wts, skip))
     finally:
-        hm.set_units(was)
+        hm.set_tuning(*was)
 
 
 @pytest.fixture

@@ -11,10 +11,10 @@ tiny call (one 256x256 expert): the per-call cost of waking the workers and the 
 A table of when each phase ended (median over the calls) shows where a call's time goes.
 
     python3 tools/bench_host_moe.py [--threads 1,2,4,8,16] [--used 1,2,8] [--rows 1] [--calls 200] [--spin-us 2000]
-        [--units 0,8] [--pages huge,4k] [--rounds 2]
+        [--units 0,8] [--prefetch 0,2048] [--pages huge,4k] [--rounds 2]
 
---units and --pages sweep how a call is cut and whether the stacks lie in huge pages (every combination,
---rounds times in turn).
+--units, --prefetch and --pages sweep how a call is cut, how many bytes ahead of each row a one-row product
+asks for, and whether the stacks lie in huge pages (every combination, --rounds times in turn).
 """
 from __future__ import annotations
 
@@ -94,8 +94,10 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--isa", default=None, help="native (default), avx2 or portable")
     ap.add_argument("--spin-us", type=int, default=None, help="idle workers' spin before they sleep (default 2000)")
-    ap.add_argument("--units", default="", help="comma list of units a thread (host_moe.set_units; 0: fixed rows); "
+    ap.add_argument("--units", default="", help="comma list of units a thread (host_moe.set_tuning; 0: fixed rows); "
                                                  "default: the library's")
+    ap.add_argument("--prefetch", default="", help="comma list of bytes asked for ahead of each row (0: none); "
+                                                    "default: the library's")
     ap.add_argument("--pages", default="huge", help="comma list of huge, 4k: the stacks' pages")
     ap.add_argument("--rounds", type=int, default=1, help="every setting this many times, in turn (hosts drift)")
     a = ap.parse_args()
@@ -104,7 +106,7 @@ def main() -> None:
     n_cpu = hm.lib(a.isa).host_moe_max_threads()
     threads = _ints(a.threads) if a.threads else sorted(
         {1 << i for i in range(n_cpu.bit_length()) if 1 << i <= n_cpu} | {n_cpu})
-    useds, units = _ints(a.used), _ints(a.units) or [-1]
+    useds, units, prefetch = _ints(a.used), _ints(a.units) or [-1], _ints(a.prefetch) or [-1]
     pages = [p.strip() for p in a.pages.split(",") if p.strip()]
     if any(p not in ("huge", "4k") for p in pages):
         raise SystemExit(f"--pages takes huge and 4k, not {a.pages!r}")
@@ -116,7 +118,8 @@ def main() -> None:
     print(f"# {hm.status(a.isa)}; E={e} D={d} F={f} T={n_tok}: {expert_bytes / 1e6:.2f} MB per expert, "
           f"{(gate.data.nbytes + up.data.nbytes + down.data.nbytes) / 1e9:.2f} GB a set of stacks")
     floor = {nt: hm.read_bandwidth_gbs(1 << 30, nt, 5, a.isa) for nt in threads}
-    print("round | pages | used | units | threads | read GB/s (floor) | µs/call | cpu µs/call | MB/call | GB/s | of floor")
+    print("round | pages | used | units | prefetch | threads | read GB/s (floor) | µs/call | cpu µs/call | MB/call | GB/s | "
+          "of floor")
     phase_lines = []
     for rnd in range(a.rounds):
         for pg in pages:
@@ -131,21 +134,21 @@ def main() -> None:
                                       down=down.pointers(), skip=np.zeros(e, np.uint8), n_rows=n_tok, ids=ids,
                                       wts=wts, x=x, out=out)
                 hm.check_args(args, a.isa)
-                for un in units:
-                    hm.set_units(un, a.isa)
-                    un = hm.set_units(-1, a.isa)                              # the setting in force
+                for un, pf in ((u, p) for u in units for p in prefetch):
+                    hm.set_tuning(un, pf, a.isa)
+                    un, pf = hm.set_tuning(isa=a.isa)                         # the settings in force
                     for nt in threads:
                         args.n_threads = nt
                         s, cpu = time_calls(args, ids, e, a.calls, rng, a.isa)
                         n_distinct = e * (1 - (1 - n_used / e) ** n_tok)    # expected distinct experts a call
                         mb = n_distinct * expert_bytes / 1e6
                         bw = floor[nt]
-                        print(f"{rnd:5d} | {pg:5s} | {n_used:4d} | {un:5d} | {nt:7d} | {bw:17.1f} | "
+                        print(f"{rnd:5d} | {pg:5s} | {n_used:4d} | {un:5d} | {pf:8d} | {nt:7d} | {bw:17.1f} | "
                               f"{s * 1e6:7.0f} | {cpu * 1e6:11.0f} | {mb:7.1f} | {mb / 1e3 / s:4.1f} | "
                               f"{mb / 1e3 / s / bw:7.0%}")
-                        phase_lines.append(f"{rnd:5d} | {pg:5s} | {n_used:4d} | {un:5d} | {nt:7d} | "
+                        phase_lines.append(f"{rnd:5d} | {pg:5s} | {n_used:4d} | {un:5d} | {pf:8d} | {nt:7d} | "
                                            + " | ".join(f"{v:6.0f}" for v in time_calls.phases_us))
-    print("round | pages | used | units | threads | median µs from the call's start to the end of: "
+    print("round | pages | used | units | prefetch | threads | median µs from the call's start to the end of: "
           "quantize | gate/up | swiglu | down | sum")
     print("\n".join(phase_lines))
     tiny_g, tiny_u = random_stack(QT.Q4_K, 1, 256, 256, rng), random_stack(QT.Q4_K, 1, 256, 256, rng)

@@ -101,7 +101,7 @@ def _load(isa: str) -> ctypes.CDLL:
     lib.host_read_bw.argtypes, lib.host_read_bw.restype = [i64, i32, i32], ctypes.c_double
     lib.host_moe_last_phases.argtypes, lib.host_moe_last_phases.restype = [_p], i32
     lib.host_moe_set_spin_us.argtypes, lib.host_moe_set_spin_us.restype = [i64], None
-    lib.host_moe_set_units.argtypes, lib.host_moe_set_units.restype = [i32], i32
+    lib.host_moe_set_tuning.argtypes, lib.host_moe_set_tuning.restype = [i32, i32], i64
     lib.host_moe_bell_open.argtypes, lib.host_moe_bell_open.restype = [i32, i32, _p, _p, _p], _p
     lib.host_moe_bell_layers.argtypes, lib.host_moe_bell_layers.restype = [_p, i32], i32
     lib.host_moe_bell_arm.argtypes, lib.host_moe_bell_arm.restype = [_p, i64], None
@@ -149,11 +149,14 @@ def set_spin_us(us: int, isa: str | None = None) -> None:
     lib(isa).host_moe_set_spin_us(us)
 
 
-def set_units(units: int = -1, isa: str | None = None) -> int:
-    """How host_moe cuts a call (below 0: unchanged): a gate/up or down phase takes units of fewer rows until it
-    has `units` units a thread (0, the default: the fixed 16 and 32 rows; or BLOOMERY_HOST_UNITS), for
-    tools/bench_host_moe.py's sweeps. No setting changes a result's bits. Returns the setting before."""
-    return int(lib(isa).host_moe_set_units(units))
+def set_tuning(units: int = -1, prefetch: int = -1, isa: str | None = None) -> tuple[int, int]:
+    """How host_moe cuts a call and reads ahead (below 0: unchanged): a gate/up or down phase takes units of fewer
+    rows until it has `units` units a thread (0, the default: the fixed 16 and 32 rows; or BLOOMERY_HOST_UNITS),
+    and a one-row product asks for the bytes `prefetch` ahead of each row it reads (default 2048, or
+    BLOOMERY_HOST_PREFETCH; 0: none). For tools/bench_host_moe.py's sweeps; no setting changes a result's bits.
+    Returns the settings before (units, prefetch)."""
+    was = int(lib(isa).host_moe_set_tuning(units, prefetch))
+    return was >> 32, was & 0xFFFFFFFF
 
 
 def last_phases_us(isa: str | None = None) -> list[float]:

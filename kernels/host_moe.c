@@ -465,8 +465,9 @@ static inline size_t up64(size_t n) { return (n + 63) & ~(size_t)63; }
 
 // ---------------------------------------------------------------- the layer
 // Phases (units): 0 quantize input rows (256 elements of a row), 1 gate + up (an expert's RC_GU
-// rows, fewer for calls of few experts: units_per_thread), 2 swiglu + quantize (256 elements of a pair's hidden row), 3 down into y [P, D] (an
-// expert's RC_DN rows), 4 out = sum over slots in order of wts * y (RC_OUT rows of a token).
+// rows; fewer in calls of few experts where units_per_thread asks), 2 swiglu + quantize (256
+// elements of a pair's hidden row), 3 down into y [P, D] (an expert's RC_DN rows, the same), 4 out =
+// sum over slots in order of wts * y (RC_OUT rows of a token).
 
 #define RC_GU 16
 #define RC_DN 32

@@ -77,7 +77,7 @@ class ExpertStack:
         if raw.size != self.expert_bytes * self.n_expert:
             raise ValueError(f"an expert stack of shape {self.shape} holds {raw.size} bytes, "
                              f"not {self.expert_bytes * self.n_expert}")
-        self.host = huge_pinned(raw.size)                                      # huge pages: the host kernel's TLB
+        self.host = huge_pinned(raw.size)                                      # huge pages: quick to page-lock
         self.host[:] = raw                                                   # every expert, host side
         self.host_ptrs = (self.host.ctypes.data + self.expert_bytes * np.arange(self.n_expert, dtype=np.uint64)
                           ).astype(np.uint64)                                 # [E] the host function reads these

@@ -231,6 +231,9 @@ static inline __m512i lanes_pair8(int lo, int hi) {    // bytes: the low 256 bit
 static inline __m256i lanes_fold(__m512i v) {          // int32 lanes i and i + 8 added: exact
     return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
 }
+static inline __m512i lanes_pick_halves(int c) {       // int32 indices: 2c in the low 256 bits, 2c + 1 in the high
+    return _mm512_inserti64x4(_mm512_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1), 1);
+}
 
 // the 32 quants of a Q8_0 / Q5_0 / Q4_0 block (qtype 0 / 1 / 2) plus the type's offset: w + 128,
 // w + 16, w + 8, unsigned
@@ -690,9 +693,7 @@ LANES_INLINE void lanes_dot_q5k_n(const uint8_t *w, int64_t nb, int tiled, const
     // llama's lane i % 8 (|sum| <= 4 * 31 * 127 < 2^15: dpwssd scales it exactly)
     const __m512i sixteen = _mm512_set1_epi8(16);
     __m512i pick[4];
-    for (int c = 0; c < 4; c++)
-        pick[c] = _mm512_setr_epi32(2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c,
-                                    2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1);
+    for (int c = 0; c < 4; c++) pick[c] = lanes_pick_halves(c);
     __m256 acc8[LANES_NMAX];
     for (int j = 0; j < n; j++) acc8[j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -812,9 +813,7 @@ LANES_INLINE void lanes_dot_q4k_n(const uint8_t *w, int64_t nb, int gemm, const 
         // converted together, then the two chains of fmas in order
 #if LANES_512
         __m512i pick[4];                               // lane i of vector c: sub-block 2c + i / 8
-        for (int c = 0; c < 4; c++)
-            pick[c] = _mm512_setr_epi32(2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c + 1, 2 * c + 1,
-                                        2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1);
+        for (int c = 0; c < 4; c++) pick[c] = lanes_pick_halves(c);
 #endif
         for (int64_t b0 = 0; b0 < nb; b0 += 2) {
             const int nbp = nb - b0 < 2 ? 1 : 2;

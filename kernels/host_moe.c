@@ -513,17 +513,14 @@ static void expert_rows(const hm_dot *dot, const uint8_t *w, int64_t row_bytes, 
             any_bad |= bad[pl[c + j] / div];
         }
         const lanes_dot_fn fn = dot->fn;
-        if (n == 1 && pf > 0) {                  // decode's common case: one row of activations
-            const uint8_t *first = w + r0 * row_bytes;
-            if (c == 0)
-                for (int64_t b = 0; b < pf; b += 64) __builtin_prefetch(first + b, 0, 3);
+        if (n == 1) {                            // decode's common case: one row of activations
+            if (pf > 0 && c == 0)                // the unit's first bytes, then each row's pf ahead
+                for (int64_t b = 0; b < pf; b += 64) __builtin_prefetch(w + r0 * row_bytes + b, 0, 3);
             for (int64_t r = r0; r < r1; r++) {
-                const uint8_t *ahead = w + r * row_bytes + pf;     // past the stack's end it reads nothing
-                for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 3);
+                if (pf > 0)                      // past the stack's end a prefetch reads nothing
+                    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(w + r * row_bytes + pf + b, 0, 3);
                 fn(w + r * row_bytes, nb, mode, ap, 1, o[0] + r);
             }
-        } else if (n == 1) {
-            for (int64_t r = r0; r < r1; r++) fn(w + r * row_bytes, nb, mode, ap, 1, o[0] + r);
         } else {
             for (int64_t r = r0; r < r1; r++) {
                 float v[LANES_NMAX];

@@ -8,6 +8,7 @@ reached /health in 15 s against 26 s. The host expert kernel's rate did not meas
 """
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 
@@ -52,9 +53,10 @@ def pinned_chunk(n: int, flags: int = 0):
     return owner, ptr, weakref.finalize(owner, _unregister, ptr)
 
 
+@functools.cache
 def _host_pointer_is_device_pointer() -> bool:
     """Whether card kernels may read registered memory at its host address (cudaDevAttrCanUseHostPointerFor-
-    RegisteredMem), as they read the driver allocator's under unified addressing."""
+    RegisteredMem), as they read the driver allocator's under unified addressing; asked once a process."""
     try:
         return bool(cupy.cuda.runtime.deviceGetAttribute(CAN_USE_HOST_POINTER, cupy.cuda.Device().id))
     except cupy.cuda.runtime.CUDARuntimeError:

@@ -288,10 +288,14 @@ def test_on_the_card_the_launched_steps_give_the_ids_of_steps_run_in_place(gpu, 
 
     ahead, engine = serve()
     assert engine.ahead_steps >= 15             # most of a's 23 steps after its first (19 on the H200)
+    assert engine.chained_steps >= 10           # most of those chained behind the one before (model.greedy_chain)
+    monkeypatch.setenv("BLOOMERY_GREEDY_CHAIN", "0")
+    unchained, engine = serve()
+    assert engine.ahead_steps >= 15 and engine.chained_steps == 0
     monkeypatch.setattr(CausalLM, "greedy_ahead", property(lambda self: False))
     in_place, engine = serve()
     assert engine.ahead_steps == 0
-    assert ahead == in_place
+    assert ahead == in_place and unchained == in_place
 
 
 @pytest.mark.gpu

@@ -338,7 +338,8 @@ def cell_line(r: dict) -> str:
                 f"cache_ms {fmt(r.get('cache_ms_median_later'))}; {passes(r)})")
     st = r.get("steps") or {}
     steps = (f"; {st['decode_steps_total']:.0f} decode steps, {st.get('decode_steps_ahead_total', 0):.0f} launched "
-             f"ahead ({st.get('decode_steps_ahead_dropped_total', 0):.0f} dropped), "
+             f"ahead ({st.get('decode_steps_ahead_dropped_total', 0):.0f} dropped, "
+             f"{st.get('decode_steps_chained_total', 0):.0f} chained), "
              f"{st.get('decode_steps_top_total', 0):.0f} from the largest logits") if st.get("decode_steps_total") else ""
     return (f"aggregate {fmt(r['aggregate_decode_tok_s'])} tok/s, per stream {fmt(r['stream_decode_tok_s'])}, "
             f"TTFT p50 {fmt_s(r['ttft_p50_s'])} p99 {fmt_s(r['ttft_p99_s'])}{steps}")

@@ -183,7 +183,8 @@ def engine_rate(model, b: int, prompt: int, n_gen: int, bans: bool, ahead: bool,
         else:
             os.environ["BLOOMERY_GREEDY_AHEAD"] = saved
     return {"tok_s": round(n_ids / took, 1), "ids": n_ids, "ahead_steps": eng.ahead_steps,
-            "ahead_dropped": eng.ahead_dropped, "top_steps": eng.top_steps, "top_misses": eng.top_misses}
+            "ahead_dropped": eng.ahead_dropped, "chained": eng.chained_steps, "top_steps": eng.top_steps,
+            "top_misses": eng.top_misses}
 
 
 def placing(a) -> bool:
@@ -342,7 +343,8 @@ def run(a) -> dict:
                 print(f"engine, {b:>3} requests, greedy{' with bans' if bans else ''}, "
                       f"{'launched ahead' if ahead else 'BLOOMERY_GREEDY_AHEAD=0'}: {got['tok_s']:,.1f} tok/s "
                       f"({b * 1e3 / got['tok_s']:.3f} ms a step); {got['ahead_steps']} steps launched ahead, "
-                      f"{got['ahead_dropped']} dropped, {got['top_steps']} from the largest logits", flush=True)
+                      f"{got['ahead_dropped']} dropped, {got['chained']} chained, {got['top_steps']} from the largest "
+                      "logits", flush=True)
     if a.kernels:
         res["kernels_ms"] = {}
         from bench_cuda import kernel_profile

@@ -20,6 +20,12 @@ for it first, before anything else touches the card, and takes its ids when it d
 with the same ids at the same positions (else it runs its own step; the launched one's write at each
 slot's next position is past what the slot holds, and the next id written there replaces it).
 settle() waits for it where something outside step() touches the model (a slot's file, a swap).
+Where the model chains steps (greedy_chain: a plain greedy or banning pick, on the card), the step after the one
+launched ahead is launched too, behind it, its ids that step's picks on the card: the card runs the two back to
+back while the host reads the first's ids, so the host's work between steps (the wait's wake, the sampling, the
+launch) leaves the card's path. The next round promotes it to the step launched ahead when every slot goes on,
+and chains another behind it; any other round (a slot ends or joins, a cancel, a prompt) waits for it and drops
+it (its write, one past the launched-ahead step's, is past what the slot holds, as that step's may be).
 
 add / cancel / slots / has_work may be called from another thread while step()
 runs: the bookkeeping sits behind a lock that is never held across a model call.
@@ -137,9 +143,14 @@ class Engine:
         # ids, ids, positions) it ran, its handle, k: 0 for its ids, else its rows' k largest logits, the rows'
         # bans it ran with when k is 0); the next step takes it when its slots are those
         self._ahead: tuple[tuple, object, int, list | None] | None = None
+        # the step chained behind it (model.greedy_chain): ((slot ids, positions) it runs at, its rows' bans, its
+        # handle); its ids are the launched-ahead step's picks, so the next round takes it as that round's step
+        # launched ahead when its slots all go on at those positions with those bans
+        self._chained: tuple[tuple, list | None, object] | None = None
         self.decode_steps = 0       # batched decode steps run (each one row a decoding slot)
         self.ahead_steps = 0        # decode steps whose ids came from a step launched ahead
         self.ahead_dropped = 0      # ... launched and not used (the batch changed)
+        self.chained_steps = 0      # of the steps launched ahead, those chained behind the one before
 
     # -- called from any thread ------------------------------------------------
     def add(self, req: EngineRequest) -> None:
@@ -185,12 +196,29 @@ class Engine:
                 self._ahead[1].wait()
             except Exception:        # the next step runs its own, which says what failed
                 self._ahead = None
+        if self._chained is not None:
+            try:
+                self._chained[2].wait()
+            except Exception:
+                self._chained = None
+            if self._ahead is None:  # it followed a step that failed: nothing to take it for
+                self._chained = self._drop_chained(self._chained)
+
+    def _drop_chained(self, chained) -> None:
+        """A chained step not taken: waited for (nothing else may touch the device before) and counted dropped."""
+        if chained is not None:
+            try:
+                chained[2].wait()
+            except Exception:
+                pass
+            self.ahead_dropped += 1
+        return None
 
     def swap_model(self, model: EngineModel | None) -> None:
         """--sleep-idle-seconds: None frees the model (its weights and KV) while the engine is idle; a freshly
         loaded model wakes it. Either way the slots' cached prompts are gone with the old KV."""
         self.settle()
-        self._ahead = None
+        self._ahead = self._chained = None
         asleep = self.engine_stats() if model is None and self.model is not None else None
         with self._lock:
             if model is None and self.scheduler.has_work():
@@ -217,7 +245,8 @@ class Engine:
                 return dict(self._asleep_stats)
             return {**self.prompt_cache.stats(), **self._pass_counts(),
                     "steps_decode": self.decode_steps, "steps_ahead": self.ahead_steps,
-                    "steps_ahead_dropped": self.ahead_dropped, "steps_top": self.top_steps,
+                    "steps_ahead_dropped": self.ahead_dropped, "steps_chained": self.chained_steps,
+                    "steps_top": self.top_steps,
                     "steps_top_missed": self.top_misses}
 
     def _pass_counts(self) -> dict[str, int]:
@@ -230,7 +259,7 @@ class Engine:
     def abort_all(self, message: str) -> list[TokenOut]:
         """Finish every queued and running request with "error" (after a fault in step)."""
         self.settle()
-        self._ahead = None
+        self._ahead = self._chained = None
         with self._lock:
             outs = [TokenOut(r.req_id, None, "error", error=message) for r in self.scheduler.waiting]
             for req in list(self.scheduler.waiting):
@@ -250,12 +279,16 @@ class Engine:
             self._host_idle = False
             self.model.host_idle(False)
         ahead, self._ahead = self._ahead, None
+        chained, self._chained = self._chained, None
         if ahead is not None:        # ended before this round touches the device (admissions, prompts, copies)
             try:
                 ahead = (ahead[0], ahead[1].wait(), *ahead[2:])
             except Exception:
                 ahead = None
+        if ahead is None:
+            chained = self._drop_chained(chained)
         with self._lock:
+            prompts_before = any(s.next_id is None for s in self.scheduler.busy())
             cancels, self._cancels = self._cancels, []
             for req_id in cancels:
                 got = self.scheduler.cancel(req_id)
@@ -271,6 +304,8 @@ class Engine:
                                        "n_prompt": len(req.prompt_ids), "n_cached": slot.n_cached,
                                        "n_processed": len(req.prompt_ids) - slot.n_cached,
                                        "n_decoded": 0}
+        if chained is not None and (cancels or admitted or prompts_before or not decoding):
+            chained = self._drop_chained(chained)      # this round touches the device beside a decode step
         saved_ms: dict[int, float] = {}
         for slot in admitted:    # every save before any restore: a slot admitted now may restore another's
             t0 = time.perf_counter()
@@ -299,7 +334,7 @@ class Engine:
         elif prefilling:
             outs.extend(self._prefill_round(prefilling, outs))
         if decoding:
-            outs.extend(self._decode(decoding, ahead))
+            outs.extend(self._decode(decoding, ahead, chained))
         elif ahead is not None:
             self.ahead_dropped += 1
         return outs
@@ -575,7 +610,7 @@ class Engine:
             self.scheduler.prefilled(slot)
         return self._sample(slot, logits, first=True)
 
-    def _decode(self, slots: list[Slot], ahead: tuple | None = None) -> list[TokenOut]:
+    def _decode(self, slots: list[Slot], ahead: tuple | None = None, chained: tuple | None = None) -> list[TokenOut]:
         ids = np.array([s.next_id for s in slots], dtype=np.int32)               # [B]
         positions = np.array([s.n_past for s in slots], dtype=np.int32)          # [B]
         key = self._step_key(slots, ids, positions)
@@ -584,6 +619,7 @@ class Engine:
         if picks is not None:
             self.ahead_steps += 1
         else:
+            chained = self._drop_chained(chained)
             if ahead is not None:
                 self.ahead_dropped += 1
             try:
@@ -597,7 +633,7 @@ class Engine:
             for slot in slots:
                 self.scheduler.fed(slot)
         outs = [self._sample(slot, first=False, **pick) for slot, pick in zip(slots, picks)]
-        self._launch_ahead(slots, outs)
+        self._launch_ahead(slots, outs, chained)
         return outs
 
     @staticmethod
@@ -654,35 +690,70 @@ class Engine:
         slot.state.top_miss += self.TOP_MISS_RATE * ((token is None) - slot.state.top_miss)
         return token
 
-    def _launch_ahead(self, slots: list[Slot], outs: list[TokenOut]) -> None:
+    def _launch_ahead(self, slots: list[Slot], outs: list[TokenOut], chained: tuple | None = None) -> None:
+        taken = self._launch_next(slots, outs, chained)
+        if not taken:
+            self._drop_chained(chained)
+
+    def _launch_next(self, slots: list[Slot], outs: list[TokenOut], chained: tuple | None) -> bool:
+        """_launch_ahead's work; whether it dealt with `chained` (the step chained behind this one): took it as the
+        step ahead, or dropped it."""
         """Every slot of this step goes on, each a greedy pick the device can make (plain: its argmax; with bans:
         from its largest logits), no other slot joins, nothing to cancel: the next step launched now
         (model.decode_greedy_begin, decode_topk_begin), so the device computes it while this step's ids travel
         to their clients; the next round takes it when it decodes the same slots (step())."""
         if not getattr(self.model, "greedy_ahead", False) or any(o.finish is not None or o.token is None for o in outs):
-            return
+            return False
         with self._lock:
             if self._cancels or any(s.req is None or s.next_id is None for s in slots):
-                return
+                return False
             # a slot whose prompt ended this round decodes next round too: a step without it would be dropped
             if {s.id for s in self.scheduler.busy() if s.next_id is not None} != {s.id for s in slots}:
-                return
+                return False
             ids = np.array([s.next_id for s in slots], dtype=np.int32)
             positions = np.array([s.n_past for s in slots], dtype=np.int32)
+            left = [s.req.n_predict - s.n_decoded if s.req.n_predict >= 0 else None for s in slots]
         bans = self._device_bans(slots)
         k = 0 if bans is not None else self._ahead_top_k(slots)
         if bans is None and k == 0:
-            return
+            return False
         if any(p >= self.n_ctx_slot for p in positions):
-            return
+            return False
+        b_ids = [s.id for s in slots]
+        key = self._step_key(slots, ids, positions)
+        if chained is not None and k == 0 and chained[:2] == ((tuple(b_ids), tuple(int(p) for p in positions)), bans):
+            # its ids are the picks this round took from the step before it on the device: these ids
+            self._ahead = (key, chained[2], 0, bans)
+            self.chained_steps += 1
+            self._chain_behind(b_ids, positions, bans, left)
+            return True
+        self._drop_chained(chained)
         try:
-            b_ids = [s.id for s in slots]
             handle = (self._greedy_call(self.model.decode_greedy_begin, b_ids, ids, positions, bans) if k == 0
                       else self.model.decode_topk_begin(b_ids, ids, positions, k))
         except Exception:            # the next step runs its own, which says what failed
+            return True
+        if handle is not None:
+            self._ahead = (key, handle, k, bans)
+            if k == 0:
+                self._chain_behind(b_ids, positions, bans, left)
+        return True
+
+    def _chain_behind(self, b_ids: list[int], positions, bans, left) -> None:
+        """The step after the one just launched ahead (at `positions`) chained behind it, where the model chains,
+        the slots have room one position on, and each has at least two ids left to make (left: None for no
+        bound), so that a step whose slot must end is not made for nothing."""
+        if not getattr(self.model, "greedy_chain", False):
+            return
+        nxt = np.asarray(positions, dtype=np.int32) + 1
+        if any(p >= self.n_ctx_slot for p in nxt) or any(n is not None and n < 2 for n in left):
+            return
+        try:
+            handle = self.model.decode_greedy_chain(self._ahead[1], b_ids, nxt, bans=bans if any(bans) else None)
+        except Exception:            # the next step runs its own, which says what failed
             return
         if handle is not None:
-            self._ahead = (self._step_key(slots, ids, positions), handle, k, bans)
+            self._chained = ((tuple(b_ids), tuple(int(p) for p in nxt)), bans, handle)
 
     @staticmethod
     def _greedy_call(call, b_ids, ids, positions, bans):

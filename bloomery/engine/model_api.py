@@ -36,6 +36,9 @@ class EngineModel:
     # host's work between steps runs while the device computes; the model's state may take the step's write
     # though its ids are never used (a request that ended meanwhile), so only a state that rewinds may
     greedy_ahead: bool = False
+    # decode_greedy_chain: the greedy step after a launched one, launched behind it with its picks as ids on the
+    # device, so the device runs the two back to back while the host reads the first's ids
+    greedy_chain: bool = False
     topk_max: int = 0                # decode_topk takes k in 1..topk_max; 0: whole rows of logits only
     greedy_bans: int = 0             # decode_greedy(bans=...): ids a row's pick may ban (0: bans take decode_topk)
     saves_kv: bool = False           # save_kv / restore_kv copy a slot's state out and back (the prompt cache)
@@ -68,6 +71,12 @@ class EngineModel:
         """decode_greedy launched (bans as there): a handle whose wait() gives the ids [B] (None: this batch cannot
         be launched ahead). Nothing else may touch the device before wait() returns."""
         raise self._lacks("decode_greedy_begin", "greedy_ahead", self.greedy_ahead)
+
+    def decode_greedy_chain(self, after, slots: Sequence[int], positions, bans=None):
+        """The greedy step after the launched `after` (decode_greedy_begin's or this one's handle for the same slots,
+        not yet waited for), whose ids are after's picks, launched now (positions: after's, each one on; bans as
+        decode_greedy's): a handle as decode_greedy_begin's, waited for after `after` (None: not here)."""
+        raise self._lacks("decode_greedy_chain", "greedy_chain", self.greedy_chain)
 
     def decode_topk(self, slots: Sequence[int], ids, positions, k: int):
         """One id per slot; of each row only the k largest logits (descending, ties to the lower

@@ -69,6 +69,26 @@ class _Graph:
     logits: object      # [B, V] (a prompt's: [1, V])
     picked: object = None   # [B] (decode steps)
     posts: int = 0      # host jobs the step posts to the offload's bell (armed before each launch)
+    ring: list = None   # decode steps: LAUNCH_RING (inputs, picks) pairs in pinned host memory, one a launch in turn
+    turn: int = 0       # the ring's next pair
+
+
+# A decode graph's launches in flight at once, at most: one waited for, one chained behind it (begin_chain), one
+# being made. Each launch copies its inputs from, and its picks to, a pinned pair of its own, so a launch made
+# while earlier ones have not yet run leaves their copies' bytes alone.
+LAUNCH_RING = 4
+
+
+class _Picks:
+    """A launched greedy step's ids: copied to pinned memory behind the step on its stream (so a step chained after
+    it may overwrite the graph's own), handed over by wait(). g and turn say which launch it was."""
+
+    def __init__(self, g: _Graph, out: np.ndarray, event):
+        self.g, self._out, self._event = g, out, event
+
+    def wait(self) -> np.ndarray:
+        self._event.synchronize()
+        return self._out.copy()
 
 
 def prompt_graphs_enabled() -> bool:
@@ -162,22 +182,42 @@ class DecodeGraphs:
         host_io = _pinned_io(3 + GREEDY_BANS, b)
         graph, stream, pool, io, (logits, picked) = _record(ops, host_io, step)
         posts = offload.posts - posts0 if offload is not None else 0
-        return _Graph(graph, stream, pool, io, host_io, logits, picked, posts)
+        ring = [(_pinned_io(3 + GREEDY_BANS, b), _pinned_io(1, b)[0]) for _ in range(LAUNCH_RING)]
+        return _Graph(graph, stream, pool, io, host_io, logits, picked, posts, ring)
 
-    def _launch(self, slots, ids, positions, bans=None) -> _Graph:
+    def _launch(self, slots, ids, positions, bans=None, after: _Picks | None = None) -> tuple[_Graph, np.ndarray]:
         """The step of these rows launched; bans: [GREEDY_BANS, B] ids each row's greedy pick skips (their logits
-        set to -inf, so the logits handed over carry them too), -1 for none; None: no bans."""
+        set to -inf, so the logits handed over carry them too), -1 for none; None: no bans. after: a launch of the
+        same graph this one follows on its stream, whose picks on the card are this step's ids (ids unused). Gives
+        the graph and the pinned [B] its picks may be copied to."""
         b = len(slots)
         g = self._graphs.get(b)
         if g is None:
             g = self._graphs[b] = self._capture(b)
-        g.host_io[0], g.host_io[1], g.host_io[2] = ids, slots, positions
-        g.host_io[3:] = -1 if bans is None else bans
-        g.io.set(g.host_io, stream=g.stream)
+        host_io, out = g.ring[g.turn % LAUNCH_RING]
+        g.turn += 1
+        if after is None:
+            host_io[0] = ids
+        host_io[1], host_io[2] = slots, positions
+        host_io[3:] = -1 if bans is None else bans
+        g.io.set(host_io, stream=g.stream)
+        if after is not None:        # the step before's picks, on the card, as this step's ids
+            if after.g is not g:
+                raise ValueError("a chained step follows a launch of the same batch's graph")
+            cupy.cuda.runtime.memcpyAsync(g.io.data.ptr, g.picked.data.ptr, b * 4,
+                                          cupy.cuda.runtime.memcpyDeviceToDevice, g.stream.ptr)
         if g.posts:
             self.model.ops.offload.arm(g.posts)
         g.graph.launch(g.stream)
-        return g
+        return g, out
+
+    def _picks_behind(self, g: _Graph, out: np.ndarray) -> _Picks:
+        """The launch's picks copied to `out` behind it on its stream, and an event after the copy."""
+        cupy.cuda.runtime.memcpyAsync(out.ctypes.data, g.picked.data.ptr, out.nbytes,
+                                      cupy.cuda.runtime.memcpyDeviceToHost, g.stream.ptr)
+        event = cupy.cuda.Event(block=False, disable_timing=True)
+        event.record(g.stream)
+        return _Picks(g, out, event)
 
     def run_topk(self, slots, ids, positions, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The step, then the k largest logits of each row on the card (ops.topk, after the graph
@@ -191,16 +231,29 @@ class DecodeGraphs:
         g.stream.synchronize()
         return out
 
-    def begin(self, slots, ids, positions, bans=None):
-        """The greedy step launched (at most max_batch rows; bans as _launch's): a function that waits for it and
-        returns its ids."""
-        g = self._launch(slots, ids, positions, bans)
-        return lambda: self._fetch(g, g.picked)
+    def begin(self, slots, ids, positions, bans=None) -> _Picks:
+        """The greedy step launched (at most max_batch rows; bans as _launch's): a handle whose wait() waits for it
+        and returns its ids."""
+        return self._picks_behind(*self._launch(slots, ids, positions, bans))
+
+    def chains(self, b: int) -> bool:
+        """Whether a step of b rows may be chained behind another (begin_chain): its graph posts no host jobs,
+        which are armed per launch and run as the step reaches them."""
+        g = self._graphs.get(b)
+        return g is not None and not g.posts
+
+    def begin_chain(self, after: _Picks, slots, positions, bans=None) -> _Picks:
+        """The greedy step after `after` (a launch of the same rows not yet waited for, or waited for) launched
+        behind it on the card: its ids are after's picks there, so the host launches it before it knows them and
+        the card runs the two back to back. A handle as begin's."""
+        if not self.chains(len(slots)):
+            raise ValueError(f"a step of {len(slots)} rows cannot be chained (no graph yet, or it has host experts)")
+        return self._picks_behind(*self._launch(slots, None, positions, bans, after=after))
 
     def begin_topk(self, slots, ids, positions, k: int):
         """The step and its rows' k largest logits launched (run_topk's work, not waited for): a function that
         waits for them and returns them."""
-        g = self._launch(slots, ids, positions)
+        g, _ = self._launch(slots, ids, positions)
         with g.stream:
             got = self.model.ops.topk(g.logits, k)
 
@@ -211,7 +264,7 @@ class DecodeGraphs:
         return fetch
 
     def run(self, slots, ids, positions, want_logits: bool, bans=None) -> np.ndarray:
-        g = self._launch(slots, ids, positions, bans)
+        g, _ = self._launch(slots, ids, positions, bans)
         return self._fetch(g, g.logits if want_logits else g.picked)
 
     # --- short prompts of one slot ---

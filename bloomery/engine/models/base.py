@@ -346,7 +346,26 @@ class CausalLM(EngineModel):
         ban_rows = self._ban_rows(bans, len(slots))
         if not self.greedy_ahead or len(slots) > self._graphs().max_batch:
             return None
-        return _Ahead(self._graphs().begin(slots, ids, positions, ban_rows), self.ops)
+        launch = self._graphs().begin(slots, ids, positions, ban_rows)
+        return _Ahead(launch.wait, self.ops, launch)
+
+    @property
+    def greedy_chain(self) -> bool:
+        """Whether decode_greedy_chain may be asked: greedy_ahead's steps, unless BLOOMERY_GREEDY_CHAIN=0 (for
+        comparison)."""
+        return self.greedy_ahead and os.environ.get("BLOOMERY_GREEDY_CHAIN", "1") != "0"
+
+    def decode_greedy_chain(self, after, slots: Sequence[int], positions, bans=None):
+        """The greedy step after `after` (a handle of decode_greedy_begin or of this, for the same slots, not yet
+        waited for) launched behind it: its ids are after's picks on the device, so it is launched before the host
+        knows them (positions: after's, each one on; bans as decode_greedy's). A handle as decode_greedy_begin's,
+        waited for after `after`; None where it cannot be (greedy_chain false, a step with host experts)."""
+        launch = getattr(after, "launch", None)
+        if not self.greedy_chain or launch is None or not self._graphs().chains(len(slots)):
+            return None
+        slots, _, positions = self._decode_args(slots, np.zeros(len(slots), np.int32), positions)
+        launch = self._graphs().begin_chain(launch, slots, positions, self._ban_rows(bans, len(slots)))
+        return _Ahead(launch.wait, self.ops, launch)
 
     def decode_topk_begin(self, slots: Sequence[int], ids, positions, k: int):
         """decode_topk launched on the captured step of its batch, as decode_greedy_begin (None where that
@@ -404,8 +423,9 @@ class _Ahead:
     """A captured step launched and not waited for: wait() fetches what it hands over (once: its ids, or its rows'
     largest logits) and ends the step as _step does."""
 
-    def __init__(self, fetch, ops):
+    def __init__(self, fetch, ops, launch=None):
         self._fetch, self._ops, self._got = fetch, ops, None
+        self.launch = launch        # the graph's launch (a greedy step's), which a step may be chained behind
 
     def wait(self):
         if self._got is None:

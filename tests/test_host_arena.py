@@ -42,18 +42,30 @@ def test_spans_refuse_a_double_return_and_a_busy_removal():
 
 
 class Maker:
-    """Plain numpy chunks, with a record of what was made and let go."""
+    """Plain numpy chunks, with a record of what was made and let go (and of the ready mappings it was handed)."""
 
     def __init__(self, fail: bool = False):
-        self.made, self.released, self.fail = [], [], fail
+        self.made, self.released, self.fail, self.from_ready = [], [], fail, []
 
-    def __call__(self, n: int):
+    def __call__(self, n: int, ready=None):
         if self.fail:
             return None
-        owner = np.zeros(n + PAGE, np.uint8)
+        owner = np.zeros(n + PAGE, np.uint8) if ready is None else ready
         ptr = owner.ctypes.data + (-owner.ctypes.data) % PAGE
         self.made.append(n)
+        self.from_ready.append(ready is not None)
         return owner, ptr, lambda: self.released.append(n)
+
+
+class Prepare:
+    """A chunk-sized mapping made ready (the card's huge_mapping), counted."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, n: int):
+        self.calls += 1
+        return np.zeros(n + PAGE, np.uint8)
 
 
 def until(pred, seconds: float = 10.0) -> bool:
@@ -210,3 +222,75 @@ def test_a_huge_mapping_asks_for_huge_pages_and_is_plain_zeroed_memory():
             assert " hg" in flags, flags                # MADV_HUGEPAGE took
             return
     pytest.fail(f"no mapping holds {start:#x} in /proc/self/smaps")
+
+
+def test_mappings_are_made_ready_while_requests_run_and_a_save_on_the_path_locks_one():
+    """Mapping and faulting in a chunk holds no driver, so the thread keeps the reserve's count of them ready while
+    requests run; a save that finds no free chunk then only locks one (make(n, ready)), and the thread makes the
+    ready ones again at once, within the limit."""
+    m, prep = Maker(), Prepare()
+    a = arena(m, background=True, prepare=prep)
+    a.set_limit(64 * MIB)
+    a.set_idle(False)                                   # requests run from the start: never quiet
+    a.tend_later()
+    assert until(lambda: a.stats()["ready"] == 2) and a.stats()["made_ahead"] == 0
+    x = a.array((4 * MIB,), np.uint8)                   # a save of a whole chunk: locks a ready mapping
+    y = a.array((3 * MIB,), np.uint8)
+    assert m.from_ready == [True, True] and a.stats()["made_on_path"] == 2 and a.stats()["prepared_used"] == 2
+    a.tend_later()
+    assert until(lambda: a.stats()["ready"] == 2) and prep.calls == 4
+    z = a.array((5 * MIB,), np.uint8)                   # larger than a chunk: one of its own size
+    assert m.from_ready[-1] is False and z.base is not None
+    a.set_idle(True)                                    # a quiet (QUIET_S): the ready ones are locked as the reserve
+    assert until(lambda: a.stats()["made_ahead"] == 2)
+    assert a.stats()["ready"] == 0 and m.from_ready[-2:] == [True, True]
+    del x, y, z
+
+
+def test_ready_mappings_count_against_the_limit_and_go_with_it():
+    m, prep = Maker(), Prepare()
+    a = arena(m, prepare=prep, limit_bytes=6 * MIB)     # room for one chunk of 4 MiB only
+    assert a.top_up() == 1 and a.stats()["ready"] == 1
+    a.set_limit(0)
+    a.tend()
+    assert a.stats()["ready"] == 0
+
+
+def _rss_of(address: int) -> int:
+    """The resident bytes of the mapping that starts at address (/proc/self/smaps)."""
+    lines = open("/proc/self/smaps").read().splitlines()
+    for i, line in enumerate(lines):
+        if line.split("-")[0] == f"{address:x}" or line.split("-")[0] == f"{address:08x}":
+            for follow in lines[i + 1:]:
+                if follow.startswith("Rss:"):
+                    return int(follow.split()[1]) * 1024
+    raise AssertionError(f"no mapping at {address:#x}")
+
+
+def test_a_huge_mapping_is_resident_when_made_and_its_faulting_lets_the_gil_go():
+    """Every page is faulted in before huge_mapping returns, and the faulting runs outside the GIL: a Python thread
+    counts on meanwhile (with the GIL held for the whole call it could not count at all)."""
+    import threading
+    from bloomery.engine.host_arena import huge_mapping, populate
+    n = 64 * MIB
+    a = huge_mapping(n)
+    assert _rss_of(a.ctypes.data) >= n
+    import mmap
+    m = mmap.mmap(-1, 128 * MIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    fresh = np.frombuffer(m, np.uint8)
+    count, stop = [0], threading.Event()
+
+    def counter():
+        while not stop.is_set():
+            count[0] += 1
+    t = threading.Thread(target=counter)
+    t.start()
+    while count[0] == 0:
+        pass
+    before = count[0]
+    populate(fresh)
+    during = count[0] - before
+    stop.set()
+    t.join()
+    assert _rss_of(fresh.ctypes.data) >= 128 * MIB
+    assert during > 100, during

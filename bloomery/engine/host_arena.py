@@ -17,10 +17,17 @@ arena's own keeps a reserve of wholly free chunks made ahead, so a save rarely w
   been idle for QUIET_S (`set_idle`): making a chunk page-locks it, which holds the driver, and copies and
   launches issued meanwhile wait. Made while requests ran, the reserve's chunks held up the next prompt pass:
   a replay's first turns, back to back, went from 0.35 s to 0.42-0.64 s (H200, session 23). Requests back to
-  back leave no quiet, so their saves make their own chunks on the path, as without the arena.
+  back leave no quiet, so their saves lock their own chunks on the path, from the mappings made ready (below).
 - The reserve is counted in wholly free chunks, not free bytes: a chunk holds one slot's whole K (or V), and
   the tails that smaller saves leave in older chunks would otherwise count as room no large save fits in. Small
   saves take those tails first (first fit, oldest chunk first).
+- Memory made ready ahead, not locked. Of a chunk's making on the H200's host (251 MiB), mapping it and faulting
+  in its huge pages took 50-59 ms and registering it 8-9 ms (session 26). Only the registering holds the driver,
+  so where the backend gives a `prepare` (the card's: huge_mapping), the thread keeps up to the reserve's count of
+  chunk-sized mappings faulted in whether or not the engine is quiet, and a chunk made on the path, or in a quiet,
+  registers one of them. Back-to-back requests' saves then pay only the registering on their path: a replay's
+  first-turn save of 418 MB took 16-21 ms against 85-106 (session 26). These mappings count against the limit as
+  chunks do, and their pages are faulted in outside the GIL (populate).
 - Limits. Saves always get their memory: where no free span fits, a chunk of at least the save's size is made
   on the spot, as without the arena. The reserve grows only while the arena's bytes stay within the limit, the
   prompt cache's budget (`prompt_cache_budget`), and wholly free chunks beyond the reserve are let go. So the arena holds at most the budget, plus one save's bytes while a save is passing it
@@ -31,6 +38,7 @@ from __future__ import annotations
 import bisect
 import collections
 import ctypes
+import functools
 import mmap
 import threading
 import time
@@ -62,8 +70,35 @@ def huge_mapping(n: int) -> np.ndarray | None:
         except OSError:
             pass
     a = np.frombuffer(m, np.uint8)
-    a[::HUGE_PAGE] = 0                  # a write a huge page faults it in whole
+    populate(a)
     return a
+
+
+MADV_POPULATE_WRITE = 23            # Linux 5.14: fault in a range writable, as writes would
+
+
+@functools.cache
+def _libc():
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+def populate(a: np.ndarray) -> None:
+    """Every page of a's fresh mapping faulted in, outside the GIL: the kernel's zeroing of 251 MiB took 50-59 ms on
+    the H200's host, and a thread that faults it in under the GIL (numpy's writes) holds up the engine's thread,
+    whose prompt passes launch from Python (a 4,128-id pass went from 266 ms to 322-358 ms beside it, session 26).
+    madvise(MADV_POPULATE_WRITE) through ctypes, which lets the GIL go; on a kernel without it, memset, also
+    through ctypes; numpy's write a huge page where there is no C library."""
+    libc = _libc()
+    if libc is not None:
+        addr, n = ctypes.c_void_p(a.ctypes.data), ctypes.c_size_t(a.nbytes)
+        if libc.madvise(addr, n, MADV_POPULATE_WRITE) == 0:
+            return
+        libc.memset(addr, 0, n)
+        return
+    a[::HUGE_PAGE] = 0                  # a write a huge page faults it in whole
 
 
 def pages(n: int) -> int:
@@ -141,8 +176,11 @@ class HostArena:
     are plain numpy memory, as is any array whose chunk could not be made."""
 
     def __init__(self, make: Maker, *, chunk_bytes: int = 64 * MIB, reserve_chunks: int = 2,
-                 min_bytes: int = MIB, limit_bytes: int = 0, background: bool = True):
+                 min_bytes: int = MIB, limit_bytes: int = 0, background: bool = True,
+                 prepare: Callable[[int], object | None] | None = None):
         self._make, self.chunk_bytes, self.min_bytes = make, pages(chunk_bytes), min_bytes
+        # prepare(n): n bytes made ready without the driver (mapped, faulted in), which make(n, ready) then locks
+        self._prepare, self._ready = prepare, []
         self.reserve_chunks, self.limit_bytes = reserve_chunks, limit_bytes
         self.spans = Spans()
         self._chunks: dict[int, tuple[object, int, Callable[[], None]]] = {}
@@ -155,6 +193,7 @@ class HostArena:
         self._busy_epoch = 0                          # set_idle(False) calls, to see a request come and go
         self._background, self._thread = background, None
         self.made_ahead = self.made_on_path = self.let_go = 0   # chunks, for tests and records
+        self.prepared = self.prepared_used = 0                  # mappings made ready ahead, and those made chunks
 
     # --- what the backend calls ---
     def array(self, shape, dtype) -> np.ndarray:
@@ -204,6 +243,7 @@ class HostArena:
         (tests, no thread). Chunks made."""
         made = 0
         while True:
+            self.top_up()
             with self._lock:
                 self._settle()
                 self._trim()
@@ -215,9 +255,32 @@ class HostArena:
                 return made
             made += 1
 
+    def top_up(self) -> int:
+        """Mappings made ready (prepare) up to the reserve's shortfall, within the limit with the chunks' bytes: no
+        driver, so at any time (the thread's work, callable directly). Those made."""
+        if self._prepare is None:
+            return 0
+        made = 0
+        while True:
+            with self._lock:
+                self._settle()
+                want = self.reserve_chunks - self._idle_count() - len(self._ready)
+                room = (self.spans.total_bytes + (len(self._ready) + 1) * self.chunk_bytes) <= self.limit_bytes
+            if want <= 0 or not room:
+                return made
+            got = self._prepare(self.chunk_bytes)         # outside the lock: it faults in every page
+            if got is None:
+                return made
+            with self._lock:
+                self._ready.append(got)
+                self.prepared += 1
+            made += 1
+
     def _quiet(self) -> bool:
-        """(the thread) wait for the engine to be idle for QUIET_S; False where the limit went to 0 meanwhile."""
+        """(the thread) wait for the engine to be idle for QUIET_S, keeping the mappings made ready meanwhile; False
+        where the limit went to 0."""
         while self.limit_bytes:
+            self.top_up()
             if not self._idle.wait(0.5):
                 continue
             epoch = self._busy_epoch
@@ -231,11 +294,15 @@ class HostArena:
             self._settle()
             return {"chunks": len(self.spans.size), "idle_chunks": self._idle_count(),
                     "bytes": self.spans.total_bytes, "free_bytes": self.spans.free_bytes, "made_ahead": self.made_ahead,
-                    "made_on_path": self.made_on_path, "let_go": self.let_go}
+                    "made_on_path": self.made_on_path, "let_go": self.let_go, "ready": len(self._ready),
+                    "prepared": self.prepared, "prepared_used": self.prepared_used}
 
     # --- inside ---
     def _new_chunk(self, n: int, ahead: bool) -> int | None:
-        got = self._make(n)                               # outside the lock: it faults in every page
+        with self._lock:                                  # a mapping made ready for a chunk of this size
+            ready = self._ready.pop() if n == self.chunk_bytes and self._ready else None
+        # outside the lock: it faults in every page (a ready mapping's are in), then locks them
+        got = self._make(n) if ready is None else self._make(n, ready)
         if got is None:
             return None
         with self._lock:
@@ -246,6 +313,7 @@ class HostArena:
                 self.made_ahead += 1
             else:
                 self.made_on_path += 1
+            self.prepared_used += ready is not None
         return chunk
 
     def _settle(self) -> None:
@@ -266,6 +334,9 @@ class HostArena:
                 self.spans.remove(chunk)
                 self._chunks.pop(chunk)[2]()
                 self.let_go += 1
+        while self._ready and (self.spans.total_bytes + len(self._ready) * self.chunk_bytes > self.limit_bytes
+                               or self._idle_count() + len(self._ready) > self.reserve_chunks):
+            self._ready.pop()                             # unmapped once nothing holds it
 
     def tend_later(self) -> None:
         """The background thread tends the reserve now (started on the first call). The caller calls this once

@@ -23,7 +23,7 @@ from bloomery.engine.cuda.gemm import gemm_nn, gemm_nt
 from bloomery.engine.cuda.kv_copies import span_copies
 from bloomery.engine.cuda.sizes import DECODE_ROWS, SCORE_BYTES, prompt_splits, tc_prompt_fits
 from bloomery.engine.cuda.pinned import pinned_chunk
-from bloomery.engine.host_arena import MIB, HostArena, pages
+from bloomery.engine.host_arena import MIB, HostArena, huge_mapping, pages
 from bloomery.engine.ops import AttnSpan
 
 DEC_MAXG = (4, 8, 16)               # query heads per kv head the attn_dec kernels are built for
@@ -68,7 +68,7 @@ def kv_arena(slot_plane_bytes: int) -> HostArena:
     """The prompt cache's page-locked memory for a KV cache whose one slot holds slot_plane_bytes of K (as many of
     V): chunks that hold a whole slot's plane (64 MiB to 512 MiB), two kept free ahead (a whole slot's K and V)."""
     chunk = min(max(pages(slot_plane_bytes), 64 * MIB), 512 * MIB)
-    return HostArena(pinned_chunk, chunk_bytes=chunk, reserve_chunks=2, min_bytes=PIN_MIN)
+    return HostArena(pinned_chunk, chunk_bytes=chunk, reserve_chunks=2, min_bytes=PIN_MIN, prepare=huge_mapping)
 
 
 def _copy_2d(dev, host: np.ndarray, copies, to_host: bool, stream) -> None:

@@ -35,13 +35,14 @@ def _unregister(ptr: int) -> None:
         pass
 
 
-def pinned_chunk(n: int, flags: int = 0):
+def pinned_chunk(n: int, ready: np.ndarray | None = None, flags: int = 0):
     """host_arena's chunk maker on the card: n bytes of an anonymous mapping, in huge pages where the kernel gives
-    them (host_arena.huge_mapping), then registered with the driver (flags: cudaHostRegister's): page-locked in
-    place, so copies run at the bus's pinned rate (on the H200's host 54 GB/s to the card, against 5.5 GB/s from
-    pageable memory). Registering faults in whatever is left and pins every page, outside the GIL. (owner,
-    address, release); None where either step fails (the array is pageable then)."""
-    owner = huge_mapping(n)                           # unmapped once the owner goes
+    them (host_arena.huge_mapping; or `ready`, one made so ahead), then registered with the driver (flags:
+    cudaHostRegister's): page-locked in place, so copies run at the bus's pinned rate (on the H200's host 54 GB/s
+    to the card, against 5.5 GB/s from pageable memory). Registering faults in whatever is left and pins every
+    page, outside the GIL; of 251 MiB in huge pages, the mapping took 50-59 ms and the registering 8-9 ms (session
+    26). (owner, address, release); None where either step fails (the array is pageable then)."""
+    owner = ready if ready is not None and ready.nbytes == n else huge_mapping(n)    # unmapped once the owner goes
     if owner is None:
         return None
     ptr = owner.ctypes.data
@@ -68,7 +69,7 @@ def huge_pinned(nbytes: int) -> np.ndarray:
     (pinned_chunk, mapped), else from the driver's allocator. BLOOMERY_HOST_HUGE=0 takes the driver's allocator
     always (for comparison). Unregistered and unmapped once the array goes."""
     if os.environ.get("BLOOMERY_HOST_HUGE", "1") != "0" and _host_pointer_is_device_pointer():
-        got = pinned_chunk(max(1, nbytes), REGISTER_MAPPED)
+        got = pinned_chunk(max(1, nbytes), flags=REGISTER_MAPPED)
         if got is not None:
             return got[0][:nbytes]
     return pinned(nbytes)

@@ -691,17 +691,16 @@ class Engine:
         return token
 
     def _launch_ahead(self, slots: list[Slot], outs: list[TokenOut], chained: tuple | None = None) -> None:
-        taken = self._launch_next(slots, outs, chained)
-        if not taken:
-            self._drop_chained(chained)
-
-    def _launch_next(self, slots: list[Slot], outs: list[TokenOut], chained: tuple | None) -> bool:
-        """_launch_ahead's work; whether it dealt with `chained` (the step chained behind this one): took it as the
-        step ahead, or dropped it."""
         """Every slot of this step goes on, each a greedy pick the device can make (plain: its argmax; with bans:
         from its largest logits), no other slot joins, nothing to cancel: the next step launched now
         (model.decode_greedy_begin, decode_topk_begin), so the device computes it while this step's ids travel
-        to their clients; the next round takes it when it decodes the same slots (step())."""
+        to their clients; the next round takes it when it decodes the same slots (step()). `chained`, the step
+        chained behind this one, is that next step where the slots go on as it assumed; else it is dropped."""
+        if not self._launch_next(slots, outs, chained):
+            self._drop_chained(chained)
+
+    def _launch_next(self, slots: list[Slot], outs: list[TokenOut], chained: tuple | None) -> bool:
+        """_launch_ahead's work; True where it dealt with `chained` (took it as the step ahead, or dropped it)."""
         if not getattr(self.model, "greedy_ahead", False) or any(o.finish is not None or o.token is None for o in outs):
             return False
         with self._lock:

@@ -55,8 +55,8 @@ QUIET_S = 0.05       # the engine idle this long before the arena's thread page-
 
 def huge_mapping(n: int) -> np.ndarray | None:
     """n bytes of fresh anonymous memory as a uint8 array (unmapped once the array goes), in transparent huge pages
-    where the kernel gives them (MADV_HUGEPAGE: its `madvise` mode gives them only so asked), each faulted in by one
-    write. Registering such memory with the card's driver took half the time of 4 KiB pages: 251 MiB made and
+    where the kernel gives them (MADV_HUGEPAGE: its `madvise` mode gives them only so asked), every page faulted in
+    (populate). Registering such memory with the card's driver took half the time of 4 KiB pages: 251 MiB made and
     registered in 66-76 ms against 138-142 ms on the H200's host (session 24, tools/bench_pinned.py). None where
     the mapping cannot be made; plain pages where the platform has no such advice."""
     try:

@@ -81,7 +81,7 @@ LAUNCH_RING = 4
 
 class _Picks:
     """A launched greedy step's ids: copied to pinned memory behind the step on its stream (so a step chained after
-    it may overwrite the graph's own), handed over by wait(). g and turn say which launch it was."""
+    it may overwrite the graph's own), handed over by wait(). g: the graph it launched, which a chained step must be."""
 
     def __init__(self, g: _Graph, out: np.ndarray, event):
         self.g, self._out, self._event = g, out, event
